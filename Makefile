@@ -1,0 +1,24 @@
+PYTHON ?= python3
+
+.PHONY: install test test-gpu validate compile bench lint
+
+install:            ## the one set-up command
+	$(PYTHON) -m pip install -e '.[dev]'
+
+test:               ## CPU + compile-only tests (GPU tests skip themselves without CUDA)
+	$(PYTHON) -m pytest -q tests; rc=$$?; [ $$rc -eq 5 ] && exit 0 || exit $$rc
+
+test-gpu:           ## the GPU tests only
+	$(PYTHON) -m pytest -q -m gpu tests
+
+validate:
+	tileops validate
+
+compile:
+	tileops compile
+
+bench:
+	$(PYTHON) benchmarks/bench_gemm.py && $(PYTHON) benchmarks/bench_normalization.py
+
+lint:
+	ruff check src tests benchmarks scripts

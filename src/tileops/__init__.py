@@ -1,0 +1,19 @@
+"""TileOPs: spec-driven LLM operators on TileLang, tuned for NVIDIA Hopper."""
+
+from .errors import (
+    ManifestError,
+    TileOpsError,
+    TileOpsTypeError,
+    TileOpsUnsupportedError,
+    TileOpsValueError,
+)
+from .ops import OP_CLASSES, GemmFwdOp, Op, RMSNormFwdOp, gemm, rms_norm
+from .warmup import warmup
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GemmFwdOp", "RMSNormFwdOp", "Op", "OP_CLASSES", "gemm", "rms_norm", "warmup",
+    "TileOpsError", "TileOpsTypeError", "TileOpsValueError", "TileOpsUnsupportedError",
+    "ManifestError",
+]

@@ -1,0 +1,199 @@
+"""Kernel base: one TileLang program family, its configs, and the one compile helper.
+
+A Kernel instance is specialized on everything that changes the program (dtypes, static
+sizes, flags: `self.key`). Sizes that vary per call (token counts) are symbolic in the
+program; they only pick a *bucket*, and each bucket has one config, so a stream of new
+sizes compiles at most one program per bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import threading
+from typing import Any, ClassVar
+
+from ..errors import TileOpsUnsupportedError
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
+
+
+def cache_root() -> pathlib.Path:
+    """Root of TileOPs' on-disk caches (compiled kernels, tuning results)."""
+    return pathlib.Path(os.environ.get("TILEOPS_CACHE_DIR",
+                                       pathlib.Path.home() / ".cache" / "tileops"))
+
+
+# Compiled kernels persist under our cache root unless the user pointed TileLang elsewhere.
+# TileLang reads this when it first compiles, so it must be set before that.
+os.environ.setdefault("TILELANG_CACHE_DIR", str(cache_root() / "tilelang"))
+
+_ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
+_target_cache: dict[int, dict[str, str]] = {}
+
+
+def target_for_device(device: Any, op: str = "tileops") -> dict[str, str]:
+    """The TileLang target for a CUDA device; only Hopper (sm_90) is supported."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = _target_cache.get(index)
+    if target is None:
+        cap = torch.cuda.get_device_capability(index)
+        if cap not in _ARCH_BY_CAPABILITY:
+            raise TileOpsUnsupportedError(
+                f"{op}: device cuda:{index} has compute capability {cap[0]}.{cap[1]}; "
+                f"TileOPs kernels need Hopper (9.0, sm_90a)")
+        target = _target_cache[index] = {"kind": "cuda", "arch": _ARCH_BY_CAPABILITY[cap]}
+    return target
+
+
+def gpu_slug(device_name: str) -> str:
+    """'NVIDIA H200' -> 'h200': the name of a GPU's tuned table."""
+    return device_name.lower().replace("nvidia", "").strip().split()[0].replace("-", "_")
+
+
+class TunedTable:
+    """Winning configs per (kernel, key, bucket): the shipped table overlaid by the user's."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, gpu: str):
+        self.gpu = gpu
+        self.shipped_path = TUNED_DIR / f"{gpu}.json"
+        self.user_path = cache_root() / "tuned" / f"{gpu}.json"
+        self.entries: dict[str, dict[str, Any]] = {}
+        for path in (self.shipped_path, self.user_path):
+            if path.exists():
+                self.entries.update(json.loads(path.read_text()))
+
+    def get(self, entry_key: str) -> dict[str, Any] | None:
+        return self.entries.get(entry_key)
+
+    def put(self, entry_key: str, config: dict[str, Any]) -> None:
+        with self._lock:
+            self.entries[entry_key] = config
+            user = json.loads(self.user_path.read_text()) if self.user_path.exists() else {}
+            user[entry_key] = config
+            self.user_path.parent.mkdir(parents=True, exist_ok=True)
+            self.user_path.write_text(json.dumps(user, indent=1, sort_keys=True))
+
+
+_tables: dict[str, TunedTable] = {}
+
+
+def tuned_table(gpu: str) -> TunedTable:
+    if gpu not in _tables:
+        _tables[gpu] = TunedTable(gpu)
+    return _tables[gpu]
+
+
+class Kernel:
+    """Base of every TileLang kernel family.
+
+    Subclasses set `name` and `Config` (a frozen dataclass of tunables) and implement
+    `program(config, bucket)` (a pure builder returning one prim_func or a tuple of them),
+    `run(config, compiled, *tensors)` (the launch), `heuristic_config(bucket, arch)`,
+    `config_space(bucket)` and `bucket_of(size)` (runtime size -> bucket).
+    """
+
+    name: ClassVar[str]
+    Config: ClassVar[type]
+    compile_count: ClassVar[int] = 0  # programs compiled in this process, all kernels
+    _compiled: ClassVar[dict[tuple, Any]] = {}
+
+    def __init__(self, target: dict[str, str] = SM90A, gpu: str | None = None,
+                 tune: bool = False, **key: Any):
+        self.key = key
+        self.target = target
+        self.gpu = gpu
+        self.tune = tune
+        self._by_bucket: dict[Any, tuple[Any, tuple]] = {}
+
+    # -- to implement ---------------------------------------------------------------------
+    def program(self, config: Any, bucket: Any) -> Any:
+        raise NotImplementedError
+
+    def run(self, config: Any, compiled: tuple, *tensors: Any) -> None:
+        raise NotImplementedError
+
+    def heuristic_config(self, bucket: Any, arch: str) -> Any:
+        raise NotImplementedError
+
+    def config_space(self, bucket: Any) -> list[Any]:
+        return [self.heuristic_config(bucket, self.target["arch"])]
+
+    def bucket_of(self, size: int) -> Any:
+        return "all"
+
+    # -- shared machinery -----------------------------------------------------------------
+    def key_string(self, bucket: Any) -> str:
+        parts = [f"{k}={v}" for k, v in sorted(self.key.items())]
+        return f"{self.name}|{','.join(parts)}|{bucket}"
+
+    def config_for(self, bucket: Any) -> Any:
+        """Tuned winner for this GPU if known, else the rule-based default."""
+        if self.gpu is not None:
+            found = tuned_table(self.gpu).get(self.key_string(bucket))
+            if found is not None:
+                return self.Config(**found)
+        return self.heuristic_config(bucket, self.target["arch"])
+
+    def compile(self, config: Any, bucket: Any) -> tuple:
+        """The one compile helper: memoized in memory, persisted by TileLang's disk cache."""
+        import tilelang
+
+        memo_key = (type(self).__name__, tuple(sorted(self.key.items())), bucket, config,
+                    tuple(sorted(self.target.items())))
+        compiled = Kernel._compiled.get(memo_key)
+        if compiled is None:
+            programs = self.program(config, bucket)
+            if not isinstance(programs, tuple):
+                programs = (programs,)
+            compiled = tuple(tilelang.compile(p, target=self.target) for p in programs)
+            Kernel._compiled[memo_key] = compiled
+            Kernel.compile_count += len(compiled)
+        return compiled
+
+    def select(self, size: int) -> tuple[Any, tuple]:
+        """(config, compiled programs) for a runtime size; compiles on first use of a bucket."""
+        bucket = self.bucket_of(size)
+        found = self._by_bucket.get(bucket)
+        if found is None:
+            config = self.config_for(bucket)
+            found = self._by_bucket[bucket] = (config, self.compile(config, bucket))
+        return found
+
+    def __call__(self, size: int, *tensors: Any) -> None:
+        if self.tune and self.bucket_of(size) not in self._by_bucket:
+            self.autotune(size, *tensors)
+        config, compiled = self.select(size)
+        self.run(config, compiled, *tensors)
+
+    def autotune(self, size: int, *tensors: Any) -> Any:
+        """Times the config space on these tensors and keeps the fastest.
+
+        The winner is stored in the user's tuned table for this GPU and used from then on.
+        """
+        from ..perf.timing import time_cuda
+
+        bucket = self.bucket_of(size)
+        results = []
+        for config in self.config_space(bucket):
+            try:
+                compiled = self.compile(config, bucket)
+                ms = time_cuda(lambda c=config, k=compiled: self.run(c, k, *tensors))
+            except Exception:  # noqa: BLE001 - a config that fails to build or launch loses
+                continue
+            results.append((ms, config))
+        if not results:
+            raise TileOpsUnsupportedError(
+                f"{self.name}: no config for {self.key} built and ran on {self.gpu}")
+        best = min(results, key=lambda r: r[0])[1]
+        if self.gpu is not None:
+            tuned_table(self.gpu).put(self.key_string(bucket), dataclasses.asdict(best))
+        self._by_bucket[bucket] = (best, self.compile(best, bucket))
+        return best

@@ -1,0 +1,3 @@
+from .gemm import GemmConfig, GemmKernel
+
+__all__ = ["GemmConfig", "GemmKernel"]

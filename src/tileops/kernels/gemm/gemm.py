@@ -1,0 +1,179 @@
+"""Dense GEMM on Hopper: TMA loads, wgmma, warp-specialized pipeline, optional split-K.
+
+d[M, N] = op(a) @ op(b) with fp32 accumulation. M (tokens) is symbolic; N and K (weight
+shape) are compiled in. Small M cannot fill 132 SMs with output tiles, so its buckets may
+split K across CTAs: each writes an fp32 partial, and a second kernel sums them.
+"""
+
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+import torch
+
+from ..base import Kernel
+
+NUM_SMS_H200 = 132
+SMEM_LIMIT = 227 * 1024
+M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    stages: int = 3
+    threads: int = 256  # consumer threads; warp specialization adds a 128-thread producer
+    split_k: int = 1
+    raster: int = 8  # panel width of the swizzled CTA order (L2 reuse); 0 = row-major
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
+        return pipeline + self.block_m * self.block_n * elem_bytes
+
+    def valid(self) -> bool:
+        warps = self.threads // 32
+        return (self.smem_bytes() <= SMEM_LIMIT and warps % 4 == 0
+                and self.block_m >= 64 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
+                and self.block_n % 64 == 0)
+
+
+def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
+    return -(-(-(-k // block_k)) // split_k)
+
+
+def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block_m: int,
+                 block_n: int, block_k: int, stages: int, threads: int, split_k: int,
+                 raster: int):
+    """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]."""
+    m = T.dynamic("m")
+    a_shape = (k, m) if trans_a else (m, k)
+    b_shape = (n, k) if trans_b else (k, n)
+    a_tile = (block_k, block_m) if trans_a else (block_m, block_k)
+    b_tile = (block_n, block_k) if trans_b else (block_k, block_n)
+    tiles = k_tiles_per_split(k, block_k, split_k)
+    out_shape = (split_k, m, n) if split_k > 1 else (m, n)
+    out_dtype = "float" if split_k > 1 else dtype
+
+    @T.prim_func
+    def gemm(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
+             d: T.Tensor(out_shape, out_dtype)):
+        with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), split_k,
+                      threads=threads) as (bx, by, bz):
+            a_shared = T.alloc_shared(a_tile, dtype)
+            b_shared = T.alloc_shared(b_tile, dtype)
+            acc_local = T.alloc_fragment((block_m, block_n), "float")
+            d_shared = T.alloc_shared((block_m, block_n), out_dtype)
+            if raster > 0:
+                T.use_swizzle(raster)
+            T.clear(acc_local)
+            for ko in T.Pipelined(tiles, num_stages=stages):
+                kt = bz * tiles + ko
+                if trans_a:
+                    T.copy(a[kt * block_k, by * block_m], a_shared)
+                else:
+                    T.copy(a[by * block_m, kt * block_k], a_shared)
+                if trans_b:
+                    T.copy(b[bx * block_n, kt * block_k], b_shared)
+                else:
+                    T.copy(b[kt * block_k, bx * block_n], b_shared)
+                T.gemm(a_shared, b_shared, acc_local, transpose_A=trans_a, transpose_B=trans_b)
+            T.copy(acc_local, d_shared)
+            if split_k > 1:
+                T.copy(d_shared, d[bz, by * block_m, bx * block_n])
+            else:
+                T.copy(d_shared, d[by * block_m, bx * block_n])
+
+    return gemm
+
+
+def split_k_reduce_program(n: int, split_k: int, dtype: str, block_m: int = 4,
+                           block_n: int = 512, threads: int = 128):
+    """Sums the fp32 partials [split_k, M, N] into d[M, N] in the output dtype."""
+    m = T.dynamic("m")
+
+    @T.prim_func
+    def reduce(w: T.Tensor((split_k, m, n), "float"), d: T.Tensor((m, n), dtype)):
+        with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), threads=threads) as (bx, by):
+            acc_local = T.alloc_fragment((block_m, block_n), "float")
+            part_local = T.alloc_fragment((block_m, block_n), "float")
+            T.clear(acc_local)
+            for s in T.serial(split_k):
+                T.copy(w[s, by * block_m, bx * block_n], part_local)
+                for i, j in T.Parallel(block_m, block_n):
+                    acc_local[i, j] += part_local[i, j]
+            T.copy(acc_local, d[by * block_m, bx * block_n])
+
+    return reduce
+
+
+class GemmKernel(Kernel):
+    """key: dtype, n, k, trans_a, trans_b. Bucketed on M."""
+
+    name = "gemm"
+    Config = GemmConfig
+
+    def bucket_of(self, m: int) -> str:
+        for limit in M_BUCKETS:
+            if m <= limit:
+                return f"m{limit}"
+        return "large"
+
+    @staticmethod
+    def bucket_rows(bucket: str) -> int:
+        return int(bucket[1:]) if bucket != "large" else 4096
+
+    def program(self, config: GemmConfig, bucket: str):
+        k = self.key
+        main = gemm_program(k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"],
+                            config.block_m, config.block_n, config.block_k, config.stages,
+                            config.threads, config.split_k, config.raster)
+        if config.split_k == 1:
+            return main
+        return main, split_k_reduce_program(k["n"], config.split_k, k["dtype"])
+
+    def run(self, config: GemmConfig, compiled: tuple, a, b, d) -> None:
+        if config.split_k == 1:
+            compiled[0](a, b, d)
+            return
+        partial = d.new_empty((config.split_k, d.shape[0], d.shape[1]), dtype=torch.float32)
+        compiled[0](a, b, partial)
+        compiled[1](partial, d)
+
+    def split_for(self, m: int, block_m: int, block_n: int, block_k: int) -> int:
+        """Enough K splits for the grid to cover the SMs, each split keeping >= 4 K tiles."""
+        ctas = -(-self.key["n"] // block_n) * -(-m // block_m)
+        k_tiles = -(-self.key["k"] // block_k)
+        split = 1
+        while ctas * split * 2 <= NUM_SMS_H200 * 1.5 and k_tiles // (split * 2) >= 4:
+            split *= 2
+        return split
+
+    def heuristic_config(self, bucket: str, arch: str) -> GemmConfig:
+        rows = self.bucket_rows(bucket)
+        if rows <= 64:
+            cfg = dict(block_m=64, block_n=128, block_k=128, stages=4, threads=128)
+        elif rows <= 256:
+            cfg = dict(block_m=128, block_n=128, block_k=64, stages=4, threads=256)
+        else:
+            cfg = dict(block_m=128, block_n=256, block_k=64, stages=3, threads=256)
+        split = self.split_for(rows, cfg["block_m"], cfg["block_n"], cfg["block_k"])
+        return GemmConfig(**cfg, split_k=split)
+
+    def config_space(self, bucket: str) -> list[GemmConfig]:
+        rows = self.bucket_rows(bucket)
+        space = []
+        if rows <= 128:
+            for bm, th in ((64, 128), (128, 256)):
+                for bn in (64, 128, 256):
+                    for bk, st in ((64, 4), (128, 3), (128, 4)):
+                        split = self.split_for(rows, bm, bn, bk)
+                        for s in sorted({1, split, max(1, split // 2)}):
+                            space.append(GemmConfig(bm, bn, bk, st, th, s, 0))
+        else:
+            for bn in (128, 256):
+                for st in (3, 4):
+                    for raster in (0, 8):
+                        space.append(GemmConfig(128, bn, 64, st, 256, 1, raster))
+        return [c for c in dict.fromkeys(space) if c.valid()]

@@ -1,0 +1,3 @@
+from .rms_norm import RMSNormConfig, RMSNormKernel
+
+__all__ = ["RMSNormConfig", "RMSNormKernel"]

@@ -1,0 +1,9 @@
+"""Op layer: one module per family."""
+
+from .base import Op
+from .gemm import GemmFwdOp, gemm
+from .normalization import RMSNormFwdOp, rms_norm
+
+OP_CLASSES: dict[str, type[Op]] = {cls.__name__: cls for cls in (GemmFwdOp, RMSNormFwdOp)}
+
+__all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "gemm", "rms_norm"]

@@ -1,0 +1,202 @@
+"""Op base class: everything an operator derives from its manifest entry.
+
+A concrete Op declares `__init__` with the manifest params, `forward` with the manifest
+inputs, and `kernel_map`. The base supplies validation (dtypes, shape rules, devices), output
+metadata, the roofline, the kernel cache and the `torch.ops.tileops.<name>` custom op whose
+fake implementation lets torch.compile(fullgraph=True) trace through the op.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import TileOpsTypeError, TileOpsValueError, op_error
+from ..kernels.base import Kernel, gpu_slug, target_for_device
+from ..manifest import get_spec
+from ..manifest.spec import CompiledSpec
+
+LIBRARY = "tileops"
+_SCHEMA_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str",
+                 "list[int]": "int[]", "float | None": "float?", "int | None": "int?"}
+_gpu_names: dict[int, str] = {}
+
+
+def custom_op_name(op_class_name: str) -> str:
+    """'RMSNormFwdOp' -> 'rms_norm_fwd' (the torch.ops.tileops name)."""
+    stem = op_class_name.removesuffix("Op")
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", stem).lower()
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+class Op:
+    """Base of every operator. Subclasses are bound to the manifest entry of their name."""
+
+    kernel_map: ClassVar[Mapping[str, type[Kernel]]] = {}
+    spec: ClassVar[CompiledSpec]
+    custom_op: ClassVar[Any]
+    torch_op: ClassVar[Any]  # torch.ops.tileops.<name>.default
+    _instances: ClassVar[dict[tuple, Op]]
+    _kernels: ClassVar[dict[tuple, Kernel]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.spec = CompiledSpec(cls.__name__, get_spec(cls.__name__))
+        cls._instances = {}
+        cls.custom_op = _register_custom_op(cls)
+        cls.torch_op = getattr(getattr(torch.ops, LIBRARY), custom_op_name(cls.__name__)).default
+
+    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False, **params: Any):
+        for p in self.spec.params:
+            if p.name not in params:
+                raise op_error(TileOpsTypeError, self.spec.op_name, p.name, "a value", "nothing")
+            p.check(self.spec.op_name, params[p.name])
+        unknown = set(params) - set(self.spec.param_names)
+        if unknown:
+            raise op_error(TileOpsTypeError, self.spec.op_name, sorted(unknown)[0],
+                           f"one of the params {self.spec.param_names}", "an unknown param")
+        self.params = {k: _freeze(params[k]) for k in self.spec.param_names}
+        for name, value in self.params.items():
+            setattr(self, name, value)
+        if kernel_map is not None:
+            self.kernel_map = dict(kernel_map)
+        self.tune = tune
+        self._last_ns: dict[str, Any] | None = None
+
+    @classmethod
+    def cached(cls, **params: Any) -> Op:
+        """A shared instance per params (what the functional API and the custom op use)."""
+        key = tuple((k, _freeze(v)) for k, v in params.items())
+        op = cls._instances.get(key)
+        if op is None:
+            op = cls._instances[key] = cls(**params)
+        return op
+
+    # -- calling --------------------------------------------------------------------------
+    def __call__(self, *inputs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return type(self).torch_op(*inputs, *self.params.values())
+        return self.run(*inputs)
+
+    @classmethod
+    def apply(cls, *inputs: Any, **params: Any) -> Any:
+        """The functional API's body: eager calls skip the dispatcher, traced calls use it."""
+        if torch.compiler.is_compiling():
+            return cls.torch_op(*inputs, *(params[n] for n in cls.spec.param_names))
+        return cls.cached(**params).run(*inputs)
+
+    def run(self, *inputs: Any) -> Any:
+        """Validate, then launch through `forward` (the eager body of the custom op)."""
+        self.check(inputs, require_cuda=True)
+        return self.forward(*inputs)
+
+    def forward(self, *inputs: Any) -> Any:
+        raise NotImplementedError
+
+    def check(self, inputs: Sequence[Any], require_cuda: bool = False) -> dict[str, Any]:
+        """Validates the inputs against the spec; returns the expression namespace."""
+        spec = self.spec
+        name = spec.op_name
+        if len(inputs) > len(spec.inputs):
+            raise op_error(TileOpsTypeError, name, "inputs",
+                           f"at most {len(spec.inputs)} tensors {spec.input_names}",
+                           f"{len(inputs)}")
+        tensors: dict[str, Any] = {}
+        device = None
+        for i, t_spec in enumerate(spec.inputs):
+            t = inputs[i] if i < len(inputs) else None
+            if t is None:
+                if not t_spec.optional:
+                    raise op_error(TileOpsTypeError, name, t_spec.name, "a tensor", "None")
+            elif not isinstance(t, torch.Tensor):
+                raise op_error(TileOpsTypeError, name, t_spec.name, "a torch.Tensor",
+                               type(t).__name__)
+            elif require_cuda:
+                if t.device.type != "cuda":
+                    raise op_error(TileOpsValueError, name, t_spec.name, "a CUDA tensor",
+                                   f"a tensor on {t.device}")
+                if device is not None and t.device != device:
+                    raise op_error(TileOpsValueError, name, t_spec.name,
+                                   f"a tensor on {device} (like the other inputs)",
+                                   f"a tensor on {t.device}")
+                device = t.device
+            tensors[t_spec.name] = t
+        spec.check_dtypes(tensors)
+        ns = spec.namespace(tensors, self.params)
+        spec.check_shapes(ns)
+        self._last_ns = ns
+        return ns
+
+    # -- derivations ----------------------------------------------------------------------
+    def empty_outputs(self, ns: Mapping[str, Any], device: torch.device) -> list[torch.Tensor]:
+        return [torch.empty(shape, dtype=dtype, device=device)
+                for shape, dtype in self.spec.output_meta(ns)]
+
+    def eval_roofline(self, *inputs: Any) -> tuple[int, int]:
+        """(flops, bytes) of the given inputs, or of the last call when none are given."""
+        ns = self.check(inputs) if inputs else self._last_ns
+        if ns is None:
+            raise TileOpsValueError(f"{self.spec.op_name}: eval_roofline() before any call")
+        return self.spec.eval_roofline(ns)
+
+    # -- kernels --------------------------------------------------------------------------
+    def get_kernel(self, dispatch_key: str, device: torch.device, **key: Any) -> Kernel:
+        """The Kernel for `key` on `device`, built once per (class, key, arch, GPU, tune)."""
+        target = target_for_device(device, self.spec.op_name)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpu = _gpu_names.get(index)
+        if gpu is None:
+            gpu = _gpu_names[index] = gpu_slug(torch.cuda.get_device_name(index))
+        kernel_cls = self.kernel_map[dispatch_key]
+        cache_key = (kernel_cls, tuple(sorted(key.items())), target["arch"], gpu, self.tune)
+        kernel = Op._kernels.get(cache_key)
+        if kernel is None:
+            kernel = Op._kernels[cache_key] = kernel_cls(target=target, gpu=gpu,
+                                                         tune=self.tune, **key)
+        return kernel
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        """(dispatch key, kernel key, runtime size) of each kernel a call with `ns` runs.
+
+        Used by the compile sweep and warmup; must agree with what `forward` launches.
+        """
+        raise NotImplementedError
+
+
+def _register_custom_op(cls: type[Op]) -> Any:
+    spec = cls.spec
+    args = []
+    for t in spec.inputs:
+        args.append(f"Tensor{'?' if t.optional else ''} {t.name}")
+    for p in spec.params:
+        args.append(f"{_SCHEMA_TYPES[p.type]} {p.name}")
+    outs = ", ".join("Tensor" for _ in spec.outputs)
+    schema = f"({', '.join(args)}) -> {outs if len(spec.outputs) == 1 else f'({outs})'}"
+    n_inputs = len(spec.inputs)
+
+    def split(args: tuple) -> tuple[tuple, dict[str, Any]]:
+        return args[:n_inputs], dict(zip(spec.param_names, args[n_inputs:], strict=True))
+
+    def real(*args: Any) -> Any:
+        inputs, params = split(args)
+        return cls.cached(**params).run(*inputs)
+
+    def fake(*args: Any) -> Any:
+        inputs, params = split(args)
+        op = cls.cached(**params)
+        ns = op.check(inputs)
+        device = next(t.device for t in inputs if t is not None)
+        outs = op.empty_outputs(ns, device)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    qualname = f"{LIBRARY}::{custom_op_name(cls.__name__)}"
+    custom = torch.library.custom_op(qualname, real, mutates_args=(), schema=schema)
+    custom.register_fake(fake)
+    return custom

@@ -1,0 +1,18 @@
+"""Layout normalization shared by ops: what TileLang's TMA-based kernels need of a tensor."""
+
+from __future__ import annotations
+
+import torch
+
+TMA_ALIGN_BYTES = 16
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when contiguous and 16-byte aligned, else an aligned contiguous copy.
+
+    TMA descriptors need a 16-byte-aligned base address; a contiguous view at an odd
+    storage offset (x[1:]) is the usual way to get an unaligned one.
+    """
+    if t.is_contiguous() and t.data_ptr() % TMA_ALIGN_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
