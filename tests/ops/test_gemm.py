@@ -1,0 +1,130 @@
+"""GemmFwdOp on the GPU against an fp32 torch.matmul reference."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import GemmFwdOp, TileOpsError
+from tileops.kernels.base import Kernel
+
+from ..helpers import assert_close, randn
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def make_inputs(m, n, k, dtype, trans_a=False, trans_b=True):
+    """a, b in the layouts the flags say, scaled so outputs are ~N(0, 1)."""
+    a = randn(m, k, dtype=dtype)
+    b = randn(n, k, dtype=dtype, std=k ** -0.5)
+    return (a.t().contiguous() if trans_a else a), (b if trans_b else b.t().contiguous())
+
+
+def reference(a, b, trans_a=False, trans_b=True):
+    a = a.float().t() if trans_a else a.float()
+    b = b.float().t() if trans_b else b.float()
+    return a @ b
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n, k", [
+    (1000, 3000, 777),    # no dimension a multiple of any tile; K breaks TMA alignment
+    (1000, 3000, 4097),   # K one past a tile boundary
+    (4096, 6144, 4096),   # llama3.1-8b qkv_proj prefill
+    (1, 4096, 14336),     # decode batch 1: split-K path
+    (16, 6144, 4096),     # decode batch 16
+    (32, 2112, 7168),     # deepseek-v3 fused q_a/kv_a decode: N not a multiple of 128
+    (200, 1024, 512),     # m256 bucket
+    (129, 768, 4096),     # one row past the m128 bucket
+])
+def test_matches_reference(m, n, k, dtype):
+    a, b = make_inputs(m, n, k, dtype)
+    assert_close(tileops.gemm(a, b), reference(a, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("m", [1000, 999, 16])  # 999, 16 with trans_a: M as a row stride
+def test_transpose_flags(trans_a, trans_b, m, dtype):
+    a, b = make_inputs(m, 3000, 777, dtype, trans_a, trans_b)
+    out = GemmFwdOp(trans_a=trans_a, trans_b=trans_b)(a, b)
+    assert_close(out, reference(a, b, trans_a, trans_b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_element_written(dtype):
+    """Kernel-level launch into a NaN-poisoned output, on tails in M, N and K."""
+    m, n, k = 1001, 3000, 777
+    a, b = make_inputs(m, n, k, dtype)
+    op = GemmFwdOp()
+    for size in (m, 7):  # a prefill bucket and a split-K decode bucket
+        kernel = op.get_kernel("gemm", a.device, **op._kernel_key(dtype, n, k, False, True))
+        d = torch.full((size, n), float("nan"), dtype=dtype, device="cuda")
+        kernel(size, a[:size].contiguous(), b, d)
+        assert_close(d, reference(a[:size], b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_inputs(dtype):
+    m, n, k = 640, 1024, 512
+    base_a = randn(m, 2 * k, dtype=dtype)
+    a = base_a[:, ::2]                               # strided: copied
+    b_t = randn(k, n, dtype=dtype, std=k ** -0.5)
+    b = b_t.t()                                      # transposed view: served by trans flag
+    assert not a.is_contiguous() and not b.is_contiguous()
+    assert_close(tileops.gemm(a, b), reference(a, b))
+    unaligned = randn(m * k + 1, dtype=dtype)[1:].view(m, k)  # base address off by 2 bytes
+    assert_close(tileops.gemm(unaligned, b), reference(unaligned, b))
+
+
+def test_empty_and_zero_k():
+    b = randn(256, 64, dtype=torch.bfloat16)
+    assert tileops.gemm(randn(0, 64, dtype=torch.bfloat16), b).shape == (0, 256)
+    out = tileops.gemm(randn(5, 0, dtype=torch.bfloat16), randn(256, 0, dtype=torch.bfloat16))
+    assert out.shape == (5, 256) and bool((out == 0).all())
+
+
+def test_runtime_m_does_not_recompile():
+    """A serving loop: every token count reuses the bucket programs."""
+    n, k = 1024, 2048
+    b = randn(n, k, dtype=torch.bfloat16, std=k ** -0.5)
+    tileops.gemm(randn(3000, k, dtype=torch.bfloat16), b)
+    before = Kernel.compile_count
+    sizes = list(range(1, 300, 7)) + [511, 777, 1000, 1500, 2048, 3001, 4096, 8191]
+    for m in sizes:
+        a = randn(m, k, dtype=torch.bfloat16)
+        assert_close(tileops.gemm(a, b), reference(a, b), what=f"M={m}")
+    # one program per M bucket (and a split-K reduce where a bucket splits), never per size
+    assert Kernel.compile_count - before <= 2 * 8
+
+
+def test_torch_compile_fullgraph():
+    a, b = make_inputs(300, 1024, 512, torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def f(x, w):
+        return tileops.gemm(x, w) * 2
+
+    assert_close(f(a, b), reference(a, b) * 2)
+    op = GemmFwdOp()
+    assert_close(torch.compile(lambda x, w: op(x, w), fullgraph=True)(a, b), reference(a, b))
+
+
+def test_cuda_graph_capture():
+    a, b = make_inputs(16, 6144, 4096, torch.float16)  # split-K: two kernels and a workspace
+    tileops.gemm(a, b)  # load the modules before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tileops.gemm(a, b)
+    a.copy_(randn(16, 4096, dtype=torch.float16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference(a, b))
+
+
+def test_device_mismatch_is_rejected():
+    a, b = make_inputs(16, 256, 64, torch.bfloat16)
+    with pytest.raises(TileOpsError, match="argument 'b'.*cuda"):
+        tileops.gemm(a, b.cpu())

@@ -1,0 +1,145 @@
+"""Op layer on the CPU: validation errors, fake/meta outputs, roofline counts, registration."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import (
+    GemmFwdOp,
+    RMSNormFwdOp,
+    TileOpsError,
+    TileOpsTypeError,
+    TileOpsUnsupportedError,
+    TileOpsValueError,
+)
+from tileops.ops.base import custom_op_name
+
+pytestmark = pytest.mark.smoke
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_error_types_are_also_builtin_types():
+    assert issubclass(TileOpsTypeError, TypeError) and issubclass(TileOpsTypeError, TileOpsError)
+    assert issubclass(TileOpsValueError, ValueError)
+    assert issubclass(TileOpsUnsupportedError, ValueError)
+
+
+@pytest.mark.parametrize("a, b, err, pattern", [
+    (meta(8, 64, dtype=torch.float32), meta(16, 64), TileOpsTypeError,
+     r"GemmFwdOp: argument 'a': expected dtype float16 \| bfloat16, got torch.float32"),
+    (meta(8, 64), meta(16, 64, dtype=torch.float16), TileOpsTypeError,
+     r"argument 'b': expected dtype torch.bfloat16 \(same as 'a'\), got torch.float16"),
+    (meta(8, 64), meta(16, 32), TileOpsValueError,
+     r"argument 'b': expected shapes satisfying .*== K`, got K=64, .*b.shape=\(16, 32\)"),
+    (meta(2, 8, 64), meta(16, 64), TileOpsValueError,
+     r"argument 'a': expected shapes satisfying `a.ndim == 2`, got a.shape=\(2, 8, 64\)"),
+    (meta(8, 64), "w", TileOpsTypeError, r"argument 'b': expected a torch.Tensor, got str"),
+])
+def test_gemm_bad_input(a, b, err, pattern):
+    with pytest.raises(err, match=pattern):
+        GemmFwdOp().check([a, b])
+
+
+def test_cpu_tensors_are_rejected():
+    a, b = torch.randn(8, 64).half(), torch.randn(16, 64).half()
+    with pytest.raises(TileOpsValueError, match=r"GemmFwdOp: argument 'a': expected a CUDA "
+                                                r"tensor, got a tensor on cpu"):
+        tileops.gemm(a, b)
+    with pytest.raises(TileOpsValueError, match="RMSNormFwdOp: argument 'input'"):
+        tileops.rms_norm(torch.randn(4, 64).half(), [64])
+
+
+@pytest.mark.parametrize("x, shape, w, pattern", [
+    (meta(4, 64), [32], None, r"argument 'input': expected shapes satisfying"),
+    (meta(4, 64), [64], meta(32), r"argument 'weight': expected shapes satisfying"),
+    (meta(64), [4, 64], None, r"argument 'input'"),
+    (meta(4, 64), [], None, r"argument 'normalized_shape'"),
+])
+def test_rms_norm_bad_shapes(x, shape, w, pattern):
+    with pytest.raises(TileOpsValueError, match=pattern):
+        RMSNormFwdOp(normalized_shape=shape).check([x, w])
+
+
+def test_bad_params():
+    with pytest.raises(TileOpsTypeError, match=r"GemmFwdOp: argument 'trans_a': expected bool"):
+        GemmFwdOp(trans_a=1)
+    with pytest.raises(TileOpsTypeError, match=r"argument 'eps': expected float \| None"):
+        RMSNormFwdOp(normalized_shape=[8], eps="small")
+    with pytest.raises(TileOpsTypeError, match=r"argument 'normalized_shape'"):
+        RMSNormFwdOp(normalized_shape=[8.0])
+    with pytest.raises(TileOpsTypeError, match=r"argument 'b': expected a tensor, got None"):
+        GemmFwdOp().check([meta(4, 4), None])
+
+
+def test_fake_outputs_follow_the_manifest():
+    out = torch.ops.tileops.gemm_fwd(meta(100, 64), meta(48, 64), False, True)
+    assert out.shape == (100, 48) and out.dtype == torch.bfloat16 and out.device.type == "meta"
+    out = torch.ops.tileops.gemm_fwd(meta(64, 100), meta(64, 48), True, False)
+    assert out.shape == (100, 48)
+    x = meta(2, 7, 128, dtype=torch.float16)
+    out = torch.ops.tileops.rms_norm_fwd(x, None, [128], None)
+    assert out.shape == x.shape and out.dtype == torch.float16
+
+
+def test_fake_tensor_mode_checks_inputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b = torch.empty(8, 64, dtype=torch.float16), torch.empty(16, 64, dtype=torch.float16)
+        assert torch.ops.tileops.gemm_fwd(a, b, False, True).shape == (8, 16)
+        with pytest.raises(TileOpsValueError):
+            torch.ops.tileops.gemm_fwd(a, torch.empty(16, 32, dtype=torch.float16), False, True)
+
+
+def test_roofline_matches_hand_counts():
+    m, n, k = 4096, 6144, 4096
+    assert GemmFwdOp().eval_roofline(meta(m, k), meta(n, k)) == (
+        2 * m * n * k, 2 * (m * k + n * k + m * n))
+    assert GemmFwdOp(trans_a=True, trans_b=False).eval_roofline(meta(k, m), meta(k, n)) == (
+        2 * m * n * k, 2 * (m * k + n * k + m * n))
+    rows, hidden = 8192, 4096
+    x, w = meta(rows, hidden, dtype=torch.float16), meta(hidden, dtype=torch.float16)
+    op = RMSNormFwdOp(normalized_shape=[hidden])
+    assert op.eval_roofline(x, w) == (4 * rows * hidden, 2 * (2 * rows * hidden + hidden))
+    assert op.eval_roofline(x) == (3 * rows * hidden, 2 * 2 * rows * hidden)
+    op.check([x, w])
+    assert op.eval_roofline() == (4 * rows * hidden, 2 * (2 * rows * hidden + hidden))
+
+
+def test_custom_op_names_and_schemas():
+    assert custom_op_name("RMSNormFwdOp") == "rms_norm_fwd"
+    assert custom_op_name("GroupedQueryAttentionBwdOp") == "grouped_query_attention_bwd"
+    assert str(torch.ops.tileops.gemm_fwd.default._schema) == (
+        "tileops::gemm_fwd(Tensor a, Tensor b, bool trans_a, bool trans_b) -> Tensor")
+    assert str(torch.ops.tileops.rms_norm_fwd.default._schema) == (
+        "tileops::rms_norm_fwd(Tensor input, Tensor? weight, int[] normalized_shape, "
+        "float? eps) -> Tensor")
+
+
+def test_cached_instances_are_shared_per_params():
+    assert GemmFwdOp.cached(trans_a=False, trans_b=True) is GemmFwdOp.cached(
+        trans_a=False, trans_b=True)
+    assert GemmFwdOp.cached(trans_a=True, trans_b=True) is not GemmFwdOp.cached(
+        trans_a=False, trans_b=True)
+
+
+def test_unsupported_gpu_is_rejected(monkeypatch):
+    from tileops.kernels import base
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    base._target_cache.clear()
+    with pytest.raises(TileOpsUnsupportedError, match="compute capability 8.0.*Hopper"):
+        base.target_for_device(torch.device("cuda", 0), "GemmFwdOp")
+    base._target_cache.clear()
+
+
+def test_kernel_buckets_are_few():
+    from tileops.kernels.gemm import GemmKernel
+
+    kernel = GemmKernel(dtype="bfloat16", n=4096, k=4096, trans_a=False, trans_b=True)
+    buckets = {kernel.bucket_of(m) for m in range(1, 20000, 3)}
+    assert len(buckets) == 8
