@@ -5,7 +5,8 @@ PYTHON ?= python3
 install:            ## the one set-up command
 	$(PYTHON) -m pip install -e '.[dev]'
 
-test:               ## CPU + compile-only tests (GPU tests skip themselves without CUDA)
+test:               ## spec check + CPU + compile-only tests (GPU tests skip without CUDA)
+	tileops validate
 	$(PYTHON) -m pytest -q tests; rc=$$?; [ $$rc -eq 5 ] && exit 0 || exit $$rc
 
 test-gpu:           ## the GPU tests only

@@ -158,6 +158,19 @@ class Kernel:
             Kernel.compile_count += len(compiled)
         return compiled
 
+    def compile_many(self, configs: list[Any], bucket: Any, jobs: int | None = None) -> None:
+        """Compiles configs in parallel (nvcc runs outside the GIL); failures are left out."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def build(config: Any) -> None:
+            try:
+                self.compile(config, bucket)
+            except Exception:  # noqa: BLE001 - an invalid config is skipped by the caller
+                pass
+
+        with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+            list(pool.map(build, configs))
+
     def select(self, size: int) -> tuple[Any, tuple]:
         """(config, compiled programs) for a runtime size; compiles on first use of a bucket."""
         bucket = self.bucket_of(size)
@@ -181,8 +194,10 @@ class Kernel:
         from ..perf.timing import time_cuda
 
         bucket = self.bucket_of(size)
+        candidates = self.config_space(bucket)
+        self.compile_many(candidates, bucket)
         results = []
-        for config in self.config_space(bucket):
+        for config in candidates:
             try:
                 compiled = self.compile(config, bucket)
                 ms = time_cuda(lambda c=config, k=compiled: self.run(c, k, *tensors))

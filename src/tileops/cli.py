@@ -1,0 +1,291 @@
+"""The `tileops` command: list, validate, compile, doctor and tune.
+
+Each subcommand is a thin shell over the package: the checks live in `validate.py`, the
+compile plan in `warmup.py`, the autotuner in the Kernel base class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any
+
+# Exit codes: 0 success, 1 the checked thing failed, 2 cannot run here (usage, no nvcc/GPU).
+EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `tileops` command; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_UNAVAILABLE
+    return args.handler(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tileops", description="TileOPs: spec-driven LLM operators for NVIDIA Hopper.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("list", help="the ops of the manifest, their status and promises")
+    p.set_defaults(handler=cmd_list)
+
+    p = sub.add_parser("validate", help="check that the code and the manifest agree")
+    p.set_defaults(handler=cmd_validate)
+
+    p = sub.add_parser("compile", help="compile every kernel the workloads need (needs nvcc, "
+                                       "no GPU)")
+    p.add_argument("--arch", default="sm_90a", help="target architecture (default: sm_90a)")
+    p.add_argument("--op", nargs="+", metavar="NAME", help="only these ops (default: all)")
+    p.add_argument("--tier", choices=("smoke", "full"), default="smoke",
+                   help="smoke: the workloads CI compiles (default); full: every workload")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="programs compiled in parallel (default: the CPU count)")
+    p.set_defaults(handler=cmd_compile)
+
+    p = sub.add_parser("doctor", help="what this machine has and what will work on it")
+    p.set_defaults(handler=cmd_doctor)
+
+    p = sub.add_parser("tune", help="autotune an op's kernels on its workloads (needs a GPU)")
+    p.add_argument("op", metavar="OP", help="op class name, e.g. GemmFwdOp")
+    p.add_argument("--workload", metavar="LABEL", help="only the workload with this label")
+    p.set_defaults(handler=cmd_tune)
+    return parser
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+# -- list -------------------------------------------------------------------------------------
+def cmd_list(args: argparse.Namespace) -> int:
+    from .manifest import load_manifest
+
+    rows = [["op", "family", "status", "ref_api", "promises", "workloads"]]
+    for name, entry in sorted(load_manifest().items(), key=lambda kv: (kv[1]["family"], kv[0])):
+        promises = [p for p in ("torch_compile", "autograd") if entry.get(p)]
+        rows.append([name, entry["family"], entry["status"], entry["ref_api"],
+                     ", ".join(promises) or "-", str(len(entry["workloads"]))])
+    _print_table(rows)
+    return EXIT_OK
+
+
+# -- validate ---------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .manifest import load_manifest
+    from .validate import validate
+
+    manifest = load_manifest()
+    result = validate(manifest)
+    for note in result.notes:
+        print(f"note: {note}")
+    for error in result:
+        print(f"error: {error}")
+    if result:
+        print(f"{len(result)} error{'s' if len(result) != 1 else ''}")
+        return EXIT_FAILED
+    n_workloads = sum(len(e["workloads"]) for e in manifest.values())
+    print(f"{len(manifest)} ops, {n_workloads} workloads: OK")
+    return EXIT_OK
+
+
+# -- compile ----------------------------------------------------------------------------------
+def cmd_compile(args: argparse.Namespace) -> int:
+    if shutil.which("nvcc") is None:
+        print("error: nvcc not found on PATH; `tileops compile` needs the CUDA toolkit "
+              "(a GPU is not needed)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    from .kernels.gemm import GemmKernel
+    from .ops import OP_CLASSES
+    from .warmup import build_plan
+
+    unknown = [n for n in args.op or () if n not in OP_CLASSES]
+    if unknown:
+        print(f"error: unknown op(s) {unknown}; implemented: {sorted(OP_CLASSES)}",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    plan = build_plan(args.op, args.tier, target={"kind": "cuda", "arch": args.arch})
+    print(f"compiling {len(plan)} programs for {args.arch} with {args.jobs} jobs")
+    start = time.perf_counter()
+    failed = warnings = 0
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(_compile_one, item): item for item in plan}
+        for future in as_completed(futures):
+            item = futures[future]
+            seconds, compiled, error = future.result()
+            if error is not None:
+                failed += 1
+                print(f"FAILED  {item.describe()}: {error}")
+                continue
+            print(f"ok      {item.describe()} ({seconds:.1f} s)")
+            if isinstance(item.kernel, GemmKernel):
+                # TileLang falls back to mma.sync silently; that is a 2-3x slower GEMM.
+                if "wgmma" not in compiled[0].get_kernel_source():
+                    warnings += 1
+                    print(f"warning {item.describe()}: no wgmma in the generated code")
+    print(f"{len(plan)} programs in {time.perf_counter() - start:.1f} s: "
+          f"{len(plan) - failed} ok, {failed} failed, {warnings} warnings")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _compile_one(item: Any) -> tuple[float, tuple, str | None]:
+    """(seconds, compiled programs, error message or None) of one plan item."""
+    start = time.perf_counter()
+    try:
+        compiled = item.kernel.compile(item.config, item.bucket)
+    except Exception as e:  # noqa: BLE001 - one failed program must not stop the sweep
+        return time.perf_counter() - start, (), f"{type(e).__name__}: {e}"
+    return time.perf_counter() - start, compiled, None
+
+
+# -- doctor -----------------------------------------------------------------------------------
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    from .kernels.base import TUNED_DIR, cache_root, gpu_slug
+
+    def line(what: str, value: object) -> None:
+        print(f"{what + ':':<22}{value}")
+
+    line("python", f"{platform.python_version()} ({sys.executable})")
+    line("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
+    line("tilelang", _tilelang_version())
+    cuda = torch.cuda.is_available()
+    line("CUDA available", "yes" if cuda else "no")
+    supported_gpus = []
+    if cuda:
+        line("driver", _run_quietly(["nvidia-smi", "--query-gpu=driver_version",
+                                     "--format=csv,noheader"]) or "unknown")
+        for index in range(torch.cuda.device_count()):
+            name = torch.cuda.get_device_name(index)
+            major, minor = torch.cuda.get_device_capability(index)
+            ok = (major, minor) == (9, 0)
+            if ok:
+                supported_gpus.append(name)
+            line(f"GPU {index}", f"{name}, compute capability {major}.{minor} "
+                                 f"({'supported, sm_90a' if ok else 'not supported: needs 9.0'})")
+            slug = gpu_slug(name)
+            shipped = TUNED_DIR / f"{slug}.json"
+            user = cache_root() / "tuned" / f"{slug}.json"
+            line("  tuned table", f"{shipped} ({'present' if shipped.exists() else 'absent'})")
+            line("  user tuned table", f"{user} ({'present' if user.exists() else 'absent'})")
+    else:
+        tables = sorted(p.stem for p in TUNED_DIR.glob("*.json"))
+        line("shipped tuned tables", ", ".join(tables) or f"none (in {TUNED_DIR})")
+    nvcc = shutil.which("nvcc")
+    line("nvcc", f"{nvcc} ({_nvcc_version(nvcc)})" if nvcc else "not found on PATH")
+    line("TILELANG_CACHE_DIR", os.environ.get("TILELANG_CACHE_DIR", "unset"))
+    line("TILEOPS_CACHE_DIR", os.environ.get("TILEOPS_CACHE_DIR", f"unset (using {cache_root()})"))
+
+    print("\nwhat will work:")
+    print(f"  compile kernels for sm_90a: {'yes' if nvcc else 'no (needs nvcc on PATH)'}")
+    if not cuda:
+        run = "no (no CUDA device visible to torch)"
+    elif not supported_gpus:
+        run = "no (no Hopper GPU: kernels need compute capability 9.0)"
+    elif not nvcc:
+        run = "only kernels already in the disk cache (nvcc missing, nothing new compiles)"
+    else:
+        run = f"yes ({', '.join(supported_gpus)})"
+    print(f"  run kernels: {run}")
+    print("  list / validate / meta-tensor checks: yes")
+    return EXIT_OK
+
+
+def _tilelang_version() -> str:
+    try:
+        import tilelang
+    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+        return f"not importable ({type(e).__name__}: {e})"
+    return getattr(tilelang, "__version__", "unknown")
+
+
+def _nvcc_version(nvcc: str) -> str:
+    out = _run_quietly([nvcc, "--version"])
+    release = [ln for ln in (out or "").splitlines() if "release" in ln]
+    return release[-1].strip() if release else "version unknown"
+
+
+def _run_quietly(cmd: list[str]) -> str | None:
+    """A command's stdout, or None when it is missing, fails or hangs."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+# -- tune -------------------------------------------------------------------------------------
+def cmd_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from .ops import OP_CLASSES
+
+    if not torch.cuda.is_available():
+        print("error: `tileops tune` times kernels on the GPU; no CUDA device is visible "
+              "(run `tileops doctor`)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    cls = OP_CLASSES.get(args.op)
+    if cls is None:
+        print(f"error: unknown op {args.op!r}; implemented: {sorted(OP_CLASSES)}",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    spec = cls.spec
+    workloads = spec.entry["workloads"]
+    if args.workload is not None:
+        workloads = [w for w in workloads if w["label"] == args.workload]
+        if not workloads:
+            labels = "\n  ".join(w["label"] for w in spec.entry["workloads"])
+            print(f"error: {args.op} has no workload {args.workload!r}; labels:\n  {labels}",
+                  file=sys.stderr)
+            return EXIT_UNAVAILABLE
+    failed = 0
+    for w in workloads:
+        for dtype in w["dtypes"]:
+            try:
+                for line in _tune_one(cls, w, dtype):
+                    print(line)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next workload
+                failed += 1
+                print(f"FAILED  {args.op} [{w['label']}] {dtype}: {type(e).__name__}: {e}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
+    """Runs the op once with `tune=True` (the Kernel base autotunes on first call)."""
+    import torch
+
+    spec = cls.spec
+    inputs = [None if t is None else
+              (torch.randn(t.shape, device="cuda") * 0.5).to(t.dtype)
+              for t in (spec.workload_tensors(workload, dtype)[n] for n in spec.input_names)]
+    op = cls(tune=True, **spec.workload_params(workload))
+    op(*inputs)
+    torch.cuda.synchronize()
+    ns = op.check(inputs)
+    lines = []
+    device = torch.device("cuda", torch.cuda.current_device())
+    for dispatch_key, key, size in op.kernels_for(ns):
+        kernel = op.get_kernel(dispatch_key, device, **key)
+        bucket = kernel.bucket_of(size)
+        config = kernel._by_bucket[bucket][0]
+        lines.append(f"tuned   {cls.__name__} [{workload['label']}] {dtype} "
+                     f"{kernel.key_string(bucket)} -> {config}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

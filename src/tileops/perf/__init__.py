@@ -1,0 +1,1 @@
+"""Measuring: GPU profiles, the timing protocol, roofline math and benchmark rows."""

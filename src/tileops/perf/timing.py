@@ -1,0 +1,46 @@
+"""Timing protocol: median device time per call, L2 flushed before every call.
+
+Each call runs between two CUDA events after a write of a buffer twice the L2's size, so
+no call finds its inputs in L2. The events are enqueued behind the flush, so host launch
+time is hidden unless the host is slower than the device (then it is part of what users
+see, and counted).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+_flush_buffers: dict[int, torch.Tensor] = {}
+
+
+def flush_l2(device: int | None = None) -> None:
+    device = torch.cuda.current_device() if device is None else device
+    buf = _flush_buffers.get(device)
+    if buf is None:
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+        buf = _flush_buffers[device] = torch.empty(2 * l2 // 4, dtype=torch.int32,
+                                                   device=f"cuda:{device}")
+    buf.zero_()
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
+              trials: int = 3) -> float:
+    """Median over `trials` of the per-trial median time of `fn()`, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    trial_medians = []
+    for _ in range(trials):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            flush_l2()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        trial_medians.append(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+    return statistics.median(trial_medians)
