@@ -335,7 +335,7 @@ def test_roofline_negative(manifest, check):
 def test_roofline_that_raises(manifest, check):
     manifest["RMSNormFwdOp"]["roofline"]["bytes"] = "rows * N * elem_bytes // 0"
     messages = check()
-    assert messages and all(m.startswith("RMSNormFwdOp: field 'roofline': on workloads[")
+    assert messages and all(m.startswith("RMSNormFwdOp: field 'roofline.bytes': on workloads[")
                             for m in messages)
     assert "ZeroDivisionError" in messages[0]
 
@@ -344,12 +344,14 @@ def test_roofline_that_is_infinite(manifest, check):
     manifest["GemmFwdOp"]["roofline"]["bytes"] = "1e308 * M * N"
     messages = check()
     assert messages and "OverflowError" in messages[0]
-    assert messages[0].startswith("GemmFwdOp: field 'roofline': on workloads[0]")
+    assert messages[0].startswith("GemmFwdOp: field 'roofline.bytes': on workloads[0]")
 
 
 def test_roofline_name_unknown(manifest, check):
     manifest["GemmFwdOp"]["roofline"]["flops"] = "2 * M * N * K * heads"
-    assert "NameError: name 'heads' is not defined" in check()[0]
+    message = check()[0]
+    assert message.startswith("GemmFwdOp: field 'roofline.flops': on workloads[0]")
+    assert "NameError: name 'heads' is not defined" in message
 
 
 # -- source paths and workload list ---------------------------------------------------------
@@ -382,3 +384,8 @@ def test_spec_only_op_may_have_one_workload(manifest, check):
     manifest["RMSNormFwdOp"]["status"] = "spec-only"
     del manifest["RMSNormFwdOp"]["workloads"][1:]
     assert check() == []
+
+
+def test_roofline_func_that_does_not_exist(manifest, check):
+    manifest["GemmFwdOp"]["roofline"] = {"func": "tileops.perf.formulas.no_such_formula"}
+    assert only(check()).startswith("GemmFwdOp: field '<entry>': does not compile into a spec:")

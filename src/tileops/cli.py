@@ -7,6 +7,7 @@ compile plan in `warmup.py`, the autotuner in the Kernel base class.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import platform
 import shutil
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="smoke: the workloads CI compiles (default); full: every workload")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="programs compiled in parallel (default: the CPU count)")
+    p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_compile)
 
     p = sub.add_parser("doctor", help="what this machine has and what will work on it")
@@ -70,6 +72,7 @@ def _print_table(rows: list[list[str]]) -> None:
 
 # -- list -------------------------------------------------------------------------------------
 def cmd_list(args: argparse.Namespace) -> int:
+    """Prints one row per manifest op: family, status, reference API, promises."""
     from .manifest import load_manifest
 
     rows = [["op", "family", "status", "ref_api", "promises", "workloads"]]
@@ -83,6 +86,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 # -- validate ---------------------------------------------------------------------------------
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Runs the validator; exit 1 when the code and the manifest disagree."""
     from .manifest import load_manifest
     from .validate import validate
 
@@ -102,6 +106,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 # -- compile ----------------------------------------------------------------------------------
 def cmd_compile(args: argparse.Namespace) -> int:
+    """Compiles every kernel the chosen workloads need, in parallel; no GPU needed."""
     if shutil.which("nvcc") is None:
         print("error: nvcc not found on PATH; `tileops compile` needs the CUDA toolkit "
               "(a GPU is not needed)", file=sys.stderr)
@@ -115,6 +120,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"error: unknown op(s) {unknown}; implemented: {sorted(OP_CLASSES)}",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
+    if not args.verbose:
+        # TileLang logs two INFO lines per build, which would bury the one-line results.
+        logging.getLogger("tilelang").setLevel(logging.WARNING)
     plan = build_plan(args.op, args.tier, target={"kind": "cuda", "arch": args.arch})
     print(f"compiling {len(plan)} programs for {args.arch} with {args.jobs} jobs")
     start = time.perf_counter()
@@ -151,6 +159,7 @@ def _compile_one(item: Any) -> tuple[float, tuple, str | None]:
 
 # -- doctor -----------------------------------------------------------------------------------
 def cmd_doctor(args: argparse.Namespace) -> int:
+    """Prints what this machine has and what TileOPs can do on it; always exit 0."""
     import torch
 
     from .kernels.base import TUNED_DIR, cache_root, gpu_slug
@@ -230,6 +239,7 @@ def _run_quietly(cmd: list[str]) -> str | None:
 
 # -- tune -------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace) -> int:
+    """Autotunes the op's kernels on its workloads; winners go to the user cache."""
     import torch
 
     from .ops import OP_CLASSES

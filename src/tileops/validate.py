@@ -42,7 +42,7 @@ _OP_OWN_PARAMS = ("kernel_map", "tune")
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 
 
-class ValidationResult(list):
+class ValidationResult(list[ManifestError]):
     """The errors found (a plain list of `ManifestError`s) plus informational `notes`.
 
     Notes say what was not checked and why; they never make validation fail.
@@ -324,6 +324,10 @@ class _EntryValidator:
                 self.error(where, f"({w['label']!r}, {dtype}) violates the signature: "
                                   f"{_strip(self.name, e)}")
                 return None
+            except Exception as e:  # noqa: BLE001 - a spec that cannot check a workload
+                self.error(where, f"({w['label']!r}, {dtype}) expected the signature checks "
+                                  f"to run, found {type(e).__name__}: {e}")
+                return None
             namespaces[dtype] = ns
         return namespaces
 
@@ -350,8 +354,9 @@ class _EntryValidator:
         try:
             values = spec.eval_roofline(ns)
         except Exception as e:  # noqa: BLE001 - inf/nan and expression errors land here
-            self.error(field, f"on {where}: expected finite non-negative integers, found "
-                              f"{type(e).__name__}: {e}")
+            self.error(_failing_roofline_field(spec, ns) or field,
+                       f"on {where}: expected finite non-negative integers, found "
+                       f"{type(e).__name__}: {e}")
             return
         for what, value in zip(("flops", "bytes"), values, strict=True):
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -376,6 +381,10 @@ class _EntryValidator:
                 declared = True
             except TileOpsTypeError:
                 declared = False
+            except Exception as e:  # noqa: BLE001 - a spec that cannot check this dtype
+                self.error(field, f"expected the dtype checks to run on {dtype_name}, found "
+                                  f"{type(e).__name__}: {e}")
+                continue
             try:
                 op.check([tensors[n] for n in spec.input_names])
                 outcome: BaseException | None = None
@@ -405,6 +414,21 @@ class _EntryValidator:
             if not (self.repo_root / rel).is_file():
                 self.error(field, f"expected an existing file {rel} (relative to "
                                   f"{self.repo_root}), found none")
+
+
+def _failing_roofline_field(spec: CompiledSpec, ns: Mapping[str, Any]) -> str | None:
+    """Which of flops/bytes raises or is not finite, to name it in the error (None: unknown)."""
+    if spec.roofline is None:
+        return None
+    ns = {**ns, "elem_bytes": 1}  # any size will do to find the failing expression
+    for expr in spec.roofline:
+        try:
+            value = expr(ns)
+            if isinstance(value, float) and not math.isfinite(value):
+                return expr.where
+        except Exception:  # noqa: BLE001 - this is the one
+            return expr.where
+    return None
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -1,9 +1,9 @@
 """Timing protocol: median device time per call, L2 flushed before every call.
 
 Each call runs between two CUDA events after a write of a buffer twice the L2's size, so
-no call finds its inputs in L2. The events are enqueued behind the flush, so host launch
-time is hidden unless the host is slower than the device (then it is part of what users
-see, and counted).
+no call finds its inputs in L2. Each trial starts with a spin kernel that keeps the device
+busy while the host enqueues every repeat, so the events measure device time only, not
+host launch overhead (which small decode-size calls would otherwise be dominated by).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 _flush_buffers: dict[int, torch.Tensor] = {}
+SPIN_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than the host needs to enqueue a trial
 
 
 def flush_l2(device: int | None = None) -> None:
@@ -36,6 +37,7 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
     for _ in range(trials):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda._sleep(SPIN_CYCLES)
         for i in range(reps):
             flush_l2()
             starts[i].record()

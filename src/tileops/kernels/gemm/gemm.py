@@ -163,14 +163,14 @@ class GemmKernel(Kernel):
 
     def config_space(self, bucket: str) -> list[GemmConfig]:
         rows = self.bucket_rows(bucket)
-        space = []
+        space = [self.heuristic_config(bucket, "sm_90a")]
         if rows <= 128:
-            for bm, th in ((64, 128), (128, 256)):
-                for bn in (64, 128, 256):
-                    for bk, st in ((64, 4), (128, 3), (128, 4)):
-                        split = self.split_for(rows, bm, bn, bk)
-                        for s in sorted({1, split, max(1, split // 2)}):
-                            space.append(GemmConfig(bm, bn, bk, st, th, s, 0))
+            block_m, threads = (64, 128) if rows <= 64 else (128, 256)
+            for bn in (64, 128, 256):
+                for bk, st in ((64, 6), (128, 4)):
+                    split = self.split_for(rows, block_m, bn, bk)
+                    for s in sorted({1, split, max(1, split // 2), split * 2}):
+                        space.append(GemmConfig(block_m, bn, bk, st, threads, s, 0))
         else:
             for bn in (128, 256):
                 for st in (3, 4):

@@ -1,0 +1,110 @@
+"""The `tileops` command: each subcommand's output and exit status (CPU, no GPU needed)."""
+
+import importlib
+import shutil
+
+import pytest
+
+from tileops import cli
+
+pytestmark = pytest.mark.smoke
+
+
+def test_list_shows_every_op(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    header, *rows = out.splitlines()
+    assert header.split() == ["op", "family", "status", "ref_api", "promises", "workloads"]
+    gemm = next(r for r in rows if r.startswith("GemmFwdOp"))
+    assert gemm.split() == ["GemmFwdOp", "gemm", "implemented", "torch.matmul", "torch_compile",
+                            "11"]
+    assert any(r.startswith("RMSNormFwdOp") for r in rows)
+
+
+def test_validate_passes_on_the_shipped_manifest(capsys):
+    assert cli.main(["validate"]) == 0
+    assert capsys.readouterr().out.strip().endswith("workloads: OK")
+
+
+def test_validate_reports_errors(monkeypatch, capsys):
+    from tileops import ManifestError, validate
+
+    def broken(manifest=None):
+        return validate.ValidationResult([ManifestError("GemmFwdOp: field 'x': broken")])
+
+    monkeypatch.setattr(validate, "validate", broken)
+    assert cli.main(["validate"]) == 1
+    out = capsys.readouterr().out
+    assert "error: GemmFwdOp: field 'x': broken" in out
+    assert out.strip().endswith("1 error")
+
+
+def test_doctor_always_succeeds(capsys):
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "tilelang" in out and "torch" in out and "nvcc" in out
+    assert "what will work" in out and "run kernels:" in out
+
+
+def test_compile_without_nvcc_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    assert cli.main(["compile"]) == 2
+    assert "nvcc not found" in capsys.readouterr().err
+
+
+def test_compile_unknown_op(monkeypatch, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/nvcc")
+    assert cli.main(["compile", "--op", "NoSuchFwdOp"]) == 2
+    assert "unknown op(s) ['NoSuchFwdOp']" in capsys.readouterr().err
+
+
+def test_compile_reports_failures_and_missing_wgmma(monkeypatch, capsys):
+    from tileops.kernels.gemm import GemmKernel
+    from tileops.kernels.normalization import RMSNormKernel
+
+    class MmaSyncProgram:
+        def get_kernel_source(self):
+            return "mma.sync.aligned.m16n8k16"
+
+    def broken_build(config, bucket):
+        raise RuntimeError("nvcc: ptxas fatal")
+
+    gemm = GemmKernel(dtype="float16", n=4096, k=4096, trans_a=False, trans_b=True)
+    norm = RMSNormKernel(dtype="float16", n=4096, has_weight=True)
+    # `tileops.warmup` is the warmup() function; the module must come from the import system.
+    warmup = importlib.import_module("tileops.warmup")
+    monkeypatch.setattr(gemm, "compile", lambda config, bucket: (MmaSyncProgram(),))
+    monkeypatch.setattr(norm, "compile", broken_build)
+    plan = [warmup.BuildItem("GemmFwdOp", "g", "float16", gemm, "m16", None),
+            warmup.BuildItem("RMSNormFwdOp", "r", "float16", norm, "all", None)]
+    monkeypatch.setattr(warmup, "build_plan", lambda *args, **kwargs: plan)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/nvcc")
+
+    assert cli.main(["compile", "--jobs", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "ok      GemmFwdOp [g] float16 gemm m16" in out
+    assert "warning GemmFwdOp [g] float16 gemm m16: no wgmma in the generated code" in out
+    assert "FAILED  RMSNormFwdOp [r] float16 rms_norm all: RuntimeError: nvcc: ptxas fatal" in out
+    assert out.strip().endswith("1 ok, 1 failed, 1 warnings")
+
+
+def test_tune_without_a_gpu_is_a_clear_error(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["tune", "GemmFwdOp"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "validate" in capsys.readouterr().out
+
+
+@pytest.mark.compile
+def test_compile_sweep_builds_rms_norm_smoke_kernels(capsys):
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc to compile TileLang kernels for sm_90a")
+    assert cli.main(["compile", "--op", "RMSNormFwdOp", "--tier", "smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and ", 0 failed" in out
