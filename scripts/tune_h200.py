@@ -27,10 +27,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", action="append")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--label", help="only workloads whose label contains this text")
     args = parser.parse_args()
     for name in args.op or sorted(OP_CLASSES):
         op_cls = OP_CLASSES[name]
         for workload in op_cls.spec.entry["workloads"]:
+            if args.label and args.label not in workload["label"]:
+                continue
             for dtype in workload["dtypes"]:
                 t = time.time()
                 op = op_cls(**op_cls.spec.workload_params(workload), tune=True)
@@ -42,9 +45,10 @@ def main():
                     config, _ = kernel.select(size)
                     print(f"{name} | {workload['label']} | {dtype} | {config} | "
                           f"{time.time() - t:.0f}s", flush=True)
-    gpu = gpu_slug(torch.cuda.get_device_name())
-    table = cache_root() / "tuned" / f"{gpu}.json"
-    shutil.copy(table, os.path.join(args.out, f"{gpu}.json"))
+                # copy after every workload: a run cut short still returns what it found
+                gpu = gpu_slug(torch.cuda.get_device_name())
+                table = cache_root() / "tuned" / f"{gpu}.json"
+                shutil.copy(table, os.path.join(args.out, f"{gpu}.json"))
 
 
 if __name__ == "__main__":

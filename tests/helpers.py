@@ -31,7 +31,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, scale: float =
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {a.numel()} elements off; worst at {idx}: "
             f"got {a[idx].item():.6g}, expected {e[idx].item():.6g} "
-            f"(atol {atol * scale:.3g}, rtol {rtol}, max err {err.nan_to_num(torch.inf).max():.3g})")
+            f"(atol {atol * scale:.3g}, rtol {rtol}, "
+            f"max err {err.nan_to_num(torch.inf).max():.3g})")
     rel = (a - e).norm() / e.norm().clamp_min(1e-30)
     assert rel < 2 * rtol, f"{what}: relative L2 error {rel:.3g} too large"
 

@@ -21,6 +21,7 @@ class ManifestError(TileOpsError, ValueError):
     """A manifest entry is malformed or disagrees with the code."""
 
 
-def op_error(cls: type[TileOpsError], op: str, arg: str, expected: str, got: object) -> TileOpsError:
+def op_error(cls: type[TileOpsError], op: str, arg: str, expected: str,
+             got: object) -> TileOpsError:
     """Builds an error whose message names the op, the argument, what was expected and what came."""
     return cls(f"{op}: argument '{arg}': expected {expected}, got {got}")

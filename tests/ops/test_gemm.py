@@ -126,5 +126,6 @@ def test_cuda_graph_capture():
 
 def test_device_mismatch_is_rejected():
     a, b = make_inputs(16, 256, 64, torch.bfloat16)
-    with pytest.raises(TileOpsError, match="argument 'b': expected a CUDA tensor, got a tensor on cpu"):
+    with pytest.raises(TileOpsError,
+                       match="argument 'b': expected a CUDA tensor, got a tensor on cpu"):
         tileops.gemm(a, b.cpu())

@@ -55,7 +55,8 @@ class Expr:
         try:
             tree = ast.parse(text, mode="eval")
         except SyntaxError as e:
-            raise ManifestError(f"{op}: field '{where}': not a Python expression: {text!r} ({e})")
+            raise ManifestError(
+                f"{op}: field '{where}': not a Python expression: {text!r} ({e})") from None
         names = tuple(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
         return cls(text, where, compile(tree, f"<{op}.{where}>", "eval"), names)
 

@@ -47,13 +47,14 @@ def bench_op(op_cls: Any, make_inputs: Callable[[dict, torch.dtype], tuple],
                 continue
             inputs = make_inputs(workload, DTYPES[dtype_name])
             op(*inputs)  # compile / load before timing
-            latency = time_cuda(lambda: op(*inputs)) * 1e3
+            latency = time_cuda(lambda o=op, x=inputs: o(*x)) * 1e3
             flops, nbytes = op.eval_roofline(*inputs)
             sol_s, bound = profile.sol_seconds(flops, nbytes, dtype_name)
             base = {}
             for name, fn in baselines.items():
                 try:
-                    base[name] = time_cuda(lambda f=fn: f(*inputs, **params)) * 1e3
+                    base[name] = time_cuda(
+                        lambda f=fn, x=inputs, p=params: f(*x, **p)) * 1e3
                 except Exception as e:  # noqa: BLE001 - a baseline that cannot run is skipped
                     progress(f"  baseline {name} failed: {type(e).__name__}: {e}")
             best = min(base, key=base.get) if base else ""
@@ -67,9 +68,9 @@ def bench_op(op_cls: Any, make_inputs: Callable[[dict, torch.dtype], tuple],
 
 
 def format_row(r: BenchRow) -> str:
+    best = f"{r.best_baseline} {r.baselines.get(r.best_baseline, 0):.1f}"
     return (f"| {r.label} | {r.dtype} | {r.latency_us:.1f} | {r.tflops:.0f} | {r.tbps:.2f} | "
-            f"{r.sol_pct:.0f}% {r.bound} | {r.best_baseline} {r.baselines.get(r.best_baseline, 0):.1f}"
-            f" | {r.speedup:.2f}x |")
+            f"{r.sol_pct:.0f}% {r.bound} | {best} | {r.speedup:.2f}x |")
 
 
 TABLE_HEADER = ("| workload | dtype | TileOPs us | TFLOP/s | TB/s | SOL | best baseline us | "

@@ -44,5 +44,5 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
             fn()
             ends[i].record()
         torch.cuda.synchronize()
-        trial_medians.append(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+        trial_medians.append(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)))
     return statistics.median(trial_medians)

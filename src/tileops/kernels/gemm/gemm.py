@@ -40,7 +40,8 @@ class GemmConfig:
 
 
 def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
-    return -(-(-(-k // block_k)) // split_k)
+    k_tiles = -(-k // block_k)
+    return -(-k_tiles // split_k)
 
 
 def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block_m: int,
