@@ -44,5 +44,6 @@ def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
             fn()
             ends[i].record()
         torch.cuda.synchronize()
-        trial_medians.append(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)))
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+        trial_medians.append(statistics.median(times))
     return statistics.median(trial_medians)
