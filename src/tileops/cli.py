@@ -60,8 +60,15 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="autotune an op's kernels on its workloads (needs a GPU)")
     p.add_argument("op", metavar="OP", help="op class name, e.g. GemmFwdOp")
     p.add_argument("--workload", metavar="LABEL", help="only the workload with this label")
+    p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_tune)
     return parser
+
+
+def _quiet_tilelang(verbose: bool) -> None:
+    # TileLang logs two INFO lines per build, which would bury our one-line results.
+    if not verbose:
+        logging.getLogger("tilelang").setLevel(logging.WARNING)
 
 
 def _print_table(rows: list[list[str]]) -> None:
@@ -120,9 +127,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"error: unknown op(s) {unknown}; implemented: {sorted(OP_CLASSES)}",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
-    if not args.verbose:
-        # TileLang logs two INFO lines per build, which would bury the one-line results.
-        logging.getLogger("tilelang").setLevel(logging.WARNING)
+    _quiet_tilelang(args.verbose)
     plan = build_plan(args.op, args.tier, target={"kind": "cuda", "arch": args.arch})
     print(f"compiling {len(plan)} programs for {args.arch} with {args.jobs} jobs")
     start = time.perf_counter()
@@ -262,6 +267,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(f"error: {args.op} has no workload {args.workload!r}; labels:\n  {labels}",
                   file=sys.stderr)
             return EXIT_UNAVAILABLE
+    _quiet_tilelang(args.verbose)
     failed = 0
     for w in workloads:
         for dtype in w["dtypes"]:
