@@ -12,6 +12,10 @@ fi
 export TILEOPS_CACHE_DIR=${TILEOPS_CACHE_DIR:-$PWD/.tilecache}
 python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(p.name, p.multi_processor_count, 'SMs', torch.__version__)"
 rc=0
+if [ "$what" = tune ]; then  # tune the workloads named by the remaining args, then all
+  python3 scripts/tune_h200.py --out "$OUT" "$@" > "$OUT/tune.log" 2>&1
+  grep -v -E "INFO|WARN" "$OUT/tune.log" | tail -n 20; what=all; set --
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -m gpu -n 8 tests -p no:cacheprovider --junitxml "$OUT/junit.xml" \
     > "$OUT/gpu-tests.log" 2>&1; rc=$?
@@ -23,5 +27,6 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_gemm.py --out "$OUT" "$@" > "$OUT/bench-gemm.log" 2>&1
   grep -E "^\| |Error|error" "$OUT/bench-norm.log" | tail -n 20
   grep -E "^\| |Error|error" "$OUT/bench-gemm.log" | tail -n 25
+  python3 scripts/host_overhead.py > "$OUT/host.log" 2>&1; grep -v INFO "$OUT/host.log"
 fi
 exit $rc

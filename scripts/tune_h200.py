@@ -27,12 +27,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", action="append")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--label", help="only workloads whose label contains this text")
+    parser.add_argument("--label", action="append",
+                        help="only workloads whose label contains this text (repeatable)")
     args = parser.parse_args()
     for name in args.op or sorted(OP_CLASSES):
         op_cls = OP_CLASSES[name]
         for workload in op_cls.spec.entry["workloads"]:
-            if args.label and args.label not in workload["label"]:
+            if args.label and not any(text in workload["label"] for text in args.label):
                 continue
             for dtype in workload["dtypes"]:
                 t = time.time()

@@ -168,13 +168,12 @@ class GemmKernel(Kernel):
         if rows <= 128:
             block_m, threads = (64, 128) if rows <= 64 else (128, 256)
             for bn in (64, 128, 256):
-                for bk, st in ((64, 6), (128, 4)):
+                for bk, st in ((64, 6), (128, 4), (128, 6), (256, 2)):
                     split = self.split_for(rows, block_m, bn, bk)
                     for s in sorted({1, split, max(1, split // 2), split * 2}):
                         space.append(GemmConfig(block_m, bn, bk, st, threads, s, 0))
         else:
-            for bn in (128, 256):
-                for st in (3, 4):
-                    for raster in (0, 8):
-                        space.append(GemmConfig(128, bn, 64, st, 256, 1, raster))
+            for bm, bn, st in ((128, 256, 3), (256, 128, 3), (128, 128, 4), (128, 128, 5)):
+                for raster in (0, 8, 16):
+                    space.append(GemmConfig(bm, bn, 64, st, 256, 1, raster))
         return [c for c in dict.fromkeys(space) if c.valid()]
