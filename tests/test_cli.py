@@ -71,8 +71,7 @@ def test_compile_reports_failures_and_missing_wgmma(monkeypatch, capsys):
 
     gemm = GemmKernel(dtype="float16", n=4096, k=4096, trans_a=False, trans_b=True)
     norm = RMSNormKernel(dtype="float16", n=4096, has_weight=True)
-    # `tileops.warmup` is the warmup() function; the module must come from the import system.
-    warmup = importlib.import_module("tileops.warmup")
+    warmup = importlib.import_module("tileops.prebuild")
     monkeypatch.setattr(gemm, "compile", lambda config, bucket: (MmaSyncProgram(),))
     monkeypatch.setattr(norm, "compile", broken_build)
     plan = [warmup.BuildItem("GemmFwdOp", "g", "float16", gemm, "m16", None),

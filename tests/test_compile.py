@@ -4,7 +4,7 @@ import pytest
 
 from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.normalization import RMSNormKernel
-from tileops.warmup import build_plan
+from tileops.prebuild import build_plan
 
 pytestmark = [pytest.mark.compile, pytest.mark.smoke]
 

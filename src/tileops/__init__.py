@@ -8,7 +8,7 @@ from .errors import (
     TileOpsValueError,
 )
 from .ops import OP_CLASSES, GemmFwdOp, Op, RMSNormFwdOp, gemm, rms_norm
-from .warmup import warmup
+from .prebuild import warmup
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """The `tileops` command: list, validate, compile, doctor and tune.
 
 Each subcommand is a thin shell over the package: the checks live in `validate.py`, the
-compile plan in `warmup.py`, the autotuner in the Kernel base class.
+compile plan in `prebuild.py`, the autotuner in the Kernel base class.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     from .kernels.gemm import GemmKernel
     from .ops import OP_CLASSES
-    from .warmup import build_plan
+    from .prebuild import build_plan
 
     unknown = [n for n in args.op or () if n not in OP_CLASSES]
     if unknown:

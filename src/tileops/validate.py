@@ -352,7 +352,7 @@ class _EntryValidator:
     def check_roofline(self, spec: CompiledSpec, ns: Mapping[str, Any], where: str) -> None:
         field = "roofline.func" if "func" in self.entry["roofline"] else "roofline"
         try:
-            values = spec.eval_roofline(ns)
+            values = spec.roofline_values(ns)
         except Exception as e:  # noqa: BLE001 - inf/nan and expression errors land here
             self.error(_failing_roofline_field(spec, ns) or field,
                        f"on {where}: expected finite non-negative integers, found "

@@ -122,6 +122,25 @@ class ParamSpec:
             raise op_error(TileOpsTypeError, op, self.name, self.type, repr(value))
 
 
+def _parse_shape(op: str, where: str, text: str) -> list[str | int]:
+    try:
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.List | ast.Tuple):
+            raise ValueError
+        dims: list[str | int] = []
+        for elt in tree.elts:
+            if isinstance(elt, ast.Name):
+                dims.append(elt.id)
+            elif isinstance(elt, ast.Constant) and isinstance(elt.value, int):
+                dims.append(elt.value)
+            else:
+                raise ValueError
+    except (SyntaxError, ValueError):
+        raise ManifestError(f"{op}: field '{where}': expected a list of names or integers "
+                            f"such as \"[M, K]\", got {text!r}") from None
+    return dims
+
+
 class CompiledSpec:
     """Checks and derivations for one op, built once from its manifest entry."""
 
@@ -134,6 +153,12 @@ class CompiledSpec:
                        bool(t.get("optional", False)), None, t.get("layout"))
             for n, t in sig["inputs"].items()
         ]
+        # Fixed-rank input shapes such as "[M, K]": names bind across tensors.
+        self.input_shapes: dict[str, list[str | int]] = {}
+        for n, t in sig["inputs"].items():
+            if "shape" in t:
+                self.input_shapes[n] = _parse_shape(op_name, f"signature.inputs.{n}.shape",
+                                                    t["shape"])
         self.outputs = [
             TensorSpec(n, DtypeRule.parse(op_name, f"signature.outputs.{n}.dtype", t["dtype"]),
                        False, Expr.compile(op_name, f"signature.outputs.{n}.shape",
@@ -181,7 +206,11 @@ class CompiledSpec:
             if t is None:
                 continue
             if spec.dtype.same_as:
-                want = tensors[spec.dtype.same_as].dtype
+                ref = tensors.get(spec.dtype.same_as)
+                if ref is None:
+                    raise op_error(TileOpsValueError, self.op_name, spec.dtype.same_as,
+                                   f"a tensor (input '{spec.name}' takes its dtype)", "None")
+                want = ref.dtype
                 if t.dtype != want:
                     raise op_error(TileOpsTypeError, self.op_name, spec.name,
                                    f"dtype {want} (same as '{spec.dtype.same_as}')", t.dtype)
@@ -194,11 +223,37 @@ class CompiledSpec:
                 raise op_error(TileOpsTypeError, self.op_name, "dtypes",
                                f"one of {self.entry['signature']['dtype_combos']}", got)
 
+    def bind_shapes(self, tensors: Mapping[str, Any]) -> dict[str, int]:
+        """Checks fixed-rank input shapes and returns the sizes their names bind."""
+        bound: dict[str, tuple[int, str]] = {}
+        for name, dims in self.input_shapes.items():
+            t = tensors.get(name)
+            if t is None:
+                continue
+            expected = "[" + ", ".join(map(str, dims)) + "]"
+            if t.ndim != len(dims):
+                raise op_error(TileOpsValueError, self.op_name, name,
+                               f"shape {expected} ({len(dims)} dims)", f"shape {tuple(t.shape)}")
+            for dim, size in zip(dims, t.shape, strict=True):
+                if isinstance(dim, int):
+                    ok, want = size == dim, f"{dim}"
+                elif dim in bound:
+                    ok, want = size == bound[dim][0], f"{bound[dim][0]} (from {bound[dim][1]})"
+                else:
+                    bound[dim] = (int(size), name)
+                    continue
+                if not ok:
+                    raise op_error(TileOpsValueError, self.op_name, name,
+                                   f"shape {expected} with {dim} = {want}",
+                                   f"shape {tuple(t.shape)}")
+        return {k: v[0] for k, v in bound.items()}
+
     def namespace(self, tensors: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-        """Tensors, params and the derived dims, as expressions see them."""
+        """Tensors, params, bound shape names and the derived dims, as expressions see them."""
         ns: dict[str, Any] = dict(HELPERS)
         ns.update(params)
         ns.update(tensors)
+        ns.update(self.bind_shapes(tensors))
         for name, expr in self.dims.items():
             try:
                 ns[name] = expr(ns)
@@ -239,13 +294,20 @@ class CompiledSpec:
             metas.append((shape, dtype))
         return metas
 
-    def eval_roofline(self, ns: Mapping[str, Any]) -> tuple[int, int]:
+    def roofline_values(self, ns: Mapping[str, Any]) -> tuple[Any, Any]:
+        """(flops, bytes) as the manifest's expressions or function compute them, unchecked."""
         first = next(ns[t.name] for t in self.inputs if ns.get(t.name) is not None)
         ns = {**ns, "elem_bytes": first.element_size()}
         if self._roofline_func is not None:
-            flops, nbytes = self._roofline_func(**ns)
-        else:
-            flops, nbytes = self.roofline[0](ns), self.roofline[1](ns)
+            return self._roofline_func(**ns)
+        return self.roofline[0](ns), self.roofline[1](ns)
+
+    def eval_roofline(self, ns: Mapping[str, Any]) -> tuple[int, int]:
+        flops, nbytes = self.roofline_values(ns)
+        for what, value in (("flops", flops), ("bytes", nbytes)):
+            if not (math.isfinite(value) and value >= 0 and float(value).is_integer()):
+                raise ManifestError(f"{self.op_name}: field 'roofline.{what}': expected a "
+                                    f"finite non-negative integer, got {value!r}")
         return int(flops), int(nbytes)
 
     def workload_tensors(self, workload: Mapping[str, Any], dtype: str) -> dict[str, Any]:
@@ -254,7 +316,13 @@ class CompiledSpec:
         for spec in self.inputs:
             shape = workload["inputs"].get(spec.name)
             allowed = spec.dtype.allowed
-            torch_dtype = allowed[0] if allowed and DTYPES[dtype] not in allowed else DTYPES[dtype]
+            torch_dtype = DTYPES[dtype]
+            if allowed and torch_dtype not in allowed:
+                if len(allowed) > 1:  # the workload names a dtype this input cannot take
+                    raise ManifestError(
+                        f"{self.op_name}: workload '{workload['label']}': dtype {dtype} is not "
+                        f"one of input '{spec.name}' dtypes {spec.dtype.describe()}")
+                torch_dtype = allowed[0]  # a fixed-dtype input (an index, a scale)
             tensors[spec.name] = None if shape is None else torch.empty(
                 shape, dtype=torch_dtype, device="meta")
         return tensors
