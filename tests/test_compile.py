@@ -30,3 +30,12 @@ def test_rms_norm_uses_16_byte_accesses():
     kernel = RMSNormKernel(dtype="bfloat16", n=4096, has_weight=True)
     compiled = kernel.compile(kernel.heuristic_config("all", "sm_90a"), "all")
     assert "uint4" in compiled[0].get_kernel_source()
+
+
+@pytest.mark.parametrize("hidden", [24, 199])
+def test_rms_norm_padded_path_compiles(hidden):
+    """Hidden sizes whose 16-byte vectors cannot split over the threads take the padded path."""
+    kernel = RMSNormKernel(dtype="float16", n=hidden, has_weight=True)
+    config = kernel.heuristic_config("all", "sm_90a")
+    assert (config.block_rows, config.threads) == (1, 128)
+    assert "rms_norm_kernel" in kernel.compile(config, "all")[0].get_kernel_source()
