@@ -1,4 +1,4 @@
-"""The `tileops` command: list, validate, compile, doctor and tune.
+"""The `tileops` command: list, validate, compile, doctor, tune, bench and report.
 
 Each subcommand is a thin shell over the package: the checks live in `validate.py`, the
 compile plan in `prebuild.py`, the autotuner in the Kernel base class.
@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
+
+from .errors import TileOpsError
 
 # Exit codes: 0 success, 1 the checked thing failed, 2 cannot run here (usage, no nvcc/GPU).
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 2
@@ -59,9 +61,28 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="autotune an op's kernels on its workloads (needs a GPU)")
     p.add_argument("op", metavar="OP", help="op class name, e.g. GemmFwdOp")
-    p.add_argument("--workload", metavar="LABEL", help="only the workload with this label")
+    p.add_argument("--workload", metavar="TEXT", action="append",
+                   help="only workloads whose label contains TEXT (repeatable)")
+    p.add_argument("--out", metavar="DIR",
+                   help="copy the GPU's tuned table here after every workload")
     p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_tune)
+
+    p = sub.add_parser("bench", help="benchmark ops on their manifest workloads (needs a GPU)")
+    p.add_argument("--op", nargs="+", metavar="NAME", help="only these ops")
+    p.add_argument("--family", nargs="+", metavar="F", help="only these families")
+    p.add_argument("--tier", choices=("smoke", "full"), default="full")
+    p.add_argument("--dtype", nargs="+", metavar="D", help="only these dtypes")
+    p.add_argument("--out", default="bench-results", help="report folder (default: %(default)s)")
+    p.add_argument("--history", metavar="FILE",
+                   help="append the run to this history (JSON lines) and compare with it")
+    p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
+    p.set_defaults(handler=cmd_bench)
+
+    p = sub.add_parser("report", help="compare a bench run with the history; flag regressions")
+    p.add_argument("run", metavar="RUN_JSON", help="bench.json written by `tileops bench`")
+    p.add_argument("--history", metavar="FILE", required=True)
+    p.set_defaults(handler=cmd_report)
     return parser
 
 
@@ -260,12 +281,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     spec = cls.spec
     workloads = spec.entry["workloads"]
-    if args.workload is not None:
-        workloads = [w for w in workloads if w["label"] == args.workload]
+    if args.workload:
+        workloads = [w for w in workloads if any(text in w["label"] for text in args.workload)]
         if not workloads:
             labels = "\n  ".join(w["label"] for w in spec.entry["workloads"])
-            print(f"error: {args.op} has no workload {args.workload!r}; labels:\n  {labels}",
-                  file=sys.stderr)
+            print(f"error: {args.op} has no workload matching {args.workload}; labels:\n"
+                  f"  {labels}", file=sys.stderr)
             return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
     failed = 0
@@ -277,7 +298,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - report and go on with the next workload
                 failed += 1
                 print(f"FAILED  {args.op} [{w['label']}] {dtype}: {type(e).__name__}: {e}")
+            if args.out:  # a run cut short still leaves what it found
+                _copy_tuned_table(args.out)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _copy_tuned_table(out: str) -> None:
+    import torch
+
+    from .kernels.base import cache_root, gpu_slug
+
+    table = cache_root() / "tuned" / f"{gpu_slug(torch.cuda.get_device_name())}.json"
+    if table.exists():
+        os.makedirs(out, exist_ok=True)
+        shutil.copy(table, os.path.join(out, table.name))
 
 
 def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
@@ -301,6 +335,95 @@ def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
         lines.append(f"tuned   {cls.__name__} [{workload['label']}] {dtype} "
                      f"{kernel.key_string(bucket)} -> {config}")
     return lines
+
+
+# -- bench / report ---------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Times the chosen ops against their baselines; writes JSON, JUnit, Markdown and PNGs."""
+    import dataclasses
+    import pathlib
+
+    import torch
+
+    from .ops import OP_CLASSES
+    from .perf import report
+    from .perf.baselines import available_libraries
+    from .perf.bench import bench_cases, bench_workload
+    from .perf.profiles import load_profile
+
+    if not torch.cuda.is_available():
+        print("error: `tileops bench` needs a CUDA device (run `tileops doctor`)",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    ops = [cls for name, cls in sorted(OP_CLASSES.items())
+           if (not args.op or name in args.op)
+           and (not args.family or cls.spec.entry["family"] in args.family)]
+    if not ops:
+        print(f"error: no implemented op matches --op {args.op} --family {args.family}",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    _quiet_tilelang(args.verbose)
+    cases = list(bench_cases(ops, None if args.tier == "full" else args.tier, args.dtype))
+    rows, failed = [], 0
+    for op_cls, workload, dtype in _progress(cases):
+        try:
+            rows.append(dataclasses.asdict(bench_workload(op_cls, workload, dtype, log=print)))
+        except Exception as e:  # noqa: BLE001 - report and go on with the next case
+            failed += 1
+            print(f"FAILED  {op_cls.__name__} [{workload['label']}] {dtype}: "
+                  f"{type(e).__name__}: {e}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    meta = {"gpu": gpu, "torch": torch.__version__, "tilelang": _tilelang_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit(),
+            "libraries": available_libraries()}
+    report.write_json(rows, out / "bench.json", meta)
+    report.write_junit(rows, out / "bench.junit.xml")
+    table = report.markdown_table(rows)
+    (out / "bench.md").write_text(f"{gpu}\n\n{table}\n")
+    try:
+        report.plot_roofline(rows, load_profile(gpu), out / "roofline.png")
+        report.plot_speedups(rows, out / "speedup.png")
+    except TileOpsError as e:
+        print(f"note: {e}")
+    print(table)
+    status = EXIT_FAILED if failed else EXIT_OK
+    if args.history:
+        history = report.History(args.history)
+        comparisons = report.compare(rows, history.runs(gpu=gpu))
+        history.append({"meta": meta, "rows": rows})
+        print(report.comparison_table(comparisons))
+        if any(c.status == "regression" for c in comparisons):
+            status = EXIT_FAILED
+    print(f"reports in {out}/: bench.json, bench.junit.xml, bench.md, roofline.png, speedup.png")
+    return status
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Compares a run with the runs before it in the history; exit 1 on a regression."""
+    import json
+
+    from .perf import report
+
+    run = json.loads(open(args.run).read())
+    gpu = run.get("meta", {}).get("gpu")
+    comparisons = report.compare(run["rows"], report.History(args.history).runs(gpu=gpu))
+    print(report.comparison_table(comparisons))
+    return EXIT_FAILED if any(c.status == "regression" for c in comparisons) else EXIT_OK
+
+
+def _progress(items: list) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="bench", unit="case")
+
+
+def _git_commit() -> str | None:
+    root = os.path.dirname(os.path.abspath(__file__))
+    return _run_quietly(["git", "-C", root, "rev-parse", "--short", "HEAD"])
 
 
 if __name__ == "__main__":

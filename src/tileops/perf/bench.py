@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..manifest.spec import DTYPES
+from .baselines import Baseline, baselines_for
 from .profiles import load_profile
-from .timing import time_cuda
+from .timing import Timing, measure
+
+POOL_BYTES_LIMIT = 1 << 30  # inputs larger than this are not cloned into a pool
 
 
 @dataclass
@@ -29,61 +29,69 @@ class BenchRow:
     baselines: dict[str, float] = field(default_factory=dict)  # name -> latency (us)
     best_baseline: str = ""
     speedup: float = 0.0  # best baseline latency / TileOPs latency
-    timing: str = "cuda-events, L2 flushed, median of 3 trials"
+    spread_pct: float = 0.0  # run-to-run noise of the TileOPs latency
+    timing: str = ""
+    input_pool: int = 1  # distinct input copies rotated through (addresses change)
+    gpu: str = ""
 
 
-def bench_op(op_cls: Any, make_inputs: Callable[[dict, torch.dtype], tuple],
-             baselines: dict[str, Callable[..., Any]], workloads: list[dict],
-             dtypes: list[str] | None = None, progress: Callable[[str], None] = print,
-             ) -> list[BenchRow]:
-    """Times the op and each baseline on every (workload, dtype); never checks values."""
-    profile = load_profile(torch.cuda.get_device_name())
-    rows = []
-    for workload in workloads:
-        params = op_cls.spec.workload_params(workload)
-        op = op_cls(**params)
-        for dtype_name in workload["dtypes"]:
-            if dtypes and dtype_name not in dtypes:
-                continue
-            inputs = make_inputs(workload, DTYPES[dtype_name])
-            op(*inputs)  # compile / load before timing
-            latency = time_cuda(lambda o=op, x=inputs: o(*x)) * 1e3
-            flops, nbytes = op.eval_roofline(*inputs)
-            sol_s, bound = profile.sol_seconds(flops, nbytes, dtype_name)
-            base = {}
-            for name, fn in baselines.items():
-                try:
-                    base[name] = time_cuda(
-                        lambda f=fn, x=inputs, p=params: f(*x, **p)) * 1e3
-                except Exception as e:  # noqa: BLE001 - a baseline that cannot run is skipped
-                    progress(f"  baseline {name} failed: {type(e).__name__}: {e}")
-            best = min(base, key=base.get) if base else ""
-            row = BenchRow(op_cls.__name__, workload["label"], dtype_name, latency,
-                           flops / latency / 1e6, nbytes / latency / 1e6, sol_s * 1e6,
-                           100 * sol_s * 1e6 / latency, bound, base, best,
-                           base[best] / latency if best else 0.0)
-            progress(format_row(row))
-            rows.append(row)
-    return rows
+def random_inputs(op_cls: Any, workload: dict, dtype: str) -> list[torch.Tensor | None]:
+    """Fresh random inputs of a workload's shapes (never zeros), on the current GPU."""
+    tensors = op_cls.spec.workload_tensors(workload, dtype)
+    return [None if t is None else torch.randn(t.shape, device="cuda").to(t.dtype)
+            for t in tensors.values()]
 
 
-def format_row(r: BenchRow) -> str:
-    best = f"{r.best_baseline} {r.baselines.get(r.best_baseline, 0):.1f}"
-    return (f"| {r.label} | {r.dtype} | {r.latency_us:.1f} | {r.tflops:.0f} | {r.tbps:.2f} | "
-            f"{r.sol_pct:.0f}% {r.bound} | {best} | {r.speedup:.2f}x |")
+def _rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Callable[[], Any]]:
+    """Makes zero-argument callables that take the next of `pool_size` input copies."""
+    pool = [inputs] + [[None if t is None else t.clone() for t in inputs]
+                       for _ in range(pool_size - 1)]
+    counter = iter(range(1 << 62))
+
+    def bind(fn: Callable[..., Any]) -> Callable[[], Any]:
+        return lambda: fn(*pool[next(counter) % pool_size])
+
+    return bind
 
 
-TABLE_HEADER = ("| workload | dtype | TileOPs us | TFLOP/s | TB/s | SOL | best baseline us | "
-                "speed-up |\n|---|---|---|---|---|---|---|---|")
-
-
-def write_results(rows: list[BenchRow], out_dir: str | pathlib.Path, name: str) -> str:
-    """Writes <name>.json and <name>.md; returns the Markdown table."""
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def bench_workload(op_cls: Any, workload: dict, dtype: str,
+                   baselines: dict[str, Baseline] | None = None, pool_size: int = 4,
+                   log: Callable[[str], None] = lambda s: None) -> BenchRow:
+    """Times the op and each baseline on one (workload, dtype); never checks values."""
     gpu = torch.cuda.get_device_name()
-    (out / f"{name}.json").write_text(json.dumps(
-        {"gpu": gpu, "rows": [asdict(r) for r in rows]}, indent=1))
-    table = "\n".join([TABLE_HEADER] + [format_row(r) for r in rows])
-    (out / f"{name}.md").write_text(f"{gpu}\n\n{table}\n")
-    return table
+    profile = load_profile(gpu)
+    params = op_cls.spec.workload_params(workload)
+    op = op_cls(**params)
+    inputs = random_inputs(op_cls, workload, dtype)
+    nbytes_in = sum(t.numel() * t.element_size() for t in inputs if t is not None)
+    pool = pool_size if nbytes_in * pool_size <= POOL_BYTES_LIMIT else 1
+    bind = _rotating(inputs, pool)
+    op(*inputs)  # compile / load before timing
+    timing: Timing = measure(bind(op))
+    latency = timing.median_ms * 1e3
+    flops, nbytes = op.eval_roofline(*inputs)
+    sol_s, bound = profile.sol_seconds(flops, nbytes, dtype)
+    base = {}
+    for name, fn in (baselines_for(op_cls.__name__) if baselines is None else baselines).items():
+        try:
+            base[name] = measure(bind(lambda *x, f=fn: f(*x, **params))).median_ms * 1e3
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run is left out
+            log(f"baseline {name} failed on {workload['label']} {dtype}: "
+                f"{type(e).__name__}: {e}")
+    best = min(base, key=base.get) if base else ""
+    return BenchRow(op_cls.__name__, workload["label"], dtype, latency, flops / latency / 1e6,
+                    nbytes / latency / 1e6, sol_s * 1e6, 100 * sol_s * 1e6 / latency, bound,
+                    base, best, base[best] / latency if best else 0.0, timing.spread_pct,
+                    timing.method, pool, gpu)
+
+
+def bench_cases(op_classes: list[Any], tier: str | None = None,
+                dtypes: list[str] | None = None) -> Iterator[tuple[Any, dict, str]]:
+    """Every (op class, workload, dtype) a benchmark run covers."""
+    from ..manifest import load_workloads
+
+    for op_cls in op_classes:
+        for workload in load_workloads(op_cls.__name__, tier):
+            for dtype in workload["dtypes"]:
+                if not dtypes or dtype in dtypes:
+                    yield op_cls, workload, dtype

@@ -1,23 +1,42 @@
 """Timing protocol: median device time per call, L2 flushed before every call.
 
-Each call runs between two CUDA events after a write of a buffer twice the L2's size, so
-no call finds its inputs in L2. Each trial starts with a spin kernel that keeps the device
-busy while the host enqueues every repeat, so the events measure device time only, not
-host launch overhead (which small decode-size calls would otherwise be dominated by).
+Kernel time comes from CUPTI (torch.profiler / Kineto): every device kernel launched inside
+an annotated region around one call is summed, so multi-kernel ops count all their kernels
+and the L2 flush, outside the region, counts none. When the trace yields no kernel time for
+the regions, the protocol falls back to CUDA events around each call and says so in the
+result. Each trial starts with a spin kernel that keeps the device busy while the host
+enqueues every repeat, so event timings see device time rather than host launch time.
+Warmup, then `reps` calls x `trials`; the result is the median of the trial medians, with
+their spread as the run's noise.
+
+End-to-end call latency (host + device, eager and CUDA-graph replay) is measured apart,
+because for decode-size ops the host overhead is what users feel.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-_flush_buffers: dict[int, torch.Tensor] = {}
 SPIN_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than the host needs to enqueue a trial
+REGION = "tileops::timed_call"
+_flush_buffers: dict[int, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    spread_pct: float  # (max - min) / median of the trial medians
+    method: str  # "cupti" or "cuda-events (...why...)"
+    trials_ms: tuple[float, ...]
 
 
 def flush_l2(device: int | None = None) -> None:
+    """Writes a buffer twice the L2's size, evicting whatever the last call left there."""
     device = torch.cuda.current_device() if device is None else device
     buf = _flush_buffers.get(device)
     if buf is None:
@@ -27,23 +46,93 @@ def flush_l2(device: int | None = None) -> None:
     buf.zero_()
 
 
-def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
-              trials: int = 3) -> float:
-    """Median over `trials` of the per-trial median time of `fn()`, in milliseconds."""
+def _summarize(trials: list[float], method: str) -> Timing:
+    median = statistics.median(trials)
+    spread = 100 * (max(trials) - min(trials)) / median if median > 0 else 0.0
+    return Timing(median, spread, method, tuple(trials))
+
+
+def _events_trial(fn: Callable[[], object], reps: int) -> float:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda._sleep(SPIN_CYCLES)
+    for i in range(reps):
+        flush_l2()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def _cupti_trial(fn: Callable[[], object], reps: int) -> float | None:
+    """Median over calls of the summed kernel time inside each call's region, or None."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(SPIN_CYCLES)
+        for _ in range(reps):
+            flush_l2()
+            with record_function(REGION):
+                fn()
+        torch.cuda.synchronize()
+    # CPU-side annotation events own the kernels launched inside them (and their children's);
+    # the GPU-side copies of the annotation would double count, so they are skipped.
+    per_call = [e.device_time_total for e in prof.events()
+                if e.name == REGION and e.device_type == DeviceType.CPU]
+    if len(per_call) != reps or min(per_call) <= 0:
+        return None
+    return statistics.median(per_call) / 1e3  # us -> ms
+
+
+def measure(fn: Callable[[], object], warmup: int = 5, reps: int = 30, trials: int = 3,
+            method: str = "auto") -> Timing:
+    """Times `fn()` by the protocol above; `method` is 'auto', 'cupti' or 'events'."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    trial_medians = []
-    for _ in range(trials):
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        torch.cuda._sleep(SPIN_CYCLES)
-        for i in range(reps):
-            flush_l2()
-            starts[i].record()
-            fn()
-            ends[i].record()
+    if method in ("auto", "cupti"):
+        why = ""
+        try:
+            results = [_cupti_trial(fn, reps) for _ in range(trials)]
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot run means fall back
+            results, why = [None], f"profiler failed: {type(e).__name__}"
+        if all(r is not None for r in results):
+            return _summarize(results, "cupti")
+        if method == "cupti":
+            raise RuntimeError(f"CUPTI timing did not project kernels onto the regions {why}")
+        fallback = f"cuda-events ({why or 'no kernel time in the trace'})"
+    else:
+        fallback = "cuda-events"
+    return _summarize([_events_trial(fn, reps) for _ in range(trials)], fallback)
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
+              trials: int = 3) -> float:
+    """Median device time of `fn()` in ms by CUDA events (cheap: used by the autotuner)."""
+    return measure(fn, warmup, reps, trials, method="events").median_ms
+
+
+def call_latency_us(fn: Callable[[], object], calls: int = 200, graph: bool = False) -> float:
+    """End-to-end microseconds per call as a user sees it: host work plus device work.
+
+    With `graph=True`, `fn` is captured once in a CUDA graph and the replays are timed.
+    """
+    if graph:
+        fn()
         torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-        trial_medians.append(statistics.median(times))
-    return statistics.median(trial_medians)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            fn()
+        step = cuda_graph.replay
+    else:
+        step = fn
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6

@@ -1,0 +1,55 @@
+"""Benchmark harness for pytest: one parametrized test per (workload, dtype).
+
+    python -m pytest benchmarks -m gpu [--bench-tier smoke] [--junitxml out.xml]
+
+Each case records its numbers as JUnit properties; `tileops bench` runs the same cases with
+a progress bar and writes the JSON / Markdown / PNG reports.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bench-tier", choices=["smoke", "full"], default="full",
+                     help="which manifest workloads to benchmark")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="benchmarks need a CUDA device")
+        for item in items:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def bench(record_property):
+    """Runs one case and records every number of its row as a JUnit property."""
+    from tileops.perf.bench import bench_workload
+
+    def run(op_cls, workload, dtype):
+        row = bench_workload(op_cls, workload, dtype)
+        for key, value in dataclasses.asdict(row).items():
+            if key == "baselines":
+                for name, latency in value.items():
+                    record_property(f"baseline_{name}_latency_us", f"{latency:.2f}")
+                    record_property(f"baseline_{name}_ratio", f"{latency / row.latency_us:.3f}")
+            else:
+                record_property(key, f"{value:.3f}" if isinstance(value, float) else value)
+        return row
+
+    return run
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrizes a bench module's test over its op's (`OP`) manifest workloads."""
+    if "workload" not in metafunc.fixturenames:
+        return
+    from tileops.perf.bench import bench_cases
+
+    tier = metafunc.config.getoption("--bench-tier")
+    found = list(bench_cases([metafunc.module.OP], None if tier == "full" else tier))
+    metafunc.parametrize("workload, dtype", [(w, d) for _, w, d in found],
+                         ids=[f"{w['label']} [{d}]" for _, w, d in found])

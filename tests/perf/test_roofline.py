@@ -1,0 +1,39 @@
+"""Roofline math and GPU profiles (CPU)."""
+
+import pytest
+import torch
+
+from tileops import GemmFwdOp, RMSNormFwdOp, TileOpsUnsupportedError
+from tileops.perf.profiles import load_profile
+
+pytestmark = pytest.mark.smoke
+
+
+def test_h200_profile_uses_measured_ceilings():
+    profile = load_profile("NVIDIA H200")
+    assert profile.bytes_per_s == pytest.approx(4.26e12)
+    assert profile.flops_per_s["bfloat16"] == pytest.approx(790e12)
+    assert profile.l2_bytes == 60 * 2**20
+
+
+def test_unknown_gpu_is_a_clear_error():
+    with pytest.raises(TileOpsUnsupportedError, match=r"no GPU profile for 'NVIDIA A100.*h200"):
+        load_profile("NVIDIA A100-SXM4-80GB")
+
+
+def test_sol_picks_the_binding_resource():
+    profile = load_profile("NVIDIA H200")
+    # Llama-3.1-8B qkv_proj prefill: compute-bound.
+    m, n, k = 4096, 6144, 4096
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    flops, nbytes = GemmFwdOp().eval_roofline(torch.empty(m, k, **meta),
+                                              torch.empty(n, k, **meta))
+    seconds, bound = profile.sol_seconds(flops, nbytes, "bfloat16")
+    assert bound == "compute" and seconds == pytest.approx(2 * m * n * k / 790e12)
+    # RMSNorm is memory-bound: 2 bytes in + 2 out per element, plus the weight.
+    rows, hidden = 8192, 8192
+    flops, nbytes = RMSNormFwdOp(normalized_shape=[hidden]).eval_roofline(
+        torch.empty(rows, hidden, **meta), torch.empty(hidden, **meta))
+    seconds, bound = profile.sol_seconds(flops, nbytes, "bfloat16")
+    assert bound == "memory"
+    assert seconds == pytest.approx((4 * rows * hidden + 2 * hidden) / 4.26e12)

@@ -1,0 +1,35 @@
+"""The timing protocol against kernels of known cost (GPU)."""
+
+import pytest
+import torch
+
+from tileops.perf.profiles import load_profile
+from tileops.perf.timing import call_latency_us, measure
+
+pytestmark = pytest.mark.gpu
+
+
+def test_large_copy_runs_near_the_copy_ceiling():
+    src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB, far past L2
+    dst = torch.empty_like(src)
+    timing = measure(lambda: dst.copy_(src))
+    moved = 2 * src.numel() * src.element_size()
+    ceiling = load_profile(torch.cuda.get_device_name()).bytes_per_s
+    achieved = moved / (timing.median_ms * 1e-3)
+    assert 0.8 * ceiling < achieved < 1.1 * ceiling, (timing, achieved / 1e12)
+    assert timing.method == "cupti", timing.method
+
+
+def test_cupti_and_events_agree_on_a_long_kernel():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    cupti = measure(lambda: a @ b, method="cupti")
+    events = measure(lambda: a @ b, method="events")
+    assert abs(cupti.median_ms - events.median_ms) / events.median_ms < 0.03, (cupti, events)
+
+
+def test_call_latency_covers_host_and_device():
+    x = torch.randn(1024, device="cuda")
+    eager = call_latency_us(lambda: x.add_(1))
+    graph = call_latency_us(lambda: x.add_(1), graph=True)
+    assert 0 < graph and 0 < eager < 1000
