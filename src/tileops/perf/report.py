@@ -405,8 +405,8 @@ def _run_gpu(run: Mapping[str, Any]) -> str | None:
     gpu = (run.get("meta") or {}).get("gpu")
     if gpu:
         return gpu
-    # Runs whose meta lacks the GPU: use the rows' own, if they agree.
-    gpus = {r.get("gpu") for r in run.get("rows", [])}
+    # Runs whose meta lacks the GPU: use the rows' own, if they agree ("" means unknown).
+    gpus = {r.get("gpu") or None for r in run.get("rows", [])}
     return gpus.pop() if len(gpus) == 1 else None
 
 
@@ -521,14 +521,14 @@ def compare(current_rows: Iterable[Any], history_runs: Sequence[Mapping[str, Any
     for run in history_runs:
         run_gpu = _run_gpu(run)
         for row in run.get("rows", []):
-            row_gpu = row.get("gpu") or run_gpu
+            row_gpu = row.get("gpu") or run_gpu  # BenchRow's "" means unknown
             history_gpus.add(row_gpu)
             samples.setdefault((row_gpu, *_key(row)), []).append(
                 (float(row["latency_us"]), _spread(row)))
 
     out = []
     for row in _as_dicts(current_rows):
-        row_gpu = gpu or row.get("gpu")
+        row_gpu = gpu or row.get("gpu") or None
         if row_gpu is None:
             if len(history_gpus) > 1:
                 raise TileOpsValueError(
