@@ -107,3 +107,32 @@ def test_compile_sweep_builds_rms_norm_smoke_kernels(capsys):
     assert cli.main(["compile", "--op", "RMSNormFwdOp", "--tier", "smoke"]) == 0
     out = capsys.readouterr().out
     assert "FAILED" not in out and ", 0 failed" in out
+
+
+def test_bench_without_gpu_is_a_clear_error(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--tier", "smoke"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_report_flags_a_regression(tmp_path, capsys):
+    import json
+
+    from tileops.perf.report import History
+
+    row = {"op": "GemmFwdOp", "label": "w", "dtype": "bfloat16", "latency_us": 100.0,
+           "tflops": 1.0, "tbps": 1.0, "sol_us": 90.0, "sol_pct": 90.0, "bound": "compute",
+           "baselines": {}, "best_baseline": "", "speedup": 0.0, "spread_pct": 0.5,
+           "timing": "cupti", "gpu": "NVIDIA H200"}
+    history = History(tmp_path / "history.jsonl")
+    history.append({"meta": {"gpu": "NVIDIA H200"}, "rows": [row]})
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200"},
+                               "rows": [{**row, "latency_us": 110.0}]}))
+    assert cli.main(["report", str(run), "--history", str(history.path)]) == 1
+    assert "regression" in capsys.readouterr().out
+    run.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200"},
+                               "rows": [{**row, "latency_us": 101.0}]}))
+    assert cli.main(["report", str(run), "--history", str(history.path)]) == 0
