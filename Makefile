@@ -18,8 +18,8 @@ validate:
 compile:
 	tileops compile
 
-bench:
-	$(PYTHON) benchmarks/bench_gemm.py && $(PYTHON) benchmarks/bench_normalization.py
+bench:              ## needs a GPU; reports in bench-results/
+	tileops bench --out bench-results
 
 lint:
 	ruff check src tests benchmarks scripts
