@@ -2,6 +2,7 @@
 
 import pytest
 
+from tileops.kernels.attention import AttentionFwdKernel
 from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.normalization import RMSNormKernel
 from tileops.prebuild import build_plan
@@ -18,6 +19,10 @@ def test_smoke_workloads_compile(item):
     if isinstance(item.kernel, GemmKernel):
         # TileLang silently falls back to mma.sync / cp.async; the fast path must be there.
         assert "wgmma" in source and "tma_load" in source, item.describe()
+    if isinstance(item.kernel, AttentionFwdKernel):
+        # QK^T from shared memory, PV with P in registers, K/V through TMA, producer warps.
+        for needle in ("wgmma_ss", "wgmma_rs", "tma_load", "warpgroup_reg_alloc"):
+            assert needle in source, (needle, item.describe())
 
 
 def test_odd_k_still_uses_wgmma():

@@ -143,3 +143,40 @@ def test_kernel_buckets_are_few():
     kernel = GemmKernel(dtype="bfloat16", n=4096, k=4096, trans_a=False, trans_b=True)
     buckets = {kernel.bucket_of(m) for m in range(1, 20000, 3)}
     assert len(buckets) == 8
+
+
+@pytest.mark.parametrize("q, k, v, params, err, pattern", [
+    (meta(1, 8, 6, 128), meta(1, 8, 4, 128), meta(1, 8, 4, 128), {}, TileOpsValueError,
+     r"argument 'q': expected shapes satisfying `H % Hkv == 0`"),
+    (meta(1, 8, 8, 96), meta(1, 8, 2, 96), meta(1, 8, 2, 96), {}, TileOpsValueError,
+     r"`D in \(64, 128, 256\)`, got D=96"),
+    (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 9, 2, 128), {}, TileOpsValueError,
+     r"argument 'v': expected shape \[B, Skv, Hkv, D\] with Skv = 8 \(from k\)"),
+    (meta(8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {}, TileOpsValueError,
+     r"argument 'q': expected shape \[B, Sq, H, D\] \(4 dims\)"),
+    (meta(1, 8, 8, 128, dtype=torch.float32), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {},
+     TileOpsTypeError, r"argument 'q': expected dtype float16 \| bfloat16"),
+    (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {"window_size": [-2, 0]},
+     TileOpsValueError, r"argument 'window_size'"),
+])
+def test_attention_bad_input(q, k, v, params, err, pattern):
+    from tileops import GroupedQueryAttentionFwdOp
+
+    with pytest.raises(err, match=pattern):
+        GroupedQueryAttentionFwdOp(**params).check([q, k, v])
+
+
+def test_attention_roofline_counts_visible_pairs():
+    from tileops import GroupedQueryAttentionFwdOp
+    from tileops.perf.formulas import visible_pairs
+
+    assert visible_pairs(4, 4, -1, 0) == 10                  # causal: 1 + 2 + 3 + 4
+    assert visible_pairs(2, 4, -1, 0) == 3 + 4               # bottom-right aligned
+    assert visible_pairs(4, 2, -1, 0) == 0 + 0 + 1 + 2       # first rows see nothing
+    assert visible_pairs(5, 5, 1, 0) == 1 + 2 + 2 + 2 + 2    # sliding window of 2
+    assert visible_pairs(3, 3, -1, -1) == 9
+    b, s, h, hkv, d = 2, 1024, 32, 8, 128
+    flops, nbytes = GroupedQueryAttentionFwdOp(is_causal=True).eval_roofline(
+        meta(b, s, h, d), meta(b, s, hkv, d), meta(b, s, hkv, d))
+    assert flops == 4 * b * h * d * (s * (s + 1) // 2)
+    assert nbytes == 2 * (2 * b * s * h * d + 2 * b * s * hkv * d) + 4 * b * h * s

@@ -7,13 +7,23 @@ from .errors import (
     TileOpsUnsupportedError,
     TileOpsValueError,
 )
-from .ops import OP_CLASSES, GemmFwdOp, Op, RMSNormFwdOp, gemm, rms_norm
+from .ops import (
+    OP_CLASSES,
+    GemmFwdOp,
+    GroupedQueryAttentionFwdOp,
+    Op,
+    RMSNormFwdOp,
+    attention,
+    gemm,
+    rms_norm,
+)
 from .prebuild import warmup
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GemmFwdOp", "RMSNormFwdOp", "Op", "OP_CLASSES", "gemm", "rms_norm", "warmup",
+    "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp", "Op", "OP_CLASSES",
+    "attention", "gemm", "rms_norm", "warmup",
     "TileOpsError", "TileOpsTypeError", "TileOpsValueError", "TileOpsUnsupportedError",
     "ManifestError",
 ]

@@ -155,10 +155,14 @@ class CompiledSpec:
         ]
         # Fixed-rank input shapes such as "[M, K]": names bind across tensors.
         self.input_shapes: dict[str, list[str | int]] = {}
+        self.shape_name_owner: dict[str, str] = {}  # shape name -> first input binding it
         for n, t in sig["inputs"].items():
             if "shape" in t:
                 self.input_shapes[n] = _parse_shape(op_name, f"signature.inputs.{n}.shape",
                                                     t["shape"])
+                for dim in self.input_shapes[n]:
+                    if isinstance(dim, str):
+                        self.shape_name_owner.setdefault(dim, n)
         self.outputs = [
             TensorSpec(n, DtypeRule.parse(op_name, f"signature.outputs.{n}.dtype", t["dtype"]),
                        False, Expr.compile(op_name, f"signature.outputs.{n}.shape",
@@ -271,10 +275,12 @@ class CompiledSpec:
                 detail = ""
             if not ok:
                 arg = next((n for n in rule.names if n in self.input_names), None)
+                arg = arg or next((self.shape_name_owner[n] for n in rule.names
+                                   if n in self.shape_name_owner), None)
                 arg = arg or next((n for n in rule.names if n in self.param_names), "shapes")
                 seen = ", ".join(self._describe(n, ns) for n in rule.names
                                  if n in self.input_names or n in self.param_names
-                                 or n in self.dims)
+                                 or n in self.dims or n in self.shape_name_owner)
                 raise op_error(TileOpsValueError, self.op_name, arg,
                                f"shapes satisfying `{rule.text}`", f"{seen}{detail}")
 

@@ -48,6 +48,64 @@ def _rms_norm_liger(x, w, normalized_shape, eps):
     return LigerRMSNormFunction.apply(x, w, eps if eps is not None else 1e-6)
 
 
+_window_masks: dict[tuple, torch.Tensor] = {}
+
+
+def _window_mask(seq_q: int, seq_kv: int, left: int, right: int, device: Any) -> torch.Tensor:
+    """Boolean [Sq, Skv] mask of the bottom-right aligned window (True = attend), cached."""
+    key = (seq_q, seq_kv, left, right, str(device))
+    if key not in _window_masks:
+        rel = (torch.arange(seq_kv, device=device)[None, :]
+               - torch.arange(seq_q, device=device)[:, None] - (seq_kv - seq_q))
+        mask = torch.ones_like(rel, dtype=torch.bool)
+        if left >= 0:
+            mask &= rel >= -left
+        if right >= 0:
+            mask &= rel <= right
+        _window_masks[key] = mask
+    return _window_masks[key]
+
+
+def _sdpa(backend: Any) -> Baseline:
+    def run(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
+        from torch.nn.attention import sdpa_kernel
+
+        from .formulas import effective_window
+
+        if softcap:
+            raise NotImplementedError("SDPA has no logit softcap")
+        left, right = effective_window(is_causal, window_size)
+        seq_q, seq_kv = q.shape[1], k.shape[1]
+        # SDPA's is_causal aligns top-left; only Sq == Skv matches our bottom-right causal.
+        causal = (left, right) == (-1, 0) and seq_q == seq_kv
+        mask = None if causal or (left, right) == (-1, -1) else _window_mask(
+            seq_q, seq_kv, left, right, q.device)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                is_causal=causal, scale=scale, enable_gqa=True).transpose(1, 2)
+
+    return run
+
+
+def _flash_attn(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(q, k, v, softmax_scale=scale, causal=is_causal,
+                           window_size=tuple(window_size), softcap=softcap)
+
+
+def _attention_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
+    from torch.nn.attention import SDPBackend
+
+    table = {f"sdpa-{name}": _sdpa(backend) for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
+    if libs["flash_attn"]:
+        table["flash-attn"] = _flash_attn
+    return table
+
+
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
@@ -58,4 +116,6 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         if libs["liger_kernel"]:
             table["liger"] = _rms_norm_liger
         return table
+    if op_name == "GroupedQueryAttentionFwdOp":
+        return _attention_baselines(libs)
     return {}

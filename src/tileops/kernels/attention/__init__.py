@@ -1,0 +1,3 @@
+from .attention_fwd import AttentionFwdConfig, AttentionFwdKernel
+
+__all__ = ["AttentionFwdConfig", "AttentionFwdKernel"]

@@ -1,0 +1,160 @@
+"""FlashAttention-style forward on Hopper: TMA loads, wgmma, online softmax in registers.
+
+q [B, Sq, H, D], k/v [B, Skv, Hkv, D] (BSHD), o like q, lse [B, H, Sq] (fp32, natural log).
+B, Sq and Skv are symbolic; head_dim, head counts and the mask options are compiled in.
+Each CTA owns `block_m` query rows of one head and walks the key/value tiles its mask can
+reach (causal and sliding windows skip whole tiles), keeping the running row max and sum in
+fp32. Masks align bottom-right: query i sees key j when j - i - (Skv - Sq) lies in
+[-window_left, window_right] (-1 = unbounded; causal is window_right = 0). A row that sees
+no key gets o = 0 and lse = -inf.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+SMEM_LIMIT = 227 * 1024
+
+
+@dataclass(frozen=True)
+class AttentionFwdConfig:
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 2
+    threads: int = 256  # consumer threads; warp specialization adds a producer warpgroup
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """Q tile plus `stages` K and V tiles (TileLang reuses the Q buffer for O)."""
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes
+
+
+def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
+                          window_left: int, window_right: int, softcap: float,
+                          block_m: int, block_n: int, stages: int, threads: int):
+    batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
+    group = heads // kv_heads
+    masked_right = window_right >= 0
+    masked_left = window_left >= 0
+    q_shape = (batch, seq_q, heads, head_dim)
+    kv_shape = (batch, seq_kv, kv_heads, head_dim)
+
+    @T.prim_func
+    def attention_fwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
+                      v: T.Tensor(kv_shape, dtype), o: T.Tensor(q_shape, dtype),
+                      lse: T.Tensor((batch, heads, seq_q), "float"), scale: T.float32):
+        with T.Kernel(T.ceildiv(seq_q, block_m), heads, batch, threads=threads) as (bx, by, bz):
+            q_shared = T.alloc_shared((block_m, head_dim), dtype)
+            k_shared = T.alloc_shared((block_n, head_dim), dtype)
+            v_shared = T.alloc_shared((block_n, head_dim), dtype)
+            o_shared = T.alloc_shared((block_m, head_dim), dtype)
+            s_local = T.alloc_fragment((block_m, block_n), "float")
+            p_local = T.alloc_fragment((block_m, block_n), dtype)
+            o_local = T.alloc_fragment((block_m, head_dim), "float")
+            m_local = T.alloc_fragment((block_m,), "float")
+            m_prev = T.alloc_fragment((block_m,), "float")
+            m_safe = T.alloc_fragment((block_m,), "float")
+            rescale = T.alloc_fragment((block_m,), "float")
+            row_sum = T.alloc_fragment((block_m,), "float")
+            l_local = T.alloc_fragment((block_m,), "float")
+            lse_local = T.alloc_fragment((block_m,), "float")
+
+            kv_head = by // group
+            offset = seq_kv - seq_q  # bottom-right alignment of the masks
+            q_start = bx * block_m
+            # The key tiles this query block can see.
+            tile_end = T.ceildiv(seq_kv, block_n)
+            if masked_right:
+                tile_end = T.max(0, T.min(tile_end, T.ceildiv(
+                    q_start + block_m + offset + window_right, block_n)))
+            tile_begin = 0
+            if masked_left:
+                tile_begin = T.max(0, T.floordiv(q_start + offset - window_left, block_n))
+            n_tiles = T.max(tile_end - tile_begin, 0)
+
+            T.copy(q[bz, q_start:q_start + block_m, by, :], q_shared)
+            T.fill(o_local, 0)
+            T.fill(l_local, 0)
+            T.fill(m_local, -T.infinity("float"))
+
+            for t in T.Pipelined(n_tiles, num_stages=stages):
+                kv_start = (tile_begin + t) * block_n
+                T.copy(k[bz, kv_start:kv_start + block_n, kv_head, :], k_shared)
+                T.clear(s_local)
+                T.gemm(q_shared, k_shared, s_local, transpose_B=True,
+                       policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(block_m, block_n):
+                    rel = kv_start + j - (q_start + i) - offset  # key minus query position
+                    visible = kv_start + j < seq_kv
+                    if masked_right:
+                        visible = visible & (rel <= window_right)
+                    if masked_left:
+                        visible = visible & (rel >= -window_left)
+                    if softcap > 0:
+                        logit = T.tanh(s_local[i, j] * (scale / softcap)) * (softcap * LOG2E)
+                    else:
+                        logit = s_local[i, j] * (scale * LOG2E)
+                    s_local[i, j] = T.if_then_else(visible, logit, -T.infinity("float"))
+                T.copy(m_local, m_prev)
+                T.reduce_max(s_local, m_local, dim=1, clear=False)
+                for i in T.Parallel(block_m):
+                    # -inf rows (nothing visible yet) must not turn exp2 into NaN.
+                    m_safe[i] = T.if_then_else(m_local[i] == -T.infinity("float"), 0,
+                                               m_local[i])
+                    rescale[i] = T.exp2(m_prev[i] - m_safe[i])
+                for i, j in T.Parallel(block_m, block_n):
+                    s_local[i, j] = T.exp2(s_local[i, j] - m_safe[i])
+                T.reduce_sum(s_local, row_sum, dim=1)
+                for i in T.Parallel(block_m):
+                    l_local[i] = l_local[i] * rescale[i] + row_sum[i]
+                for i, j in T.Parallel(block_m, head_dim):
+                    o_local[i, j] *= rescale[i]
+                T.copy(s_local, p_local)
+                T.copy(v[bz, kv_start:kv_start + block_n, kv_head, :], v_shared)
+                T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
+
+            for i, j in T.Parallel(block_m, head_dim):
+                o_local[i, j] = T.if_then_else(l_local[i] > 0, o_local[i, j] / l_local[i], 0)
+            for i in T.Parallel(block_m):
+                lse_local[i] = T.if_then_else(
+                    l_local[i] > 0, (m_local[i] + T.log2(l_local[i])) * LN2,
+                    -T.infinity("float"))
+            T.copy(o_local, o_shared)
+            T.copy(o_shared, o[bz, q_start:q_start + block_m, by, :])
+            T.copy(lse_local, lse[bz, by, q_start:q_start + block_m])
+
+    return attention_fwd
+
+
+class AttentionFwdKernel(Kernel):
+    """key: dtype, heads, kv_heads, head_dim, window_left, window_right, softcap."""
+
+    name = "attention_fwd"
+    Config = AttentionFwdConfig
+
+    def program(self, config: AttentionFwdConfig, bucket: str):
+        k = self.key
+        return attention_fwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
+                                     k["window_left"], k["window_right"], k["softcap"],
+                                     config.block_m, config.block_n, config.stages,
+                                     config.threads)
+
+    def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, o, lse,
+            scale: float) -> None:
+        compiled[0](q, k, v, o, lse, scale)
+
+    def heuristic_config(self, bucket: str, arch: str) -> AttentionFwdConfig:
+        if self.key["head_dim"] >= 256:
+            return AttentionFwdConfig(block_m=128, block_n=64, stages=2, threads=256)
+        return AttentionFwdConfig(block_m=128, block_n=128, stages=2, threads=256)
+
+    def config_space(self, bucket: str) -> list[AttentionFwdConfig]:
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        for block_n in (64, 128, 176):
+            for stages in (1, 2):
+                space.append(AttentionFwdConfig(128, block_n, stages, 256))
+        return [c for c in dict.fromkeys(space) if c.smem_bytes(self.key["head_dim"]) <= SMEM_LIMIT]

@@ -1,0 +1,69 @@
+"""Attention family: grouped-query attention forward (FlashAttention-style, BSHD)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..kernels.attention import AttentionFwdKernel
+from ..kernels.base import Kernel
+from ..perf.formulas import effective_window
+from .base import Op
+from .layout import tma_ready
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class GroupedQueryAttentionFwdOp(Op):
+    """softmax(q k^T * scale [+ mask]) v with H % Hkv == 0; returns (o, lse).
+
+    is_causal and window_size=(left, right) (-1 = unbounded) align bottom-right when
+    Sq != Skv; softcap > 0 applies Gemma-2 style tanh capping to the scaled logits.
+    """
+
+    kernel_map = {"attention_fwd": AttentionFwdKernel}
+
+    def __init__(self, *, is_causal: bool = False, scale: float | None = None,
+                 window_size: Sequence[int] = (-1, -1), softcap: float = 0.0,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(is_causal=is_causal, scale=scale, window_size=list(window_size),
+                         softcap=float(softcap), kernel_map=kernel_map, tune=tune)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq_q, heads, head_dim = q.shape
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+        if o.numel() == 0:
+            return o, lse
+        if k.shape[1] == 0:  # no keys: every row attends to nothing
+            return o.zero_(), lse.fill_(-math.inf)
+        kernel = self.get_kernel("attention_fwd", q.device,
+                                 **self._kernel_key(q.dtype, heads, k.shape[2], head_dim))
+        scale = self.scale if self.scale is not None else head_dim ** -0.5
+        kernel(seq_q, tma_ready(q), tma_ready(k), tma_ready(v), o, lse, float(scale))
+        return o, lse
+
+    def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int,
+                    head_dim: int) -> dict[str, Any]:
+        left, right = effective_window(self.is_causal, self.window_size)
+        return {"dtype": _DTYPE_NAMES[dtype], "heads": heads, "kv_heads": kv_heads,
+                "head_dim": head_dim, "window_left": left, "window_right": right,
+                "softcap": self.softcap}
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
+        return [("attention_fwd", key, ns["Sq"])]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+              scale: float | None = None, window_size: Sequence[int] = (-1, -1),
+              softcap: float = 0.0) -> torch.Tensor:
+    """Attention over BSHD tensors (q [B, Sq, H, D], k/v [B, Skv, Hkv, D]); returns o."""
+    o, _ = GroupedQueryAttentionFwdOp.apply(q, k, v, is_causal=is_causal, scale=scale,
+                                            window_size=list(window_size),
+                                            softcap=float(softcap))
+    return o

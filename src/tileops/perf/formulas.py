@@ -1,0 +1,41 @@
+"""Roofline formulas that need more than one manifest expression (masks, varlen)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def visible_pairs(seq_q: int, seq_kv: int, window_left: int, window_right: int) -> int:
+    """(query, key) pairs a bottom-right aligned window lets through; -1 = unbounded side.
+
+    Query i sees key j when j - i - (seq_kv - seq_q) lies in [-window_left, window_right].
+    """
+    offset = seq_kv - seq_q
+    total = 0
+    for i in range(seq_q):
+        lo = max(0, i + offset - window_left) if window_left >= 0 else 0
+        hi = min(seq_kv - 1, i + offset + window_right) if window_right >= 0 else seq_kv - 1
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def effective_window(is_causal: bool, window_size: Any) -> tuple[int, int]:
+    """(left, right) after folding `is_causal` in: causal caps the right side at 0."""
+    left, right = int(window_size[0]), int(window_size[1])
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def attention_fwd(q: Any, k: Any, v: Any, is_causal: bool, window_size: Any,
+                  elem_bytes: int, **_: Any) -> tuple[int, int]:
+    """FLOPs of QK^T and PV over the visible pairs; bytes of q, k, v, o and the fp32 lse."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv = k.shape[1]
+    left, right = effective_window(is_causal, window_size)
+    pairs = visible_pairs(seq_q, seq_kv, left, right)
+    flops = 4 * batch * heads * head_dim * pairs
+    n_q = batch * seq_q * heads * head_dim
+    n_kv = k.numel() + v.numel()
+    nbytes = (2 * n_q + n_kv) * elem_bytes + batch * heads * seq_q * 4
+    return flops, nbytes
