@@ -11,9 +11,11 @@ from .ops import (
     OP_CLASSES,
     GemmFwdOp,
     GroupedQueryAttentionFwdOp,
+    GroupedQueryAttentionVarlenFwdOp,
     Op,
     RMSNormFwdOp,
     attention,
+    attention_varlen,
     gemm,
     rms_norm,
 )
@@ -22,8 +24,9 @@ from .prebuild import warmup
 __version__ = "0.1.0"
 
 __all__ = [
-    "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp", "Op", "OP_CLASSES",
-    "attention", "gemm", "rms_norm", "warmup",
+    "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
+    "GroupedQueryAttentionVarlenFwdOp", "Op", "OP_CLASSES", "attention", "attention_varlen",
+    "gemm", "rms_norm", "warmup",
     "TileOpsError", "TileOpsTypeError", "TileOpsValueError", "TileOpsUnsupportedError",
     "ManifestError",
 ]

@@ -43,6 +43,9 @@ _WORKLOAD = {
             },
         },
         "params": {"type": "object"},
+        # values of inputs whose contents matter (cu_seqlens); the rest are random
+        "data": {"type": "object",
+                 "additionalProperties": {"type": "array", "items": {"type": "integer"}}},
         "dtypes": {"type": "array", "minItems": 1, "items": {"enum": _DTYPE_NAMES}},
         "tier": {"enum": ["smoke", "full", "nightly"]},
     },

@@ -317,7 +317,10 @@ class CompiledSpec:
         return int(flops), int(nbytes)
 
     def workload_tensors(self, workload: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-        """Meta tensors of a workload's shapes (inputs in `dtype` unless a combo says else)."""
+        """Meta tensors of a workload's shapes (inputs in `dtype` unless a combo says else).
+
+        Inputs whose values the workload gives (`data`, e.g. cu_seqlens) are real CPU tensors.
+        """
         tensors: dict[str, Any] = {}
         for spec in self.inputs:
             shape = workload["inputs"].get(spec.name)
@@ -329,8 +332,12 @@ class CompiledSpec:
                         f"{self.op_name}: workload '{workload['label']}': dtype {dtype} is not "
                         f"one of input '{spec.name}' dtypes {spec.dtype.describe()}")
                 torch_dtype = allowed[0]  # a fixed-dtype input (an index, a scale)
-            tensors[spec.name] = None if shape is None else torch.empty(
-                shape, dtype=torch_dtype, device="meta")
+            values = (workload.get("data") or {}).get(spec.name)
+            if values is not None:
+                tensors[spec.name] = torch.tensor(values, dtype=torch_dtype).reshape(shape)
+            else:
+                tensors[spec.name] = None if shape is None else torch.empty(
+                    shape, dtype=torch_dtype, device="meta")
         return tensors
 
     def workload_params(self, workload: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..kernels.attention import AttentionFwdKernel
+from ..errors import TileOpsValueError, op_error
+from ..kernels.attention import AttentionFwdKernel, AttentionVarlenFwdKernel
 from ..kernels.base import Kernel
 from ..perf.formulas import effective_window
 from .base import Op
@@ -59,6 +60,60 @@ class GroupedQueryAttentionFwdOp(Op):
         return [("attention_fwd", key, ns["Sq"])]
 
 
+class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
+    """Attention over packed sequences (flash_attn_varlen_func layout).
+
+    q [Tq, H, D], k/v [Tkv, Hkv, D]; sequence b owns rows cu_seqlens[b]:cu_seqlens[b + 1].
+    The cu_seqlens are checked (start at 0, non-decreasing, end at the row count, lengths
+    within max_seqlen) with one small device-to-host read per call, skipped while a CUDA
+    graph is being captured.
+    """
+
+    kernel_map = {"attention_varlen_fwd": AttentionVarlenFwdKernel}
+
+    def __init__(self, *, max_seqlen_q: int, max_seqlen_kv: int, is_causal: bool = False,
+                 scale: float | None = None, window_size: Sequence[int] = (-1, -1),
+                 softcap: float = 0.0, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
+        Op.__init__(self, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+                    is_causal=is_causal, scale=scale, window_size=list(window_size),
+                    softcap=float(softcap), kernel_map=kernel_map, tune=tune)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens_q: torch.Tensor,
+                cu_seqlens_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total_q, heads, head_dim = q.shape
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+        if not torch.cuda.is_current_stream_capturing():
+            self._check_seqlens(cu_seqlens_q, total_q, self.max_seqlen_q, "cu_seqlens_q")
+            self._check_seqlens(cu_seqlens_kv, k.shape[0], self.max_seqlen_kv, "cu_seqlens_kv")
+        if total_q == 0 or k.shape[0] == 0:
+            return o.zero_(), lse.fill_(-math.inf)  # nothing visible, as the kernel would write
+        kernel = self.get_kernel("attention_varlen_fwd", q.device,
+                                 **self._kernel_key(q.dtype, heads, k.shape[1], head_dim))
+        scale = self.scale if self.scale is not None else head_dim ** -0.5
+        kernel(total_q, tma_ready(q), tma_ready(k), tma_ready(v), cu_seqlens_q.contiguous(),
+               cu_seqlens_kv.contiguous(), o, lse, self.max_seqlen_q, float(scale))
+        return o, lse
+
+    def _check_seqlens(self, cu: torch.Tensor, total: int, max_len: int, arg: str) -> None:
+        lengths = cu.diff()
+        bad = torch.stack([cu[0] != 0, cu[-1] != total, (lengths < 0).any(),
+                           (lengths > max_len).any()])
+        problems = bad.tolist()  # the one host sync of a varlen call
+        if any(problems):
+            what = ["to start at 0", f"to end at the row count {total}",
+                    "to be non-decreasing", f"no sequence longer than max_seqlen = {max_len}"]
+            failed = [w for w, p in zip(what, problems, strict=True) if p]
+            raise op_error(TileOpsValueError, self.spec.op_name, arg, " and ".join(failed),
+                           cu.tolist())
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
+        return [("attention_varlen_fwd", key, ns["Tq"])]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
               scale: float | None = None, window_size: Sequence[int] = (-1, -1),
               softcap: float = 0.0) -> torch.Tensor:
@@ -66,4 +121,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     o, _ = GroupedQueryAttentionFwdOp.apply(q, k, v, is_causal=is_causal, scale=scale,
                                             window_size=list(window_size),
                                             softcap=float(softcap))
+    return o
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_kv: int, is_causal: bool = False, scale: float | None = None,
+                     window_size: Sequence[int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
+    """Attention over packed sequences q [Tq, H, D], k/v [Tkv, Hkv, D]; returns o."""
+    o, _ = GroupedQueryAttentionVarlenFwdOp.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv, is_causal=is_causal, scale=scale,
+        window_size=list(window_size), softcap=float(softcap))
     return o

@@ -95,6 +95,15 @@ def _flash_attn(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), soft
                            window_size=tuple(window_size), softcap=softcap)
 
 
+def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                       is_causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                                  max_seqlen_kv, softmax_scale=scale, causal=is_causal,
+                                  window_size=tuple(window_size), softcap=softcap)
+
+
 def _attention_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
     from torch.nn.attention import SDPBackend
 
@@ -118,4 +127,7 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return table
     if op_name == "GroupedQueryAttentionFwdOp":
         return _attention_baselines(libs)
+    if op_name == "GroupedQueryAttentionVarlenFwdOp":
+        # SDPA has no packed-sequence form; compare with the dense op's TFLOP/s as well.
+        return {"flash-attn-varlen": _flash_attn_varlen} if libs["flash_attn"] else {}
     return {}

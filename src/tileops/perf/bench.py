@@ -38,8 +38,8 @@ class BenchRow:
 def random_inputs(op_cls: Any, workload: dict, dtype: str) -> list[torch.Tensor | None]:
     """Fresh random inputs of a workload's shapes (never zeros), on the current GPU."""
     tensors = op_cls.spec.workload_tensors(workload, dtype)
-    return [None if t is None else torch.randn(t.shape, device="cuda").to(t.dtype)
-            for t in tensors.values()]
+    return [None if t is None else t.to("cuda") if t.device.type == "cpu"
+            else torch.randn(t.shape, device="cuda").to(t.dtype) for t in tensors.values()]
 
 
 def _rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Callable[[], Any]]:

@@ -39,3 +39,25 @@ def attention_fwd(q: Any, k: Any, v: Any, is_causal: bool, window_size: Any,
     n_kv = k.numel() + v.numel()
     nbytes = (2 * n_q + n_kv) * elem_bytes + batch * heads * seq_q * 4
     return flops, nbytes
+
+
+def attention_varlen_fwd(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_kv: Any,
+                         is_causal: bool, window_size: Any, elem_bytes: int,
+                         **_: Any) -> tuple[int, int]:
+    """As `attention_fwd`, summed over the packed sequences.
+
+    On meta tensors (no values) the sequences are taken as equally long.
+    """
+    total_q, heads, head_dim = q.shape
+    left, right = effective_window(is_causal, window_size)
+    n_seq = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_q.device.type == "meta" or cu_seqlens_kv.device.type == "meta":
+        lens = [(total_q // max(n_seq, 1), k.shape[0] // max(n_seq, 1))] * n_seq
+    else:
+        cq, ckv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
+        lens = [(cq[i + 1] - cq[i], ckv[i + 1] - ckv[i]) for i in range(n_seq)]
+    pairs = sum(visible_pairs(sq, skv, left, right) for sq, skv in lens)
+    flops = 4 * heads * head_dim * pairs
+    nbytes = ((2 * q.numel() + k.numel() + v.numel()) * elem_bytes + heads * total_q * 4
+              + 2 * (n_seq + 1) * 4)
+    return flops, nbytes

@@ -1,3 +1,3 @@
-from .attention_fwd import AttentionFwdConfig, AttentionFwdKernel
+from .attention_fwd import AttentionFwdConfig, AttentionFwdKernel, AttentionVarlenFwdKernel
 
-__all__ = ["AttentionFwdConfig", "AttentionFwdKernel"]
+__all__ = ["AttentionFwdConfig", "AttentionFwdKernel", "AttentionVarlenFwdKernel"]

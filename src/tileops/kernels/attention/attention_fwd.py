@@ -33,15 +33,89 @@ class AttentionFwdConfig:
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes
 
 
+def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right: int,
+                      softcap: float, block_m: int, block_n: int):
+    """The steps the dense and the varlen programs share, as TileLang macros."""
+    masked_right = window_right >= 0
+    masked_left = window_left >= 0
+
+    def tile_range(q_start, seq_q, seq_kv):
+        """(first key tile, number of key tiles) this query block's mask can reach."""
+        offset = seq_kv - seq_q  # bottom-right alignment of the masks
+        tile_end = T.ceildiv(seq_kv, block_n)
+        if masked_right:
+            tile_end = T.max(0, T.min(tile_end, T.ceildiv(
+                q_start + block_m + offset + window_right, block_n)))
+        tile_begin = 0
+        if masked_left:
+            tile_begin = T.max(0, T.floordiv(q_start + offset - window_left, block_n))
+        return tile_begin, T.max(tile_end - tile_begin, 0)
+
+    @T.macro
+    def init(o_local, l_local, m_local):
+        T.fill(o_local, 0)
+        T.fill(l_local, 0)
+        T.fill(m_local, -T.infinity("float"))
+
+    @T.macro
+    def scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale):
+        """s = log2(e) * (capped) scaled logits, -inf where the mask hides the key."""
+        T.clear(s_local)
+        T.gemm(q_shared, k_shared, s_local, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        for i, j in T.Parallel(block_m, block_n):
+            rel = kv_start + j - (q_start + i) - (seq_kv - seq_q)  # key minus query position
+            visible = kv_start + j < seq_kv
+            if masked_right:
+                visible = visible & (rel <= window_right)
+            if masked_left:
+                visible = visible & (rel >= -window_left)
+            if softcap > 0:
+                logit = T.tanh(s_local[i, j] * (scale / softcap)) * (softcap * LOG2E)
+            else:
+                logit = s_local[i, j] * (scale * LOG2E)
+            s_local[i, j] = T.if_then_else(visible, logit, -T.infinity("float"))
+
+    @T.macro
+    def online_softmax(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
+                       l_local):
+        """Folds one tile of scores into the running max and sum; p = exp2(s - max)."""
+        T.copy(m_local, m_prev)
+        T.reduce_max(s_local, m_local, dim=1, clear=False)
+        for i in T.Parallel(block_m):
+            # -inf rows (nothing visible yet) must not turn exp2 into NaN.
+            m_safe[i] = T.if_then_else(m_local[i] == -T.infinity("float"), 0, m_local[i])
+            rescale[i] = T.exp2(m_prev[i] - m_safe[i])
+        for i, j in T.Parallel(block_m, block_n):
+            s_local[i, j] = T.exp2(s_local[i, j] - m_safe[i])
+        T.reduce_sum(s_local, row_sum, dim=1)
+        for i in T.Parallel(block_m):
+            l_local[i] = l_local[i] * rescale[i] + row_sum[i]
+        for i, j in T.Parallel(block_m, head_dim):
+            o_local[i, j] *= rescale[i]
+        T.copy(s_local, p_local)
+
+    @T.macro
+    def finish(o_local, l_local, m_local, lse_local):
+        """o /= l and the natural-log lse; rows that saw no key get 0 and -inf."""
+        for i, j in T.Parallel(block_m, head_dim):
+            o_local[i, j] = T.if_then_else(l_local[i] > 0, o_local[i, j] / l_local[i], 0)
+        for i in T.Parallel(block_m):
+            lse_local[i] = T.if_then_else(
+                l_local[i] > 0, (m_local[i] + T.log2(l_local[i])) * LN2, -T.infinity("float"))
+
+    return tile_range, init, scores, online_softmax, finish
+
+
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
                           block_m: int, block_n: int, stages: int, threads: int):
+    """Dense BSHD batch: q [B, Sq, H, D], k/v [B, Skv, Hkv, D], lse [B, H, Sq]."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     group = heads // kv_heads
-    masked_right = window_right >= 0
-    masked_left = window_left >= 0
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
+    tile_range, init, scores, online_softmax, finish = _attention_macros(
+        head_dim, dtype, window_left, window_right, softcap, block_m, block_n)
 
     @T.prim_func
     def attention_fwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
@@ -64,70 +138,93 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             lse_local = T.alloc_fragment((block_m,), "float")
 
             kv_head = by // group
-            offset = seq_kv - seq_q  # bottom-right alignment of the masks
             q_start = bx * block_m
-            # The key tiles this query block can see.
-            tile_end = T.ceildiv(seq_kv, block_n)
-            if masked_right:
-                tile_end = T.max(0, T.min(tile_end, T.ceildiv(
-                    q_start + block_m + offset + window_right, block_n)))
-            tile_begin = 0
-            if masked_left:
-                tile_begin = T.max(0, T.floordiv(q_start + offset - window_left, block_n))
-            n_tiles = T.max(tile_end - tile_begin, 0)
-
+            tile_begin, n_tiles = tile_range(q_start, seq_q, seq_kv)
             T.copy(q[bz, q_start:q_start + block_m, by, :], q_shared)
-            T.fill(o_local, 0)
-            T.fill(l_local, 0)
-            T.fill(m_local, -T.infinity("float"))
-
+            init(o_local, l_local, m_local)
             for t in T.Pipelined(n_tiles, num_stages=stages):
                 kv_start = (tile_begin + t) * block_n
                 T.copy(k[bz, kv_start:kv_start + block_n, kv_head, :], k_shared)
-                T.clear(s_local)
-                T.gemm(q_shared, k_shared, s_local, transpose_B=True,
-                       policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(block_m, block_n):
-                    rel = kv_start + j - (q_start + i) - offset  # key minus query position
-                    visible = kv_start + j < seq_kv
-                    if masked_right:
-                        visible = visible & (rel <= window_right)
-                    if masked_left:
-                        visible = visible & (rel >= -window_left)
-                    if softcap > 0:
-                        logit = T.tanh(s_local[i, j] * (scale / softcap)) * (softcap * LOG2E)
-                    else:
-                        logit = s_local[i, j] * (scale * LOG2E)
-                    s_local[i, j] = T.if_then_else(visible, logit, -T.infinity("float"))
-                T.copy(m_local, m_prev)
-                T.reduce_max(s_local, m_local, dim=1, clear=False)
-                for i in T.Parallel(block_m):
-                    # -inf rows (nothing visible yet) must not turn exp2 into NaN.
-                    m_safe[i] = T.if_then_else(m_local[i] == -T.infinity("float"), 0,
-                                               m_local[i])
-                    rescale[i] = T.exp2(m_prev[i] - m_safe[i])
-                for i, j in T.Parallel(block_m, block_n):
-                    s_local[i, j] = T.exp2(s_local[i, j] - m_safe[i])
-                T.reduce_sum(s_local, row_sum, dim=1)
-                for i in T.Parallel(block_m):
-                    l_local[i] = l_local[i] * rescale[i] + row_sum[i]
-                for i, j in T.Parallel(block_m, head_dim):
-                    o_local[i, j] *= rescale[i]
-                T.copy(s_local, p_local)
+                scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale)
+                online_softmax(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
+                               row_sum, l_local)
                 T.copy(v[bz, kv_start:kv_start + block_n, kv_head, :], v_shared)
                 T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
-
-            for i, j in T.Parallel(block_m, head_dim):
-                o_local[i, j] = T.if_then_else(l_local[i] > 0, o_local[i, j] / l_local[i], 0)
-            for i in T.Parallel(block_m):
-                lse_local[i] = T.if_then_else(
-                    l_local[i] > 0, (m_local[i] + T.log2(l_local[i])) * LN2,
-                    -T.infinity("float"))
+            finish(o_local, l_local, m_local, lse_local)
             T.copy(o_local, o_shared)
-            T.copy(o_shared, o[bz, q_start:q_start + block_m, by, :])
+            T.copy(o_shared, o[bz, q_start:q_start + block_m, by, :])  # TMA clips the Sq tail
             T.copy(lse_local, lse[bz, by, q_start:q_start + block_m])
 
     return attention_fwd
+
+
+def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
+                                 window_left: int, window_right: int, softcap: float,
+                                 block_m: int, block_n: int, stages: int, threads: int):
+    """Packed sequences: q [Tq, H, D], k/v [Tkv, Hkv, D], cu_seqlens [B + 1], lse [H, Tq].
+
+    The grid covers max_seqlen_q rows per sequence; blocks past a sequence's end do no
+    work, and rows past it are never stored (they belong to the next sequence).
+    """
+    total_q, total_kv, batch_1 = T.dynamic("total_q, total_kv, batch_1")
+    group = heads // kv_heads
+    tile_range, init, scores, online_softmax, finish = _attention_macros(
+        head_dim, dtype, window_left, window_right, softcap, block_m, block_n)
+
+    @T.prim_func
+    def attention_varlen_fwd(q: T.Tensor((total_q, heads, head_dim), dtype),
+                             k: T.Tensor((total_kv, kv_heads, head_dim), dtype),
+                             v: T.Tensor((total_kv, kv_heads, head_dim), dtype),
+                             cu_seqlens_q: T.Tensor((batch_1,), "int32"),
+                             cu_seqlens_kv: T.Tensor((batch_1,), "int32"),
+                             o: T.Tensor((total_q, heads, head_dim), dtype),
+                             lse: T.Tensor((heads, total_q), "float"), max_seqlen_q: T.int32,
+                             scale: T.float32):
+        with T.Kernel(T.ceildiv(max_seqlen_q, block_m), heads, batch_1 - 1,
+                      threads=threads) as (bx, by, bz):
+            q_shared = T.alloc_shared((block_m, head_dim), dtype)
+            k_shared = T.alloc_shared((block_n, head_dim), dtype)
+            v_shared = T.alloc_shared((block_n, head_dim), dtype)
+            s_local = T.alloc_fragment((block_m, block_n), "float")
+            p_local = T.alloc_fragment((block_m, block_n), dtype)
+            o_local = T.alloc_fragment((block_m, head_dim), "float")
+            m_local = T.alloc_fragment((block_m,), "float")
+            m_prev = T.alloc_fragment((block_m,), "float")
+            m_safe = T.alloc_fragment((block_m,), "float")
+            rescale = T.alloc_fragment((block_m,), "float")
+            row_sum = T.alloc_fragment((block_m,), "float")
+            l_local = T.alloc_fragment((block_m,), "float")
+            lse_local = T.alloc_fragment((block_m,), "float")
+
+            kv_head = by // group
+            q_offset = cu_seqlens_q[bz]
+            kv_offset = cu_seqlens_kv[bz]
+            seq_q = cu_seqlens_q[bz + 1] - q_offset
+            seq_kv = cu_seqlens_kv[bz + 1] - kv_offset
+            q_start = bx * block_m
+            tile_begin, reachable = tile_range(q_start, seq_q, seq_kv)
+            n_tiles = T.if_then_else(q_start < seq_q, reachable, 0)
+            T.copy(q[q_offset + q_start:q_offset + q_start + block_m, by, :], q_shared)
+            init(o_local, l_local, m_local)
+            for t in T.Pipelined(n_tiles, num_stages=stages):
+                kv_start = (tile_begin + t) * block_n
+                T.copy(k[kv_offset + kv_start:kv_offset + kv_start + block_n, kv_head, :],
+                       k_shared)
+                scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale)
+                online_softmax(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
+                               row_sum, l_local)
+                T.copy(v[kv_offset + kv_start:kv_offset + kv_start + block_n, kv_head, :],
+                       v_shared)
+                T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
+            finish(o_local, l_local, m_local, lse_local)
+            for i, j in T.Parallel(block_m, head_dim):
+                if q_start + i < seq_q:
+                    o[q_offset + q_start + i, by, j] = o_local[i, j]
+            for i in T.Parallel(block_m):
+                if q_start + i < seq_q:
+                    lse[by, q_offset + q_start + i] = lse_local[i]
+
+    return attention_varlen_fwd
 
 
 class AttentionFwdKernel(Kernel):
@@ -158,3 +255,20 @@ class AttentionFwdKernel(Kernel):
             for stages in (1, 2):
                 space.append(AttentionFwdConfig(128, block_n, stages, 256))
         return [c for c in dict.fromkeys(space) if c.smem_bytes(self.key["head_dim"]) <= SMEM_LIMIT]
+
+
+class AttentionVarlenFwdKernel(AttentionFwdKernel):
+    """Packed sequences (cu_seqlens); same key and configs as the dense kernel."""
+
+    name = "attention_varlen_fwd"
+
+    def program(self, config: AttentionFwdConfig, bucket: str):
+        k = self.key
+        return attention_varlen_fwd_program(
+            k["heads"], k["kv_heads"], k["head_dim"], k["dtype"], k["window_left"],
+            k["window_right"], k["softcap"], config.block_m, config.block_n, config.stages,
+            config.threads)
+
+    def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, cu_seqlens_q,
+            cu_seqlens_kv, o, lse, max_seqlen_q: int, scale: float) -> None:
+        compiled[0](q, k, v, cu_seqlens_q, cu_seqlens_kv, o, lse, max_seqlen_q, scale)
