@@ -2,7 +2,7 @@
 
 import pytest
 
-from tileops.kernels.attention import AttentionFwdKernel
+from tileops.kernels.attention import AttentionBwdKernel, AttentionFwdKernel
 from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.normalization import RMSNormKernel
 from tileops.prebuild import build_plan
@@ -23,6 +23,10 @@ def test_smoke_workloads_compile(item):
         # QK^T from shared memory, PV with P in registers, K/V through TMA, producer warps.
         for needle in ("wgmma_ss", "wgmma_rs", "tma_load", "warpgroup_reg_alloc"):
             assert needle in source, (needle, item.describe())
+    if isinstance(item.kernel, AttentionBwdKernel):
+        main_source = compiled[1].get_kernel_source()  # [0] is the delta = rowsum(o*do) pass
+        for needle in ("wgmma_ss", "wgmma_rs", "tma_load"):
+            assert needle in main_source, (needle, item.describe())
 
 
 def test_odd_k_still_uses_wgmma():

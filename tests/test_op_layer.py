@@ -180,3 +180,14 @@ def test_attention_roofline_counts_visible_pairs():
         meta(b, s, h, d), meta(b, s, hkv, d), meta(b, s, hkv, d))
     assert flops == 4 * b * h * d * (s * (s + 1) // 2)
     assert nbytes == 2 * (2 * b * s * h * d + 2 * b * s * hkv * d) + 4 * b * h * s
+
+
+def test_attention_autograd_is_wired_through_the_custom_ops():
+    """On meta tensors the fake implementations run: forward, then the backward op."""
+    q = torch.empty(2, 64, 8, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    k = torch.empty(2, 80, 2, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    v = torch.empty(2, 80, 2, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    out = tileops.attention(q, k, v, is_causal=True)
+    assert out.requires_grad and out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

@@ -10,6 +10,7 @@ from .errors import (
 from .ops import (
     OP_CLASSES,
     GemmFwdOp,
+    GroupedQueryAttentionBwdOp,
     GroupedQueryAttentionFwdOp,
     GroupedQueryAttentionVarlenFwdOp,
     Op,
@@ -25,8 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
-    "GroupedQueryAttentionVarlenFwdOp", "Op", "OP_CLASSES", "attention", "attention_varlen",
-    "gemm", "rms_norm", "warmup",
+    "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "Op", "OP_CLASSES",
+    "attention", "attention_varlen", "gemm", "rms_norm", "warmup",
     "TileOpsError", "TileOpsTypeError", "TileOpsValueError", "TileOpsUnsupportedError",
     "ManifestError",
 ]

@@ -1,6 +1,7 @@
 """Op layer: one module per family."""
 
 from .attention import (
+    GroupedQueryAttentionBwdOp,
     GroupedQueryAttentionFwdOp,
     GroupedQueryAttentionVarlenFwdOp,
     attention,
@@ -12,8 +13,8 @@ from .normalization import RMSNormFwdOp, rms_norm
 
 OP_CLASSES: dict[str, type[Op]] = {
     cls.__name__: cls for cls in (GemmFwdOp, RMSNormFwdOp, GroupedQueryAttentionFwdOp,
-                                  GroupedQueryAttentionVarlenFwdOp)}
+                                  GroupedQueryAttentionVarlenFwdOp, GroupedQueryAttentionBwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
-           "GroupedQueryAttentionVarlenFwdOp", "attention", "attention_varlen", "gemm",
-           "rms_norm"]
+           "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
+           "attention_varlen", "gemm", "rms_norm"]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import TileOpsValueError, op_error
-from ..kernels.attention import AttentionFwdKernel, AttentionVarlenFwdKernel
+from ..kernels.attention import AttentionBwdKernel, AttentionFwdKernel, AttentionVarlenFwdKernel
 from ..kernels.base import Kernel
 from ..perf.formulas import effective_window
 from .base import Op
@@ -58,6 +58,50 @@ class GroupedQueryAttentionFwdOp(Op):
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
         return [("attention_fwd", key, ns["Sq"])]
+
+
+class GroupedQueryAttentionBwdOp(GroupedQueryAttentionFwdOp):
+    """dq, dk, dv of GroupedQueryAttentionFwdOp from do, q, k, v, o and its lse.
+
+    With GQA, dk and dv sum over the query heads of each group.
+    """
+
+    kernel_map = {"attention_bwd": AttentionBwdKernel}
+
+    def forward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch, seq_q, heads, head_dim = q.shape
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        if q.numel() == 0 or k.numel() == 0:  # no pairs: every gradient is zero
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        kernel = self.get_kernel("attention_bwd", q.device,
+                                 **self._kernel_key(q.dtype, heads, k.shape[2], head_dim))
+        scale = self.scale if self.scale is not None else head_dim ** -0.5
+        kernel(seq_q, tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(o), tma_ready(do),
+               lse.contiguous(), dq, dk, dv, float(scale))
+        return dq, dk, dv
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
+        return [("attention_bwd", key, ns["Sq"])]
+
+
+def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, *params = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.params = params
+    ctx.mark_non_differentiable(lse)  # a statistic for the backward, not a model output
+
+
+def _attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = GroupedQueryAttentionBwdOp.torch_op(grad_o, q, k, v, o, lse, *ctx.params)
+    return (dq, dk, dv) + (None,) * len(ctx.params)
+
+
+torch.library.register_autograd(GroupedQueryAttentionFwdOp.torch_op, _attention_backward,
+                                setup_context=_save_for_backward)
 
 
 class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):

@@ -82,14 +82,15 @@ class Op:
 
     # -- calling --------------------------------------------------------------------------
     def __call__(self, *inputs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _needs_autograd(inputs):
             return type(self).torch_op(*inputs, *self.params.values())
         return self.run(*inputs)
 
     @classmethod
     def apply(cls, *inputs: Any, **params: Any) -> Any:
-        """The functional API's body: eager calls skip the dispatcher, traced calls use it."""
-        if torch.compiler.is_compiling():
+        """The functional API's body: plain eager calls skip the dispatcher; traced calls
+        and calls that autograd must record go through the custom op."""
+        if torch.compiler.is_compiling() or _needs_autograd(inputs):
             return cls.torch_op(*inputs, *(params[n] for n in cls.spec.param_names))
         return cls.cached(**params).run(*inputs)
 
@@ -185,6 +186,11 @@ class Op:
         Used by the compile sweep and warmup; must agree with what `forward` launches.
         """
         raise NotImplementedError
+
+
+def _needs_autograd(inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
 def _register_custom_op(cls: type[Op]) -> Any:

@@ -95,6 +95,22 @@ def _flash_attn(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), soft
                            window_size=tuple(window_size), softcap=softcap)
 
 
+def _sdpa_backward(backend: Any) -> Baseline:
+    """Times SDPA's backward alone: the forward graph is built once per input set."""
+    forward = _sdpa(backend)
+    graphs: dict[tuple, tuple] = {}
+
+    def run(do, q, k, v, o, lse, **params):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in graphs:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            graphs[key] = (forward(*leaves, **params), leaves)
+        out, leaves = graphs[key]
+        return torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    return run
+
+
 def _flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                        is_causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
     from flash_attn import flash_attn_varlen_func
@@ -127,6 +143,12 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return table
     if op_name == "GroupedQueryAttentionFwdOp":
         return _attention_baselines(libs)
+    if op_name == "GroupedQueryAttentionBwdOp":
+        from torch.nn.attention import SDPBackend
+
+        return {f"sdpa-{name}": _sdpa_backward(backend) for name, backend in (
+            ("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
     if op_name == "GroupedQueryAttentionVarlenFwdOp":
         # SDPA has no packed-sequence form; compare with the dense op's TFLOP/s as well.
         return {"flash-attn-varlen": _flash_attn_varlen} if libs["flash_attn"] else {}

@@ -61,3 +61,13 @@ def attention_varlen_fwd(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
     nbytes = ((2 * q.numel() + k.numel() + v.numel()) * elem_bytes + heads * total_q * 4
               + 2 * (n_seq + 1) * 4)
     return flops, nbytes
+
+
+def attention_bwd(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: bool,
+                  window_size: Any, elem_bytes: int, **_: Any) -> tuple[int, int]:
+    """2.5x the forward's FLOPs (S, dP, dV, dK, dQ products); reads do, q, k, v, o, lse,
+    writes dq, dk, dv."""
+    flops, _bytes = attention_fwd(q, k, v, is_causal, window_size, elem_bytes)
+    nbytes = ((do.numel() + 2 * q.numel() + o.numel() + 2 * (k.numel() + v.numel()))
+              * elem_bytes + lse.numel() * 4)
+    return flops * 5 // 2, nbytes

@@ -1,3 +1,5 @@
+from .attention_bwd import AttentionBwdConfig, AttentionBwdKernel
 from .attention_fwd import AttentionFwdConfig, AttentionFwdKernel, AttentionVarlenFwdKernel
 
-__all__ = ["AttentionFwdConfig", "AttentionFwdKernel", "AttentionVarlenFwdKernel"]
+__all__ = ["AttentionBwdConfig", "AttentionBwdKernel", "AttentionFwdConfig",
+           "AttentionFwdKernel", "AttentionVarlenFwdKernel"]

@@ -1,0 +1,193 @@
+"""FlashAttention-2 style backward on Hopper: dq, dk, dv from q, k, v, o, do and lse.
+
+Three programs: `delta = rowsum(do * o)` per query row; the main pass, where each CTA owns
+one key/value block of one query head, keeps dk and dv for it in registers and walks the
+query blocks its mask lets see the block (recomputing P from the saved lse), adding each dq
+contribution into an fp32 buffer with atomics; and the cast of the fp32 gradients. With
+GQA the query heads of a group add into the same fp32 dk/dv rows, also with atomics.
+
+Gradients w.r.t. the raw scores: dS = P * (dP - delta) * scale, times (1 - tanh^2) when
+the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute nothing.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tilelang.language as T
+import torch
+
+from ..base import Kernel
+
+LOG2E = math.log2(math.e)
+ROWS = T.GemmWarpPolicy.FullRow
+
+
+@dataclass(frozen=True)
+class AttentionBwdConfig:
+    block_kv: int = 128  # two consumer warpgroups x 64 key rows
+    block_q: int = 64
+    stages: int = 1
+    threads: int = 256
+
+
+def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int = 64,
+                            threads: int = 128):
+    """delta[b, h, i] = sum_d o[b, i, h, d] * do[b, i, h, d] in fp32."""
+    batch, seq_q = T.dynamic("batch, seq_q")
+    shape = (batch, seq_q, heads, head_dim)
+
+    @T.prim_func
+    def attention_delta(o: T.Tensor(shape, dtype), do: T.Tensor(shape, dtype),
+                        delta: T.Tensor((batch, heads, seq_q), "float")):
+        with T.Kernel(T.ceildiv(seq_q, block_q), heads, batch, threads=threads) as (bx, by, bz):
+            o_local = T.alloc_fragment((block_q, head_dim), dtype)
+            do_local = T.alloc_fragment((block_q, head_dim), dtype)
+            prod_local = T.alloc_fragment((block_q, head_dim), "float")
+            delta_local = T.alloc_fragment((block_q,), "float")
+            T.copy(o[bz, bx * block_q:(bx + 1) * block_q, by, :], o_local)
+            T.copy(do[bz, bx * block_q:(bx + 1) * block_q, by, :], do_local)
+            for i, j in T.Parallel(block_q, head_dim):
+                prod_local[i, j] = T.cast(o_local[i, j], "float") * T.cast(do_local[i, j],
+                                                                           "float")
+            T.reduce_sum(prod_local, delta_local, dim=1)
+            T.copy(delta_local, delta[bz, by, bx * block_q:(bx + 1) * block_q])
+
+    return attention_delta
+
+
+def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
+                          window_left: int, window_right: int, softcap: float,
+                          block_kv: int, block_q: int, stages: int, threads: int):
+    """The main pass; dq, dk, dv are fp32 accumulators the caller zeroes."""
+    batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
+    group = heads // kv_heads
+    q_shape = (batch, seq_q, heads, head_dim)
+    kv_shape = (batch, seq_kv, kv_heads, head_dim)
+    masked_right = window_right >= 0
+    masked_left = window_left >= 0
+
+    @T.prim_func
+    def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
+                      v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
+                      lse: T.Tensor((batch, heads, seq_q), "float"),
+                      delta: T.Tensor((batch, heads, seq_q), "float"),
+                      dq: T.Tensor(q_shape, "float"), dk: T.Tensor(kv_shape, "float"),
+                      dv: T.Tensor(kv_shape, "float"), scale: T.float32):
+        with T.Kernel(T.ceildiv(seq_kv, block_kv), heads, batch,
+                      threads=threads) as (bx, by, bz):
+            k_shared = T.alloc_shared((block_kv, head_dim), dtype)
+            v_shared = T.alloc_shared((block_kv, head_dim), dtype)
+            q_shared = T.alloc_shared((block_q, head_dim), dtype)
+            do_shared = T.alloc_shared((block_q, head_dim), dtype)
+            ds_shared = T.alloc_shared((block_kv, block_q), dtype)
+            lse_shared = T.alloc_shared((block_q,), "float")
+            delta_shared = T.alloc_shared((block_q,), "float")
+            s_local = T.alloc_fragment((block_kv, block_q), "float")  # keys x queries
+            p_local = T.alloc_fragment((block_kv, block_q), dtype)
+            dp_local = T.alloc_fragment((block_kv, block_q), "float")
+            ds_local = T.alloc_fragment((block_kv, block_q), dtype)
+            dk_local = T.alloc_fragment((block_kv, head_dim), "float")
+            dv_local = T.alloc_fragment((block_kv, head_dim), "float")
+            dq_local = T.alloc_fragment((block_q, head_dim), "float")
+
+            kv_head = by // group
+            kv_start = bx * block_kv
+            offset = seq_kv - seq_q
+            # Query blocks that can see a key of this block (bottom-right aligned masks).
+            q_begin = 0
+            if masked_right:
+                q_begin = T.max(0, T.floordiv(kv_start - offset - window_right, block_q))
+            q_end = T.ceildiv(seq_q, block_q)
+            if masked_left:
+                q_end = T.max(0, T.min(q_end, T.ceildiv(
+                    kv_start + block_kv - offset + window_left, block_q)))
+            n_blocks = T.max(q_end - q_begin, 0)
+
+            T.copy(k[bz, kv_start:kv_start + block_kv, kv_head, :], k_shared)
+            T.copy(v[bz, kv_start:kv_start + block_kv, kv_head, :], v_shared)
+            T.clear(dk_local)
+            T.clear(dv_local)
+            for t in T.Pipelined(n_blocks, num_stages=stages):
+                q_start = (q_begin + t) * block_q
+                T.copy(q[bz, q_start:q_start + block_q, by, :], q_shared)
+                T.copy(do[bz, q_start:q_start + block_q, by, :], do_shared)
+                T.copy(lse[bz, by, q_start:q_start + block_q], lse_shared)
+                T.copy(delta[bz, by, q_start:q_start + block_q], delta_shared)
+                T.clear(s_local)
+                # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
+                # so S^T, dP^T, P, dS, dK and dV share one register layout.
+                T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)  # K Q^T
+                T.clear(dp_local)
+                T.gemm(v_shared, do_shared, dp_local, transpose_B=True, policy=ROWS)  # V dO^T
+                for i, j in T.Parallel(block_kv, block_q):
+                    rel = kv_start + i - (q_start + j) - offset
+                    visible = (kv_start + i < seq_kv) & (q_start + j < seq_q) & (
+                        lse_shared[j] != -T.infinity("float"))
+                    if masked_right:
+                        visible = visible & (rel <= window_right)
+                    if masked_left:
+                        visible = visible & (rel >= -window_left)
+                    if softcap > 0:
+                        capped = T.tanh(s_local[i, j] * (scale / softcap))
+                        prob = T.exp2(capped * (softcap * LOG2E) - lse_shared[j] * LOG2E)
+                        grad = (dp_local[i, j] - delta_shared[j]) * scale * (1 - capped * capped)
+                    else:
+                        prob = T.exp2(s_local[i, j] * (scale * LOG2E) - lse_shared[j] * LOG2E)
+                        grad = (dp_local[i, j] - delta_shared[j]) * scale
+                    p_local[i, j] = T.if_then_else(visible, prob, 0)
+                    ds_local[i, j] = T.if_then_else(visible, prob * grad, 0)
+                T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
+                T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
+                T.copy(ds_local, ds_shared)
+                T.clear(dq_local)
+                T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
+                       policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
+                for i, j in T.Parallel(block_q, head_dim):
+                    if q_start + i < seq_q:
+                        T.atomic_add(dq[bz, q_start + i, by, j], dq_local[i, j])
+            for i, j in T.Parallel(block_kv, head_dim):
+                if kv_start + i < seq_kv:
+                    T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
+                    T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
+
+    return attention_bwd
+
+
+class AttentionBwdKernel(Kernel):
+    """key: dtype, heads, kv_heads, head_dim, window_left, window_right, softcap."""
+
+    name = "attention_bwd"
+    Config = AttentionBwdConfig
+
+    def program(self, config: AttentionBwdConfig, bucket: str):
+        k = self.key
+        main = attention_bwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
+                                     k["window_left"], k["window_right"], k["softcap"],
+                                     config.block_kv, config.block_q, config.stages,
+                                     config.threads)
+        return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
+
+    def run(self, config: AttentionBwdConfig, compiled: tuple, q, k, v, o, do, lse, dq, dk,
+            dv, scale: float) -> None:
+        batch, seq_q, heads, _ = q.shape
+        delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+        compiled[0](o, do, delta)
+        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk32 = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv32 = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, scale)
+        dq.copy_(dq32)
+        dk.copy_(dk32)
+        dv.copy_(dv32)
+
+    def heuristic_config(self, bucket: str, arch: str) -> AttentionBwdConfig:
+        if self.key["head_dim"] >= 256:
+            return AttentionBwdConfig(block_kv=128, block_q=32, stages=1, threads=256)
+        return AttentionBwdConfig(block_kv=128, block_q=64, stages=1, threads=256)
+
+    def config_space(self, bucket: str) -> list[AttentionBwdConfig]:
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        for block_kv, block_q in ((128, 64), (128, 32), (128, 128)):
+            for stages in (1, 2):
+                space.append(AttentionBwdConfig(block_kv, block_q, stages, 256))
+        return list(dict.fromkeys(space))
