@@ -17,6 +17,7 @@ import tilelang.language as T
 import torch
 
 from ..base import Kernel
+from .mask import query_block_range
 
 LOG2E = math.log2(math.e)
 ROWS = T.GemmWarpPolicy.FullRow
@@ -92,16 +93,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
 
             kv_head = by // group
             kv_start = bx * block_kv
-            offset = seq_kv - seq_q
-            # Query blocks that can see a key of this block (bottom-right aligned masks).
-            q_begin = 0
-            if masked_right:
-                q_begin = T.max(0, T.floordiv(kv_start - offset - window_right, block_q))
-            q_end = T.ceildiv(seq_q, block_q)
-            if masked_left:
-                q_end = T.max(0, T.min(q_end, T.ceildiv(
-                    kv_start + block_kv - offset + window_left, block_q)))
-            n_blocks = T.max(q_end - q_begin, 0)
+            offset = seq_kv - seq_q  # bottom-right alignment of the masks
+            q_begin, n_blocks = query_block_range(kv_start, seq_q, seq_kv, block_kv, block_q,
+                                                  window_left, window_right)
 
             T.copy(k[bz, kv_start:kv_start + block_kv, kv_head, :], k_shared)
             T.copy(v[bz, kv_start:kv_start + block_kv, kv_head, :], v_shared)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
+from .mask import key_tile_range
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -40,16 +41,8 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
     masked_left = window_left >= 0
 
     def tile_range(q_start, seq_q, seq_kv):
-        """(first key tile, number of key tiles) this query block's mask can reach."""
-        offset = seq_kv - seq_q  # bottom-right alignment of the masks
-        tile_end = T.ceildiv(seq_kv, block_n)
-        if masked_right:
-            tile_end = T.max(0, T.min(tile_end, T.ceildiv(
-                q_start + block_m + offset + window_right, block_n)))
-        tile_begin = 0
-        if masked_left:
-            tile_begin = T.max(0, T.floordiv(q_start + offset - window_left, block_n))
-        return tile_begin, T.max(tile_end - tile_begin, 0)
+        return key_tile_range(q_start, seq_q, seq_kv, block_m, block_n, window_left,
+                              window_right)
 
     @T.macro
     def init(o_local, l_local, m_local):
