@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, benchmarks and the host-overhead probe; logs and reports under
 # $OUT (at most 8 files come back: bench/ holds 5), a short table last.
-#   bash .gpu/remote.sh bash scripts/gpu_session.sh [tests|bench|all]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh [tests|all]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--tier smoke]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...]
 # Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present.
 set -uo pipefail
@@ -26,7 +27,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  tileops bench --out "$OUT/bench" > "$OUT/bench.log" 2>&1 || rc=1
+  tileops bench --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1 || rc=1
   python3 scripts/host_overhead.py 2>&1 | grep -v INFO | tee -a "$OUT/bench.log"
   sed -n '/^| workload/,$p' "$OUT/bench/bench.md"
 fi
