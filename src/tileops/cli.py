@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results", help="report folder (default: %(default)s)")
     p.add_argument("--history", metavar="FILE",
                    help="append the run to this history (JSON lines) and compare with it")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run every case N times; rows report the median and the spread")
     p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_bench)
 
@@ -348,7 +350,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .ops import OP_CLASSES
     from .perf import report
     from .perf.baselines import available_libraries
-    from .perf.bench import bench_cases, bench_workload
+    from .perf.bench import bench_cases, bench_workload, merge_repeats
     from .perf.profiles import load_profile
 
     if not torch.cuda.is_available():
@@ -364,14 +366,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
     cases = list(bench_cases(ops, None if args.tier == "full" else args.tier, args.dtype))
-    rows, failed = [], 0
-    for op_cls, workload, dtype in _progress(cases):
-        try:
-            rows.append(dataclasses.asdict(bench_workload(op_cls, workload, dtype, log=print)))
-        except Exception as e:  # noqa: BLE001 - report and go on with the next case
-            failed += 1
-            print(f"FAILED  {op_cls.__name__} [{workload['label']}] {dtype}: "
-                  f"{type(e).__name__}: {e}")
+    failed: set[tuple] = set()
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        run_rows = {}
+        for op_cls, workload, dtype in _progress(cases):
+            case = (op_cls.__name__, workload["label"], dtype)
+            try:
+                row = bench_workload(op_cls, workload, dtype, log=print)
+                run_rows[case] = dataclasses.asdict(row)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next case
+                failed.add(case)
+                print(f"FAILED  {case[0]} [{case[1]}] {dtype}: {type(e).__name__}: {e}")
+        runs.append(run_rows)
+    good = [c for c in runs[0] if c not in failed]
+    rows = merge_repeats([[run[c] for c in good] for run in runs])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
@@ -389,6 +398,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"note: {e}")
     print(table)
     status = EXIT_FAILED if failed else EXIT_OK
+    if args.repeat > 1:
+        over_50 = [r for r in rows if r["latency_us"] > 50]
+        worst = max((r["spread_pct"] for r in over_50), default=0.0)
+        print(f"run-to-run agreement over {args.repeat} runs, cases over 50 us: worst spread "
+              f"{worst:.1f}% ({'within' if worst <= 3 else 'OUTSIDE'} the 3% target)")
     if args.history:
         history = report.History(args.history)
         comparisons = report.compare(rows, history.runs(gpu=gpu))

@@ -37,3 +37,22 @@ def test_sol_picks_the_binding_resource():
     seconds, bound = profile.sol_seconds(flops, nbytes, "bfloat16")
     assert bound == "memory"
     assert seconds == pytest.approx((4 * rows * hidden + 2 * hidden) / 4.26e12)
+
+
+def test_merge_repeats_reports_median_and_run_to_run_spread():
+    from tileops.perf.bench import merge_repeats
+
+    def row(latency, cublas, spread):
+        return {"op": "GemmFwdOp", "label": "w", "dtype": "bfloat16", "latency_us": latency,
+                "tflops": 1000.0 / latency, "tbps": 10.0 / latency, "sol_us": 50.0,
+                "sol_pct": 5000.0 / latency, "bound": "compute", "baselines": {"cublas": cublas},
+                "best_baseline": "cublas", "speedup": cublas / latency, "spread_pct": spread}
+
+    (merged,) = merge_repeats([[row(100.0, 95.0, 0.5)], [row(104.0, 97.0, 1.0)],
+                               [row(102.0, 96.0, 0.2)]])
+    assert merged["latency_us"] == 102.0 and merged["runs_us"] == [100.0, 104.0, 102.0]
+    assert merged["spread_pct"] == pytest.approx(100 * 4 / 102)
+    assert merged["tflops"] == pytest.approx(1000.0 / 102)
+    assert merged["sol_pct"] == pytest.approx(5000.0 / 102)
+    assert merged["baselines"] == {"cublas": 96.0}
+    assert merged["speedup"] == pytest.approx(96.0 / 102)

@@ -95,3 +95,36 @@ def bench_cases(op_classes: list[Any], tier: str | None = None,
             for dtype in workload["dtypes"]:
                 if not dtypes or dtype in dtypes:
                     yield op_cls, workload, dtype
+
+
+def merge_repeats(runs: list[list[dict]]) -> list[dict]:
+    """One row per case from `runs` repeats of the same benchmark (rows as dicts).
+
+    Latencies (TileOPs and baselines) become the median over the runs; `runs_us` keeps each
+    run's TileOPs latency and `spread_pct` becomes the larger of the in-run trial spread and
+    the run-to-run spread, so the report shows how far two runs of the same case disagree.
+    """
+    import statistics
+
+    from .report import spread_pct
+
+    merged = []
+    for case in zip(*runs, strict=True):
+        first = dict(case[0])
+        assert all((r["op"], r["label"], r["dtype"]) == (first["op"], first["label"],
+                                                         first["dtype"]) for r in case)
+        latencies = [r["latency_us"] for r in case]
+        median = statistics.median(latencies)
+        scale = first["latency_us"] / median  # per-latency quantities scale inversely
+        first.update(
+            latency_us=median, tflops=first["tflops"] * scale, tbps=first["tbps"] * scale,
+            sol_pct=first["sol_pct"] * scale, runs_us=latencies,
+            spread_pct=max([spread_pct(latencies)] + [r.get("spread_pct") or 0.0 for r in case]),
+            baselines={name: statistics.median(r["baselines"][name] for r in case
+                                               if name in r["baselines"])
+                       for name in first["baselines"]})
+        best = min(first["baselines"], key=first["baselines"].get, default="")
+        first.update(best_baseline=best,
+                     speedup=first["baselines"][best] / median if best else 0.0)
+        merged.append(first)
+    return merged
