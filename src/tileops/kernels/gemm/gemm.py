@@ -27,10 +27,14 @@ class GemmConfig:
     threads: int = 256  # consumer threads; warp specialization adds a 128-thread producer
     split_k: int = 1
     raster: int = 8  # panel width of the swizzled CTA order (L2 reuse); 0 = row-major
+    # Stage the output tile in shared memory for a TMA store; without it the registers go
+    # straight to global memory and the freed shared memory can hold another K stage.
+    stage_out: bool = True
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
-        return pipeline + self.block_m * self.block_n * elem_bytes
+        out_bytes = 4 if self.split_k > 1 else elem_bytes
+        return pipeline + (self.block_m * self.block_n * out_bytes if self.stage_out else 0)
 
     def valid(self) -> bool:
         warps = self.threads // 32
@@ -46,7 +50,7 @@ def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
 
 def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block_m: int,
                  block_n: int, block_k: int, stages: int, threads: int, split_k: int,
-                 raster: int):
+                 raster: int, stage_out: bool = True):
     """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]."""
     m = T.dynamic("m")
     a_shape = (k, m) if trans_a else (m, k)
@@ -65,7 +69,8 @@ def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block
             a_shared = T.alloc_shared(a_tile, dtype)
             b_shared = T.alloc_shared(b_tile, dtype)
             acc_local = T.alloc_fragment((block_m, block_n), "float")
-            d_shared = T.alloc_shared((block_m, block_n), out_dtype)
+            if stage_out:
+                d_shared = T.alloc_shared((block_m, block_n), out_dtype)
             if raster > 0:
                 T.use_swizzle(raster)
             T.clear(acc_local)
@@ -80,11 +85,13 @@ def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block
                 else:
                     T.copy(b[kt * block_k, bx * block_n], b_shared)
                 T.gemm(a_shared, b_shared, acc_local, transpose_A=trans_a, transpose_B=trans_b)
-            T.copy(acc_local, d_shared)
-            if split_k > 1:
-                T.copy(d_shared, d[bz, by * block_m, bx * block_n])
+            out = d[bz, by * block_m, bx * block_n] if split_k > 1 else d[
+                by * block_m, bx * block_n]
+            if stage_out:
+                T.copy(acc_local, d_shared)
+                T.copy(d_shared, out)
             else:
-                T.copy(d_shared, d[by * block_m, bx * block_n])
+                T.copy(acc_local, out)
 
     return gemm
 
@@ -129,7 +136,7 @@ class GemmKernel(Kernel):
         k = self.key
         main = gemm_program(k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"],
                             config.block_m, config.block_n, config.block_k, config.stages,
-                            config.threads, config.split_k, config.raster)
+                            config.threads, config.split_k, config.raster, config.stage_out)
         if config.split_k == 1:
             return main
         return main, split_k_reduce_program(k["n"], config.split_k, k["dtype"])
@@ -176,4 +183,6 @@ class GemmKernel(Kernel):
             for bm, bn, st in ((128, 256, 3), (256, 128, 3), (128, 128, 4), (128, 128, 5)):
                 for raster in (0, 8, 16):
                     space.append(GemmConfig(bm, bn, 64, st, 256, 1, raster))
+            for bm, bn in ((128, 256), (256, 128)):  # a 4th stage in the epilogue's space
+                space.append(GemmConfig(bm, bn, 64, 4, 256, 1, 8, stage_out=False))
         return [c for c in dict.fromkeys(space) if c.valid()]
