@@ -3,23 +3,11 @@
     python scripts/host_overhead.py
 """
 
-import time
-
 import torch
 
 import tileops
 from tileops import GemmFwdOp, RMSNormFwdOp
-
-
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+from tileops.perf.timing import call_latency_us
 
 
 def main():
@@ -52,7 +40,7 @@ def main():
     rows["tileops.gemm 16x6144x4096"] = lambda: tileops.gemm(a, b)
     print(f"{'layer':40s} host us/call")
     for name, fn in rows.items():
-        print(f"{name:40s} {per_call_us(fn):8.1f}")
+        print(f"{name:40s} {call_latency_us(fn, calls=2000):8.1f}")
     print("dlpack exchange api:", hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
           hasattr(torch.Tensor, "__c_dlpack_exchange_api__"))
 

@@ -44,6 +44,13 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
         return key_tile_range(q_start, seq_q, seq_kv, block_m, block_n, window_left,
                               window_right)
 
+    def alloc_state():
+        """Register tiles: scores, probabilities, output accumulator and row statistics."""
+        rows = [T.alloc_fragment((block_m,), "float") for _ in range(7)]
+        return (T.alloc_fragment((block_m, block_n), "float"),
+                T.alloc_fragment((block_m, block_n), dtype),
+                T.alloc_fragment((block_m, head_dim), "float"), *rows)
+
     @T.macro
     def init(o_local, l_local, m_local):
         T.fill(o_local, 0)
@@ -96,7 +103,7 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
             lse_local[i] = T.if_then_else(
                 l_local[i] > 0, (m_local[i] + T.log2(l_local[i])) * LN2, -T.infinity("float"))
 
-    return tile_range, init, scores, online_softmax, finish
+    return alloc_state, tile_range, init, scores, online_softmax, finish
 
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
@@ -107,7 +114,7 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     group = heads // kv_heads
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
-    tile_range, init, scores, online_softmax, finish = _attention_macros(
+    alloc_state, tile_range, init, scores, online_softmax, finish = _attention_macros(
         head_dim, dtype, window_left, window_right, softcap, block_m, block_n)
 
     @T.prim_func
@@ -119,16 +126,8 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
             o_shared = T.alloc_shared((block_m, head_dim), dtype)
-            s_local = T.alloc_fragment((block_m, block_n), "float")
-            p_local = T.alloc_fragment((block_m, block_n), dtype)
-            o_local = T.alloc_fragment((block_m, head_dim), "float")
-            m_local = T.alloc_fragment((block_m,), "float")
-            m_prev = T.alloc_fragment((block_m,), "float")
-            m_safe = T.alloc_fragment((block_m,), "float")
-            rescale = T.alloc_fragment((block_m,), "float")
-            row_sum = T.alloc_fragment((block_m,), "float")
-            l_local = T.alloc_fragment((block_m,), "float")
-            lse_local = T.alloc_fragment((block_m,), "float")
+            (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
+             lse_local) = alloc_state()
 
             kv_head = by // group
             q_start = bx * block_m
@@ -161,7 +160,7 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     """
     total_q, total_kv, batch_1 = T.dynamic("total_q, total_kv, batch_1")
     group = heads // kv_heads
-    tile_range, init, scores, online_softmax, finish = _attention_macros(
+    alloc_state, tile_range, init, scores, online_softmax, finish = _attention_macros(
         head_dim, dtype, window_left, window_right, softcap, block_m, block_n)
 
     @T.prim_func
@@ -178,16 +177,8 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
-            s_local = T.alloc_fragment((block_m, block_n), "float")
-            p_local = T.alloc_fragment((block_m, block_n), dtype)
-            o_local = T.alloc_fragment((block_m, head_dim), "float")
-            m_local = T.alloc_fragment((block_m,), "float")
-            m_prev = T.alloc_fragment((block_m,), "float")
-            m_safe = T.alloc_fragment((block_m,), "float")
-            rescale = T.alloc_fragment((block_m,), "float")
-            row_sum = T.alloc_fragment((block_m,), "float")
-            l_local = T.alloc_fragment((block_m,), "float")
-            lse_local = T.alloc_fragment((block_m,), "float")
+            (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
+             lse_local) = alloc_state()
 
             kv_head = by // group
             q_offset = cu_seqlens_q[bz]
