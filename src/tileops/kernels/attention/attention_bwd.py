@@ -81,8 +81,6 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             q_shared = T.alloc_shared((block_q, head_dim), dtype)
             do_shared = T.alloc_shared((block_q, head_dim), dtype)
             ds_shared = T.alloc_shared((block_kv, block_q), dtype)
-            lse_shared = T.alloc_shared((block_q,), "float")
-            delta_shared = T.alloc_shared((block_q,), "float")
             s_local = T.alloc_fragment((block_kv, block_q), "float")  # keys x queries
             p_local = T.alloc_fragment((block_kv, block_q), dtype)
             dp_local = T.alloc_fragment((block_kv, block_q), "float")
@@ -105,8 +103,6 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 q_start = (q_begin + t) * block_q
                 T.copy(q[bz, q_start:q_start + block_q, by, :], q_shared)
                 T.copy(do[bz, q_start:q_start + block_q, by, :], do_shared)
-                T.copy(lse[bz, by, q_start:q_start + block_q], lse_shared)
-                T.copy(delta[bz, by, q_start:q_start + block_q], delta_shared)
                 T.clear(s_local)
                 # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
                 # so S^T, dP^T, P, dS, dK and dV share one register layout.
@@ -114,20 +110,25 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 T.clear(dp_local)
                 T.gemm(v_shared, do_shared, dp_local, transpose_B=True, policy=ROWS)  # V dO^T
                 for i, j in T.Parallel(block_kv, block_q):
+                    # lse and delta are read straight from global memory (L1 serves the
+                    # repeats): a TMA box over [B, H, Sq] would need Sq % 4 == 0.
+                    row = T.min(q_start + j, seq_q - 1)
+                    row_lse = lse[bz, by, row]
+                    row_delta = delta[bz, by, row]
                     rel = kv_start + i - (q_start + j) - offset
                     visible = (kv_start + i < seq_kv) & (q_start + j < seq_q) & (
-                        lse_shared[j] != -T.infinity("float"))
+                        row_lse != -T.infinity("float"))
                     if masked_right:
                         visible = visible & (rel <= window_right)
                     if masked_left:
                         visible = visible & (rel >= -window_left)
                     if softcap > 0:
                         capped = T.tanh(s_local[i, j] * (scale / softcap))
-                        prob = T.exp2(capped * (softcap * LOG2E) - lse_shared[j] * LOG2E)
-                        grad = (dp_local[i, j] - delta_shared[j]) * scale * (1 - capped * capped)
+                        prob = T.exp2(capped * (softcap * LOG2E) - row_lse * LOG2E)
+                        grad = (dp_local[i, j] - row_delta) * scale * (1 - capped * capped)
                     else:
-                        prob = T.exp2(s_local[i, j] * (scale * LOG2E) - lse_shared[j] * LOG2E)
-                        grad = (dp_local[i, j] - delta_shared[j]) * scale
+                        prob = T.exp2(s_local[i, j] * (scale * LOG2E) - row_lse * LOG2E)
+                        grad = (dp_local[i, j] - row_delta) * scale
                     p_local[i, j] = T.if_then_else(visible, prob, 0)
                     ds_local[i, j] = T.if_then_else(visible, prob * grad, 0)
                 T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
