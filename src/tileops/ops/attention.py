@@ -1,4 +1,4 @@
-"""Attention family: grouped-query attention forward (FlashAttention-style, BSHD)."""
+"""Attention family: grouped-query attention forward, varlen forward and backward (BSHD)."""
 
 from __future__ import annotations
 
