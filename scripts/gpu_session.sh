@@ -21,8 +21,11 @@ if [ "$what" = tune ]; then
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -m gpu -n 8 tests -p no:cacheprovider --junitxml "$OUT/junit.xml" \
-    > "$OUT/gpu-tests.log" 2>&1; rc=$?
+  # Correctness tests in 8 processes; the timer's tests alone afterwards (they measure).
+  ( python3 -m pytest -q -m gpu -n 8 tests --ignore tests/perf -p no:cacheprovider \
+      --junitxml "$OUT/junit.xml"; r1=$?
+    python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$?
+    exit $(( r1 | r2 )) ) > "$OUT/gpu-tests.log" 2>&1; rc=$?
   grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -n 3
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 40
 fi
