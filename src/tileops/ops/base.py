@@ -69,6 +69,7 @@ class Op:
             self.kernel_map = dict(kernel_map)
         self.tune = tune
         self._validated: set[tuple] = set()
+        self._kernel_memo: dict[tuple, Kernel] = {}
         self._last_signature: tuple | None = None
 
     @classmethod
@@ -167,6 +168,15 @@ class Op:
     # -- kernels --------------------------------------------------------------------------
     def get_kernel(self, dispatch_key: str, device: torch.device, **key: Any) -> Kernel:
         """The Kernel for `key` on `device`, built once per (class, key, arch, GPU, tune)."""
+        # Per-instance memo first: this runs on every call, and decode calls are host-bound.
+        memo_key = (dispatch_key, device, *key.values())
+        kernel = self._kernel_memo.get(memo_key)
+        if kernel is None:
+            kernel = self._kernel_memo[memo_key] = self._shared_kernel(dispatch_key, device, key)
+        return kernel
+
+    def _shared_kernel(self, dispatch_key: str, device: torch.device,
+                       key: dict[str, Any]) -> Kernel:
         target = target_for_device(device, self.spec.op_name)
         index = device.index if device.index is not None else torch.cuda.current_device()
         gpu = _gpu_names.get(index)

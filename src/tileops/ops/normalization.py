@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,23 +29,25 @@ class RMSNormFwdOp(Op):
                          kernel_map=kernel_map, tune=tune)
 
     def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        n = self._hidden()
-        x = input.reshape(-1, n)
+        n = self.hidden
+        # The kernel takes [rows, n]; views cost host time, so 2-D input skips them.
+        flat = input.dim() == 2 and len(self.normalized_shape) == 1
+        x = input if flat else input.reshape(-1, n)
         y = torch.empty(x.shape, dtype=input.dtype, device=input.device)
         if x.shape[0] == 0:
             return y.view(input.shape)
         eps = torch.finfo(input.dtype).eps if self.eps is None else float(self.eps)
+        if weight is not None and weight.dim() != 1:
+            weight = weight.reshape(n)
         kernel = self.get_kernel("rms_norm", input.device,
                                  **self._kernel_key(input.dtype, n, weight is not None))
-        kernel(x.shape[0], tma_ready(x), None if weight is None else tma_ready(weight.reshape(n)),
-               y, eps)
-        return y.view(input.shape)
+        kernel(x.shape[0], tma_ready(x), None if weight is None else tma_ready(weight), y, eps)
+        return y if flat else y.view(input.shape)
 
-    def _hidden(self) -> int:
-        n = 1
-        for s in self.normalized_shape:
-            n *= s
-        return n
+    @property
+    def hidden(self) -> int:
+        """Elements per normalized row: the product of normalized_shape."""
+        return math.prod(self.normalized_shape)
 
     @staticmethod
     def _kernel_key(dtype: torch.dtype, n: int, has_weight: bool) -> dict[str, Any]:
