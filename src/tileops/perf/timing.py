@@ -1,10 +1,14 @@
 """Timing protocol: median device time per call, L2 flushed before every call.
 
-Kernel time comes from CUPTI (torch.profiler / Kineto): every device kernel launched inside
-an annotated region around one call is summed, so multi-kernel ops count all their kernels
-and the L2 flush, outside the region, counts none. When the trace yields no kernel time for
-the regions, the protocol falls back to CUDA events around each call and says so in the
-result. Each trial starts with a spin kernel that keeps the device busy while the host
+Kernel time comes from CUPTI (torch.profiler / Kineto): every device activity (kernels,
+memsets, copies) that runs between two marker kernels enqueued right before and right after
+one call, inside an annotated region, is summed, so multi-kernel ops count all their kernels
+and the L2 flush, before the first marker, counts none. Calls are bracketed on the GPU
+timeline rather than by Kineto's CPU-op correlation because TileLang launches through the CUDA
+driver API, which Kineto does not link to the enclosing region: correlation alone silently
+drops TileLang's kernels and keeps only the op's torch kernels. When the trace does not hold
+one bracket per call, the protocol falls back to CUDA events around each call and says so in
+the result. Each trial starts with a spin kernel that keeps the device busy while the host
 enqueues every repeat, so event timings see device time rather than host launch time.
 Warmup, then `reps` calls x `trials`; the result is the median of the trial medians, with
 their spread as the run's noise.
@@ -21,9 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import DeviceType
 
 SPIN_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than the host needs to enqueue a trial
 REGION = "tileops::timed_call"
+MARK_CYCLES = 100  # a marker kernel: ~2 us, never inside a bracket
+MARK_NAME = "spin_kernel"  # torch.cuda._sleep's kernel
 _flush_buffers: dict[int, torch.Tensor] = {}
 
 
@@ -65,25 +72,40 @@ def _events_trial(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
+def _mark() -> None:
+    """A tiny kernel whose name no op launches: brackets one call on the GPU timeline."""
+    torch.cuda._sleep(MARK_CYCLES)
+
+
+def _bracketed_sums(events: list, reps: int) -> list[float] | None:
+    """Per call, the summed duration (us) of device activity between its two markers."""
+    device = sorted((e for e in events if e.device_type == DeviceType.CUDA
+                     and not getattr(e, "is_user_annotation", False)),
+                    key=lambda e: e.time_range.start)
+    marks = [i for i, e in enumerate(device) if MARK_NAME in e.name]
+    marks = marks[1:]  # the trial's leading spin kernel has the markers' name too
+    if len(marks) != 2 * reps:
+        return None
+    sums = [sum(e.time_range.elapsed_us() for e in device[a + 1:b])
+            for a, b in zip(marks[0::2], marks[1::2], strict=True)]
+    return sums if min(sums) > 0 else None
+
+
 def _cupti_trial(fn: Callable[[], object], reps: int) -> float | None:
-    """Median over calls of the summed kernel time inside each call's region, or None."""
-    from torch.autograd import DeviceType
+    """Median over calls of the summed device time inside each call's bracket, or None."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(SPIN_CYCLES)
         for _ in range(reps):
             flush_l2()
+            _mark()
             with record_function(REGION):
                 fn()
+            _mark()
         torch.cuda.synchronize()
-    # CPU-side annotation events own the kernels launched inside them (and their children's);
-    # the GPU-side copies of the annotation would double count, so they are skipped.
-    per_call = [e.device_time_total for e in prof.events()
-                if e.name == REGION and e.device_type == DeviceType.CPU]
-    if len(per_call) != reps or min(per_call) <= 0:
-        return None
-    return statistics.median(per_call) / 1e3  # us -> ms
+    per_call = _bracketed_sums(prof.events(), reps)
+    return None if per_call is None else statistics.median(per_call) / 1e3  # us -> ms
 
 
 def measure(fn: Callable[[], object], warmup: int = 5, reps: int = 30, trials: int = 3,
