@@ -11,6 +11,7 @@ no key gets o = 0 and lse = -inf.
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 
@@ -51,59 +52,83 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                 T.alloc_fragment((block_m, block_n), dtype),
                 T.alloc_fragment((block_m, head_dim), "float"), *rows)
 
+    def exp2_scale(scale):
+        """Factor that turns the score tile into log2 units inside exp2 (one FFMA)."""
+        return 1.0 if softcap > 0 else scale * LOG2E
+
     @T.macro
     def init(o_local, l_local, m_local):
         T.fill(o_local, 0)
         T.fill(l_local, 0)
         T.fill(m_local, -T.infinity("float"))
 
-    @T.macro
-    def scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale):
-        """s = log2(e) * (capped) scaled logits, -inf where the mask hides the key."""
-        T.clear(s_local)
-        T.gemm(q_shared, k_shared, s_local, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        for i, j in T.Parallel(block_m, block_n):
-            rel = kv_start + j - (q_start + i) - (seq_kv - seq_q)  # key minus query position
-            visible = kv_start + j < seq_kv
-            if masked_right:
-                visible = visible & (rel <= window_right)
-            if masked_left:
-                visible = visible & (rel >= -window_left)
-            if softcap > 0:
-                logit = T.tanh(s_local[i, j] * (scale / softcap)) * (softcap * LOG2E)
-            else:
-                logit = s_local[i, j] * (scale * LOG2E)
-            s_local[i, j] = T.if_then_else(visible, logit, -T.infinity("float"))
+    def visible(i, j, q_start, kv_start, seq_q, seq_kv):
+        rel = kv_start + j - (q_start + i) - (seq_kv - seq_q)  # key minus query position
+        seen = kv_start + j < seq_kv
+        if masked_right:
+            seen = seen & (rel <= window_right)
+        if masked_left:
+            seen = seen & (rel >= -window_left)
+        return seen
 
     @T.macro
-    def online_softmax(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
-                       l_local):
-        """Folds one tile of scores into the running max and sum; p = exp2(s - max)."""
+    def scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale):
+        """s = q k^T, -inf where the mask hides the key.
+
+        Without softcap the mask is the accumulator's initial value (0 or -inf) and the
+        scale is applied inside exp2, so no extra pass runs over the tile; with softcap,
+        s = log2(e) * softcap * tanh(scaled logit) needs its own pass, which masks too.
+        """
+        if softcap > 0:
+            T.clear(s_local)
+        else:
+            for i, j in T.Parallel(block_m, block_n):
+                s_local[i, j] = T.if_then_else(
+                    visible(i, j, q_start, kv_start, seq_q, seq_kv), 0, -T.infinity("float"))
+        T.gemm(q_shared, k_shared, s_local, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if softcap > 0:
+            for i, j in T.Parallel(block_m, block_n):
+                s_local[i, j] = T.if_then_else(
+                    visible(i, j, q_start, kv_start, seq_q, seq_kv),
+                    T.tanh(s_local[i, j] * (scale / softcap)) * (softcap * LOG2E),
+                    -T.infinity("float"))
+
+    @T.macro
+    def online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
+                       scale):
+        """Folds one tile into the running max and sum; p = exp2((s - max) * exp2_scale)."""
         T.copy(m_local, m_prev)
         T.reduce_max(s_local, m_local, dim=1, clear=False)
         for i in T.Parallel(block_m):
             # -inf rows (nothing visible yet) must not turn exp2 into NaN.
-            m_safe[i] = T.if_then_else(m_local[i] == -T.infinity("float"), 0, m_local[i])
-            rescale[i] = T.exp2(m_prev[i] - m_safe[i])
+            m_safe[i] = T.if_then_else(m_local[i] == -T.infinity("float"), 0,
+                                       m_local[i] * exp2_scale(scale))
+            rescale[i] = T.exp2(m_prev[i] * exp2_scale(scale) - m_safe[i])
         for i, j in T.Parallel(block_m, block_n):
-            s_local[i, j] = T.exp2(s_local[i, j] - m_safe[i])
+            s_local[i, j] = T.exp2(s_local[i, j] * exp2_scale(scale) - m_safe[i])
         T.reduce_sum(s_local, row_sum, dim=1)
         for i in T.Parallel(block_m):
             l_local[i] = l_local[i] * rescale[i] + row_sum[i]
-        for i, j in T.Parallel(block_m, head_dim):
-            o_local[i, j] *= rescale[i]
         T.copy(s_local, p_local)
 
     @T.macro
-    def finish(o_local, l_local, m_local, lse_local):
+    def rescale_output(o_local, rescale):
+        for i, j in T.Parallel(block_m, head_dim):
+            o_local[i, j] *= rescale[i]
+
+    @T.macro
+    def finish(o_local, l_local, m_local, lse_local, scale):
         """o /= l and the natural-log lse; rows that saw no key get 0 and -inf."""
         for i, j in T.Parallel(block_m, head_dim):
             o_local[i, j] = T.if_then_else(l_local[i] > 0, o_local[i, j] / l_local[i], 0)
         for i in T.Parallel(block_m):
             lse_local[i] = T.if_then_else(
-                l_local[i] > 0, (m_local[i] + T.log2(l_local[i])) * LN2, -T.infinity("float"))
+                l_local[i] > 0, (m_local[i] * exp2_scale(scale) + T.log2(l_local[i])) * LN2,
+                -T.infinity("float"))
 
-    return alloc_state, tile_range, init, scores, online_softmax, finish
+    return SimpleNamespace(alloc_state=alloc_state, tile_range=tile_range, init=init,
+                           scores=scores, online_softmax=online_softmax,
+                           rescale_output=rescale_output, finish=finish)
 
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
@@ -114,38 +139,44 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     group = heads // kv_heads
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
-    alloc_state, tile_range, init, scores, online_softmax, finish = _attention_macros(
-        head_dim, dtype, window_left, window_right, softcap, block_m, block_n)
+    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
+                             block_n)
 
     @T.prim_func
     def attention_fwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
                       v: T.Tensor(kv_shape, dtype), o: T.Tensor(q_shape, dtype),
                       lse: T.Tensor((batch, heads, seq_q), "float"), scale: T.float32):
-        with T.Kernel(T.ceildiv(seq_q, block_m), heads, batch, threads=threads) as (bx, by, bz):
+        # Heads vary fastest and query blocks run last-first, so the first wave takes the
+        # blocks a causal mask leaves the most key tiles to (longest-first scheduling), and
+        # the query heads of one GQA group share K/V in L2.
+        n_blocks = T.ceildiv(seq_q, block_m)
+        with T.Kernel(heads, n_blocks, batch, threads=threads) as (bx, by, bz):
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
             o_shared = T.alloc_shared((block_m, head_dim), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
-             lse_local) = alloc_state()
+             lse_local) = step.alloc_state()
 
-            kv_head = by // group
-            q_start = bx * block_m
-            tile_begin, n_tiles = tile_range(q_start, seq_q, seq_kv)
-            T.copy(q[bz, q_start:q_start + block_m, by, :], q_shared)
-            init(o_local, l_local, m_local)
+            q_start = (n_blocks - 1 - by) * block_m
+            tile_begin, n_tiles = step.tile_range(q_start, seq_q, seq_kv)
+            T.copy(q[bz, q_start:q_start + block_m, bx, :], q_shared)
+            step.init(o_local, l_local, m_local)
             for t in T.Pipelined(n_tiles, num_stages=stages):
-                kv_start = (tile_begin + t) * block_n
-                T.copy(k[bz, kv_start:kv_start + block_n, kv_head, :], k_shared)
-                scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale)
-                online_softmax(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
-                               row_sum, l_local)
-                T.copy(v[bz, kv_start:kv_start + block_n, kv_head, :], v_shared)
+                T.copy(k[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
+                         bx // group, :], k_shared)
+                step.scores(q_shared, k_shared, s_local, q_start, (tile_begin + t) * block_n,
+                            seq_q, seq_kv, scale)
+                step.online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale,
+                                    row_sum, l_local, scale)
+                step.rescale_output(o_local, rescale)
+                T.copy(v[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
+                         bx // group, :], v_shared)
                 T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
-            finish(o_local, l_local, m_local, lse_local)
+            step.finish(o_local, l_local, m_local, lse_local, scale)
             T.copy(o_local, o_shared)
-            T.copy(o_shared, o[bz, q_start:q_start + block_m, by, :])  # TMA clips the Sq tail
-            T.copy(lse_local, lse[bz, by, q_start:q_start + block_m])
+            T.copy(o_shared, o[bz, q_start:q_start + block_m, bx, :])  # TMA clips the Sq tail
+            T.copy(lse_local, lse[bz, bx, q_start:q_start + block_m])
 
     return attention_fwd
 
@@ -160,8 +191,8 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     """
     total_q, total_kv, batch_1 = T.dynamic("total_q, total_kv, batch_1")
     group = heads // kv_heads
-    alloc_state, tile_range, init, scores, online_softmax, finish = _attention_macros(
-        head_dim, dtype, window_left, window_right, softcap, block_m, block_n)
+    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
+                             block_n)
 
     @T.prim_func
     def attention_varlen_fwd(q: T.Tensor((total_q, heads, head_dim), dtype),
@@ -172,41 +203,41 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
                              o: T.Tensor((total_q, heads, head_dim), dtype),
                              lse: T.Tensor((heads, total_q), "float"), max_seqlen_q: T.int32,
                              scale: T.float32):
-        with T.Kernel(T.ceildiv(max_seqlen_q, block_m), heads, batch_1 - 1,
-                      threads=threads) as (bx, by, bz):
+        n_blocks = T.ceildiv(max_seqlen_q, block_m)  # longest-first, as in the dense grid
+        with T.Kernel(heads, n_blocks, batch_1 - 1, threads=threads) as (bx, by, bz):
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
-             lse_local) = alloc_state()
+             lse_local) = step.alloc_state()
 
-            kv_head = by // group
             q_offset = cu_seqlens_q[bz]
             kv_offset = cu_seqlens_kv[bz]
             seq_q = cu_seqlens_q[bz + 1] - q_offset
             seq_kv = cu_seqlens_kv[bz + 1] - kv_offset
-            q_start = bx * block_m
-            tile_begin, reachable = tile_range(q_start, seq_q, seq_kv)
+            q_start = (n_blocks - 1 - by) * block_m
+            tile_begin, reachable = step.tile_range(q_start, seq_q, seq_kv)
             n_tiles = T.if_then_else(q_start < seq_q, reachable, 0)
-            T.copy(q[q_offset + q_start:q_offset + q_start + block_m, by, :], q_shared)
-            init(o_local, l_local, m_local)
+            T.copy(q[q_offset + q_start:q_offset + q_start + block_m, bx, :], q_shared)
+            step.init(o_local, l_local, m_local)
             for t in T.Pipelined(n_tiles, num_stages=stages):
-                kv_start = (tile_begin + t) * block_n
-                T.copy(k[kv_offset + kv_start:kv_offset + kv_start + block_n, kv_head, :],
-                       k_shared)
-                scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale)
-                online_softmax(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
-                               row_sum, l_local)
-                T.copy(v[kv_offset + kv_start:kv_offset + kv_start + block_n, kv_head, :],
-                       v_shared)
+                T.copy(k[kv_offset + (tile_begin + t) * block_n:
+                         kv_offset + (tile_begin + t + 1) * block_n, bx // group, :], k_shared)
+                step.scores(q_shared, k_shared, s_local, q_start, (tile_begin + t) * block_n,
+                            seq_q, seq_kv, scale)
+                step.online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale,
+                                    row_sum, l_local, scale)
+                step.rescale_output(o_local, rescale)
+                T.copy(v[kv_offset + (tile_begin + t) * block_n:
+                         kv_offset + (tile_begin + t + 1) * block_n, bx // group, :], v_shared)
                 T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
-            finish(o_local, l_local, m_local, lse_local)
+            step.finish(o_local, l_local, m_local, lse_local, scale)
             for i, j in T.Parallel(block_m, head_dim):
                 if q_start + i < seq_q:
-                    o[q_offset + q_start + i, by, j] = o_local[i, j]
+                    o[q_offset + q_start + i, bx, j] = o_local[i, j]
             for i in T.Parallel(block_m):
                 if q_start + i < seq_q:
-                    lse[by, q_offset + q_start + i] = lse_local[i]
+                    lse[bx, q_offset + q_start + i] = lse_local[i]
 
     return attention_varlen_fwd
 

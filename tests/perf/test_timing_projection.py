@@ -1,0 +1,47 @@
+"""How the CUPTI timer assigns device activity to calls (CPU, synthetic traces)."""
+
+from types import SimpleNamespace
+
+from torch.autograd import DeviceType
+
+from tileops.perf.timing import MARK_NAME, _bracketed_sums
+
+
+def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+    interval = SimpleNamespace(start=start, elapsed_us=lambda: end - start)
+    return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                           time_range=interval)
+
+
+def trace(*calls):
+    """Leading spin, then per call: an L2 flush, a marker, the call's kernels, a marker."""
+    events, t = [event(MARK_NAME, 0, 100)], 100
+    for kernels in calls:
+        events.append(event("fill_flush", t, t + 30))
+        events.append(event(MARK_NAME, t + 30, t + 31))
+        t += 31
+        for name, duration in kernels:
+            events.append(event(name, t, t + duration))
+            t += duration + 1  # launch gaps never count
+        events.append(event(MARK_NAME, t, t + 1))
+        t += 1
+    return events
+
+
+def test_every_kernel_between_markers_counts_and_the_flush_does_not():
+    events = trace([("tilelang_main", 50), ("memset", 5)], [("tilelang_main", 60)])
+    # annotations and CPU-side events in the same window are ignored
+    events += [event("tileops::timed_call", 131, 200, annotation=True),
+               event("cudaLaunchKernel", 131, 132, device=DeviceType.CPU)]
+    assert _bracketed_sums(events, 2) == [55, 60]
+
+
+def test_order_of_the_event_list_does_not_matter():
+    events = trace([("a", 10)], [("b", 20)], [("c", 30)])
+    assert _bracketed_sums(list(reversed(events)), 3) == [10, 20, 30]
+
+
+def test_a_missing_bracket_or_an_empty_call_means_no_projection():
+    events = trace([("a", 10)], [("b", 20)])
+    assert _bracketed_sums(events[:-1], 2) is None  # the last marker never ran
+    assert _bracketed_sums(trace([("a", 10)], []), 2) is None
