@@ -4,6 +4,8 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh [tests|all]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--tier smoke]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
+# TEST_PATHS narrows the tests (default: tests); steps chain with && in one device call.
 # Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -17,14 +19,19 @@ tileops() { python3 -m tileops.cli "$@"; }
 python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(p.name, p.multi_processor_count, 'SMs', torch.__version__)"
 rc=0
 if [ "$what" = tune ]; then
-  tileops tune "$@" --out "$OUT" 2>&1 | tee "$OUT/tune.log" | grep -E "^(tuned|FAILED)"
+  tileops tune "$@" --out "$OUT" 2>&1 | tee -a "$OUT/tune.log" | grep -E "^(tuned|FAILED)"
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = calibrate ]; then
+  python3 scripts/calibrate.py --out "$OUT" 2>&1 | grep -v INFO
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # Correctness tests in 8 processes; the timer's tests alone afterwards (they measure).
-  ( python3 -m pytest -q -m gpu -n 8 tests --ignore tests/perf -p no:cacheprovider \
+  paths=${TEST_PATHS:-tests}
+  ( python3 -m pytest -q -m gpu -n 8 $paths --ignore tests/perf -p no:cacheprovider \
       --junitxml "$OUT/junit.xml"; r1=$?
-    python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$?
+    r2=0; [ "$paths" = tests ] && { python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$?; }
     exit $(( r1 | r2 )) ) > "$OUT/gpu-tests.log" 2>&1; rc=$?
   grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -n 3
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 40
