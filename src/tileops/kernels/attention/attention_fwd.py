@@ -192,7 +192,11 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
              lse_local) = step.alloc_state()
 
             q_start = (n_blocks - 1 - by) * block_m
-            tile_begin, n_tiles = step.tile_range(q_start, seq_q, seq_kv)
+            tile_begin, reachable = step.tile_range(q_start, seq_q, seq_kv)
+            # At least one (then fully masked) tile: the consumers wait for Q's TMA load in
+            # the first iteration, and o_shared overlays q_shared, so a block whose rows see
+            # no key (Sq > Skv) would otherwise store O while that load may still land.
+            n_tiles = T.max(reachable, 1)
             T.copy(q[bz, q_start:q_start + block_m, bx, :], q_shared)
             step.init(o_local, l_local, m_local)
             for t in T.Pipelined(n_tiles, num_stages=stages):
