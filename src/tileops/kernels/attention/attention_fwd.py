@@ -7,11 +7,6 @@ reach (causal and sliding windows skip whole tiles), keeping the running row max
 fp32. Masks align bottom-right: query i sees key j when j - i - (Skv - Sq) lies in
 [-window_left, window_right] (-1 = unbounded; causal is window_right = 0). A row that sees
 no key gets o = 0 and lse = -inf.
-
-A producer warpgroup streams K and V tiles by TMA; two consumer warpgroups own 64 query rows
-each and, with `pingpong`, take turns on the tensor cores so that one's softmax overlaps the
-other's wgmma (TileLang 0.1.15 ignores manual `order`/`stage` schedules once it warp-
-specializes a loop, so the overlap is arranged with named barriers instead).
 """
 
 import math
@@ -26,7 +21,6 @@ from .mask import key_tile_range
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_LIMIT = 227 * 1024
-PINGPONG_BARRIER = 8  # named barriers 8 and 9; TileLang's own syncs use low ids
 
 
 @dataclass(frozen=True)
@@ -35,7 +29,6 @@ class AttentionFwdConfig:
     block_n: int = 128
     stages: int = 2
     threads: int = 256  # consumer threads; warp specialization adds a producer warpgroup
-    pingpong: bool = False  # the two consumer warpgroups take turns on the tensor cores
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Q tile plus `stages` K and V tiles (TileLang reuses the Q buffer for O)."""
@@ -133,40 +126,14 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                 l_local[i] > 0, (m_local[i] * exp2_scale(scale) + T.log2(l_local[i])) * LN2,
                 -T.infinity("float"))
 
-    # Pingpong (FlashAttention-3): each consumer warpgroup runs its P @ V of tile t and its
-    # Q @ K^T of tile t + 1 back to back, then hands the tensor cores to the other warpgroup
-    # and does its softmax while the other one multiplies. Two named barriers carry the
-    # turns: a warpgroup waits (bar.sync) on its own before P @ V and signals (bar.arrive)
-    # the other's after Q @ K^T. The first warpgroup skips its first wait and signals once
-    # more after the loop, so each barrier sees as many signals as waits.
-    def warpgroup_parity():
-        return (T.get_thread_binding() // 128) % 2
-
-    @T.macro
-    def wait_turn(t):
-        if t > 0 or warpgroup_parity() == 1:
-            T.sync_threads(PINGPONG_BARRIER + warpgroup_parity(), 256)
-
-    @T.macro
-    def pass_turn(t):
-        if t > 0:
-            T.named_barrier_arrive(PINGPONG_BARRIER + 1 - warpgroup_parity(), 256)
-
-    @T.macro
-    def last_turn(n_tiles):
-        if n_tiles > 0 and warpgroup_parity() == 0:
-            T.named_barrier_arrive(PINGPONG_BARRIER + 1, 256)
-
     return SimpleNamespace(alloc_state=alloc_state, tile_range=tile_range, init=init,
                            scores=scores, online_softmax=online_softmax,
-                           rescale_output=rescale_output, finish=finish, wait_turn=wait_turn,
-                           pass_turn=pass_turn, last_turn=last_turn)
+                           rescale_output=rescale_output, finish=finish)
 
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
-                          block_m: int, block_n: int, stages: int, threads: int,
-                          pingpong: bool):
+                          block_m: int, block_n: int, stages: int, threads: int):
     """Dense BSHD batch: q [B, Sq, H, D], k/v [B, Skv, Hkv, D], lse [B, H, Sq]."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     group = heads // kv_heads
@@ -204,18 +171,12 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                          bx // group, :], k_shared)
                 step.scores(q_shared, k_shared, s_local, q_start, (tile_begin + t) * block_n,
                             seq_q, seq_kv, scale)
-                if pingpong:
-                    step.pass_turn(t)
                 step.online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale,
                                     row_sum, l_local, scale)
                 step.rescale_output(o_local, rescale)
                 T.copy(v[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
                          bx // group, :], v_shared)
-                if pingpong:
-                    step.wait_turn(t)
                 T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
-            if pingpong:
-                step.last_turn(n_tiles)
             step.finish(o_local, l_local, m_local, lse_local, scale)
             T.copy(o_local, o_shared)
             T.copy(o_shared, o[bz, q_start:q_start + block_m, bx, :])  # TMA clips the Sq tail
@@ -226,8 +187,7 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
 
 def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                                  window_left: int, window_right: int, softcap: float,
-                                 block_m: int, block_n: int, stages: int, threads: int,
-                                 pingpong: bool):
+                                 block_m: int, block_n: int, stages: int, threads: int):
     """Packed sequences: q [Tq, H, D], k/v [Tkv, Hkv, D], cu_seqlens [B + 1], lse [H, Tq].
 
     The grid covers max_seqlen_q rows per sequence; blocks past a sequence's end do no
@@ -269,18 +229,12 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
                          kv_offset + (tile_begin + t + 1) * block_n, bx // group, :], k_shared)
                 step.scores(q_shared, k_shared, s_local, q_start, (tile_begin + t) * block_n,
                             seq_q, seq_kv, scale)
-                if pingpong:
-                    step.pass_turn(t)
                 step.online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale,
                                     row_sum, l_local, scale)
                 step.rescale_output(o_local, rescale)
                 T.copy(v[kv_offset + (tile_begin + t) * block_n:
                          kv_offset + (tile_begin + t + 1) * block_n, bx // group, :], v_shared)
-                if pingpong:
-                    step.wait_turn(t)
                 T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
-            if pingpong:
-                step.last_turn(n_tiles)
             step.finish(o_local, l_local, m_local, lse_local, scale)
             for i, j in T.Parallel(block_m, head_dim):
                 if q_start + i < seq_q:
@@ -303,25 +257,23 @@ class AttentionFwdKernel(Kernel):
         return attention_fwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"],
                                      config.block_m, config.block_n, config.stages,
-                                     config.threads, config.pingpong)
+                                     config.threads)
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, o, lse,
             scale: float) -> None:
         compiled[0](q, k, v, o, lse, scale)
 
     def heuristic_config(self, bucket: str, arch: str) -> AttentionFwdConfig:
-        block_n = 64 if self.key["head_dim"] >= 256 else 128
-        return AttentionFwdConfig(block_m=128, block_n=block_n, stages=2, threads=256,
-                                  pingpong=True)
+        if self.key["head_dim"] >= 256:
+            return AttentionFwdConfig(block_m=128, block_n=64, stages=2, threads=256)
+        return AttentionFwdConfig(block_m=128, block_n=128, stages=2, threads=256)
 
     def config_space(self, bucket: str) -> list[AttentionFwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]
         for block_n in (64, 128, 176):
             for stages in (1, 2):
-                for pingpong in (True, False):
-                    space.append(AttentionFwdConfig(128, block_n, stages, 256, pingpong))
-        head_dim = self.key["head_dim"]
-        return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
+                space.append(AttentionFwdConfig(128, block_n, stages, 256))
+        return [c for c in dict.fromkeys(space) if c.smem_bytes(self.key["head_dim"]) <= SMEM_LIMIT]
 
 
 class AttentionVarlenFwdKernel(AttentionFwdKernel):
@@ -334,7 +286,7 @@ class AttentionVarlenFwdKernel(AttentionFwdKernel):
         return attention_varlen_fwd_program(
             k["heads"], k["kv_heads"], k["head_dim"], k["dtype"], k["window_left"],
             k["window_right"], k["softcap"], config.block_m, config.block_n, config.stages,
-            config.threads, config.pingpong)
+            config.threads)
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, cu_seqlens_q,
             cu_seqlens_kv, o, lse, max_seqlen_q: int, scale: float) -> None:
