@@ -11,7 +11,7 @@ pytestmark = pytest.mark.smoke
 
 def test_h200_profile_uses_measured_ceilings():
     profile = load_profile("NVIDIA H200")
-    assert profile.bytes_per_s == pytest.approx(4.26e12)
+    assert profile.bytes_per_s == pytest.approx(4.36e12)
     assert profile.flops_per_s["bfloat16"] == pytest.approx(790e12)
     assert profile.l2_bytes == 60 * 2**20
 
@@ -36,7 +36,7 @@ def test_sol_picks_the_binding_resource():
         torch.empty(rows, hidden, **meta), torch.empty(hidden, **meta))
     seconds, bound = profile.sol_seconds(flops, nbytes, "bfloat16")
     assert bound == "memory"
-    assert seconds == pytest.approx((4 * rows * hidden + 2 * hidden) / 4.26e12)
+    assert seconds == pytest.approx((4 * rows * hidden + 2 * hidden) / 4.36e12)
 
 
 def test_merge_repeats_reports_median_and_run_to_run_spread():
