@@ -436,8 +436,12 @@ def _progress(items: list) -> Any:
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout the code runs from, '+dirty' when tracked files differ from it
+    (a copied working tree can carry stale git metadata; the mark says so)."""
     root = os.path.dirname(os.path.abspath(__file__))
-    return _run_quietly(["git", "-C", root, "rev-parse", "--short", "HEAD"])
+    commit = _run_quietly(["git", "-C", root, "rev-parse", "--short", "HEAD"])
+    changed = _run_quietly(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"])
+    return commit and (commit + "+dirty" if changed else commit)
 
 
 if __name__ == "__main__":

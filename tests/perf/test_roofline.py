@@ -42,17 +42,34 @@ def test_sol_picks_the_binding_resource():
 def test_merge_repeats_reports_median_and_run_to_run_spread():
     from tileops.perf.bench import merge_repeats
 
-    def row(latency, cublas, spread):
+    def row(latency, cublas, spread, clock):
         return {"op": "GemmFwdOp", "label": "w", "dtype": "bfloat16", "latency_us": latency,
                 "tflops": 1000.0 / latency, "tbps": 10.0 / latency, "sol_us": 50.0,
                 "sol_pct": 5000.0 / latency, "bound": "compute", "baselines": {"cublas": cublas},
-                "best_baseline": "cublas", "speedup": cublas / latency, "spread_pct": spread}
+                "best_baseline": "cublas", "speedup": cublas / latency, "spread_pct": spread,
+                "device_state": {"sm_clock_mhz": clock}}
 
-    (merged,) = merge_repeats([[row(100.0, 95.0, 0.5)], [row(104.0, 97.0, 1.0)],
-                               [row(102.0, 96.0, 0.2)]])
+    (merged,) = merge_repeats([[row(100.0, 95.0, 0.5, 1980)], [row(104.0, 97.0, 1.0, 1755)],
+                               [row(102.0, 96.0, 0.2, 1980)]])
+    # each run's clock stays with the row, so a throttled run can be told apart
+    assert [s["sm_clock_mhz"] for s in merged["device_state_runs"]] == [1980, 1755, 1980]
     assert merged["latency_us"] == 102.0 and merged["runs_us"] == [100.0, 104.0, 102.0]
     assert merged["spread_pct"] == pytest.approx(100 * 4 / 102)
     assert merged["tflops"] == pytest.approx(1000.0 / 102)
     assert merged["sol_pct"] == pytest.approx(5000.0 / 102)
     assert merged["baselines"] == {"cublas": 96.0}
     assert merged["speedup"] == pytest.approx(96.0 / 102)
+
+
+def test_device_state_is_empty_without_nvml_or_gpu(monkeypatch):
+    from tileops.perf import bench
+
+    def unavailable(*args):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(bench.torch.cuda, "clock_rate", unavailable)
+    assert bench.device_state() == {}
+    monkeypatch.setattr(bench.torch.cuda, "clock_rate", lambda *a: 1980)
+    monkeypatch.setattr(bench.torch.cuda, "power_draw", lambda *a: 512_400)  # milliwatts
+    monkeypatch.setattr(bench.torch.cuda, "temperature", lambda *a: 61)
+    assert bench.device_state() == {"sm_clock_mhz": 1980, "power_w": 512, "temperature_c": 61}

@@ -33,6 +33,18 @@ class BenchRow:
     timing: str = ""
     input_pool: int = 1  # distinct input copies rotated through (addresses change)
     gpu: str = ""
+    device_state: dict = field(default_factory=dict)  # SM clock, power, temperature after
+
+
+def device_state() -> dict[str, int]:
+    """SM clock (MHz), power (W) and temperature (C) over NVML's last sample period, sampled
+    right after a measurement, so a throttled run shows in its rows; {} without NVML."""
+    try:
+        return {"sm_clock_mhz": torch.cuda.clock_rate(),
+                "power_w": round(torch.cuda.power_draw() / 1000),
+                "temperature_c": torch.cuda.temperature()}
+    except Exception:  # noqa: BLE001 - pynvml missing or the query unsupported
+        return {}
 
 
 def random_inputs(op_cls: Any, workload: dict, dtype: str) -> list[torch.Tensor | None]:
@@ -68,6 +80,7 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
     bind = _rotating(inputs, pool)
     op(*inputs)  # compile / load before timing
     timing: Timing = measure(bind(op))
+    state = device_state()
     latency = timing.median_ms * 1e3
     flops, nbytes = op.eval_roofline(*inputs)
     sol_s, bound = profile.sol_seconds(flops, nbytes, dtype)
@@ -82,7 +95,7 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
     return BenchRow(op_cls.__name__, workload["label"], dtype, latency, flops / latency / 1e6,
                     nbytes / latency / 1e6, sol_s * 1e6, 100 * sol_s * 1e6 / latency, bound,
                     base, best, base[best] / latency if best else 0.0, timing.spread_pct,
-                    timing.method, pool, gpu)
+                    timing.method, pool, gpu, state)
 
 
 def bench_cases(op_classes: list[Any], tier: str | None = None,
@@ -120,6 +133,7 @@ def merge_repeats(runs: list[list[dict]]) -> list[dict]:
             latency_us=median, tflops=first["tflops"] * scale, tbps=first["tbps"] * scale,
             sol_pct=first["sol_pct"] * scale, runs_us=latencies,
             spread_pct=max([spread_pct(latencies)] + [r.get("spread_pct") or 0.0 for r in case]),
+            device_state_runs=[r.get("device_state") or {} for r in case],
             baselines={name: statistics.median(r["baselines"][name] for r in case
                                                if name in r["baselines"])
                        for name in first["baselines"]})

@@ -177,6 +177,8 @@ def _row_properties(row: Row) -> list[tuple[str, str]]:
     if spread is not None:
         props.append(("spread_pct", _num(spread, 2)))
     props.append(("timing", str(row.get("timing", ""))))
+    for name, value in (row.get("device_state") or {}).items():  # clock, power, temperature
+        props.append((name, str(value)))
     # A row without baselines has no meaningful speed-up (BenchRow stores 0.0).
     if row.get("best_baseline"):
         props.append(("best_baseline", str(row["best_baseline"])))
