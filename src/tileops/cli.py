@@ -297,6 +297,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             try:
                 for line in _tune_one(cls, w, dtype):
                     print(line)
+                    failed += line.startswith("FAILED")
             except Exception as e:  # noqa: BLE001 - report and go on with the next workload
                 failed += 1
                 print(f"FAILED  {args.op} [{w['label']}] {dtype}: {type(e).__name__}: {e}")
@@ -336,6 +337,8 @@ def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
         config = kernel._by_bucket[bucket][0]
         lines.append(f"tuned   {cls.__name__} [{workload['label']}] {dtype} "
                      f"{kernel.key_string(bucket)} -> {config}")
+        lines += [f"FAILED  {cls.__name__} [{workload['label']}] {dtype} {rejected}: results "
+                  "disagree with the default config's (left out)" for rejected in kernel.rejected]
     return lines
 
 

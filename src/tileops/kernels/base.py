@@ -101,6 +101,29 @@ def launchers(compiled: tuple) -> tuple:
                  for k in compiled)
 
 
+def agrees(results: list, reference: list, tol: float = 2e-2) -> bool:
+    """Whether a candidate config's tensors match the default config's: the same non-finite
+    entries, and floats within `tol` of the reference's largest magnitude (configs differ in
+    summation order and split-K, never by more); integers exactly."""
+    import torch
+
+    for got, want in zip(results, reference, strict=True):
+        if not got.is_floating_point():
+            if not torch.equal(got, want):
+                return False
+            continue
+        got, want = got.float(), want.float()
+        finite = torch.isfinite(want)
+        if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(
+                got[~finite].nan_to_num(), want[~finite].nan_to_num()):  # NaN == NaN here
+            return False
+        if finite.any():
+            scale = want[finite].abs().max().item()
+            if (got[finite] - want[finite]).abs().max().item() > tol * scale + tol:
+                return False
+    return True
+
+
 class Kernel:
     """Base of every TileLang kernel family.
 
@@ -122,6 +145,7 @@ class Kernel:
         self.gpu = gpu
         self.tune = tune
         self._by_bucket: dict[Any, tuple[Any, tuple]] = {}
+        self.rejected: list[Any] = []  # configs the last autotune dropped for wrong results
 
     # -- to implement ---------------------------------------------------------------------
     def program(self, config: Any, bucket: Any) -> Any:
@@ -181,6 +205,12 @@ class Kernel:
         with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
             list(pool.map(build, configs))
 
+    def results_of(self, config: Any, bucket: Any, tensors: tuple) -> list:
+        """Every tensor argument after one run of `config` on copies of `tensors`."""
+        copies = [t.clone() if hasattr(t, "clone") else t for t in tensors]
+        self.run(config, launchers(self.compile(config, bucket)), *copies)
+        return [t for t in copies if hasattr(t, "clone")]
+
     def select(self, size: int) -> tuple[Any, tuple]:
         """(config, launchers) for a runtime size; compiles on first use of a bucket."""
         bucket = self.bucket_of(size)
@@ -199,17 +229,26 @@ class Kernel:
     def autotune(self, size: int, *tensors: Any) -> Any:
         """Times the config space on these tensors and keeps the fastest.
 
-        The winner is stored in the user's tuned table for this GPU and used from then on.
+        Every candidate's results must first agree with the rule-based default's on the same
+        inputs (`agrees`), so a config that races or indexes wrong can never win on speed;
+        those rejected are kept in `rejected`. The winner is stored in the user's tuned
+        table for this GPU and used from then on.
         """
         from ..perf.timing import time_cuda
 
         bucket = self.bucket_of(size)
+        default = self.heuristic_config(bucket, self.target["arch"])
         candidates = self.config_space(bucket)
         self.compile_many(candidates, bucket)
-        results = []
+        reference = self.results_of(default, bucket, tensors)
+        results, self.rejected = [], []
         for config in candidates:
             try:
                 compiled = self.compile(config, bucket)
+                if config != default and not agrees(
+                        self.results_of(config, bucket, tensors), reference):
+                    self.rejected.append(config)
+                    continue
                 ms = time_cuda(lambda c=config, k=compiled: self.run(c, k, *tensors))
             except Exception:  # noqa: BLE001 - a config that fails to build or launch loses
                 continue
