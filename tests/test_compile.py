@@ -50,19 +50,26 @@ def test_rms_norm_padded_path_compiles(hidden):
     assert "rms_norm_kernel" in kernel.compile(config, "all")[0].get_kernel_source()
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_attention_forward_keeps_everything_in_registers(head_dim, tmp_path):
-    """A spilled accumulator would cost the forward its speed; ptxas reports spills."""
+@pytest.mark.parametrize("head_dim, overlap", [(64, False), (128, False), (256, False),
+                                               (128, True), (256, True)])
+def test_attention_forward_keeps_everything_in_registers(head_dim, overlap, tmp_path):
+    """A spilled accumulator would cost the forward its speed, and so would wgmmas that
+    ptxas serializes (it does so silently when a non-wgmma instruction may touch an
+    in-flight accumulator, e.g. a wgmma under a branch); ptxas reports both."""
+    import dataclasses
     import shutil
     import subprocess
 
     if shutil.which("ptxas") is None:
         pytest.skip("needs ptxas (CUDA toolkit)")
     kernel = AttentionFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
-                                window_left=-1, window_right=0, softcap=0.0)
-    compiled = kernel.compile(kernel.heuristic_config("all", "sm_90a"), "all")
+                                window_left=-1 if head_dim < 256 else 127, window_right=0,
+                                softcap=0.0 if head_dim < 256 else 50.0)
+    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), overlap=overlap)
+    compiled = kernel.compile(config, "all")
     ptx = tmp_path / "attention.ptx"
     compiled[0].export_ptx(str(ptx))
     report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
                             capture_output=True, text=True, check=True).stderr
     assert "0 bytes spill stores" in report, report
+    assert "serialized" not in report, report

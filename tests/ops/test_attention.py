@@ -7,6 +7,7 @@ import torch
 
 import tileops
 from tileops import GroupedQueryAttentionFwdOp
+from tileops.kernels.attention.attention_fwd import AttentionFwdKernel
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, randn
@@ -50,8 +51,12 @@ def reference(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), softca
     return (probs @ vf).transpose(1, 2), lse
 
 
-def check(q, k, v, **options):
-    o, lse = GroupedQueryAttentionFwdOp(**options)(q, k, v)
+def check(q, k, v, config=None, **options):
+    op = GroupedQueryAttentionFwdOp(**options)
+    if config is not None:  # pin one config of the kernel's space instead of the default
+        key = op._kernel_key(q.dtype, q.shape[2], k.shape[2], q.shape[3])
+        op.get_kernel("attention_fwd", q.device, **key).use(config, "all")
+    o, lse = op(q, k, v)
     o_ref, lse_ref = reference(q, k, v, **options)
     # P is rounded to the input dtype before the PV product, as in every flash kernel.
     assert_close(o, o_ref, scale=2.0, what="o")
@@ -76,6 +81,25 @@ def test_sequence_lengths(seq_q, seq_kv, is_causal, dtype):
     """Lengths off every tile size; Sq != Skv aligns the causal mask bottom-right (Sq > Skv
     leaves the first rows with no key: o = 0, lse = -inf)."""
     check(*make_qkv(1, seq_q, seq_kv, 4, 4, 128, dtype), is_causal=is_causal)
+
+
+def config_space(head_dim, window_left=-1, window_right=0, softcap=0.0):
+    return AttentionFwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=head_dim,
+                              window_left=window_left, window_right=window_right,
+                              softcap=softcap).config_space("all")
+
+
+@pytest.mark.parametrize("config", config_space(128), ids=str)
+def test_every_config_of_the_space(config):
+    """The tuner may pick any config of the space (it checks agreement with the default on
+    the tuning inputs only), so each one must be right on tails and Sq != Skv."""
+    check(*make_qkv(2, 777, 1000, 8, 2, 128, torch.bfloat16), config=config, is_causal=True)
+
+
+@pytest.mark.parametrize("config", config_space(256, 127, 0, 50.0), ids=str)
+def test_every_config_with_softcap_and_window(config):
+    check(*make_qkv(1, 500, 500, 8, 2, 256, torch.bfloat16), config=config, is_causal=True,
+          window_size=(127, 0), softcap=50.0)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (16, 2)])

@@ -9,7 +9,7 @@ from tileops import GroupedQueryAttentionVarlenFwdOp, TileOpsError, TileOpsTypeE
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, randn
-from .test_attention import reference
+from .test_attention import config_space, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -26,10 +26,14 @@ def packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype):
     return q, k, v, cu(lens_q), cu(lens_kv)
 
 
-def check(lens_q, lens_kv, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16, **opts):
+def check(lens_q, lens_kv, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+          config=None, **opts):
     q, k, v, cu_q, cu_kv = packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype)
     op = GroupedQueryAttentionVarlenFwdOp(max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv),
                                           **opts)
+    if config is not None:  # pin one config of the kernel's space instead of the default
+        key = op._kernel_key(dtype, heads, kv_heads, head_dim)
+        op.get_kernel("attention_varlen_fwd", q.device, **key).use(config, "all")
     o, lse = op(q, k, v, cu_q, cu_kv)
     for b in range(len(lens_q)):
         qs, qe = int(cu_q[b]), int(cu_q[b + 1])
@@ -51,6 +55,12 @@ def check(lens_q, lens_kv, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat
 def test_mixed_lengths_with_empty_and_single_token_sequences(is_causal, dtype):
     lens = [0, 1, 17, 300, 1000, 129]
     check(lens, lens, dtype=dtype, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("config", config_space(128), ids=str)
+def test_every_config_of_the_space(config):
+    lens = [0, 1, 17, 300, 1000, 129]
+    check(lens, lens, config=config, is_causal=True)
 
 
 def test_chunked_prefill_bottom_right_causal():

@@ -211,6 +211,11 @@ class Kernel:
         self.run(config, launchers(self.compile(config, bucket)), *copies)
         return [t for t in copies if hasattr(t, "clone")]
 
+    def use(self, config: Any, bucket: Any) -> None:
+        """Pins `config` for `bucket` (tests of every config, experiments): compiled now,
+        used by every later call that falls in the bucket."""
+        self._by_bucket[bucket] = (config, launchers(self.compile(config, bucket)))
+
     def select(self, size: int) -> tuple[Any, tuple]:
         """(config, launchers) for a runtime size; compiles on first use of a bucket."""
         bucket = self.bucket_of(size)

@@ -7,6 +7,13 @@ reach (causal and sliding windows skip whole tiles), keeping the running row max
 fp32. Masks align bottom-right: query i sees key j when j - i - (Skv - Sq) lies in
 [-window_left, window_right] (-1 = unbounded; causal is window_right = 0). A row that sees
 no key gets o = 0 and lse = -inf.
+
+A producer warpgroup streams K and V tiles by TMA; two consumer warpgroups own 64 query rows
+each. By default each wgmma is waited for, so a warpgroup's softmax overlaps only the other
+warpgroup's wgmmas. With `overlap`, each warpgroup issues Q K^T of tile t and P V of tile
+t - 1 asynchronously and runs tile t's softmax while P V runs (FlashAttention-3's
+intra-warpgroup pipelining; TileLang 0.1.15 ignores manual `order`/`stage` schedules once it
+warp-specializes a loop, so the overlap is written out with T.wgmma_gemm / T.wait_wgmma).
 """
 
 import math
@@ -21,6 +28,8 @@ from .mask import key_tile_range
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_LIMIT = 227 * 1024
+# The per-CTA register state of the forward, in alloc_state's order.
+STATE = ("s", "p", "o", "m", "m_prev", "m_safe", "rescale", "row_sum", "l", "lse", "hold")
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,7 @@ class AttentionFwdConfig:
     block_n: int = 128
     stages: int = 2
     threads: int = 256  # consumer threads; warp specialization adds a producer warpgroup
+    overlap: bool = False  # softmax of tile t overlaps the P V wgmma of tile t - 1
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Q tile plus `stages` K and V tiles (TileLang reuses the Q buffer for O)."""
@@ -36,7 +46,7 @@ class AttentionFwdConfig:
 
 
 def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right: int,
-                      softcap: float, block_m: int, block_n: int):
+                      softcap: float, block_m: int, block_n: int, threads: int):
     """The steps the dense and the varlen programs share, as TileLang macros."""
     masked_right = window_right >= 0
     masked_left = window_left >= 0
@@ -46,101 +56,155 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                               window_right)
 
     def alloc_state():
-        """Register tiles: scores, probabilities, output accumulator and row statistics."""
-        rows = [T.alloc_fragment((block_m,), "float") for _ in range(7)]
+        """Register tiles: scores, probabilities, output accumulator, row statistics and a
+        scratch scalar, in `STATE` order (unpack them by name: TileLang names buffers after
+        the variables they are assigned to), then wrap them with `state`."""
         return (T.alloc_fragment((block_m, block_n), "float"),
                 T.alloc_fragment((block_m, block_n), dtype),
-                T.alloc_fragment((block_m, head_dim), "float"), *rows)
+                T.alloc_fragment((block_m, head_dim), "float"),
+                *[T.alloc_fragment((block_m,), "float") for _ in range(7)],
+                T.alloc_local((1,), dtype))
+
+    def state(*buffers):
+        return SimpleNamespace(**dict(zip(STATE, buffers, strict=True)))
 
     def exp2_scale(scale):
         """Factor that turns the score tile into log2 units inside exp2 (one FFMA)."""
         return 1.0 if softcap > 0 else scale * LOG2E
 
     @T.macro
-    def init(o_local, l_local, m_local):
-        T.fill(o_local, 0)
-        T.fill(l_local, 0)
-        T.fill(m_local, -T.infinity("float"))
+    def init(st):
+        T.fill(st.o, 0)
+        T.fill(st.l, 0)
+        T.fill(st.m, -T.infinity("float"))
 
-    def visible(i, j, q_start, kv_start, seq_q, seq_kv):
+    def visible(i, j, q_start, kv_start, seq_q, seq_kv, live=None):
+        """Whether query row i sees key column j of the tile; `live` (a condition) can
+        mask the whole tile."""
         rel = kv_start + j - (q_start + i) - (seq_kv - seq_q)  # key minus query position
         seen = kv_start + j < seq_kv
+        if live is not None:
+            seen = seen & live
         if masked_right:
             seen = seen & (rel <= window_right)
         if masked_left:
             seen = seen & (rel >= -window_left)
         return seen
 
+    # s = q k^T, -inf where the mask hides the key. Without softcap the mask is the
+    # accumulator's initial value (0 or -inf) and the scale is applied inside exp2, so no
+    # extra pass runs over the tile; with softcap, s = log2(e) * softcap * tanh(scaled
+    # logit) needs its own pass after the product, which masks too.
     @T.macro
-    def scores(q_shared, k_shared, s_local, q_start, kv_start, seq_q, seq_kv, scale):
-        """s = q k^T, -inf where the mask hides the key.
-
-        Without softcap the mask is the accumulator's initial value (0 or -inf) and the
-        scale is applied inside exp2, so no extra pass runs over the tile; with softcap,
-        s = log2(e) * softcap * tanh(scaled logit) needs its own pass, which masks too.
-        """
+    def score_init(st, q_start, kv_start, seq_q, seq_kv, live=None):
         if softcap > 0:
-            T.clear(s_local)
+            T.clear(st.s)
         else:
             for i, j in T.Parallel(block_m, block_n):
-                s_local[i, j] = T.if_then_else(
-                    visible(i, j, q_start, kv_start, seq_q, seq_kv), 0, -T.infinity("float"))
-        T.gemm(q_shared, k_shared, s_local, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        if softcap > 0:
-            for i, j in T.Parallel(block_m, block_n):
-                s_local[i, j] = T.if_then_else(
-                    visible(i, j, q_start, kv_start, seq_q, seq_kv),
-                    T.tanh(s_local[i, j] * (scale / softcap)) * (softcap * LOG2E),
+                st.s[i, j] = T.if_then_else(
+                    visible(i, j, q_start, kv_start, seq_q, seq_kv, live), 0,
                     -T.infinity("float"))
 
     @T.macro
-    def online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
-                       scale):
-        """Folds one tile into the running max and sum; p = exp2((s - max) * exp2_scale)."""
-        T.copy(m_local, m_prev)
-        T.reduce_max(s_local, m_local, dim=1, clear=False)
+    def score_cap(st, q_start, kv_start, seq_q, seq_kv, scale, live=None):
+        if softcap > 0:
+            for i, j in T.Parallel(block_m, block_n):
+                st.s[i, j] = T.if_then_else(
+                    visible(i, j, q_start, kv_start, seq_q, seq_kv, live),
+                    T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E),
+                    -T.infinity("float"))
+
+    @T.macro
+    def online_softmax(st, scale):
+        """Folds one score tile into the running max and sum; s becomes
+        exp2((s - max) * exp2_scale), the unnormalized probabilities."""
+        T.copy(st.m, st.m_prev)
+        T.reduce_max(st.s, st.m, dim=1, clear=False)
         for i in T.Parallel(block_m):
             # -inf rows (nothing visible yet) must not turn exp2 into NaN.
-            m_safe[i] = T.if_then_else(m_local[i] == -T.infinity("float"), 0,
-                                       m_local[i] * exp2_scale(scale))
-            rescale[i] = T.exp2(m_prev[i] * exp2_scale(scale) - m_safe[i])
+            st.m_safe[i] = T.if_then_else(st.m[i] == -T.infinity("float"), 0,
+                                          st.m[i] * exp2_scale(scale))
+            st.rescale[i] = T.exp2(st.m_prev[i] * exp2_scale(scale) - st.m_safe[i])
         for i, j in T.Parallel(block_m, block_n):
-            s_local[i, j] = T.exp2(s_local[i, j] * exp2_scale(scale) - m_safe[i])
-        T.reduce_sum(s_local, row_sum, dim=1)
+            st.s[i, j] = T.exp2(st.s[i, j] * exp2_scale(scale) - st.m_safe[i])
+        T.reduce_sum(st.s, st.row_sum, dim=1)
         for i in T.Parallel(block_m):
-            l_local[i] = l_local[i] * rescale[i] + row_sum[i]
-        T.copy(s_local, p_local)
+            st.l[i] = st.l[i] * st.rescale[i] + st.row_sum[i]
 
     @T.macro
-    def rescale_output(o_local, rescale):
+    def rescale_output(st):
         for i, j in T.Parallel(block_m, head_dim):
-            o_local[i, j] *= rescale[i]
+            st.o[i, j] *= st.rescale[i]
 
     @T.macro
-    def finish(o_local, l_local, m_local, lse_local, scale):
+    def sync_scores(st, q_shared, k_shared, q_start, kv_start, seq_q, seq_kv, scale):
+        """Key tile t in order, waiting for each wgmma: S = Q K^T, softmax, O rescaled and
+        P cast; the caller loads V and issues O += P V (the next tile's loads overlap)."""
+        score_init(st, q_start, kv_start, seq_q, seq_kv)
+        T.gemm(q_shared, k_shared, st.s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        score_cap(st, q_start, kv_start, seq_q, seq_kv, scale)
+        online_softmax(st, scale)
+        T.copy(st.s, st.p)
+        rescale_output(st)
+
+    @T.macro
+    def overlapped_step(st, t, n_tiles, q_shared, k_shared, v_shared, q_start, kv_start,
+                        seq_q, seq_kv, scale):
+        """Iteration t of n_tiles + 1 (FlashAttention-3's intra-warpgroup overlap): issue
+        S = Q K_t^T and O += P_{t-1} V_{t-1} without waiting, run tile t's softmax once S
+        has landed while P V still runs, then rescale O and cast P for the next iteration.
+        The loop loads K_min(t, n-1) and V_max(t-1, 0).
+
+        Nothing here branches on t: ptxas serializes every wgmma of the kernel when a wgmma
+        or its wait sits under a branch. Instead the first P V multiplies a zero P and the
+        last iteration's scores are all masked, which leaves the running max, sum and O
+        unchanged (rescale 1, P 0): one extra tile of work per block for the overlap."""
+        live = t < n_tiles
+        score_init(st, q_start, kv_start, seq_q, seq_kv, live)
+        T.wgmma_gemm(q_shared, k_shared, st.s, transpose_B=True,
+                     policy=T.GemmWarpPolicy.FullRow)
+        T.wgmma_gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+        T.wait_wgmma(1)  # S, issued first, has landed; P V may still run
+        # Tell ptxas S has settled. Counts are registers per thread: the default, the whole
+        # tile, would also touch the in-flight P V's accumulators.
+        T.warpgroup_fence_operand(st.s, num_regs=block_m * block_n // threads)
+        score_cap(st, q_start, kv_start, seq_q, seq_kv, scale, live)
+        online_softmax(st, scale)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(st.o, num_regs=block_m * head_dim // threads)
+        # TileLang releases a K/V stage to the producer after the stage's last use in the
+        # iteration; without this read that is the asynchronous issue, and the next TMA
+        # load could overwrite the tile while a wgmma still reads it.
+        st.hold[0] = k_shared[0, 0] + v_shared[0, 0]
+        rescale_output(st)
+        T.copy(st.s, st.p)
+
+    @T.macro
+    def finish(st, scale):
         """o /= l and the natural-log lse; rows that saw no key get 0 and -inf."""
         for i, j in T.Parallel(block_m, head_dim):
-            o_local[i, j] = T.if_then_else(l_local[i] > 0, o_local[i, j] / l_local[i], 0)
+            st.o[i, j] = T.if_then_else(st.l[i] > 0, st.o[i, j] / st.l[i], 0)
         for i in T.Parallel(block_m):
-            lse_local[i] = T.if_then_else(
-                l_local[i] > 0, (m_local[i] * exp2_scale(scale) + T.log2(l_local[i])) * LN2,
+            st.lse[i] = T.if_then_else(
+                st.l[i] > 0, (st.m[i] * exp2_scale(scale) + T.log2(st.l[i])) * LN2,
                 -T.infinity("float"))
 
-    return SimpleNamespace(alloc_state=alloc_state, tile_range=tile_range, init=init,
-                           scores=scores, online_softmax=online_softmax,
-                           rescale_output=rescale_output, finish=finish)
+    return SimpleNamespace(alloc_state=alloc_state, state=state, tile_range=tile_range, init=init,
+                           sync_scores=sync_scores, overlapped_step=overlapped_step,
+                           finish=finish)
 
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
-                          block_m: int, block_n: int, stages: int, threads: int):
+                          block_m: int, block_n: int, stages: int, threads: int,
+                          overlap: bool = False):
     """Dense BSHD batch: q [B, Sq, H, D], k/v [B, Skv, Hkv, D], lse [B, H, Sq]."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     group = heads // kv_heads
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
     step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
-                             block_n)
+                             block_n, threads)
 
     @T.prim_func
     def attention_fwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
@@ -156,7 +220,9 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
             o_shared = T.alloc_shared((block_m, head_dim), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
-             lse_local) = step.alloc_state()
+             lse_local, hold) = step.alloc_state()
+            st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
+                            row_sum, l_local, lse_local, hold)
 
             q_start = (n_blocks - 1 - by) * block_m
             tile_begin, reachable = step.tile_range(q_start, seq_q, seq_kv)
@@ -165,29 +231,39 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             # no key (Sq > Skv) would otherwise store O while that load may still land.
             n_tiles = T.max(reachable, 1)
             T.copy(q[bz, q_start:q_start + block_m, bx, :], q_shared)
-            step.init(o_local, l_local, m_local)
-            for t in T.Pipelined(n_tiles, num_stages=stages):
-                T.copy(k[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
-                         bx // group, :], k_shared)
-                step.scores(q_shared, k_shared, s_local, q_start, (tile_begin + t) * block_n,
-                            seq_q, seq_kv, scale)
-                step.online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale,
-                                    row_sum, l_local, scale)
-                step.rescale_output(o_local, rescale)
-                T.copy(v[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
-                         bx // group, :], v_shared)
-                T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
-            step.finish(o_local, l_local, m_local, lse_local, scale)
-            T.copy(o_local, o_shared)
+            step.init(st)
+            if overlap:
+                T.clear(st.p)  # the first P V adds P * V_0 = 0
+                for t in T.Pipelined(n_tiles + 1, num_stages=stages):
+                    k_tile = tile_begin + T.min(t, n_tiles - 1)
+                    v_tile = tile_begin + T.max(t - 1, 0)
+                    T.copy(k[bz, k_tile * block_n:(k_tile + 1) * block_n, bx // group, :],
+                           k_shared)
+                    T.copy(v[bz, v_tile * block_n:(v_tile + 1) * block_n, bx // group, :],
+                           v_shared)
+                    step.overlapped_step(st, t, n_tiles, q_shared, k_shared, v_shared, q_start,
+                                         (tile_begin + t) * block_n, seq_q, seq_kv, scale)
+            else:
+                for t in T.Pipelined(n_tiles, num_stages=stages):
+                    T.copy(k[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
+                             bx // group, :], k_shared)
+                    step.sync_scores(st, q_shared, k_shared, q_start, (tile_begin + t) * block_n,
+                                     seq_q, seq_kv, scale)
+                    T.copy(v[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
+                             bx // group, :], v_shared)
+                    T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+            step.finish(st, scale)
+            T.copy(st.o, o_shared)
             T.copy(o_shared, o[bz, q_start:q_start + block_m, bx, :])  # TMA clips the Sq tail
-            T.copy(lse_local, lse[bz, bx, q_start:q_start + block_m])
+            T.copy(st.lse, lse[bz, bx, q_start:q_start + block_m])
 
     return attention_fwd
 
 
 def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                                  window_left: int, window_right: int, softcap: float,
-                                 block_m: int, block_n: int, stages: int, threads: int):
+                                 block_m: int, block_n: int, stages: int, threads: int,
+                                 overlap: bool = False):
     """Packed sequences: q [Tq, H, D], k/v [Tkv, Hkv, D], cu_seqlens [B + 1], lse [H, Tq].
 
     The grid covers max_seqlen_q rows per sequence; blocks past a sequence's end do no
@@ -196,7 +272,7 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     total_q, total_kv, batch_1 = T.dynamic("total_q, total_kv, batch_1")
     group = heads // kv_heads
     step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
-                             block_n)
+                             block_n, threads)
 
     @T.prim_func
     def attention_varlen_fwd(q: T.Tensor((total_q, heads, head_dim), dtype),
@@ -213,7 +289,9 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
-             lse_local) = step.alloc_state()
+             lse_local, hold) = step.alloc_state()
+            st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
+                            row_sum, l_local, lse_local, hold)
 
             q_offset = cu_seqlens_q[bz]
             kv_offset = cu_seqlens_kv[bz]
@@ -223,25 +301,36 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             tile_begin, reachable = step.tile_range(q_start, seq_q, seq_kv)
             n_tiles = T.if_then_else(q_start < seq_q, reachable, 0)
             T.copy(q[q_offset + q_start:q_offset + q_start + block_m, bx, :], q_shared)
-            step.init(o_local, l_local, m_local)
-            for t in T.Pipelined(n_tiles, num_stages=stages):
-                T.copy(k[kv_offset + (tile_begin + t) * block_n:
-                         kv_offset + (tile_begin + t + 1) * block_n, bx // group, :], k_shared)
-                step.scores(q_shared, k_shared, s_local, q_start, (tile_begin + t) * block_n,
-                            seq_q, seq_kv, scale)
-                step.online_softmax(s_local, p_local, m_local, m_prev, m_safe, rescale,
-                                    row_sum, l_local, scale)
-                step.rescale_output(o_local, rescale)
-                T.copy(v[kv_offset + (tile_begin + t) * block_n:
-                         kv_offset + (tile_begin + t + 1) * block_n, bx // group, :], v_shared)
-                T.gemm(p_local, v_shared, o_local, policy=T.GemmWarpPolicy.FullRow)
-            step.finish(o_local, l_local, m_local, lse_local, scale)
+            step.init(st)
+            if overlap:
+                T.clear(st.p)  # the first P V adds P * V_0 = 0
+                # n_tiles + 1 iterations; a block with no tile loads (never uses) tile -1,
+                # which lies inside the packed tensor or is clipped by TMA.
+                for t in T.Pipelined(n_tiles + 1, num_stages=stages):
+                    k_start = kv_offset + (tile_begin + T.min(t, n_tiles - 1)) * block_n
+                    v_start = kv_offset + (tile_begin + T.max(t - 1, 0)) * block_n
+                    T.copy(k[k_start:k_start + block_n, bx // group, :], k_shared)
+                    T.copy(v[v_start:v_start + block_n, bx // group, :], v_shared)
+                    step.overlapped_step(st, t, n_tiles, q_shared, k_shared, v_shared, q_start,
+                                         (tile_begin + t) * block_n, seq_q, seq_kv, scale)
+            else:
+                for t in T.Pipelined(n_tiles, num_stages=stages):
+                    T.copy(k[kv_offset + (tile_begin + t) * block_n:
+                             kv_offset + (tile_begin + t + 1) * block_n, bx // group, :],
+                           k_shared)
+                    step.sync_scores(st, q_shared, k_shared, q_start, (tile_begin + t) * block_n,
+                                     seq_q, seq_kv, scale)
+                    T.copy(v[kv_offset + (tile_begin + t) * block_n:
+                             kv_offset + (tile_begin + t + 1) * block_n, bx // group, :],
+                           v_shared)
+                    T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+            step.finish(st, scale)
             for i, j in T.Parallel(block_m, head_dim):
                 if q_start + i < seq_q:
-                    o[q_offset + q_start + i, bx, j] = o_local[i, j]
+                    o[q_offset + q_start + i, bx, j] = st.o[i, j]
             for i in T.Parallel(block_m):
                 if q_start + i < seq_q:
-                    lse[bx, q_offset + q_start + i] = lse_local[i]
+                    lse[bx, q_offset + q_start + i] = st.lse[i]
 
     return attention_varlen_fwd
 
@@ -257,7 +346,7 @@ class AttentionFwdKernel(Kernel):
         return attention_fwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"],
                                      config.block_m, config.block_n, config.stages,
-                                     config.threads)
+                                     config.threads, config.overlap)
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, o, lse,
             scale: float) -> None:
@@ -272,7 +361,8 @@ class AttentionFwdKernel(Kernel):
         space = [self.heuristic_config(bucket, "sm_90a")]
         for block_n in (64, 128, 176):
             for stages in (1, 2):
-                space.append(AttentionFwdConfig(128, block_n, stages, 256))
+                for overlap in (False, True):
+                    space.append(AttentionFwdConfig(128, block_n, stages, 256, overlap))
         return [c for c in dict.fromkeys(space) if c.smem_bytes(self.key["head_dim"]) <= SMEM_LIMIT]
 
 
@@ -286,7 +376,7 @@ class AttentionVarlenFwdKernel(AttentionFwdKernel):
         return attention_varlen_fwd_program(
             k["heads"], k["kv_heads"], k["head_dim"], k["dtype"], k["window_left"],
             k["window_right"], k["softcap"], config.block_m, config.block_n, config.stages,
-            config.threads)
+            config.threads, config.overlap)
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, cu_seqlens_q,
             cu_seqlens_kv, o, lse, max_seqlen_q: int, scale: float) -> None:
