@@ -6,6 +6,7 @@ import torch
 
 import tileops
 from tileops import GroupedQueryAttentionBwdOp, GroupedQueryAttentionFwdOp
+from tileops.kernels.attention.attention_bwd import AttentionBwdKernel
 
 from ..helpers import assert_close
 from .test_attention import make_qkv, reference
@@ -19,11 +20,16 @@ def reference_grads(q, k, v, do, **options):
     return torch.autograd.grad(o, leaves, do.float())
 
 
-def check(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype=torch.bfloat16, **options):
+def check(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype=torch.bfloat16, config=None,
+          **options):
     q, k, v = make_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype)
     do = torch.randn_like(q)
     o, lse = GroupedQueryAttentionFwdOp(**options)(q, k, v)
-    dq, dk, dv = GroupedQueryAttentionBwdOp(**options)(do, q, k, v, o, lse)
+    bwd = GroupedQueryAttentionBwdOp(**options)
+    if config is not None:  # pin one config of the kernel's space instead of the default
+        key = bwd._kernel_key(dtype, heads, kv_heads, head_dim)
+        bwd.get_kernel("attention_bwd", q.device, **key).use(config, "all")
+    dq, dk, dv = bwd(do, q, k, v, o, lse)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv),
                                reference_grads(q, k, v, do, **options), strict=True):
         # gradients sum over up to Skv (dq) or Sq x group (dk, dv) rounded terms
@@ -42,6 +48,15 @@ def test_gradients(head_dim, is_causal, dtype):
                                            (1000, 100)])
 def test_sequence_lengths(seq_q, seq_kv):
     check(1, seq_q, seq_kv, 4, 4, 128, is_causal=True)
+
+
+@pytest.mark.parametrize("config", AttentionBwdKernel(
+    dtype="bfloat16", heads=8, kv_heads=2, head_dim=128, window_left=-1, window_right=0,
+    softcap=0.0).config_space("all"), ids=str)
+def test_every_config_of_the_space(config):
+    """The tuner may pick any config of the space; each must be right on tails, Sq != Skv
+    and a GQA group."""
+    check(1, 300, 777, 8, 2, 128, config=config, is_causal=True)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (16, 2)])

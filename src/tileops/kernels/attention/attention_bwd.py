@@ -17,6 +17,7 @@ import tilelang.language as T
 import torch
 
 from ..base import Kernel
+from .attention_fwd import SMEM_LIMIT
 from .mask import query_block_range
 
 LOG2E = math.log2(math.e)
@@ -29,6 +30,13 @@ class AttentionBwdConfig:
     block_q: int = 64
     stages: int = 1
     threads: int = 256
+    tma_dq: bool = False  # dq adds through shared memory by one TMA reduce per tile
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """K and V tiles, `stages` Q and dO tiles, dS, and the fp32 dq tile with tma_dq."""
+        tiles = (2 * self.block_kv + 2 * self.stages * self.block_q) * head_dim * elem_bytes
+        ds = self.block_kv * self.block_q * elem_bytes
+        return tiles + ds + (self.block_q * head_dim * 4 if self.tma_dq else 0)
 
 
 def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int = 64,
@@ -58,7 +66,8 @@ def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int 
 
 def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
-                          block_kv: int, block_q: int, stages: int, threads: int):
+                          block_kv: int, block_q: int, stages: int, threads: int,
+                          tma_dq: bool = False):
     """The main pass; dq, dk, dv are fp32 accumulators the caller zeroes."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     group = heads // kv_heads
@@ -88,6 +97,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             dk_local = T.alloc_fragment((block_kv, head_dim), "float")
             dv_local = T.alloc_fragment((block_kv, head_dim), "float")
             dq_local = T.alloc_fragment((block_q, head_dim), "float")
+            dq_shared = T.alloc_shared((block_q, head_dim), "float") if tma_dq else None
 
             kv_head = by // group
             kv_start = bx * block_kv
@@ -137,9 +147,14 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 T.clear(dq_local)
                 T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
-                for i, j in T.Parallel(block_q, head_dim):
-                    if q_start + i < seq_q:
-                        T.atomic_add(dq[bz, q_start + i, by, j], dq_local[i, j])
+                if tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
+                    T.copy(dq_local, dq_shared)
+                    T.atomic_add(dq[bz, q_start:q_start + block_q, by, :], dq_shared,
+                                 use_tma=True)
+                else:
+                    for i, j in T.Parallel(block_q, head_dim):
+                        if q_start + i < seq_q:
+                            T.atomic_add(dq[bz, q_start + i, by, j], dq_local[i, j])
             for i, j in T.Parallel(block_kv, head_dim):
                 if kv_start + i < seq_kv:
                     T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
@@ -159,7 +174,7 @@ class AttentionBwdKernel(Kernel):
         main = attention_bwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"],
                                      config.block_kv, config.block_q, config.stages,
-                                     config.threads)
+                                     config.threads, config.tma_dq)
         return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
 
     def run(self, config: AttentionBwdConfig, compiled: tuple, q, k, v, o, do, lse, dq, dk,
@@ -182,7 +197,11 @@ class AttentionBwdKernel(Kernel):
 
     def config_space(self, bucket: str) -> list[AttentionBwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]
-        for block_kv, block_q in ((128, 64), (128, 32), (128, 128)):
+        # block_q 128 does not build in TileLang 0.1.15 (a shared-memory sync would fall in
+        # a 252-thread divergent region), so the space stops at 64.
+        for block_kv, block_q in ((128, 64), (128, 32)):
             for stages in (1, 2):
-                space.append(AttentionBwdConfig(block_kv, block_q, stages, 256))
-        return list(dict.fromkeys(space))
+                for tma_dq in (False, True):
+                    space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, tma_dq))
+        head_dim = self.key["head_dim"]
+        return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
