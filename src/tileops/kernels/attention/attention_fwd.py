@@ -46,7 +46,8 @@ class AttentionFwdConfig:
 
 
 def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right: int,
-                      softcap: float, block_m: int, block_n: int, threads: int):
+                      softcap: float, block_m: int, block_n: int, stages: int, threads: int,
+                      overlap: bool):
     """The steps the dense and the varlen programs share, as TileLang macros."""
     masked_right = window_right >= 0
     masked_left = window_left >= 0
@@ -180,6 +181,25 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
         T.copy(st.s, st.p)
 
     @T.macro
+    def key_loop(st, kv_rows, seq_at, head, k, v, n_tiles, tile_begin, q_shared, k_shared,
+                 v_shared, q_start, seq_q, seq_kv, scale):
+        """Walks the key tiles; `kv_rows(buf, tile, seq_at, head)` is a K/V tile's region."""
+        if overlap:
+            T.clear(st.p)  # the first P V adds P * V_0 = 0
+            for t in T.Pipelined(n_tiles + 1, num_stages=stages):
+                T.copy(kv_rows(k, tile_begin + T.min(t, n_tiles - 1), seq_at, head), k_shared)
+                T.copy(kv_rows(v, tile_begin + T.max(t - 1, 0), seq_at, head), v_shared)
+                overlapped_step(st, t, n_tiles, q_shared, k_shared, v_shared, q_start,
+                                (tile_begin + t) * block_n, seq_q, seq_kv, scale)
+        else:
+            for t in T.Pipelined(n_tiles, num_stages=stages):
+                T.copy(kv_rows(k, tile_begin + t, seq_at, head), k_shared)
+                sync_scores(st, q_shared, k_shared, q_start, (tile_begin + t) * block_n,
+                            seq_q, seq_kv, scale)
+                T.copy(kv_rows(v, tile_begin + t, seq_at, head), v_shared)
+                T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
     def finish(st, scale):
         """o /= l and the natural-log lse; rows that saw no key get 0 and -inf."""
         for i, j in T.Parallel(block_m, head_dim):
@@ -189,9 +209,8 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                 st.l[i] > 0, (st.m[i] * exp2_scale(scale) + T.log2(st.l[i])) * LN2,
                 -T.infinity("float"))
 
-    return SimpleNamespace(alloc_state=alloc_state, state=state, tile_range=tile_range, init=init,
-                           sync_scores=sync_scores, overlapped_step=overlapped_step,
-                           finish=finish)
+    return SimpleNamespace(alloc_state=alloc_state, state=state, tile_range=tile_range,
+                           init=init, key_loop=key_loop, finish=finish)
 
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
@@ -204,7 +223,10 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
     step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
-                             block_n, threads)
+                             block_n, stages, threads, overlap)
+
+    def kv_rows(buf, tile, batch_index, head):
+        return buf[batch_index, tile * block_n:(tile + 1) * block_n, head, :]
 
     @T.prim_func
     def attention_fwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
@@ -232,26 +254,8 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             n_tiles = T.max(reachable, 1)
             T.copy(q[bz, q_start:q_start + block_m, bx, :], q_shared)
             step.init(st)
-            if overlap:
-                T.clear(st.p)  # the first P V adds P * V_0 = 0
-                for t in T.Pipelined(n_tiles + 1, num_stages=stages):
-                    k_tile = tile_begin + T.min(t, n_tiles - 1)
-                    v_tile = tile_begin + T.max(t - 1, 0)
-                    T.copy(k[bz, k_tile * block_n:(k_tile + 1) * block_n, bx // group, :],
-                           k_shared)
-                    T.copy(v[bz, v_tile * block_n:(v_tile + 1) * block_n, bx // group, :],
-                           v_shared)
-                    step.overlapped_step(st, t, n_tiles, q_shared, k_shared, v_shared, q_start,
-                                         (tile_begin + t) * block_n, seq_q, seq_kv, scale)
-            else:
-                for t in T.Pipelined(n_tiles, num_stages=stages):
-                    T.copy(k[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
-                             bx // group, :], k_shared)
-                    step.sync_scores(st, q_shared, k_shared, q_start, (tile_begin + t) * block_n,
-                                     seq_q, seq_kv, scale)
-                    T.copy(v[bz, (tile_begin + t) * block_n:(tile_begin + t + 1) * block_n,
-                             bx // group, :], v_shared)
-                    T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+            step.key_loop(st, kv_rows, bz, bx // group, k, v, n_tiles, tile_begin, q_shared,
+                          k_shared, v_shared, q_start, seq_q, seq_kv, scale)
             step.finish(st, scale)
             T.copy(st.o, o_shared)
             T.copy(o_shared, o[bz, q_start:q_start + block_m, bx, :])  # TMA clips the Sq tail
@@ -272,7 +276,10 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     total_q, total_kv, batch_1 = T.dynamic("total_q, total_kv, batch_1")
     group = heads // kv_heads
     step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
-                             block_n, threads)
+                             block_n, stages, threads, overlap)
+
+    def kv_rows(buf, tile, seq_offset, head):
+        return buf[seq_offset + tile * block_n:seq_offset + (tile + 1) * block_n, head, :]
 
     @T.prim_func
     def attention_varlen_fwd(q: T.Tensor((total_q, heads, head_dim), dtype),
@@ -302,28 +309,10 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             n_tiles = T.if_then_else(q_start < seq_q, reachable, 0)
             T.copy(q[q_offset + q_start:q_offset + q_start + block_m, bx, :], q_shared)
             step.init(st)
-            if overlap:
-                T.clear(st.p)  # the first P V adds P * V_0 = 0
-                # n_tiles + 1 iterations; a block with no tile loads (never uses) tile -1,
-                # which lies inside the packed tensor or is clipped by TMA.
-                for t in T.Pipelined(n_tiles + 1, num_stages=stages):
-                    k_start = kv_offset + (tile_begin + T.min(t, n_tiles - 1)) * block_n
-                    v_start = kv_offset + (tile_begin + T.max(t - 1, 0)) * block_n
-                    T.copy(k[k_start:k_start + block_n, bx // group, :], k_shared)
-                    T.copy(v[v_start:v_start + block_n, bx // group, :], v_shared)
-                    step.overlapped_step(st, t, n_tiles, q_shared, k_shared, v_shared, q_start,
-                                         (tile_begin + t) * block_n, seq_q, seq_kv, scale)
-            else:
-                for t in T.Pipelined(n_tiles, num_stages=stages):
-                    T.copy(k[kv_offset + (tile_begin + t) * block_n:
-                             kv_offset + (tile_begin + t + 1) * block_n, bx // group, :],
-                           k_shared)
-                    step.sync_scores(st, q_shared, k_shared, q_start, (tile_begin + t) * block_n,
-                                     seq_q, seq_kv, scale)
-                    T.copy(v[kv_offset + (tile_begin + t) * block_n:
-                             kv_offset + (tile_begin + t + 1) * block_n, bx // group, :],
-                           v_shared)
-                    T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+            # With overlap, a block with no tile loads (never uses) tile -1, which lies
+            # inside the packed tensor or is clipped by TMA.
+            step.key_loop(st, kv_rows, kv_offset, bx // group, k, v, n_tiles, tile_begin,
+                          q_shared, k_shared, v_shared, q_start, seq_q, seq_kv, scale)
             step.finish(st, scale)
             for i, j in T.Parallel(block_m, head_dim):
                 if q_start + i < seq_q:
