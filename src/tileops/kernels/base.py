@@ -211,18 +211,18 @@ class Kernel:
         self.run(config, launchers(self.compile(config, bucket)), *copies)
         return [t for t in copies if hasattr(t, "clone")]
 
-    def use(self, config: Any, bucket: Any) -> None:
-        """Pins `config` for `bucket` (tests of every config, experiments): compiled now,
-        used by every later call that falls in the bucket."""
-        self._by_bucket[bucket] = (config, launchers(self.compile(config, bucket)))
+    def use(self, config: Any, bucket: Any) -> tuple[Any, tuple]:
+        """Pins `config` for `bucket` (the default on first use, the tuner's winner, a test's
+        pick): compiled now, used by every later call that falls in the bucket."""
+        found = self._by_bucket[bucket] = (config, launchers(self.compile(config, bucket)))
+        return found
 
     def select(self, size: int) -> tuple[Any, tuple]:
         """(config, launchers) for a runtime size; compiles on first use of a bucket."""
         bucket = self.bucket_of(size)
         found = self._by_bucket.get(bucket)
         if found is None:
-            config = self.config_for(bucket)
-            found = self._by_bucket[bucket] = (config, launchers(self.compile(config, bucket)))
+            found = self.use(self.config_for(bucket), bucket)
         return found
 
     def __call__(self, size: int, *tensors: Any) -> None:
@@ -264,5 +264,5 @@ class Kernel:
         best = min(results, key=lambda r: r[0])[1]
         if self.gpu is not None:
             tuned_table(self.gpu).put(self.key_string(bucket), dataclasses.asdict(best))
-        self._by_bucket[bucket] = (best, launchers(self.compile(best, bucket)))
+        self.use(best, bucket)
         return best
