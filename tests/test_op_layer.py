@@ -191,3 +191,27 @@ def test_attention_autograd_is_wired_through_the_custom_ops():
     assert out.requires_grad and out.shape == q.shape
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_pin_config_changes_only_that_op_instance(monkeypatch):
+    """Tests pin each config of a space on one op; the shared kernel must keep its own."""
+    from tileops import GroupedQueryAttentionFwdOp
+    from tileops.kernels.attention.attention_fwd import AttentionFwdConfig, AttentionFwdKernel
+    from tileops.kernels.base import SM90A, Kernel
+
+    shared = AttentionFwdKernel(target=SM90A, gpu="h200", dtype="bfloat16", heads=8,
+                                kv_heads=2, head_dim=128, window_left=-1, window_right=0,
+                                softcap=0.0)
+    monkeypatch.setattr(GroupedQueryAttentionFwdOp, "_shared_kernel",
+                        lambda self, dispatch_key, device, key: shared)
+    monkeypatch.setattr(Kernel, "compile", lambda self, config, bucket: ("compiled",))
+    monkeypatch.setattr("tileops.kernels.base.launchers", lambda compiled: compiled)
+    pinned = GroupedQueryAttentionFwdOp(is_causal=True)
+    other = GroupedQueryAttentionFwdOp(is_causal=True)
+    q, k, v = meta(1, 300, 8, 128), meta(1, 300, 2, 128), meta(1, 300, 2, 128)
+    config = AttentionFwdConfig(block_n=64, stages=1, overlap=True)
+    pinned.pin_config(config, q, k, v)
+    key = pinned._kernel_key(torch.bfloat16, 8, 2, 128)
+    assert pinned.get_kernel("attention_fwd", q.device, **key).select(300)[0] == config
+    assert other.get_kernel("attention_fwd", q.device, **key) is shared
+    assert shared._by_bucket == {}

@@ -53,9 +53,8 @@ def reference(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), softca
 
 def check(q, k, v, config=None, **options):
     op = GroupedQueryAttentionFwdOp(**options)
-    if config is not None:  # pin one config of the kernel's space instead of the default
-        key = op._kernel_key(q.dtype, q.shape[2], k.shape[2], q.shape[3])
-        op.get_kernel("attention_fwd", q.device, **key).use(config, "all")
+    if config is not None:  # one config of the kernel's space instead of the default
+        op.pin_config(config, q, k, v)
     o, lse = op(q, k, v)
     o_ref, lse_ref = reference(q, k, v, **options)
     # P is rounded to the input dtype before the PV product, as in every flash kernel.

@@ -26,9 +26,8 @@ def check(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype=torch.bfloat16,
     do = torch.randn_like(q)
     o, lse = GroupedQueryAttentionFwdOp(**options)(q, k, v)
     bwd = GroupedQueryAttentionBwdOp(**options)
-    if config is not None:  # pin one config of the kernel's space instead of the default
-        key = bwd._kernel_key(dtype, heads, kv_heads, head_dim)
-        bwd.get_kernel("attention_bwd", q.device, **key).use(config, "all")
+    if config is not None:  # one config of the kernel's space instead of the default
+        bwd.pin_config(config, do, q, k, v, o, lse)
     dq, dk, dv = bwd(do, q, k, v, o, lse)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv),
                                reference_grads(q, k, v, do, **options), strict=True):

@@ -31,9 +31,8 @@ def check(lens_q, lens_kv, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat
     q, k, v, cu_q, cu_kv = packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype)
     op = GroupedQueryAttentionVarlenFwdOp(max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv),
                                           **opts)
-    if config is not None:  # pin one config of the kernel's space instead of the default
-        key = op._kernel_key(dtype, heads, kv_heads, head_dim)
-        op.get_kernel("attention_varlen_fwd", q.device, **key).use(config, "all")
+    if config is not None:  # one config of the kernel's space instead of the default
+        op.pin_config(config, q, k, v, cu_q, cu_kv)
     o, lse = op(q, k, v, cu_q, cu_kv)
     for b in range(len(lens_q)):
         qs, qe = int(cu_q[b]), int(cu_q[b + 1])

@@ -190,6 +190,18 @@ class Op:
                                                          tune=self.tune, **key)
         return kernel
 
+    def pin_config(self, config: Any, *inputs: Any) -> None:
+        """Makes this op instance, and no other, run `config` for the kernels that `inputs`
+        dispatch to (tests run every config of a space this way). The shared kernels, and
+        so every other op, keep their tuned or default configs."""
+        ns = self.check(inputs)
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        for dispatch_key, key, size in self.kernels_for(ns):
+            shared = self._shared_kernel(dispatch_key, device, key)
+            kernel = type(shared)(target=shared.target, gpu=shared.gpu, **key)
+            kernel.use(config, kernel.bucket_of(size))
+            self._kernel_memo[(dispatch_key, device, *key.values())] = kernel
+
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         """(dispatch key, kernel key, runtime size) of each kernel a call with `ns` runs.
 
