@@ -19,7 +19,7 @@ tileops() { python3 -m tileops.cli "$@"; }
 python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(p.name, p.multi_processor_count, 'SMs', torch.__version__)"
 rc=0
 if [ "$what" = tune ]; then
-  tileops tune "$@" --out "$OUT" 2>&1 | tee -a "$OUT/tune.log" | grep -E "^(tuned|FAILED)"
+  tileops tune "$@" --out "$OUT" 2>&1 | tee -a "$OUT/tune.log" | grep -E "^(tuned|FAILED|  )"
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = calibrate ]; then

@@ -337,6 +337,7 @@ def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
         config = kernel._by_bucket[bucket][0]
         lines.append(f"tuned   {cls.__name__} [{workload['label']}] {dtype} "
                      f"{kernel.key_string(bucket)} -> {config}")
+        lines += [f"  {ms * 1e3:10.1f} us  {timed}" for ms, timed in kernel.timings]
         lines += [f"FAILED  {cls.__name__} [{workload['label']}] {dtype} {rejected}: results "
                   "disagree with the default config's (left out)" for rejected in kernel.rejected]
     return lines

@@ -146,6 +146,7 @@ class Kernel:
         self.tune = tune
         self._by_bucket: dict[Any, tuple[Any, tuple]] = {}
         self.rejected: list[Any] = []  # configs the last autotune dropped for wrong results
+        self.timings: list[tuple[float, Any]] = []  # (ms, config) of the last autotune, best first
 
     # -- to implement ---------------------------------------------------------------------
     def program(self, config: Any, bucket: Any) -> Any:
@@ -261,7 +262,8 @@ class Kernel:
         if not results:
             raise TileOpsUnsupportedError(
                 f"{self.name}: no config for {self.key} built and ran on {self.gpu}")
-        best = min(results, key=lambda r: r[0])[1]
+        self.timings = sorted(results, key=lambda r: r[0])
+        best = self.timings[0][1]
         if self.gpu is not None:
             tuned_table(self.gpu).put(self.key_string(bucket), dataclasses.asdict(best))
         self.use(best, bucket)

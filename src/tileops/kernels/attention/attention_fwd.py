@@ -344,7 +344,9 @@ class AttentionFwdKernel(Kernel):
     def heuristic_config(self, bucket: str, arch: str) -> AttentionFwdConfig:
         if self.key["head_dim"] >= 256:
             return AttentionFwdConfig(block_m=128, block_n=64, stages=2, threads=256)
-        return AttentionFwdConfig(block_m=128, block_n=128, stages=2, threads=256)
+        # H200 tuning (Llama-3.1-8B, 8K, causal and not, bf16 and fp16): 176-key tiles with one
+        # stage beat 128 keys x 2 stages by 2-6%; the overlap variant lost by 0-8%.
+        return AttentionFwdConfig(block_m=128, block_n=176, stages=1, threads=256)
 
     def config_space(self, bucket: str) -> list[AttentionFwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]
