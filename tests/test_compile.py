@@ -50,29 +50,6 @@ def test_rms_norm_padded_path_compiles(hidden):
     assert "rms_norm_kernel" in kernel.compile(config, "all")[0].get_kernel_source()
 
 
-@pytest.mark.parametrize("hidden", [7168, 16384])
-def test_rms_norm_persistent_prefetches_x_by_tma(hidden):
-    """The persistent variant: a TMA producer, the weight read once before the row-block
-    loop (never inside it), 16-byte y stores."""
-    import re
-
-    kernel = RMSNormKernel(dtype="bfloat16", n=hidden, has_weight=True)
-    config = next(c for c in kernel.config_space("all") if c.persistent and c.stages == 3)
-    source = kernel.compile(config, "all")[0].get_kernel_source()
-    assert "tma_load" in source and "mbarrier[5].init" in source  # 3 full + 3 empty
-    consumer = source.split("} else {", 1)[1]  # after the producer warpgroup's branch
-    loop = re.search(r"for \(int t\w*", consumer).start()
-    assert "*(uint4*)(w +" in consumer[:loop] and "(w +" not in consumer[loop:]
-    assert "*(uint4*)(y +" in consumer[loop:]
-
-
-@pytest.mark.parametrize("hidden", [128, 199, 4100])
-def test_rms_norm_space_offers_persistent_only_where_it_builds(hidden):
-    kernel = RMSNormKernel(dtype="float16", n=hidden, has_weight=True)
-    assert kernel.heuristic_config("all", "sm_90a").persistent == 0
-    assert not [c for c in kernel.config_space("all") if c.persistent]
-
-
 @pytest.mark.parametrize("head_dim, overlap", [(64, False), (128, False), (256, False),
                                                (128, True), (256, True)])
 def test_attention_forward_keeps_everything_in_registers(head_dim, overlap, tmp_path):

@@ -4,9 +4,6 @@ Memory-bound: every CTA owns `block_rows` whole rows, held in registers between 
 squares and the scaling, so x is read from HBM once and y written once. The row count is
 symbolic; the hidden size is compiled in (it decides the vector width and the thread map).
 Math in fp32, cast at the store.
-
-`RMSNormConfig.persistent` > 0 selects the persistent variant instead
-(`rms_norm_persistent.py`: weight loaded once per CTA, x tiles prefetched by TMA).
 """
 
 from dataclasses import dataclass
@@ -14,7 +11,6 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
-from .rms_norm_persistent import persistent_fits, persistent_ok, rms_norm_persistent_program
 
 VEC = 8  # 16-byte accesses of fp16/bf16
 
@@ -35,9 +31,7 @@ def vector_map_ok(n: int, block_rows: int, threads: int) -> bool:
 @dataclass(frozen=True)
 class RMSNormConfig:
     block_rows: int = 1
-    threads: int = 256  # consumer threads in the persistent variant (+128 producer threads)
-    persistent: int = 0  # CTAs per SM looping over row blocks; 0: one CTA per row block
-    stages: int = 2  # persistent only: x tiles in flight per CTA (TMA pipeline depth)
+    threads: int = 256
 
 
 def rms_norm_program(n: int, dtype: str, has_weight: bool, block_rows: int, threads: int):
@@ -101,10 +95,6 @@ class RMSNormKernel(Kernel):
     Config = RMSNormConfig
 
     def program(self, config: RMSNormConfig, bucket: str):
-        if config.persistent:
-            return rms_norm_persistent_program(
-                self.key["n"], self.key["dtype"], self.key["has_weight"], config.block_rows,
-                config.threads, config.persistent, config.stages)
         return rms_norm_program(self.key["n"], self.key["dtype"], self.key["has_weight"],
                                 config.block_rows, config.threads)
 
@@ -134,25 +124,4 @@ class RMSNormKernel(Kernel):
                 elems = block_rows * n / threads
                 if 8 <= elems <= 64 and vector_map_ok(n, block_rows, threads):
                     space.append(RMSNormConfig(block_rows, threads))
-        return list(dict.fromkeys(space)) + self.persistent_space()
-
-    def persistent_space(self) -> list[RMSNormConfig]:
-        """Persistent configs: x tiles of 8K or 16K elements, 32-64 elements per consumer
-        thread, 2-4 tiles in flight per CTA, 1 or 2 CTAs per SM where they fit (shared memory,
-        registers); at most 12, none when the hidden size does not split into 16-byte vectors
-        over whole warpgroups (those keep the padded or non-persistent path)."""
-        n = self.key["n"]
-        itemsize = 2  # fp16 / bf16
-        space = []
-        for block_rows in sorted({max(1, 8192 // n), max(1, 16384 // n)}):
-            fitting = [t for t in (128, 256, 512) if persistent_ok(n, block_rows, t)
-                       and 32 <= block_rows * n / t <= 64]
-            if not fitting:
-                continue
-            threads = fitting[-1]  # the most threads: the shortest per-thread chain
-            for ctas_per_sm in (1, 2):
-                for stages in (2, 3, 4):
-                    if persistent_fits(n, itemsize, self.key["has_weight"], block_rows,
-                                       threads, ctas_per_sm, stages):
-                        space.append(RMSNormConfig(block_rows, threads, ctas_per_sm, stages))
-        return space
+        return list(dict.fromkeys(space))
