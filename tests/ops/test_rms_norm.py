@@ -6,8 +6,9 @@ import torch
 import tileops
 from tileops import RMSNormFwdOp, TileOpsError
 from tileops.kernels.base import Kernel
+from tileops.kernels.normalization import RMSNormKernel
 
-from ..helpers import assert_close, randn
+from ..helpers import assert_close, poison, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +49,40 @@ def test_every_element_written(dtype):
         y = torch.full_like(x, float("nan"))
         kernel(rows, x, None, y, 1e-6)
         assert_close(y, reference(x, [hidden], None, 1e-6))
+
+
+def space_cases():
+    """(hidden, has_weight, config) for every config of each space: the manifest's hidden
+    sizes and a short one with several rows per CTA."""
+    cases = []
+    for hidden in (128, 4096, 5120, 7168, 8192, 16384):
+        for has_weight in (True, False):
+            kernel = RMSNormKernel(dtype="bfloat16", n=hidden, has_weight=has_weight)
+            for config in kernel.config_space("all"):
+                cases.append(pytest.param(hidden, has_weight, config,
+                                          id=f"{hidden}-{'w' if has_weight else 'no_w'}-"
+                                             f"{config}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, has_weight, config", space_cases())
+def test_every_config_of_the_space(hidden, has_weight, config, dtype):
+    """The tuner may ship any config of the space, so each must be right on row counts off
+    every block size, from 1 row to several waves of CTAs; outputs are poisoned so every
+    element must be written."""
+    op = RMSNormFwdOp(normalized_shape=[hidden])
+    w = randn(hidden, dtype=dtype) if has_weight else None
+    x = randn(1, hidden, dtype=dtype)
+    op.pin_config(config, x, w)
+    kernel = op.get_kernel("rms_norm", x.device, **op._kernel_key(dtype, hidden, has_weight))
+    for rows in (1, 7, 1000, 4099, 12289):
+        x = randn(rows, hidden, dtype=dtype)
+        y = poison(torch.empty_like(x))
+        kernel(rows, x, w, y, 1e-5)
+        assert_close(y, reference(x, [hidden], w, 1e-5), what=f"rows={rows}")
+    x = randn(3, 5, hidden, dtype=dtype)  # through the op, on the pinned config
+    assert_close(op(x, w), reference(x, [hidden], w, op.eps), what="op")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
