@@ -29,9 +29,10 @@ fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # Correctness tests in 8 processes; the timer's tests alone afterwards (they measure).
   paths=${TEST_PATHS:-tests}
-  ( python3 -m pytest -q -m gpu -n 8 $paths --ignore tests/perf -p no:cacheprovider \
-      --junitxml "$OUT/junit.xml"; r1=$?
-    r2=0; [ "$paths" = tests ] && { python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$?; }
+  ( r1=0; [ "$paths" = tests/perf ] || { python3 -m pytest -q -m gpu -n 8 $paths \
+      --ignore tests/perf -p no:cacheprovider --junitxml "$OUT/junit.xml"; r1=$?; }
+    r2=0; case " $paths " in *" tests "*|*" tests/perf "*)
+      python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$? ;; esac
     exit $(( r1 | r2 )) ) > "$OUT/gpu-tests.log" 2>&1; rc=$?
   grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -n 3
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 40

@@ -10,9 +10,11 @@ import torch
 
 from .baselines import Baseline, baselines_for
 from .profiles import load_profile
-from .timing import Timing, measure
+from .timing import WARM_SECONDS, measure_together
 
 POOL_BYTES_LIMIT = 1 << 30  # inputs larger than this are not cloned into a pool
+TRIALS = 5  # per candidate, interleaved; the median trial is the result
+OP_KEY = "tileops"  # the op's entry among the timed candidates (baselines have their names)
 
 
 @dataclass
@@ -79,18 +81,26 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
     pool = pool_size if nbytes_in * pool_size <= POOL_BYTES_LIMIT else 1
     bind = _rotating(inputs, pool)
     op(*inputs)  # compile / load before timing
-    timing: Timing = measure(bind(op))
+    candidates = {OP_KEY: bind(op)}
+    for name, fn in (baselines_for(op_cls.__name__) if baselines is None else baselines).items():
+        candidates[name] = bind(lambda *x, f=fn: f(*x, **params))
+    # One sustained warmup, then the op's and the baselines' trials interleaved: a clock that
+    # drifts during the case moves them alike.
+    timings = measure_together(candidates, trials=TRIALS, warm_seconds=WARM_SECONDS)
     state = device_state()
+    timing = timings.pop(OP_KEY)
+    if isinstance(timing, Exception):
+        raise timing
     latency = timing.median_ms * 1e3
     flops, nbytes = op.eval_roofline(*inputs)
     sol_s, bound = profile.sol_seconds(flops, nbytes, dtype)
     base = {}
-    for name, fn in (baselines_for(op_cls.__name__) if baselines is None else baselines).items():
-        try:
-            base[name] = measure(bind(lambda *x, f=fn: f(*x, **params))).median_ms * 1e3
-        except Exception as e:  # noqa: BLE001 - a baseline that cannot run is left out
+    for name, result in timings.items():
+        if isinstance(result, Exception):  # a baseline that cannot run is left out
             log(f"baseline {name} failed on {workload['label']} {dtype}: "
-                f"{type(e).__name__}: {e}")
+                f"{type(result).__name__}: {result}")
+        else:
+            base[name] = result.median_ms * 1e3
     best = min(base, key=base.get) if base else ""
     return BenchRow(op_cls.__name__, workload["label"], dtype, latency, flops / latency / 1e6,
                     nbytes / latency / 1e6, sol_s * 1e6, 100 * sol_s * 1e6 / latency, bound,

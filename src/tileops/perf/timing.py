@@ -11,7 +11,11 @@ one bracket per call, the protocol falls back to CUDA events around each call an
 the result. Each trial starts with a spin kernel that keeps the device busy while the host
 enqueues every repeat, so event timings see device time rather than host launch time.
 Warmup, then `reps` calls x `trials`; the result is the median of the trial medians, with
-their spread as the run's noise.
+their spread as the run's noise. An op and its baselines are timed together: one warmup that
+keeps the card busy for at least WARM_SECONDS (so its clock settles under this load), then
+their trials interleaved (op, baseline, op, baseline, ...), so a drift of the clock during
+the measurement (the H200 lowers it by up to 20% on long GEMMs near its power limit) moves
+every candidate alike instead of favouring whichever ran first.
 
 End-to-end call latency (host + device, eager and CUDA-graph replay) is measured apart,
 because for decode-size ops the host overhead is what users feel.
@@ -31,6 +35,7 @@ SPIN_CYCLES = 40_000_000  # ~20 ms at 2 GHz: longer than the host needs to enque
 REGION = "tileops::timed_call"
 MARK_CYCLES = 100  # a marker kernel: ~2 us, never inside a bracket
 MARK_NAME = "spin_kernel"  # torch.cuda._sleep's kernel
+WARM_SECONDS = 0.25  # sustained load before the first trial
 _flush_buffers: dict[int, torch.Tensor] = {}
 
 
@@ -111,23 +116,77 @@ def _cupti_trial(fn: Callable[[], object], reps: int) -> float | None:
 def measure(fn: Callable[[], object], warmup: int = 5, reps: int = 30, trials: int = 3,
             method: str = "auto") -> Timing:
     """Times `fn()` by the protocol above; `method` is 'auto', 'cupti' or 'events'."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    if method in ("auto", "cupti"):
-        why = ""
-        try:
-            results = [_cupti_trial(fn, reps) for _ in range(trials)]
-        except Exception as e:  # noqa: BLE001 - a profiler that cannot run means fall back
-            results, why = [None], f"profiler failed: {type(e).__name__}"
-        if all(r is not None for r in results):
-            return _summarize(results, "cupti")
+    result = measure_together({"fn": fn}, warmup, reps, trials, method)["fn"]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def measure_together(fns: dict[str, Callable[[], object]], warmup: int = 5, reps: int = 30,
+                     trials: int = 3, method: str = "auto",
+                     warm_seconds: float = 0.0) -> dict[str, Timing | Exception]:
+    """Times each of `fns` by the protocol above, their trials interleaved. A candidate that
+    raises gets its exception as its result and drops out of the following trials."""
+    alive = dict(fns)
+    errors: dict[str, Exception] = {}
+    _warm_up(alive, warmup, warm_seconds, errors)
+    trial_ms: dict[str, list[float | None]] = {name: [] for name in alive}
+    why: dict[str, str] = {}
+    use_cupti = method in ("auto", "cupti")
+    for _ in range(trials):
+        for name in list(alive):
+            try:
+                trial_ms[name].append(_one_trial(alive[name], reps, use_cupti, name, why))
+            except Exception as e:  # noqa: BLE001 - returned as this candidate's result
+                errors[name] = e
+                del alive[name]
+    timings: dict[str, Timing | Exception] = dict(errors)
+    for name in alive:
+        results = trial_ms[name]
+        if use_cupti and all(r is not None for r in results):
+            timings[name] = _summarize(results, "cupti")
+            continue
         if method == "cupti":
-            raise RuntimeError(f"CUPTI timing did not project kernels onto the regions {why}")
-        fallback = f"cuda-events ({why or 'no kernel time in the trace'})"
-    else:
-        fallback = "cuda-events"
-    return _summarize([_events_trial(fn, reps) for _ in range(trials)], fallback)
+            raise RuntimeError("CUPTI timing did not project kernels onto the regions "
+                               f"{why.get(name, '')}")
+        fallback = (f"cuda-events ({why.get(name) or 'no kernel time in the trace'})"
+                    if use_cupti else "cuda-events")
+        fn = alive[name]
+        timings[name] = _summarize([_events_trial(fn, reps) for _ in range(trials)], fallback)
+    return timings
+
+
+def _warm_up(fns: dict[str, Callable[[], object]], rounds: int, seconds: float,
+             errors: dict[str, Exception]) -> None:
+    """At least `rounds` calls of each, continued until the device has run for `seconds`;
+    a candidate that raises moves from `fns` to `errors`."""
+    start = time.perf_counter()
+    done = 0
+    while fns and (done < rounds or time.perf_counter() - start < seconds):
+        for name in list(fns):
+            try:
+                fns[name]()
+            except Exception as e:  # noqa: BLE001 - measure_together reports it
+                errors[name] = e
+                del fns[name]
+        done += 1
+        if done >= rounds:
+            torch.cuda.synchronize()  # count device time, not enqueue time
+    torch.cuda.synchronize()
+
+
+def _one_trial(fn: Callable[[], object], reps: int, use_cupti: bool, name: str,
+               why: dict[str, str]) -> float | None:
+    """One CUPTI trial (None when the trace does not project) or one event trial."""
+    if not use_cupti:
+        return _events_trial(fn, reps)
+    if name in why:  # the profiler already failed for this candidate
+        return None
+    try:
+        return _cupti_trial(fn, reps)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot run means fall back
+        why[name] = f"profiler failed: {type(e).__name__}"
+        return None
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
