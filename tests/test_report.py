@@ -161,7 +161,7 @@ def test_markdown_has_a_heading_per_op_and_a_line_per_row():
     assert len(headers) == 2
     assert headers[0].split(" | ")[1:] == ["dtype", "TileOPs us", "TFLOP/s", "TB/s",
                                            "SOL % (bound)", "best baseline (us)", "speed-up",
-                                           "spread |"]
+                                           "spread: trials / runs |"]
     body = [line for line in lines if line.startswith("| llama")]
     assert len(body) == len(ROWS)
     assert body[0] == ("| llama3.1-8b prefill 4k tokens qkv_proj | bfloat16 | 272.4 | 757 | "
@@ -169,6 +169,14 @@ def test_markdown_has_a_heading_per_op_and_a_line_per_row():
     assert body[2] == ("| llama3.1-8b prefill 8k tokens | bfloat16 | 37.8 | 3.55 | 3.55 | "
                        "83% (memory) | torch-compile (41.9) | 1.11x | 1.2% |")
     assert text.index("### RMSNormFwdOp") > text.index(body[1])
+
+
+def test_repeated_runs_show_trial_and_run_to_run_spreads():
+    row = {**ROWS[2], "spread_pct": 2.0, "run_to_run_pct": 0.5}
+    (line,) = [ln for ln in report.markdown_table([row]).splitlines() if ln.startswith("| llama")]
+    assert line.endswith("| 2.0% / 0.5% |")
+    props = dict(report._row_properties(row))
+    assert props["spread_pct"] == "2.00" and props["run_to_run_pct"] == "0.50"
 
 
 def test_markdown_escapes_pipes_and_shows_missing_baselines():

@@ -54,7 +54,8 @@ def test_merge_repeats_reports_median_and_run_to_run_spread():
     # each run's clock stays with the row, so a throttled run can be told apart
     assert [s["sm_clock_mhz"] for s in merged["device_state_runs"]] == [1980, 1755, 1980]
     assert merged["latency_us"] == 102.0 and merged["runs_us"] == [100.0, 104.0, 102.0]
-    assert merged["spread_pct"] == pytest.approx(100 * 4 / 102)
+    assert merged["run_to_run_pct"] == pytest.approx(100 * 4 / 102)
+    assert merged["spread_pct"] == 1.0  # the noisiest run's trials
     assert merged["tflops"] == pytest.approx(1000.0 / 102)
     assert merged["sol_pct"] == pytest.approx(5000.0 / 102)
     assert merged["baselines"] == {"cublas": 96.0}

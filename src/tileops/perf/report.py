@@ -1,8 +1,9 @@
 """Benchmark reports: JSON, JUnit XML, Markdown, PNG charts, and regressions against history.
 
 Every function takes benchmark rows as dicts, the shape `dataclasses.asdict(BenchRow)` gives
-(BenchRow instances are accepted too). Two keys are optional everywhere: `spread_pct`, the
-run-to-run noise of the row in percent (see `spread_pct()`), and `gpu`.
+(BenchRow instances are accepted too). Three keys are optional everywhere: `spread_pct`, the
+spread of the row's trials in percent (see `spread_pct()`), `run_to_run_pct`, the spread of
+the medians of repeated runs (`tileops bench --repeat N`), and `gpu`.
 
 This module needs no GPU and imports nothing heavy; matplotlib is imported only by the plot
 functions (`pip install 'tileops[bench]'`).
@@ -47,9 +48,15 @@ def _key(row: Row) -> tuple[str, str, str]:
     return row["op"], row["label"], row["dtype"]
 
 
-def _spread(row: Row) -> float | None:
-    value = row.get("spread_pct")
+def _spread(row: Row, key: str = "spread_pct") -> float | None:
+    value = row.get(key)
     return None if value is None else float(value)
+
+
+def _noise(row: Row) -> float | None:
+    """The row's own noise estimate: the larger of its trial and run-to-run spreads."""
+    values = [v for v in (_spread(row), _spread(row, "run_to_run_pct")) if v is not None]
+    return max(values, default=None)
 
 
 def spread_pct(values: Sequence[float]) -> float:
@@ -173,9 +180,10 @@ def _row_properties(row: Row) -> list[tuple[str, str]]:
         ("sol_pct", _num(row["sol_pct"], 2)),
         ("bound", str(row["bound"])),
     ]
-    spread = _spread(row)
-    if spread is not None:
-        props.append(("spread_pct", _num(spread, 2)))
+    for key in ("spread_pct", "run_to_run_pct"):
+        spread = _spread(row, key)
+        if spread is not None:
+            props.append((key, _num(spread, 2)))
     props.append(("timing", str(row.get("timing", ""))))
     for name, value in (row.get("device_state") or {}).items():  # clock, power, temperature
         props.append((name, str(value)))
@@ -231,7 +239,7 @@ def write_junit(rows: Iterable[Any], path: PathLike,
 # -- Markdown ---------------------------------------------------------------------------------
 
 MARKDOWN_HEADER = ("| workload | dtype | TileOPs us | TFLOP/s | TB/s | SOL % (bound) | "
-                   "best baseline (us) | speed-up | spread |\n"
+                   "best baseline (us) | speed-up | spread: trials / runs |\n"
                    "|---|---|--:|--:|--:|--:|---|--:|--:|")
 
 
@@ -253,10 +261,13 @@ def _markdown_row(row: Row) -> str:
         speedup = f"{row['speedup']:.2f}x"
     else:
         base = speedup = "-"
-    spread = _spread(row)
+    trials, runs = _spread(row), _spread(row, "run_to_run_pct")
+    spread = "-" if trials is None else f"{trials:.1f}%"
+    if runs is not None:  # a --repeat run: the run-to-run spread after the trials'
+        spread += f" / {runs:.1f}%"
     cells = [_cell(row["label"]), row["dtype"], f"{row['latency_us']:.1f}", _sig(row["tflops"]),
              f"{row['tbps']:.2f}", f"{row['sol_pct']:.0f}% ({row['bound']})", base, speedup,
-             "-" if spread is None else f"{spread:.1f}%"]
+             spread]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -526,7 +537,7 @@ def compare(current_rows: Iterable[Any], history_runs: Sequence[Mapping[str, Any
             row_gpu = row.get("gpu") or run_gpu  # BenchRow's "" means unknown
             history_gpus.add(row_gpu)
             samples.setdefault((row_gpu, *_key(row)), []).append(
-                (float(row["latency_us"]), _spread(row)))
+                (float(row["latency_us"]), _noise(row)))
 
     out = []
     for row in _as_dicts(current_rows):
@@ -546,7 +557,7 @@ def compare(current_rows: Iterable[Any], history_runs: Sequence[Mapping[str, Any
 def _compare_row(row: Row, gpu: str | None, prev: list[tuple[float, float | None]],
                  min_threshold_pct: float, noise_factor: float) -> Comparison:
     current = float(row["latency_us"])
-    spread_now = _spread(row)
+    spread_now = _noise(row)
     if not prev:
         return Comparison(*_key(row), gpu, NEW, current, noise_pct=spread_now)
     latencies = [lat for lat, _ in prev]
