@@ -59,6 +59,7 @@ def test_merge_repeats_reports_median_and_run_to_run_spread():
     assert merged["tflops"] == pytest.approx(1000.0 / 102)
     assert merged["sol_pct"] == pytest.approx(5000.0 / 102)
     assert merged["baselines"] == {"cublas": 96.0}
+    assert [b["cublas"] for b in merged["baselines_runs"]] == [95.0, 97.0, 96.0]
     assert merged["speedup"] == pytest.approx(96.0 / 102)
 
 

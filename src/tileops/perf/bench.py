@@ -146,6 +146,7 @@ def merge_repeats(runs: list[list[dict]]) -> list[dict]:
             spread_pct=max(r.get("spread_pct") or 0.0 for r in case),
             run_to_run_pct=spread_pct(latencies),
             device_state_runs=[r.get("device_state") or {} for r in case],
+            baselines_runs=[r["baselines"] for r in case],
             baselines={name: statistics.median(r["baselines"][name] for r in case
                                                if name in r["baselines"])
                        for name in first["baselines"]})
