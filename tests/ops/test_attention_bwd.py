@@ -54,8 +54,18 @@ def test_sequence_lengths(seq_q, seq_kv):
     softcap=0.0).config_space("all"), ids=str)
 def test_every_config_of_the_space(config):
     """The tuner may pick any config of the space; each must be right on tails, Sq != Skv
-    and a GQA group."""
+    and a GQA group, and must write zero gradients for key blocks no query sees (the
+    window leaves the first blocks of 1000 keys unseen by 100 queries)."""
     check(1, 300, 777, 8, 2, 128, config=config, is_causal=True)
+    check(1, 100, 1000, 8, 2, 128, config=config, is_causal=True, window_size=(64, 0))
+
+
+@pytest.mark.parametrize("config", AttentionBwdKernel(
+    dtype="bfloat16", heads=4, kv_heads=2, head_dim=256, window_left=127, window_right=0,
+    softcap=50.0).config_space("all"), ids=str)
+def test_every_config_of_the_head_dim_256_space(config):
+    check(1, 400, 400, 4, 2, 256, config=config, is_causal=True, window_size=(127, 0),
+          softcap=50.0)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (16, 2)])

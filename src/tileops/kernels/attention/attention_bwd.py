@@ -4,7 +4,10 @@ Three programs: `delta = rowsum(do * o)` per query row; the main pass, where eac
 one key/value block of one query head, keeps dk and dv for it in registers and walks the
 query blocks its mask lets see the block (recomputing P from the saved lse), adding each dq
 contribution into an fp32 buffer with atomics; and the cast of the fp32 gradients. With
-GQA the query heads of a group add into the same fp32 dk/dv rows, also with atomics.
+GQA the query heads of a group add into the same fp32 dk/dv rows, also with atomics. With
+`group_loop` a CTA owns the key/value block of a KV head instead and walks the query blocks
+of every query head of its group, so dk and dv sum in registers and are stored once, in the
+input dtype, with no atomics, no fp32 buffers and K/V loaded once per group.
 
 Gradients w.r.t. the raw scores: dS = P * (dP - delta) * scale, times (1 - tanh^2) when
 the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute nothing.
@@ -31,6 +34,7 @@ class AttentionBwdConfig:
     stages: int = 1
     threads: int = 256
     tma_dq: bool = False  # dq adds through shared memory by one TMA reduce per tile
+    group_loop: bool = False  # one CTA per KV head walks its whole query-head group
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """K and V tiles, `stages` Q and dO tiles, dS, and the fp32 dq tile with tma_dq."""
@@ -67,23 +71,26 @@ def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int 
 def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
                           block_kv: int, block_q: int, stages: int, threads: int,
-                          tma_dq: bool = False):
-    """The main pass; dq, dk, dv are fp32 accumulators the caller zeroes."""
+                          tma_dq: bool = False, group_loop: bool = False):
+    """The main pass; dq is an fp32 accumulator the caller zeroes, and so are dk and dv
+    unless `group_loop`, where they are the outputs (input dtype), each element stored once."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     group = heads // kv_heads
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
     masked_right = window_right >= 0
     masked_left = window_left >= 0
+    dkv_dtype = dtype if group_loop else "float"
+    heads_per_cta = group if group_loop else 1
 
     @T.prim_func
     def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
                       v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
                       lse: T.Tensor((batch, heads, seq_q), "float"),
                       delta: T.Tensor((batch, heads, seq_q), "float"),
-                      dq: T.Tensor(q_shape, "float"), dk: T.Tensor(kv_shape, "float"),
-                      dv: T.Tensor(kv_shape, "float"), scale: T.float32):
-        with T.Kernel(T.ceildiv(seq_kv, block_kv), heads, batch,
+                      dq: T.Tensor(q_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
+                      dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
+        with T.Kernel(T.ceildiv(seq_kv, block_kv), kv_heads if group_loop else heads, batch,
                       threads=threads) as (bx, by, bz):
             k_shared = T.alloc_shared((block_kv, head_dim), dtype)
             v_shared = T.alloc_shared((block_kv, head_dim), dtype)
@@ -99,7 +106,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             dq_local = T.alloc_fragment((block_q, head_dim), "float")
             dq_shared = T.alloc_shared((block_q, head_dim), "float") if tma_dq else None
 
-            kv_head = by // group
+            kv_head = by if group_loop else by // group
             kv_start = bx * block_kv
             offset = seq_kv - seq_q  # bottom-right alignment of the masks
             q_begin, n_blocks = query_block_range(kv_start, seq_q, seq_kv, block_kv, block_q,
@@ -109,10 +116,14 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             T.copy(v[bz, kv_start:kv_start + block_kv, kv_head, :], v_shared)
             T.clear(dk_local)
             T.clear(dv_local)
-            for t in T.Pipelined(n_blocks, num_stages=stages):
-                q_start = (q_begin + t) * block_q
-                T.copy(q[bz, q_start:q_start + block_q, by, :], q_shared)
-                T.copy(do[bz, q_start:q_start + block_q, by, :], do_shared)
+            # With group_loop, t visits each visible query block for every query head of the
+            # group in turn (heads innermost: their rows sit side by side in BSHD, and the
+            # index math divides by a compile-time constant).
+            for t in T.Pipelined(heads_per_cta * n_blocks, num_stages=stages):
+                head = kv_head * group + t % group if group_loop else by
+                q_start = (q_begin + t // heads_per_cta) * block_q
+                T.copy(q[bz, q_start:q_start + block_q, head, :], q_shared)
+                T.copy(do[bz, q_start:q_start + block_q, head, :], do_shared)
                 T.clear(s_local)
                 # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
                 # so S^T, dP^T, P, dS, dK and dV share one register layout.
@@ -123,8 +134,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                     # lse and delta are read straight from global memory (L1 serves the
                     # repeats): a TMA box over [B, H, Sq] would need Sq % 4 == 0.
                     row = T.min(q_start + j, seq_q - 1)
-                    row_lse = lse[bz, by, row]
-                    row_delta = delta[bz, by, row]
+                    row_lse = lse[bz, head, row]
+                    row_delta = delta[bz, head, row]
                     rel = kv_start + i - (q_start + j) - offset
                     visible = (kv_start + i < seq_kv) & (q_start + j < seq_q) & (
                         row_lse != -T.infinity("float"))
@@ -149,16 +160,20 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                        policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
                 if tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
                     T.copy(dq_local, dq_shared)
-                    T.atomic_add(dq[bz, q_start:q_start + block_q, by, :], dq_shared,
+                    T.atomic_add(dq[bz, q_start:q_start + block_q, head, :], dq_shared,
                                  use_tma=True)
                 else:
                     for i, j in T.Parallel(block_q, head_dim):
                         if q_start + i < seq_q:
-                            T.atomic_add(dq[bz, q_start + i, by, j], dq_local[i, j])
+                            T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
             for i, j in T.Parallel(block_kv, head_dim):
                 if kv_start + i < seq_kv:
-                    T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
-                    T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
+                    if group_loop:  # this CTA holds the whole sum: store it
+                        dk[bz, kv_start + i, kv_head, j] = T.cast(dk_local[i, j], dtype)
+                        dv[bz, kv_start + i, kv_head, j] = T.cast(dv_local[i, j], dtype)
+                    else:
+                        T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
+                        T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
 
     return attention_bwd
 
@@ -174,7 +189,7 @@ class AttentionBwdKernel(Kernel):
         main = attention_bwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"],
                                      config.block_kv, config.block_q, config.stages,
-                                     config.threads, config.tma_dq)
+                                     config.threads, config.tma_dq, config.group_loop)
         return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
 
     def run(self, config: AttentionBwdConfig, compiled: tuple, q, k, v, o, do, lse, dq, dk,
@@ -183,12 +198,15 @@ class AttentionBwdKernel(Kernel):
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
         compiled[0](o, do, delta)
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk32 = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv32 = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, scale)
+        if config.group_loop:  # dk and dv are stored whole by their CTAs
+            compiled[1](q, k, v, do, lse, delta, dq32, dk, dv, scale)
+        else:
+            dk32 = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+            dv32 = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+            compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, scale)
+            dk.copy_(dk32)
+            dv.copy_(dv32)
         dq.copy_(dq32)
-        dk.copy_(dk32)
-        dv.copy_(dv32)
 
     def heuristic_config(self, bucket: str, arch: str) -> AttentionBwdConfig:
         if self.key["head_dim"] >= 256:
@@ -205,5 +223,6 @@ class AttentionBwdKernel(Kernel):
             for stages in (1, 2):
                 for tma_dq in (False, True):
                     space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, tma_dq))
+                space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, True, True))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
