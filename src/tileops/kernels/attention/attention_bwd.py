@@ -7,7 +7,10 @@ contribution into an fp32 buffer with atomics; and the cast of the fp32 gradient
 GQA the query heads of a group add into the same fp32 dk/dv rows, also with atomics. With
 `group_loop` a CTA owns the key/value block of a KV head instead and walks the query blocks
 of every query head of its group, so dk and dv sum in registers and are stored once, in the
-input dtype, with no atomics, no fp32 buffers and K/V loaded once per group.
+input dtype, with no atomics, no fp32 buffers and K/V loaded once per group. With
+`async_mma` each consumer warpgroup issues the two score-side GEMMs (K Q^T, V dO^T) and
+then the three gradient GEMMs (dV, dK, dQ) back to back with one wait per group, instead of
+waiting after each GEMM.
 
 Gradients w.r.t. the raw scores: dS = P * (dP - delta) * scale, times (1 - tanh^2) when
 the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute nothing.
@@ -35,6 +38,7 @@ class AttentionBwdConfig:
     threads: int = 256
     tma_dq: bool = False  # dq adds through shared memory by one TMA reduce per tile
     group_loop: bool = False  # one CTA per KV head walks its whole query-head group
+    async_mma: bool = False  # issue GEMMs two and three at a time, one wait per batch
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """K and V tiles, `stages` Q and dO tiles, dS, and the fp32 dq tile with tma_dq."""
@@ -71,7 +75,8 @@ def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int 
 def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
                           block_kv: int, block_q: int, stages: int, threads: int,
-                          tma_dq: bool = False, group_loop: bool = False):
+                          tma_dq: bool = False, group_loop: bool = False,
+                          async_mma: bool = False):
     """The main pass; dq is an fp32 accumulator the caller zeroes, and so are dk and dv
     unless `group_loop`, where they are the outputs (input dtype), each element stored once."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
@@ -82,6 +87,10 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     masked_left = window_left >= 0
     dkv_dtype = dtype if group_loop else "float"
     heads_per_cta = group if group_loop else 1
+    # Accumulator registers per thread, for the fences that tell ptxas a wgmma has landed.
+    regs_scores = block_kv * block_q // threads
+    regs_dkv = block_kv * head_dim // threads
+    regs_dq = block_q * head_dim // threads
 
     @T.prim_func
     def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
@@ -105,6 +114,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             dv_local = T.alloc_fragment((block_kv, head_dim), "float")
             dq_local = T.alloc_fragment((block_q, head_dim), "float")
             dq_shared = T.alloc_shared((block_q, head_dim), "float") if tma_dq else None
+            hold = T.alloc_local((1,), dtype) if async_mma else None
 
             kv_head = by if group_loop else by // group
             kv_start = bx * block_kv
@@ -127,9 +137,22 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 T.clear(s_local)
                 # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
                 # so S^T, dP^T, P, dS, dK and dV share one register layout.
-                T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)  # K Q^T
-                T.clear(dp_local)
-                T.gemm(v_shared, do_shared, dp_local, transpose_B=True, policy=ROWS)  # V dO^T
+                if async_mma:
+                    T.clear(dp_local)
+                    T.wgmma_gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)
+                    T.wgmma_gemm(v_shared, do_shared, dp_local, transpose_B=True,
+                                 policy=ROWS)
+                    # TileLang 0.1.15 fences the whole tile before each wgmma (64 registers
+                    # where a thread holds 32), so ptxas still waits for K Q^T before
+                    # issuing V dO^T (C7517); the three gradient GEMMs below do overlap.
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(s_local, num_regs=regs_scores)
+                    T.warpgroup_fence_operand(dp_local, num_regs=regs_scores)
+                else:
+                    T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)  # K Q^T
+                    T.clear(dp_local)
+                    T.gemm(v_shared, do_shared, dp_local, transpose_B=True,
+                           policy=ROWS)  # V dO^T
                 for i, j in T.Parallel(block_kv, block_q):
                     # lse and delta are read straight from global memory (L1 serves the
                     # repeats): a TMA box over [B, H, Sq] would need Sq % 4 == 0.
@@ -152,12 +175,29 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                         grad = (dp_local[i, j] - row_delta) * scale
                     p_local[i, j] = T.if_then_else(visible, prob, 0)
                     ds_local[i, j] = T.if_then_else(visible, prob * grad, 0)
-                T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
-                T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
-                T.copy(ds_local, ds_shared)
-                T.clear(dq_local)
-                T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
-                       policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
+                if async_mma:
+                    T.copy(ds_local, ds_shared)
+                    T.clear(dq_local)
+                    T.wgmma_gemm(p_local, do_shared, dv_local, policy=ROWS)
+                    T.wgmma_gemm(ds_local, q_shared, dk_local, policy=ROWS)
+                    T.wgmma_gemm(ds_shared, k_shared, dq_local, transpose_A=True,
+                                 policy=T.GemmWarpPolicy.FullCol)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(dv_local, num_regs=regs_dkv)
+                    T.warpgroup_fence_operand(dk_local, num_regs=regs_dkv)
+                    T.warpgroup_fence_operand(dq_local, num_regs=regs_dq)
+                    # TileLang hands a Q/dO stage back to the producer after its last use
+                    # in the iteration; this read keeps that after the wait, not at the
+                    # asynchronous issue, so the next TMA load cannot overwrite the tiles
+                    # while a wgmma still reads them.
+                    hold[0] = q_shared[0, 0] + do_shared[0, 0]
+                else:
+                    T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
+                    T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
+                    T.copy(ds_local, ds_shared)
+                    T.clear(dq_local)
+                    T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
                 if tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
                     T.copy(dq_local, dq_shared)
                     T.atomic_add(dq[bz, q_start:q_start + block_q, head, :], dq_shared,
@@ -189,7 +229,8 @@ class AttentionBwdKernel(Kernel):
         main = attention_bwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"],
                                      config.block_kv, config.block_q, config.stages,
-                                     config.threads, config.tma_dq, config.group_loop)
+                                     config.threads, config.tma_dq, config.group_loop,
+                                     config.async_mma)
         return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
 
     def run(self, config: AttentionBwdConfig, compiled: tuple, q, k, v, o, do, lse, dq, dk,
@@ -223,6 +264,8 @@ class AttentionBwdKernel(Kernel):
             for stages in (1, 2):
                 for tma_dq in (False, True):
                     space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, tma_dq))
-                space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, True, True))
+                for async_mma in (False, True):
+                    space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, True, True,
+                                                    async_mma))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
