@@ -67,16 +67,25 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
     assert "serialized" not in report, report
 
 
-@pytest.mark.parametrize("head_dim, overlap", [(64, False), (128, False), (256, False),
-                                               (128, True), (256, True)])
-def test_attention_forward_keeps_everything_in_registers(head_dim, overlap, tmp_path):
+@pytest.mark.parametrize("head_dim, variant", [(64, None), (128, None), (256, None),
+                                               (128, "overlap"), (256, "overlap"),
+                                               (64, "two CTAs per SM"), (128, "two CTAs per SM")])
+def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     import dataclasses
 
     kernel = AttentionFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                 window_left=-1 if head_dim < 256 else 127, window_right=0,
                                 softcap=0.0 if head_dim < 256 else 50.0)
-    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), overlap=overlap)
-    assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[0], tmp_path)
+    config = kernel.heuristic_config("all", "sm_90a")
+    if variant == "overlap":
+        config = dataclasses.replace(config, overlap=True)
+    elif variant == "two CTAs per SM":
+        config = dataclasses.replace(config, block_m=64, threads=128, ctas_per_sm=2)
+        assert config in kernel.config_space("all")
+    compiled = kernel.compile(config, "all")[0]
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+    if variant == "two CTAs per SM":  # the launch bound that lets two CTAs be resident
+        assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -95,6 +95,11 @@ def test_every_config_of_the_space(config):
     check(*make_qkv(2, 777, 1000, 8, 2, 128, torch.bfloat16), config=config, is_causal=True)
 
 
+@pytest.mark.parametrize("config", config_space(64), ids=str)
+def test_every_config_at_head_dim_64(config):
+    check(*make_qkv(2, 777, 1000, 8, 2, 64, torch.float16), config=config, is_causal=True)
+
+
 @pytest.mark.parametrize("config", config_space(256, 127, 0, 50.0), ids=str)
 def test_every_config_with_softcap_and_window(config):
     check(*make_qkv(1, 500, 500, 8, 2, 256, torch.bfloat16), config=config, is_causal=True,

@@ -39,16 +39,32 @@ class AttentionFwdConfig:
     stages: int = 2
     threads: int = 256  # consumer threads; warp specialization adds a producer warpgroup
     overlap: bool = False  # softmax of tile t overlaps the P V wgmma of tile t - 1
+    # 2: two CTAs share an SM (block_m 64, one consumer warpgroup each), so one's prologue
+    # and epilogue run under the other's key loop; short sequences expose them most.
+    ctas_per_sm: int = 1
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Q tile plus `stages` K and V tiles (TileLang reuses the Q buffer for O)."""
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes
 
+    def fits(self, head_dim: int) -> bool:
+        """Whether `ctas_per_sm` CTAs of this config fit in one SM's shared memory."""
+        return self.ctas_per_sm * self.smem_bytes(head_dim) <= SMEM_LIMIT
+
+    def consumer_registers(self) -> int:
+        """Registers per consumer thread once the producer warpgroup has given its share
+        back (setmaxnreg), with `ctas_per_sm` CTAs resident: 240 for one CTA of 384
+        threads, 232 for two CTAs of 256."""
+        launch = min(255, 65536 // (self.ctas_per_sm * (self.threads + 128)) // 8 * 8)
+        return min(240, (launch + (launch - 24) * 128 // self.threads) // 8 * 8)
+
 
 def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right: int,
-                      softcap: float, block_m: int, block_n: int, stages: int, threads: int,
-                      overlap: bool):
+                      softcap: float, config: AttentionFwdConfig):
     """The steps the dense and the varlen programs share, as TileLang macros."""
+    block_m, block_n, stages, threads = (config.block_m, config.block_n, config.stages,
+                                         config.threads)
+    overlap = config.overlap
     masked_right = window_right >= 0
     masked_left = window_left >= 0
 
@@ -68,6 +84,15 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
 
     def state(*buffers):
         return SimpleNamespace(**dict(zip(STATE, buffers, strict=True)))
+
+    @T.macro
+    def share_sm():
+        """With ctas_per_sm > 1: the launch bound that lets the CTAs be resident together,
+        and the consumer/producer register split that fits in their share."""
+        if config.ctas_per_sm > 1:
+            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(config.consumer_registers())
 
     def exp2_scale(scale):
         """Factor that turns the score tile into log2 units inside exp2 (one FFMA)."""
@@ -209,21 +234,21 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                 st.l[i] > 0, (st.m[i] * exp2_scale(scale) + T.log2(st.l[i])) * LN2,
                 -T.infinity("float"))
 
-    return SimpleNamespace(alloc_state=alloc_state, state=state, tile_range=tile_range,
+    return SimpleNamespace(alloc_state=alloc_state, state=state, share_sm=share_sm,
+                           tile_range=tile_range,
                            init=init, key_loop=key_loop, finish=finish)
 
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
-                          block_m: int, block_n: int, stages: int, threads: int,
-                          overlap: bool = False):
+                          config: AttentionFwdConfig):
     """Dense BSHD batch: q [B, Sq, H, D], k/v [B, Skv, Hkv, D], lse [B, H, Sq]."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     group = heads // kv_heads
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
-    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
-                             block_n, stages, threads, overlap)
+    block_m, block_n, threads = config.block_m, config.block_n, config.threads
+    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, config)
 
     def kv_rows(buf, tile, batch_index, head):
         return buf[batch_index, tile * block_n:(tile + 1) * block_n, head, :]
@@ -237,6 +262,7 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         # the query heads of one GQA group share K/V in L2.
         n_blocks = T.ceildiv(seq_q, block_m)
         with T.Kernel(heads, n_blocks, batch, threads=threads) as (bx, by, bz):
+            step.share_sm()
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
@@ -266,8 +292,7 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
 
 def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                                  window_left: int, window_right: int, softcap: float,
-                                 block_m: int, block_n: int, stages: int, threads: int,
-                                 overlap: bool = False):
+                                 config: AttentionFwdConfig):
     """Packed sequences: q [Tq, H, D], k/v [Tkv, Hkv, D], cu_seqlens [B + 1], lse [H, Tq].
 
     The grid covers max_seqlen_q rows per sequence; blocks past a sequence's end do no
@@ -275,8 +300,8 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     """
     total_q, total_kv, batch_1 = T.dynamic("total_q, total_kv, batch_1")
     group = heads // kv_heads
-    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, block_m,
-                             block_n, stages, threads, overlap)
+    block_m, block_n, threads = config.block_m, config.block_n, config.threads
+    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, config)
 
     def kv_rows(buf, tile, seq_offset, head):
         return buf[seq_offset + tile * block_n:seq_offset + (tile + 1) * block_n, head, :]
@@ -292,6 +317,7 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
                              scale: T.float32):
         n_blocks = T.ceildiv(max_seqlen_q, block_m)  # longest-first, as in the dense grid
         with T.Kernel(heads, n_blocks, batch_1 - 1, threads=threads) as (bx, by, bz):
+            step.share_sm()
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
@@ -334,8 +360,7 @@ class AttentionFwdKernel(Kernel):
         k = self.key
         return attention_fwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"],
-                                     config.block_m, config.block_n, config.stages,
-                                     config.threads, config.overlap)
+                                     config)
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, o, lse,
             scale: float) -> None:
@@ -354,7 +379,9 @@ class AttentionFwdKernel(Kernel):
             for stages in (1, 2):
                 for overlap in (False, True):
                     space.append(AttentionFwdConfig(128, block_n, stages, 256, overlap))
-        return [c for c in dict.fromkeys(space) if c.smem_bytes(self.key["head_dim"]) <= SMEM_LIMIT]
+                if self.key["head_dim"] <= 128:  # at 256 the O tile alone needs 128 registers
+                    space.append(AttentionFwdConfig(64, block_n, stages, 128, ctas_per_sm=2))
+        return [c for c in dict.fromkeys(space) if c.fits(self.key["head_dim"])]
 
 
 class AttentionVarlenFwdKernel(AttentionFwdKernel):
@@ -366,8 +393,7 @@ class AttentionVarlenFwdKernel(AttentionFwdKernel):
         k = self.key
         return attention_varlen_fwd_program(
             k["heads"], k["kv_heads"], k["head_dim"], k["dtype"], k["window_left"],
-            k["window_right"], k["softcap"], config.block_m, config.block_n, config.stages,
-            config.threads, config.overlap)
+            k["window_right"], k["softcap"], config)
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, cu_seqlens_q,
             cu_seqlens_kv, o, lse, max_seqlen_q: int, scale: float) -> None:
