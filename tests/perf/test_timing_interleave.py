@@ -60,3 +60,40 @@ def test_events_fallback_when_the_trace_does_not_project(recorded, monkeypatch):
     result = timing.measure_together({"op": Candidate("op", 4.0)}, warmup=1, trials=3)
     assert result["op"].median_ms == 4.0
     assert result["op"].method.startswith("cuda-events")
+
+
+class Wandering(Candidate):
+    """Trial medians that follow a script (a clock that wanders, then settles)."""
+
+    def __init__(self, name, script):
+        super().__init__(name, script[0])
+        self.script = iter(script)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    order = []
+
+    def trial(fn, reps):
+        order.append(fn.name)
+        return next(fn.script) if isinstance(fn, Wandering) else fn.ms
+
+    monkeypatch.setattr(timing, "_cupti_trial", trial)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    return order
+
+
+def test_steady_cases_stop_at_the_minimum_trials(scripted):
+    result = timing.measure_together({"op": Candidate("op", 1.0)}, warmup=1, trials=5,
+                                     max_trials=15)
+    assert scripted == ["op"] * 5 and result["op"].median_ms == 1.0
+
+
+def test_noisy_cases_take_more_trials_all_candidates_alike(scripted):
+    noisy = Wandering("op", [1.0, 1.2, 1.0, 1.2, 1.0] + [1.1] * 20)
+    base = Candidate("base", 2.0)
+    result = timing.measure_together({"op": noisy, "base": base}, warmup=1, trials=5,
+                                     max_trials=8)
+    assert scripted == ["op", "base"] * 8  # still interleaved, capped at max_trials
+    assert len(result["op"].trials_ms) == len(result["base"].trials_ms) == 8
+    assert result["op"].median_ms == pytest.approx(1.1)

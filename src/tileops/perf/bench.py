@@ -14,6 +14,7 @@ from .timing import WARM_SECONDS, measure_together
 
 POOL_BYTES_LIMIT = 1 << 30  # inputs larger than this are not cloned into a pool
 TRIALS = 5  # per candidate, interleaved; the median trial is the result
+MAX_TRIALS = 15  # while the trials of a case still spread by more than 2%
 OP_KEY = "tileops"  # the op's entry among the timed candidates (baselines have their names)
 
 
@@ -86,7 +87,8 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
         candidates[name] = bind(lambda *x, f=fn: f(*x, **params))
     # One sustained warmup, then the op's and the baselines' trials interleaved: a clock that
     # drifts during the case moves them alike.
-    timings = measure_together(candidates, trials=TRIALS, warm_seconds=WARM_SECONDS)
+    timings = measure_together(candidates, trials=TRIALS, warm_seconds=WARM_SECONDS,
+                               max_trials=MAX_TRIALS)
     state = device_state()
     timing = timings.pop(OP_KEY)
     if isinstance(timing, Exception):

@@ -123,17 +123,25 @@ def measure(fn: Callable[[], object], warmup: int = 5, reps: int = 30, trials: i
 
 
 def measure_together(fns: dict[str, Callable[[], object]], warmup: int = 5, reps: int = 30,
-                     trials: int = 3, method: str = "auto",
-                     warm_seconds: float = 0.0) -> dict[str, Timing | Exception]:
+                     trials: int = 3, method: str = "auto", warm_seconds: float = 0.0,
+                     max_trials: int | None = None,
+                     settle_pct: float = 2.0) -> dict[str, Timing | Exception]:
     """Times each of `fns` by the protocol above, their trials interleaved. A candidate that
-    raises gets its exception as its result and drops out of the following trials."""
+    raises gets its exception as its result and drops out of the following trials.
+
+    With `max_trials` above `trials`, rounds go on while any candidate's trial medians still
+    spread by more than `settle_pct` (a clock that wanders during the case): the median of
+    more trials moves less from run to run. Steady cases stop at `trials`.
+    """
     alive = dict(fns)
     errors: dict[str, Exception] = {}
     _warm_up(alive, warmup, warm_seconds, errors)
     trial_ms: dict[str, list[float | None]] = {name: [] for name in alive}
     why: dict[str, str] = {}
     use_cupti = method in ("auto", "cupti")
-    for _ in range(trials):
+    for done in range(max(trials, max_trials or 0)):
+        if done >= trials and all(_settled(trial_ms[name], settle_pct) for name in alive):
+            break
         for name in list(alive):
             try:
                 trial_ms[name].append(_one_trial(alive[name], reps, use_cupti, name, why))
@@ -154,6 +162,14 @@ def measure_together(fns: dict[str, Callable[[], object]], warmup: int = 5, reps
         fn = alive[name]
         timings[name] = _summarize([_events_trial(fn, reps) for _ in range(trials)], fallback)
     return timings
+
+
+def _settled(trials: list[float | None], settle_pct: float) -> bool:
+    """Whether these trial medians agree within `settle_pct`; a trace that did not project
+    (None) ends the rounds, since the events fallback re-times it anyway."""
+    if any(t is None for t in trials):
+        return True
+    return _summarize(trials, "").spread_pct <= settle_pct
 
 
 def _warm_up(fns: dict[str, Callable[[], object]], rounds: int, seconds: float,
