@@ -215,3 +215,17 @@ def test_pin_config_changes_only_that_op_instance(monkeypatch):
     assert pinned.get_kernel("attention_fwd", q.device, **key).select(300)[0] == config
     assert other.get_kernel("attention_fwd", q.device, **key) is shared
     assert shared._by_bucket == {}
+
+
+def test_varlen_attention_autograd_is_wired_through_the_custom_ops():
+    """attention_varlen differentiates through the dense backward op on a padded batch."""
+    def leaf(*shape):
+        return torch.empty(*shape, dtype=torch.float16, device="meta", requires_grad=True)
+
+    q, k, v = leaf(70, 8, 64), leaf(90, 2, 64), leaf(90, 2, 64)
+    cu_q = torch.empty(4, dtype=torch.int32, device="meta")
+    cu_kv = torch.empty(4, dtype=torch.int32, device="meta")
+    out = tileops.attention_varlen(q, k, v, cu_q, cu_kv, 40, 50, is_causal=True)
+    assert out.requires_grad and out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

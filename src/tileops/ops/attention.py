@@ -14,6 +14,7 @@ from ..kernels.base import Kernel
 from ..perf.formulas import effective_window
 from .base import Op
 from .layout import tma_ready
+from .varlen_backward import varlen_backward
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -156,6 +157,28 @@ class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
         return [("attention_varlen_fwd", key, ns["Tq"])]
+
+
+def _save_varlen_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, *params = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_kv, o, lse)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_kv)
+    ctx.params = params
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, o, lse = ctx.saved_tensors
+    dq, dk, dv = varlen_backward(grad_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_kv,
+                                 *ctx.max_seqlens, ctx.params,
+                                 GroupedQueryAttentionBwdOp.torch_op)
+    return (dq, dk, dv) + (None,) * (4 + len(ctx.params))  # cu_seqlens, max_seqlens, params
+
+
+torch.library.register_autograd(GroupedQueryAttentionVarlenFwdOp.torch_op,
+                                _varlen_attention_backward,
+                                setup_context=_save_varlen_for_backward)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
