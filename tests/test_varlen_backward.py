@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from tileops.ops.varlen_backward import padded_rows, varlen_backward
-from tileops.perf.formulas import effective_window
 
-from .ops.test_attention import reference
+from .ops.test_attention import reference, visible_pairs
 
 pytestmark = pytest.mark.smoke
 
@@ -28,14 +27,8 @@ def dense_backward_model(do, q, k, v, o, lse, is_causal, scale, window_size, sof
     qf, dof, of = (t.double().transpose(1, 2) for t in (q, do, o))  # [B, H, S, D]
     kf, vf = (t.double().repeat_interleave(group, dim=2).transpose(1, 2) for t in (k, v))
     scores = qf @ kf.transpose(-1, -2) * scale
-    left, right = effective_window(is_causal, window_size)
-    rel = (torch.arange(seq_kv)[None, :] - torch.arange(seq_q)[:, None] - (seq_kv - seq_q))
-    visible = torch.ones_like(rel, dtype=torch.bool)
-    if left >= 0:
-        visible &= rel >= -left
-    if right >= 0:
-        visible &= rel <= right
-    visible = visible & (lse.double() != -math.inf)[..., None]
+    visible = (visible_pairs(seq_q, seq_kv, is_causal, window_size)
+               & (lse.double() != -math.inf)[..., None])
     row_lse = lse.double()[..., None].masked_fill(~visible, 0.0)
     if softcap > 0:
         capped = torch.tanh(scores / softcap)

@@ -24,6 +24,21 @@ def make_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype):
     return q, k, v
 
 
+def visible_pairs(seq_q, seq_kv, is_causal, window_size, device=None):
+    """[Sq, Skv] bool: which keys each query sees, masks aligned bottom-right."""
+    left, right = window_size
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    rel = (torch.arange(seq_kv, device=device)[None, :]
+           - torch.arange(seq_q, device=device)[:, None] - (seq_kv - seq_q))
+    visible = torch.ones_like(rel, dtype=torch.bool)
+    if left >= 0:
+        visible &= rel >= -left
+    if right >= 0:
+        visible &= rel <= right
+    return visible
+
+
 def reference(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
     """(o, lse) in fp32; a row that sees no key gives o = 0 and lse = -inf."""
     batch, seq_q, heads, head_dim = q.shape
@@ -35,16 +50,7 @@ def reference(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), softca
     logits = qf @ kf.transpose(-1, -2) * scale
     if softcap > 0:
         logits = softcap * torch.tanh(logits / softcap)
-    left, right = window_size
-    if is_causal:
-        right = 0 if right < 0 else min(right, 0)
-    rel = (torch.arange(seq_kv, device=q.device)[None, :]
-           - torch.arange(seq_q, device=q.device)[:, None] - (seq_kv - seq_q))
-    visible = torch.ones_like(rel, dtype=torch.bool)
-    if left >= 0:
-        visible &= rel >= -left
-    if right >= 0:
-        visible &= rel <= right
+    visible = visible_pairs(seq_q, seq_kv, is_causal, window_size, q.device)
     logits = logits.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)
     probs = torch.exp(logits - lse[..., None]).nan_to_num(0.0)

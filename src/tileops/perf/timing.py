@@ -58,10 +58,13 @@ def flush_l2(device: int | None = None) -> None:
     buf.zero_()
 
 
-def _summarize(trials: list[float], method: str) -> Timing:
+def _spread_pct(trials: list[float]) -> float:
     median = statistics.median(trials)
-    spread = 100 * (max(trials) - min(trials)) / median if median > 0 else 0.0
-    return Timing(median, spread, method, tuple(trials))
+    return 100 * (max(trials) - min(trials)) / median if median > 0 else 0.0
+
+
+def _summarize(trials: list[float], method: str) -> Timing:
+    return Timing(statistics.median(trials), _spread_pct(trials), method, tuple(trials))
 
 
 def _events_trial(fn: Callable[[], object], reps: int) -> float:
@@ -169,7 +172,7 @@ def _settled(trials: list[float | None], settle_pct: float) -> bool:
     (None) ends the rounds, since the events fallback re-times it anyway."""
     if any(t is None for t in trials):
         return True
-    return _summarize(trials, "").spread_pct <= settle_pct
+    return _spread_pct(trials) <= settle_pct
 
 
 def _warm_up(fns: dict[str, Callable[[], object]], rounds: int, seconds: float,
