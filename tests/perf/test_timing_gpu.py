@@ -1,5 +1,7 @@
 """The timing protocol against kernels of known cost (GPU)."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -20,12 +22,22 @@ def test_large_copy_runs_near_the_copy_ceiling():
     assert timing.method == "cupti", timing.method
 
 
+def assert_cupti_and_events_agree(fn, rounds: int = 5):
+    """A long GEMM lowers the clock as it heats the card, so the two methods take turns
+    after a sustained warmup: timed one after the other they would see different clocks."""
+    measure(fn, warmup=200, trials=1)
+    cupti, events = [], []
+    for _ in range(rounds):
+        cupti.append(measure(fn, warmup=1, trials=1, method="cupti").median_ms)
+        events.append(measure(fn, warmup=1, trials=1, method="events").median_ms)
+    gap = abs(statistics.median(cupti) - statistics.median(events)) / statistics.median(events)
+    assert gap < 0.03, (cupti, events)
+
+
 def test_cupti_and_events_agree_on_a_long_kernel():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    cupti = measure(lambda: a @ b, method="cupti")
-    events = measure(lambda: a @ b, method="events")
-    assert abs(cupti.median_ms - events.median_ms) / events.median_ms < 0.03, (cupti, events)
+    assert_cupti_and_events_agree(lambda: a @ b)
 
 
 def test_call_latency_covers_host_and_device():
@@ -42,7 +54,4 @@ def test_cupti_counts_tilelang_kernels_launched_through_the_driver_api():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     gemm = GemmFwdOp()
-    gemm(a, b)
-    cupti = measure(lambda: gemm(a, b), method="cupti")
-    events = measure(lambda: gemm(a, b), method="events")
-    assert abs(cupti.median_ms - events.median_ms) / events.median_ms < 0.03, (cupti, events)
+    assert_cupti_and_events_agree(lambda: gemm(a, b))

@@ -40,6 +40,12 @@ class AttentionBwdConfig:
     group_loop: bool = False  # one CTA per KV head walks its whole query-head group
     async_mma: bool = False  # issue GEMMs two and three at a time, one wait per batch
 
+    def __post_init__(self):
+        if self.async_mma and self.block_q < 64:
+            # async dQ = dS K must be a wgmma, and a wgmma takes at least 64 rows
+            raise ValueError(f"AttentionBwdConfig: async_mma needs block_q >= 64, got "
+                             f"block_q={self.block_q}")
+
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """K and V tiles, `stages` Q and dO tiles, dS, and the fp32 dq tile with tma_dq."""
         tiles = (2 * self.block_kv + 2 * self.stages * self.block_q) * head_dim * elem_bytes
@@ -264,7 +270,7 @@ class AttentionBwdKernel(Kernel):
             for stages in (1, 2):
                 for tma_dq in (False, True):
                     space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, tma_dq))
-                for async_mma in (False, True):
+                for async_mma in (False, True) if block_q >= 64 else (False,):
                     space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, True, True,
                                                     async_mma))
         head_dim = self.key["head_dim"]
