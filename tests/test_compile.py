@@ -76,16 +76,29 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
     kernel = AttentionFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                 window_left=-1 if head_dim < 256 else 127, window_right=0,
                                 softcap=0.0 if head_dim < 256 else 50.0)
-    config = kernel.heuristic_config("all", "sm_90a")
+    bucket = "short" if variant == "two CTAs per SM" else "long"
+    config = kernel.heuristic_config(bucket, "sm_90a")
     if variant == "overlap":
         config = dataclasses.replace(config, overlap=True)
-    elif variant == "two CTAs per SM":
-        config = dataclasses.replace(config, block_m=64, threads=128, ctas_per_sm=2)
-        assert config in kernel.config_space("all")
-    compiled = kernel.compile(config, "all")[0]
+    assert config in kernel.config_space(bucket)
+    compiled = kernel.compile(config, bucket)[0]
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
     if variant == "two CTAs per SM":  # the launch bound that lets two CTAs be resident
         assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
+
+
+def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
+    """Up to 2K keys two 64-row CTAs share an SM (faster on the H200); longer key loops and
+    head_dim 256 (no registers for two) keep one 128-row CTA."""
+    def default(head_dim, seq_kv):
+        kernel = AttentionFwdKernel(dtype="float16", heads=32, kv_heads=8, head_dim=head_dim,
+                                    window_left=-1, window_right=0, softcap=0.0)
+        return kernel.heuristic_config(kernel.bucket_of(seq_kv), "sm_90a")
+
+    assert default(128, 1).ctas_per_sm == default(64, 2048).ctas_per_sm == 2
+    assert default(128, 2048).block_m == 64
+    assert default(128, 2049).ctas_per_sm == default(256, 1024).ctas_per_sm == 1
+    assert default(128, 2049).block_m == 128
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -46,7 +46,8 @@ class GroupedQueryAttentionFwdOp(Op):
         kernel = self.get_kernel("attention_fwd", q.device,
                                  **self._kernel_key(q.dtype, heads, k.shape[2], head_dim))
         scale = self.scale if self.scale is not None else head_dim ** -0.5
-        kernel(seq_q, tma_ready(q), tma_ready(k), tma_ready(v), o, lse, float(scale))
+        # the key count picks the config bucket: it sets how long each CTA's key loop runs
+        kernel(k.shape[1], tma_ready(q), tma_ready(k), tma_ready(v), o, lse, float(scale))
         return o, lse
 
     def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int,
@@ -58,7 +59,7 @@ class GroupedQueryAttentionFwdOp(Op):
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
-        return [("attention_fwd", key, ns["Sq"])]
+        return [("attention_fwd", key, ns["Skv"])]
 
 
 class GroupedQueryAttentionBwdOp(GroupedQueryAttentionFwdOp):
@@ -138,7 +139,8 @@ class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
         kernel = self.get_kernel("attention_varlen_fwd", q.device,
                                  **self._kernel_key(q.dtype, heads, k.shape[1], head_dim))
         scale = self.scale if self.scale is not None else head_dim ** -0.5
-        kernel(total_q, tma_ready(q), tma_ready(k), tma_ready(v), cu_seqlens_q.contiguous(),
+        kernel(self.max_seqlen_kv, tma_ready(q), tma_ready(k), tma_ready(v),
+               cu_seqlens_q.contiguous(),
                cu_seqlens_kv.contiguous(), o, lse, self.max_seqlen_q, float(scale))
         return o, lse
 
@@ -156,7 +158,7 @@ class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
-        return [("attention_varlen_fwd", key, ns["Tq"])]
+        return [("attention_varlen_fwd", key, self.max_seqlen_kv)]
 
 
 def _save_varlen_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
