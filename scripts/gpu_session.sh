@@ -5,7 +5,8 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--tier smoke]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
-# TEST_PATHS narrows the tests (default: tests); steps chain with && in one device call.
+# TEST_PATHS narrows the tests (default: tests); BENCH_SECONDS caps a bench sweep; steps chain
+# with && in one device call.
 # Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present.
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -38,7 +39,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  tileops bench --out "$OUT/bench" "$@" > "$OUT/bench.log" 2>&1 || rc=1
+  # BENCH_SECONDS caps the sweep (0: none); the reports keep every case finished by then
+  timeout "${BENCH_SECONDS:-0}" python3 -m tileops.cli bench --out "$OUT/bench" "$@" \
+    > "$OUT/bench.log" 2>&1 || rc=1
   python3 scripts/host_overhead.py 2>&1 | grep -v INFO | tee -a "$OUT/bench.log"
   sed -n '/^| workload/,$p' "$OUT/bench/bench.md"
 fi

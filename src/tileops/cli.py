@@ -240,6 +240,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _write_reports(rows: list[dict], out: Any, meta: dict[str, Any]) -> str:
+    """JSON, JUnit and Markdown of `rows` under `out`; returns the Markdown table."""
+    from .perf import report
+
+    report.write_json(rows, out / "bench.json", meta)
+    report.write_junit(rows, out / "bench.junit.xml")
+    table = report.markdown_table(rows)
+    note = f"partial: {meta['partial']}\n\n" if "partial" in meta else ""
+    (out / "bench.md").write_text(f"{meta['gpu']}\n\n{note}{table}\n")
+    return table
+
+
 def _tilelang_version() -> str:
     try:
         import tilelang
@@ -370,10 +382,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
     cases = list(bench_cases(ops, None if args.tier == "full" else args.tier, args.dtype))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    meta = {"gpu": gpu, "torch": torch.__version__, "tilelang": _tilelang_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit(),
+            "libraries": available_libraries()}
     failed: set[tuple] = set()
     runs = []
-    for _ in range(max(1, args.repeat)):
+    for run in range(max(1, args.repeat)):
         run_rows = {}
+        runs.append(run_rows)
         for op_cls, workload, dtype in _progress(cases):
             case = (op_cls.__name__, workload["label"], dtype)
             try:
@@ -382,19 +401,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - report and go on with the next case
                 failed.add(case)
                 print(f"FAILED  {case[0]} [{case[1]}] {dtype}: {type(e).__name__}: {e}")
-        runs.append(run_rows)
+            # a run cut short (a device time limit) still leaves every case it finished
+            partial = dict(meta, partial=f"run {run + 1} of {args.repeat}: "
+                                         f"{len(run_rows)} of {len(cases)} cases")
+            _write_reports(merge_repeats([list(run_rows.values())]), out, partial)
     good = [c for c in runs[0] if c not in failed]
     rows = merge_repeats([[run[c] for c in good] for run in runs])
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name()
-    meta = {"gpu": gpu, "torch": torch.__version__, "tilelang": _tilelang_version(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit(),
-            "libraries": available_libraries()}
-    report.write_json(rows, out / "bench.json", meta)
-    report.write_junit(rows, out / "bench.junit.xml")
-    table = report.markdown_table(rows)
-    (out / "bench.md").write_text(f"{gpu}\n\n{table}\n")
+    table = _write_reports(rows, out, meta)
     try:
         report.plot_roofline(rows, load_profile(gpu), out / "roofline.png")
         report.plot_speedups(rows, out / "speedup.png")

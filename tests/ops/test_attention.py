@@ -164,9 +164,11 @@ def test_empty_keys_and_queries():
 
 
 def test_runtime_lengths_do_not_recompile():
-    """A serving loop: new batch sizes and sequence lengths reuse one program."""
-    q, k, v = make_qkv(1, 64, 64, 4, 2, 128, torch.bfloat16)
-    tileops.attention(q, k, v, is_causal=True)
+    """A serving loop: new batch sizes and sequence lengths reuse one program per key-count
+    bucket (up to 2K keys, and longer)."""
+    for seq in (64, 2049):
+        q, k, v = make_qkv(1, seq, seq, 4, 2, 128, torch.bfloat16)
+        tileops.attention(q, k, v, is_causal=True)
     before = Kernel.compile_count
     for batch, seq_q, seq_kv in [(1, 1, 65), (1, 1, 66), (3, 7, 500), (2, 1000, 1000),
                                  (1, 129, 4000)]:
