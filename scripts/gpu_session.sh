@@ -6,7 +6,8 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 # TEST_PATHS narrows the tests (default: tests); BENCH_SECONDS caps a bench sweep; steps chain
-# with && in one device call.
+# with && in one device call. The device's git metadata is stale: pass the local HEAD as
+# TILEOPS_COMMIT=<hash> so the bench JSON names it.
 # Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present.
 set -uo pipefail
 what=${1:-all}; shift || true

@@ -136,3 +136,11 @@ def test_report_flags_a_regression(tmp_path, capsys):
     run.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200"},
                                "rows": [{**row, "latency_us": 101.0}]}))
     assert cli.main(["report", str(run), "--history", str(history.path)]) == 0
+
+
+def test_bench_commit_comes_from_git_unless_the_caller_names_it(monkeypatch):
+    monkeypatch.delenv("TILEOPS_COMMIT", raising=False)
+    from_git = cli._git_commit()
+    assert from_git is None or len(from_git.split("+")[0]) >= 7
+    monkeypatch.setenv("TILEOPS_COMMIT", "abc1234")
+    assert cli._git_commit() == "abc1234"

@@ -454,7 +454,10 @@ def _progress(items: list) -> Any:
 
 def _git_commit() -> str | None:
     """HEAD of the checkout the code runs from, '+dirty' when tracked files differ from it
-    (a copied working tree can carry stale git metadata; the mark says so)."""
+    (a copied working tree can carry stale git metadata; the mark says so). TILEOPS_COMMIT,
+    when set, names it instead: a device that got the tree without its history."""
+    if os.environ.get("TILEOPS_COMMIT"):
+        return os.environ["TILEOPS_COMMIT"]
     root = os.path.dirname(os.path.abspath(__file__))
     commit = _run_quietly(["git", "-C", root, "rev-parse", "--short", "HEAD"])
     changed = _run_quietly(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"])
