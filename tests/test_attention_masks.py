@@ -9,7 +9,12 @@ import itertools
 
 import pytest
 
-from tileops.kernels.attention.mask import INT_OPS, key_tile_range, query_block_range
+from tileops.kernels.attention.mask import (
+    INT_OPS,
+    key_tile_range,
+    query_block_range,
+    tile_fully_visible,
+)
 
 pytestmark = pytest.mark.smoke
 
@@ -55,3 +60,23 @@ def test_backward_walks_every_query_block_that_sees_the_keys(seq_q, seq_kv, left
         walked = set(range(begin, begin + count))
         assert needed <= walked, (kv_start, sorted(needed - walked))
         assert all(0 <= t < -(-seq_q // block_q) for t in walked)
+
+
+@pytest.mark.parametrize("left, right", WINDOWS)
+@pytest.mark.parametrize("seq_q, seq_kv", LENGTHS + [(1000, 1000), (700, 1500)])
+@pytest.mark.parametrize("block_m, block_n", [(128, 176), (64, 64)])
+def test_a_tile_skips_its_mask_only_when_every_pair_is_visible(seq_q, seq_kv, left, right,
+                                                               block_m, block_n):
+    """Exact on blocks of real rows; a tail block may only err towards masking."""
+    for q_start, kv_start in itertools.product(range(0, seq_q, block_m),
+                                               range(0, seq_kv, block_n)):
+        rows = range(q_start, q_start + block_m)
+        keys = range(kv_start, kv_start + block_n)
+        every_pair = all(j < seq_kv and visible(i, j, seq_q, seq_kv, left, right)
+                         for i, j in itertools.product(rows, keys))
+        full = tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_m, block_n, left,
+                                  right)
+        if q_start + block_m <= seq_q:
+            assert full == every_pair, (q_start, kv_start)
+        else:
+            assert every_pair or not full, (q_start, kv_start)

@@ -69,17 +69,21 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
 
 @pytest.mark.parametrize("head_dim, variant", [(64, None), (128, None), (256, None),
                                                (128, "overlap"), (256, "overlap"),
-                                               (64, "two CTAs per SM"), (128, "two CTAs per SM")])
+                                               (64, "two CTAs per SM"), (128, "two CTAs per SM"),
+                                               (128, "edge masks only"), (256, "edge masks only"),
+                                               (64, "two CTAs per SM, edge masks only")])
 def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     import dataclasses
 
     kernel = AttentionFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                 window_left=-1 if head_dim < 256 else 127, window_right=0,
                                 softcap=0.0 if head_dim < 256 else 50.0)
-    bucket = "short" if variant == "two CTAs per SM" else "long"
+    bucket = "short" if variant and variant.startswith("two CTAs per SM") else "long"
     config = kernel.heuristic_config(bucket, "sm_90a")
     if variant == "overlap":
         config = dataclasses.replace(config, overlap=True)
+    elif variant and variant.endswith("edge masks only"):
+        config = dataclasses.replace(config, edge_masks_only=True)
     assert config in kernel.config_space(bucket)
     compiled = kernel.compile(config, bucket)[0]
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)

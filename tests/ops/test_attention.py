@@ -91,7 +91,7 @@ def test_sequence_lengths(seq_q, seq_kv, is_causal, dtype):
 def config_space(head_dim, window_left=-1, window_right=0, softcap=0.0):
     return AttentionFwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=head_dim,
                               window_left=window_left, window_right=window_right,
-                              softcap=softcap).config_space("all")
+                              softcap=softcap).config_space("long")
 
 
 @pytest.mark.parametrize("config", config_space(128), ids=str)

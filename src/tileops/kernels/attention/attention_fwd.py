@@ -16,6 +16,7 @@ intra-warpgroup pipelining; TileLang 0.1.15 ignores manual `order`/`stage` sched
 warp-specializes a loop, so the overlap is written out with T.wgmma_gemm / T.wait_wgmma).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..base import Kernel
-from .mask import key_tile_range
+from .mask import key_tile_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -42,6 +43,14 @@ class AttentionFwdConfig:
     # 2: two CTAs share an SM (block_m 64, one consumer warpgroup each), so one's prologue
     # and epilogue run under the other's key loop; short sequences expose them most.
     ctas_per_sm: int = 1
+    # Mask only the tiles a mask cuts through (the causal diagonal, window edges, the key
+    # tail): S starts from a zeroed accumulator and interior tiles skip the per-element test.
+    edge_masks_only: bool = False
+
+    def __post_init__(self):
+        if self.edge_masks_only and self.overlap:
+            raise ValueError("AttentionFwdConfig: edge_masks_only is not written for the "
+                             "overlap schedule (its last tile is masked whole)")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Q tile plus `stages` K and V tiles (TileLang reuses the Q buffer for O)."""
@@ -141,6 +150,21 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                     -T.infinity("float"))
 
     @T.macro
+    def scores_edge_masked(st, q_shared, k_shared, q_start, kv_start, seq_q, seq_kv, scale):
+        """S = Q K^T into a zeroed accumulator (no clearing pass), capped, then masked only
+        when the tile is not fully visible: few tiles of a long causal row block are."""
+        T.gemm(q_shared, k_shared, st.s, transpose_B=True, clear_accum=True,
+               policy=T.GemmWarpPolicy.FullRow)
+        if softcap > 0:
+            for i, j in T.Parallel(block_m, block_n):
+                st.s[i, j] = T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E)
+        if T.Not(tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_m, block_n,
+                                    window_left, window_right)):
+            for i, j in T.Parallel(block_m, block_n):
+                st.s[i, j] = T.if_then_else(visible(i, j, q_start, kv_start, seq_q, seq_kv),
+                                            st.s[i, j], -T.infinity("float"))
+
+    @T.macro
     def online_softmax(st, scale):
         """Folds one score tile into the running max and sum; s becomes
         exp2((s - max) * exp2_scale), the unnormalized probabilities."""
@@ -166,9 +190,13 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
     def sync_scores(st, q_shared, k_shared, q_start, kv_start, seq_q, seq_kv, scale):
         """Key tile t in order, waiting for each wgmma: S = Q K^T, softmax, O rescaled and
         P cast; the caller loads V and issues O += P V (the next tile's loads overlap)."""
-        score_init(st, q_start, kv_start, seq_q, seq_kv)
-        T.gemm(q_shared, k_shared, st.s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        score_cap(st, q_start, kv_start, seq_q, seq_kv, scale)
+        if config.edge_masks_only:
+            scores_edge_masked(st, q_shared, k_shared, q_start, kv_start, seq_q, seq_kv, scale)
+        else:
+            score_init(st, q_start, kv_start, seq_q, seq_kv)
+            T.gemm(q_shared, k_shared, st.s, transpose_B=True,
+                   policy=T.GemmWarpPolicy.FullRow)
+            score_cap(st, q_start, kv_start, seq_q, seq_kv, scale)
         online_softmax(st, scale)
         T.copy(st.s, st.p)
         rescale_output(st)
@@ -395,6 +423,12 @@ class AttentionFwdKernel(Kernel):
                     space.append(AttentionFwdConfig(128, block_n, stages, 256, overlap))
                 if self.key["head_dim"] <= 128:  # at 256 the O tile alone needs 128 registers
                     space.append(AttentionFwdConfig(64, block_n, stages, 128, ctas_per_sm=2))
+        space.append(dataclasses.replace(space[0], edge_masks_only=True))  # the default's twin
+        for block_n in (128, 176):  # the tile widths that win, with interior tiles unmasked
+            space.append(AttentionFwdConfig(128, block_n, 1, 256, edge_masks_only=True))
+            if self.key["head_dim"] <= 128:
+                space.append(AttentionFwdConfig(64, block_n, 1, 128, ctas_per_sm=2,
+                                                edge_masks_only=True))
         return [c for c in dict.fromkeys(space) if c.fits(self.key["head_dim"])]
 
 

@@ -42,3 +42,18 @@ def query_block_range(kv_start, seq_q, seq_kv, block_kv: int, block_q: int, wind
         end = ops.max(0, ops.min(end, ops.ceildiv(
             kv_start + block_kv - offset + window_left, block_q)))
     return begin, ops.max(end - begin, 0)
+
+
+def tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q: int, block_kv: int,
+                       window_left: int, window_right: int):
+    """Whether every query row of [q_start, q_start + block_q) sees every key of
+    [kv_start, kv_start + block_kv): such a tile needs no mask. Rows past seq_q count as
+    seeing (callers never store them), so the answer is exact for the rows that matter and
+    conservative near the edges: a False only costs the masked path."""
+    offset = seq_kv - seq_q
+    seen = kv_start + block_kv <= seq_kv
+    if window_right >= 0:  # the largest key - query distance: last key, first row
+        seen = seen & (kv_start + block_kv - 1 - q_start - offset <= window_right)
+    if window_left >= 0:  # the smallest: first key, last row
+        seen = seen & (kv_start - (q_start + block_q - 1) - offset >= -window_left)
+    return seen
