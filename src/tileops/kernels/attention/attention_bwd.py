@@ -16,6 +16,7 @@ Gradients w.r.t. the raw scores: dS = P * (dP - delta) * scale, times (1 - tanh^
 the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute nothing.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import torch
 
 from ..base import Kernel
 from .attention_fwd import SMEM_LIMIT
-from .mask import query_block_range
+from .mask import query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
 ROWS = T.GemmWarpPolicy.FullRow
@@ -39,6 +40,9 @@ class AttentionBwdConfig:
     tma_dq: bool = False  # dq adds through shared memory by one TMA reduce per tile
     group_loop: bool = False  # one CTA per KV head walks its whole query-head group
     async_mma: bool = False  # issue GEMMs two and three at a time, one wait per batch
+    # Tiles every (key, query) pair of which is visible (all but the causal diagonal, the
+    # window edges and the tails) skip the per-element mask and the -inf lse test.
+    edge_masks_only: bool = False
 
     def __post_init__(self):
         if self.async_mma and self.block_q < 64:
@@ -82,7 +86,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
                           block_kv: int, block_q: int, stages: int, threads: int,
                           tma_dq: bool = False, group_loop: bool = False,
-                          async_mma: bool = False):
+                          async_mma: bool = False, edge_masks_only: bool = False):
     """The main pass; dq is an fp32 accumulator the caller zeroes, and so are dk and dv
     unless `group_loop`, where they are the outputs (input dtype), each element stored once."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
@@ -97,6 +101,38 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     regs_scores = block_kv * block_q // threads
     regs_dkv = block_kv * head_dim // threads
     regs_dq = block_q * head_dim // threads
+
+    @T.macro
+    def probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz, head, q_start,
+                        kv_start, seq_q, seq_kv, scale, masked):
+        """P and dS of the tile from S^T and dP^T; `masked` (a build-time choice) zeroes the
+        pairs the mask hides and the rows that saw no key."""
+        for i, j in T.Parallel(block_kv, block_q):
+            # lse and delta are read straight from global memory (L1 serves the repeats): a
+            # TMA box over [B, H, Sq] would need Sq % 4 == 0.
+            row = T.min(q_start + j, seq_q - 1) if masked else q_start + j
+            row_lse = lse[bz, head, row]
+            row_delta = delta[bz, head, row]
+            if softcap > 0:
+                capped = T.tanh(s_local[i, j] * (scale / softcap))
+                prob = T.exp2(capped * (softcap * LOG2E) - row_lse * LOG2E)
+                grad = (dp_local[i, j] - row_delta) * scale * (1 - capped * capped)
+            else:
+                prob = T.exp2(s_local[i, j] * (scale * LOG2E) - row_lse * LOG2E)
+                grad = (dp_local[i, j] - row_delta) * scale
+            if masked:
+                rel = kv_start + i - (q_start + j) - (seq_kv - seq_q)
+                visible = (kv_start + i < seq_kv) & (q_start + j < seq_q) & (
+                    row_lse != -T.infinity("float"))
+                if masked_right:
+                    visible = visible & (rel <= window_right)
+                if masked_left:
+                    visible = visible & (rel >= -window_left)
+                p_local[i, j] = T.if_then_else(visible, prob, 0)
+                ds_local[i, j] = T.if_then_else(visible, prob * grad, 0)
+            else:
+                p_local[i, j] = prob
+                ds_local[i, j] = prob * grad
 
     @T.prim_func
     def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
@@ -124,7 +160,6 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
 
             kv_head = by if group_loop else by // group
             kv_start = bx * block_kv
-            offset = seq_kv - seq_q  # bottom-right alignment of the masks
             q_begin, n_blocks = query_block_range(kv_start, seq_q, seq_kv, block_kv, block_q,
                                                   window_left, window_right)
 
@@ -159,28 +194,19 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                     T.clear(dp_local)
                     T.gemm(v_shared, do_shared, dp_local, transpose_B=True,
                            policy=ROWS)  # V dO^T
-                for i, j in T.Parallel(block_kv, block_q):
-                    # lse and delta are read straight from global memory (L1 serves the
-                    # repeats): a TMA box over [B, H, Sq] would need Sq % 4 == 0.
-                    row = T.min(q_start + j, seq_q - 1)
-                    row_lse = lse[bz, head, row]
-                    row_delta = delta[bz, head, row]
-                    rel = kv_start + i - (q_start + j) - offset
-                    visible = (kv_start + i < seq_kv) & (q_start + j < seq_q) & (
-                        row_lse != -T.infinity("float"))
-                    if masked_right:
-                        visible = visible & (rel <= window_right)
-                    if masked_left:
-                        visible = visible & (rel >= -window_left)
-                    if softcap > 0:
-                        capped = T.tanh(s_local[i, j] * (scale / softcap))
-                        prob = T.exp2(capped * (softcap * LOG2E) - row_lse * LOG2E)
-                        grad = (dp_local[i, j] - row_delta) * scale * (1 - capped * capped)
+                if edge_masks_only:
+                    # every row of a fully visible tile sees keys, so its lse is finite
+                    if tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q, block_kv,
+                                          window_left, window_right) & (
+                                              q_start + block_q <= seq_q):
+                        probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz,
+                                        head, q_start, kv_start, seq_q, seq_kv, scale, False)
                     else:
-                        prob = T.exp2(s_local[i, j] * (scale * LOG2E) - row_lse * LOG2E)
-                        grad = (dp_local[i, j] - row_delta) * scale
-                    p_local[i, j] = T.if_then_else(visible, prob, 0)
-                    ds_local[i, j] = T.if_then_else(visible, prob * grad, 0)
+                        probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz,
+                                        head, q_start, kv_start, seq_q, seq_kv, scale, True)
+                else:
+                    probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz, head,
+                                    q_start, kv_start, seq_q, seq_kv, scale, True)
                 if async_mma:
                     T.copy(ds_local, ds_shared)
                     T.clear(dq_local)
@@ -236,7 +262,7 @@ class AttentionBwdKernel(Kernel):
                                      k["window_left"], k["window_right"], k["softcap"],
                                      config.block_kv, config.block_q, config.stages,
                                      config.threads, config.tma_dq, config.group_loop,
-                                     config.async_mma)
+                                     config.async_mma, config.edge_masks_only)
         return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
 
     def run(self, config: AttentionBwdConfig, compiled: tuple, q, k, v, o, do, lse, dq, dk,
@@ -273,5 +299,6 @@ class AttentionBwdKernel(Kernel):
                 for async_mma in (False, True) if block_q >= 64 else (False,):
                     space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, True, True,
                                                     async_mma))
+        space.append(dataclasses.replace(space[0], edge_masks_only=True))  # the default's twin
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
