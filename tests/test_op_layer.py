@@ -158,6 +158,11 @@ def test_kernel_buckets_are_few():
      TileOpsTypeError, r"argument 'q': expected dtype float16 \| bfloat16"),
     (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {"window_size": [-2, 0]},
      TileOpsValueError, r"argument 'window_size'"),
+    # the kernels take the row max of the raw scores: a scale <= 0 would overflow exp2
+    (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {"scale": -0.1},
+     TileOpsValueError, r"argument 'scale': expected .*scale > 0`, got scale=-0.1"),
+    (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {"scale": 0.0},
+     TileOpsValueError, r"argument 'scale'"),
 ])
 def test_attention_bad_input(q, k, v, params, err, pattern):
     from tileops import GroupedQueryAttentionFwdOp
