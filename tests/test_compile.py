@@ -71,7 +71,9 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
                                                (128, "overlap"), (256, "overlap"),
                                                (64, "two CTAs per SM"), (128, "two CTAs per SM"),
                                                (128, "edge masks only"), (256, "edge masks only"),
-                                               (64, "two CTAs per SM, edge masks only")])
+                                               (64, "two CTAs per SM, edge masks only"),
+                                               (128, "lazy rescale"), (256, "lazy rescale"),
+                                               (128, "two CTAs per SM, lazy rescale")])
 def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     import dataclasses
 
@@ -84,6 +86,8 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
         config = dataclasses.replace(config, overlap=True)
     elif variant and variant.endswith("edge masks only"):
         config = dataclasses.replace(config, edge_masks_only=True)
+    elif variant and variant.endswith("lazy rescale"):
+        config = dataclasses.replace(config, edge_masks_only=True, lazy_rescale=True)
     assert config in kernel.config_space(bucket)
     compiled = kernel.compile(config, bucket)[0]
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)

@@ -101,6 +101,18 @@ def test_every_config_of_the_space(config):
     check(*make_qkv(2, 777, 1000, 8, 2, 128, torch.bfloat16), config=config, is_causal=True)
 
 
+@pytest.mark.parametrize("config", [c for c in config_space(128) if c.lazy_rescale], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lazy_rescale_follows_jumps_of_the_row_max(config, dtype):
+    """Keys grow louder along the sequence, so row maxima climb by far more than the 2^8 a
+    lazy config lets a stale max stand: O must still be rescaled whenever it moves."""
+    q, k, v = make_qkv(2, 777, 1000, 8, 2, 128, dtype)
+    loudness = torch.linspace(0.1, 6.0, k.shape[1], device=k.device)
+    k = (k.float() * loudness[None, :, None, None]).to(dtype)
+    check(q, k, v, config=config, is_causal=True)
+    check(q, k.flip(1), v, config=config)  # loud keys first: the max settles at once
+
+
 @pytest.mark.parametrize("config", config_space(64), ids=str)
 def test_every_config_at_head_dim_64(config):
     check(*make_qkv(2, 777, 1000, 8, 2, 64, torch.float16), config=config, is_causal=True)

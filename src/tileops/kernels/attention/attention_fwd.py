@@ -30,7 +30,11 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_LIMIT = 227 * 1024
 # The per-CTA register state of the forward, in alloc_state's order.
-STATE = ("s", "p", "o", "m", "m_prev", "m_safe", "rescale", "row_sum", "l", "lse", "hold")
+STATE = ("s", "p", "o", "m", "m_prev", "m_safe", "rescale", "row_sum", "l", "lse", "hold",
+         "stale")
+# lazy_rescale keeps a row's running max while the tile max exceeds it by at most this many
+# doublings: probabilities then reach at most 2^8 (fine in fp32 sums and bf16/fp16 P).
+LAZY_RESCALE_LOG2 = 8.0
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,16 @@ class AttentionFwdConfig:
     # Mask only the tiles a mask cuts through (the causal diagonal, window edges, the key
     # tail): S starts from a zeroed accumulator and interior tiles skip the per-element test.
     edge_masks_only: bool = False
+    # Rescale O only when some row's max grew by more than 2^LAZY_RESCALE_LOG2 (a warp-wide
+    # vote, so the skip is uniform): after the first tiles the max settles and the O pass,
+    # head_dim multiplies per row per tile, is skipped. Exact: O, l and lse share the max.
+    lazy_rescale: bool = False
 
     def __post_init__(self):
-        if self.edge_masks_only and self.overlap:
-            raise ValueError("AttentionFwdConfig: edge_masks_only is not written for the "
-                             "overlap schedule (its last tile is masked whole)")
+        for name in ("edge_masks_only", "lazy_rescale"):
+            if getattr(self, name) and self.overlap:
+                raise ValueError(f"AttentionFwdConfig: {name} is not written for the "
+                                 "overlap schedule")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Q tile plus `stages` K and V tiles (TileLang reuses the Q buffer for O)."""
@@ -89,7 +98,8 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                 T.alloc_fragment((block_m, block_n), dtype),
                 T.alloc_fragment((block_m, head_dim), "float"),
                 *[T.alloc_fragment((block_m,), "float") for _ in range(7)],
-                T.alloc_local((1,), dtype))
+                T.alloc_local((1,), dtype),
+                T.alloc_local((1,), "int32") if config.lazy_rescale else None)
 
     def state(*buffers):
         return SimpleNamespace(**dict(zip(STATE, buffers, strict=True)))
@@ -164,17 +174,33 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                 st.s[i, j] = T.if_then_else(visible(i, j, q_start, kv_start, seq_q, seq_kv),
                                             st.s[i, j], -T.infinity("float"))
 
+    def rescale_factor(st, i, scale):
+        """What row i's O and sum are multiplied by when its max moves to m_safe."""
+        return T.exp2(st.m_prev[i] * exp2_scale(scale) - st.m_safe[i])
+
     @T.macro
     def online_softmax(st, scale):
         """Folds one score tile into the running max and sum; s becomes
         exp2((s - max) * exp2_scale), the unnormalized probabilities."""
         T.copy(st.m, st.m_prev)
         T.reduce_max(st.s, st.m, dim=1, clear=False)
+        if config.lazy_rescale:
+            st.stale[0] = 0
+            for i in T.Parallel(block_m):
+                # keep the old max unless the new one is far above it (a first finite max,
+                # from -inf, is always taken: the difference is inf or NaN)
+                kept = (st.m[i] - st.m_prev[i]) * exp2_scale(scale) <= LAZY_RESCALE_LOG2
+                st.stale[0] = T.max(st.stale[0], T.if_then_else(kept, 0, 1))
+                st.m[i] = T.if_then_else(kept, st.m_prev[i], st.m[i])
         for i in T.Parallel(block_m):
             # -inf rows (nothing visible yet) must not turn exp2 into NaN.
             st.m_safe[i] = T.if_then_else(st.m[i] == -T.infinity("float"), 0,
                                           st.m[i] * exp2_scale(scale))
-            st.rescale[i] = T.exp2(st.m_prev[i] * exp2_scale(scale) - st.m_safe[i])
+            if config.lazy_rescale:  # a kept max rescales by exactly 1, like O's skip
+                st.rescale[i] = T.if_then_else(st.m[i] == st.m_prev[i], 1.0,
+                                               rescale_factor(st, i, scale))
+            else:
+                st.rescale[i] = rescale_factor(st, i, scale)
         for i, j in T.Parallel(block_m, block_n):
             st.s[i, j] = T.exp2(st.s[i, j] * exp2_scale(scale) - st.m_safe[i])
         T.reduce_sum(st.s, st.row_sum, dim=1)
@@ -182,9 +208,19 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
             st.l[i] = st.l[i] * st.rescale[i] + st.row_sum[i]
 
     @T.macro
-    def rescale_output(st):
+    def multiply_output(st):
         for i, j in T.Parallel(block_m, head_dim):
             st.o[i, j] *= st.rescale[i]
+
+    @T.macro
+    def rescale_output(st):
+        if config.lazy_rescale:
+            # only warps where a row moved its max multiply O (any_sync: a warp-uniform
+            # branch); the other rows' factors are exactly 1
+            if T.any_sync(st.stale[0]) != 0:
+                multiply_output(st)
+        else:
+            multiply_output(st)
 
     @T.macro
     def sync_scores(st, q_shared, k_shared, q_start, kv_start, seq_q, seq_kv, scale):
@@ -296,9 +332,9 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
             o_shared = T.alloc_shared((block_m, head_dim), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
-             lse_local, hold) = step.alloc_state()
+             lse_local, hold, stale) = step.alloc_state()
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
-                            row_sum, l_local, lse_local, hold)
+                            row_sum, l_local, lse_local, hold, stale)
 
             q_start = (n_blocks - 1 - by) * block_m
             tile_begin, reachable = step.tile_range(q_start, seq_q, seq_kv)
@@ -350,9 +386,9 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
-             lse_local, hold) = step.alloc_state()
+             lse_local, hold, stale) = step.alloc_state()
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
-                            row_sum, l_local, lse_local, hold)
+                            row_sum, l_local, lse_local, hold, stale)
 
             q_offset = cu_seqlens_q[bz]
             kv_offset = cu_seqlens_kv[bz]
@@ -423,12 +459,18 @@ class AttentionFwdKernel(Kernel):
                     space.append(AttentionFwdConfig(128, block_n, stages, 256, overlap))
                 if self.key["head_dim"] <= 128:  # at 256 the O tile alone needs 128 registers
                     space.append(AttentionFwdConfig(64, block_n, stages, 128, ctas_per_sm=2))
-        space.append(dataclasses.replace(space[0], edge_masks_only=True))  # the default's twin
-        for block_n in (128, 176):  # the tile widths that win, with interior tiles unmasked
+        # Twins of the defaults with interior tiles unmasked and / or O rescaled lazily; for
+        # the edge masks also the other tile widths that win.
+        for edge, lazy in ((True, False), (False, True), (True, True)):
+            space.append(dataclasses.replace(space[0], edge_masks_only=edge, lazy_rescale=lazy))
+        for block_n in (128, 176):
             space.append(AttentionFwdConfig(128, block_n, 1, 256, edge_masks_only=True))
             if self.key["head_dim"] <= 128:
                 space.append(AttentionFwdConfig(64, block_n, 1, 128, ctas_per_sm=2,
                                                 edge_masks_only=True))
+        if self.key["head_dim"] <= 128:
+            space.append(AttentionFwdConfig(64, 176, 1, 128, ctas_per_sm=2,
+                                            edge_masks_only=True, lazy_rescale=True))
         return [c for c in dict.fromkeys(space) if c.fits(self.key["head_dim"])]
 
 
