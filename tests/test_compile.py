@@ -110,18 +110,16 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group_loop, async_mma, edge_masks_only",
-                         [(False, False, False), (True, False, False), (True, True, False),
-                          (False, False, True)])
-def test_attention_backward_keeps_everything_in_registers(head_dim, group_loop, async_mma,
-                                                          edge_masks_only, tmp_path):
+@pytest.mark.parametrize("variant", [{}, {"group_loop": True},
+                                     {"group_loop": True, "async_mma": True},
+                                     {"edge_masks_only": True},
+                                     {"edge_masks_only": True, "staged_stats": True}], ids=str)
+def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
     import dataclasses
 
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                 window_left=-1, window_right=0, softcap=0.0)
-    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),
-                                 group_loop=group_loop, async_mma=async_mma,
-                                 edge_masks_only=edge_masks_only)
+    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), **variant)
     assert config in kernel.config_space("all")
     assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)

@@ -43,6 +43,10 @@ class AttentionBwdConfig:
     # Tiles every (key, query) pair of which is visible (all but the causal diagonal, the
     # window edges and the tails) skip the per-element mask and the -inf lse test.
     edge_masks_only: bool = False
+    # lse and delta come with Q and dO: the producer loads each query block's by TMA into
+    # shared memory (the op pads them to a multiple of 4 rows for the TMA stride), instead of
+    # every thread reading them from global memory after the score GEMMs.
+    staged_stats: bool = False
 
     def __post_init__(self):
         if self.async_mma and self.block_q < 64:
@@ -51,10 +55,12 @@ class AttentionBwdConfig:
                              f"block_q={self.block_q}")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
-        """K and V tiles, `stages` Q and dO tiles, dS, and the fp32 dq tile with tma_dq."""
+        """K and V tiles, `stages` Q and dO tiles (and lse/delta rows), dS, and the fp32 dq
+        tile with tma_dq."""
         tiles = (2 * self.block_kv + 2 * self.stages * self.block_q) * head_dim * elem_bytes
         ds = self.block_kv * self.block_q * elem_bytes
-        return tiles + ds + (self.block_q * head_dim * 4 if self.tma_dq else 0)
+        stats = 2 * self.stages * self.block_q * 4 if self.staged_stats else 0
+        return tiles + ds + stats + (self.block_q * head_dim * 4 if self.tma_dq else 0)
 
 
 def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int = 64,
@@ -84,12 +90,16 @@ def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int 
 
 def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
-                          block_kv: int, block_q: int, stages: int, threads: int,
-                          tma_dq: bool = False, group_loop: bool = False,
-                          async_mma: bool = False, edge_masks_only: bool = False):
+                          config: AttentionBwdConfig):
     """The main pass; dq is an fp32 accumulator the caller zeroes, and so are dk and dv
-    unless `group_loop`, where they are the outputs (input dtype), each element stored once."""
+    unless `group_loop`, where they are the outputs (input dtype), each element stored once.
+    With `staged_stats` lse and delta have seq_stats >= seq_q rows (a multiple of 4)."""
+    block_kv, block_q, stages, threads = (config.block_kv, config.block_q, config.stages,
+                                          config.threads)
+    tma_dq, group_loop, async_mma = config.tma_dq, config.group_loop, config.async_mma
+    edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
+    stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
@@ -103,16 +113,23 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     regs_dq = block_q * head_dim // threads
 
     @T.macro
-    def probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz, head, q_start,
+    def probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head, q_start,
                         kv_start, seq_q, seq_kv, scale, masked):
         """P and dS of the tile from S^T and dP^T; `masked` (a build-time choice) zeroes the
-        pairs the mask hides and the rows that saw no key."""
+        pairs the mask hides and the rows that saw no key. `stats` is (lse, delta): the
+        global [B, H, Sq] tensors, or with staged_stats this query block's rows in shared
+        memory."""
+        lse, delta = stats
         for i, j in T.Parallel(block_kv, block_q):
-            # lse and delta are read straight from global memory (L1 serves the repeats): a
-            # TMA box over [B, H, Sq] would need Sq % 4 == 0.
-            row = T.min(q_start + j, seq_q - 1) if masked else q_start + j
-            row_lse = lse[bz, head, row]
-            row_delta = delta[bz, head, row]
+            if staged_stats:  # zeros past the end (padding, TMA fill): masked rows
+                row_lse = lse[j]
+                row_delta = delta[j]
+            else:
+                # read straight from global memory (L1 serves the repeats): a TMA box over
+                # [B, H, Sq] needs Sq % 4 == 0, which staged_stats gets by padding
+                row = T.min(q_start + j, seq_q - 1) if masked else q_start + j
+                row_lse = lse[bz, head, row]
+                row_delta = delta[bz, head, row]
             if softcap > 0:
                 capped = T.tanh(s_local[i, j] * (scale / softcap))
                 prob = T.exp2(capped * (softcap * LOG2E) - row_lse * LOG2E)
@@ -137,8 +154,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     @T.prim_func
     def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
                       v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
-                      lse: T.Tensor((batch, heads, seq_q), "float"),
-                      delta: T.Tensor((batch, heads, seq_q), "float"),
+                      lse: T.Tensor(stats_shape, "float"),
+                      delta: T.Tensor(stats_shape, "float"),
                       dq: T.Tensor(q_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
                       dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
         with T.Kernel(T.ceildiv(seq_kv, block_kv), kv_heads if group_loop else heads, batch,
@@ -156,6 +173,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             dv_local = T.alloc_fragment((block_kv, head_dim), "float")
             dq_local = T.alloc_fragment((block_q, head_dim), "float")
             dq_shared = T.alloc_shared((block_q, head_dim), "float") if tma_dq else None
+            lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
+            delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
             hold = T.alloc_local((1,), dtype) if async_mma else None
 
             kv_head = by if group_loop else by // group
@@ -175,6 +194,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 q_start = (q_begin + t // heads_per_cta) * block_q
                 T.copy(q[bz, q_start:q_start + block_q, head, :], q_shared)
                 T.copy(do[bz, q_start:q_start + block_q, head, :], do_shared)
+                if staged_stats:
+                    T.copy(lse[bz, head, q_start:q_start + block_q], lse_shared)
+                    T.copy(delta[bz, head, q_start:q_start + block_q], delta_shared)
                 T.clear(s_local)
                 # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
                 # so S^T, dP^T, P, dS, dK and dV share one register layout.
@@ -194,18 +216,20 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                     T.clear(dp_local)
                     T.gemm(v_shared, do_shared, dp_local, transpose_B=True,
                            policy=ROWS)  # V dO^T
+                # (lse, delta) of this block's rows: staged in shared memory, or global
+                stats = (lse_shared, delta_shared) if staged_stats else (lse, delta)
                 if edge_masks_only:
                     # every row of a fully visible tile sees keys, so its lse is finite
                     if tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q, block_kv,
                                           window_left, window_right) & (
                                               q_start + block_q <= seq_q):
-                        probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz,
-                                        head, q_start, kv_start, seq_q, seq_kv, scale, False)
+                        probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                        q_start, kv_start, seq_q, seq_kv, scale, False)
                     else:
-                        probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz,
-                                        head, q_start, kv_start, seq_q, seq_kv, scale, True)
+                        probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                        q_start, kv_start, seq_q, seq_kv, scale, True)
                 else:
-                    probs_and_grads(lse, delta, s_local, dp_local, p_local, ds_local, bz, head,
+                    probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
                                     q_start, kv_start, seq_q, seq_kv, scale, True)
                 if async_mma:
                     T.copy(ds_local, ds_shared)
@@ -259,10 +283,7 @@ class AttentionBwdKernel(Kernel):
     def program(self, config: AttentionBwdConfig, bucket: str):
         k = self.key
         main = attention_bwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
-                                     k["window_left"], k["window_right"], k["softcap"],
-                                     config.block_kv, config.block_q, config.stages,
-                                     config.threads, config.tma_dq, config.group_loop,
-                                     config.async_mma, config.edge_masks_only)
+                                     k["window_left"], k["window_right"], k["softcap"], config)
         return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
 
     def run(self, config: AttentionBwdConfig, compiled: tuple, q, k, v, o, do, lse, dq, dk,
@@ -270,6 +291,8 @@ class AttentionBwdKernel(Kernel):
         batch, seq_q, heads, _ = q.shape
         delta = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
         compiled[0](o, do, delta)
+        if config.staged_stats and seq_q % 4:  # pad rows to a 16-byte TMA stride
+            lse, delta = (torch.nn.functional.pad(t, (0, -seq_q % 4)) for t in (lse, delta))
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         if config.group_loop:  # dk and dv are stored whole by their CTAs
             compiled[1](q, k, v, do, lse, delta, dq32, dk, dv, scale)
@@ -299,6 +322,8 @@ class AttentionBwdKernel(Kernel):
                 for async_mma in (False, True) if block_q >= 64 else (False,):
                     space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, True, True,
                                                     async_mma))
-        space.append(dataclasses.replace(space[0], edge_masks_only=True))  # the default's twin
+        for edge, staged in ((True, False), (False, True), (True, True)):  # the default's twins
+            space.append(dataclasses.replace(space[0], edge_masks_only=edge,
+                                             staged_stats=staged))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
