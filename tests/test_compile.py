@@ -113,7 +113,9 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
 @pytest.mark.parametrize("variant", [{}, {"group_loop": True},
                                      {"group_loop": True, "async_mma": True},
                                      {"edge_masks_only": True},
-                                     {"edge_masks_only": True, "staged_stats": True}], ids=str)
+                                     {"edge_masks_only": True, "staged_stats": True},
+                                     {"group_loop": True, "edge_masks_only": True,
+                                      "staged_stats": True}], ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
     import dataclasses

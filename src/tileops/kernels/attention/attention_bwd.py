@@ -325,5 +325,9 @@ class AttentionBwdKernel(Kernel):
         for edge, staged in ((True, False), (False, True), (True, True)):  # the default's twins
             space.append(dataclasses.replace(space[0], edge_masks_only=edge,
                                              staged_stats=staged))
+        # group_loop lost by 1-3% (its loop is slower by more than the fp32 buffers it saves
+        # cost); the lighter loop of the two options above may turn that round
+        space.append(AttentionBwdConfig(128, 64, 2, 256, True, True, edge_masks_only=True,
+                                        staged_stats=True))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
