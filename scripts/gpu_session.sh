@@ -3,7 +3,7 @@
 # $OUT (at most 8 files come back: bench/ holds 5), a short table last.
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh [tests|all]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--tier smoke]
-#   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 # TEST_PATHS narrows the tests (default: tests); BENCH_SECONDS caps a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as

@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("op", metavar="OP", help="op class name, e.g. GemmFwdOp")
     p.add_argument("--workload", metavar="TEXT", action="append",
                    help="only workloads whose label contains TEXT (repeatable)")
+    p.add_argument("--dtype", nargs="+", metavar="D", help="only these dtypes")
     p.add_argument("--out", metavar="DIR",
                    help="copy the GPU's tuned table here after every workload")
     p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
@@ -293,19 +294,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"error: unknown op {args.op!r}; implemented: {sorted(OP_CLASSES)}",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
-    spec = cls.spec
-    workloads = spec.entry["workloads"]
-    if args.workload:
-        workloads = [w for w in workloads if any(text in w["label"] for text in args.workload)]
-        if not workloads:
-            labels = "\n  ".join(w["label"] for w in spec.entry["workloads"])
-            print(f"error: {args.op} has no workload matching {args.workload}; labels:\n"
-                  f"  {labels}", file=sys.stderr)
-            return EXIT_UNAVAILABLE
+    cases = tuning_cases(cls.spec.entry["workloads"], args.workload, args.dtype)
+    if not cases:
+        labels = "\n  ".join(f"{w['label']} {w['dtypes']}" for w in cls.spec.entry["workloads"])
+        print(f"error: {args.op} has no workload matching --workload {args.workload} "
+              f"--dtype {args.dtype}; workloads:\n  {labels}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
     failed = 0
-    for w in workloads:
-        for dtype in w["dtypes"]:
+    for w, dtypes in cases:
+        for dtype in dtypes:
             try:
                 for line in _tune_one(cls, w, dtype):
                     print(line)
@@ -316,6 +314,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
             if args.out:  # a run cut short still leaves what it found
                 _copy_tuned_table(args.out)
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def tuning_cases(workloads: list[dict[str, Any]], texts: list[str] | None,
+                 dtypes: list[str] | None) -> list[tuple[dict[str, Any], list[str]]]:
+    """(workload, dtypes to tune) for the workloads whose label contains one of `texts` and
+    the dtypes among `dtypes` (None: no filter); workloads left with no dtype drop out."""
+    cases = []
+    for w in workloads:
+        if texts and not any(text in w["label"] for text in texts):
+            continue
+        chosen = [d for d in w["dtypes"] if not dtypes or d in dtypes]
+        if chosen:
+            cases.append((w, chosen))
+    return cases
 
 
 def _copy_tuned_table(out: str) -> None:
