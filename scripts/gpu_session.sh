@@ -29,9 +29,10 @@ if [ "$what" = calibrate ]; then
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  # Correctness tests in 8 processes; the timer's tests alone afterwards (they measure).
+  # Correctness tests in one process per CPU core (compiling dominates); the timer's tests
+  # alone afterwards (they measure).
   paths=${TEST_PATHS:-tests}
-  ( r1=0; [ "$paths" = tests/perf ] || { python3 -m pytest -q -m gpu -n 8 $paths \
+  ( r1=0; [ "$paths" = tests/perf ] || { python3 -m pytest -q -m gpu -n "$(nproc)" $paths \
       --ignore tests/perf -p no:cacheprovider --junitxml "$OUT/junit.xml"; r1=$?; }
     r2=0; case " $paths " in *" tests "*|*" tests/perf "*)
       python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$? ;; esac
