@@ -361,3 +361,19 @@ def test_comparison_table_and_summary():
         "1 regression, 1 improvement, 1 ok, 1 new (4 rows)")
     assert report.comparison_summary([]) == (
         "0 regressions, 0 improvements, 0 ok, 0 new (0 rows)")
+
+
+def test_bench_reports_of_a_sweep_cut_short_say_so(tmp_path):
+    """`tileops bench` rewrites its reports after every case; until the sweep ends the
+    Markdown and the JSON meta say how far it got."""
+    from tileops import cli
+
+    meta = {"gpu": H200, "commit": "abc1234"}
+    cli._write_reports(ROWS[:1], tmp_path, dict(meta, partial="run 1 of 1: 1 of 3 cases"))
+    assert "partial: run 1 of 1: 1 of 3 cases" in (tmp_path / "bench.md").read_text()
+    assert report.read_json(tmp_path / "bench.json")["meta"]["partial"].endswith("of 3 cases")
+    table = cli._write_reports(ROWS, tmp_path, meta)  # the sweep's end overwrites them
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "partial" not in markdown and table in markdown
+    assert len(report.read_json(tmp_path / "bench.json")["rows"]) == 3
+    assert (tmp_path / "bench.junit.xml").exists()
