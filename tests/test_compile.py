@@ -73,7 +73,8 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
                                                (128, "edge masks only"), (256, "edge masks only"),
                                                (64, "two CTAs per SM, edge masks only"),
                                                (128, "lazy rescale"), (256, "lazy rescale"),
-                                               (128, "two CTAs per SM, lazy rescale")])
+                                               (128, "two CTAs per SM, lazy rescale"),
+                                               (128, "two CTAs per SM, overlap")])
 def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     import dataclasses
 
@@ -82,7 +83,7 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
                                 softcap=0.0 if head_dim < 256 else 50.0)
     bucket = "short" if variant and variant.startswith("two CTAs per SM") else "long"
     config = kernel.heuristic_config(bucket, "sm_90a")
-    if variant == "overlap":
+    if variant and variant.endswith("overlap"):
         config = dataclasses.replace(config, overlap=True)
     elif variant and variant.endswith("edge masks only"):
         config = dataclasses.replace(config, edge_masks_only=True)

@@ -471,6 +471,11 @@ class AttentionFwdKernel(Kernel):
         if self.key["head_dim"] <= 128:
             space.append(AttentionFwdConfig(64, 176, 1, 128, ctas_per_sm=2,
                                             edge_masks_only=True, lazy_rescale=True))
+            # the intra-warpgroup overlap inside each of two CTAs: with one consumer warpgroup
+            # per CTA there is no second warpgroup to contend with for the barriers
+            for block_n in (128, 176):
+                space.append(AttentionFwdConfig(64, block_n, 1, 128, overlap=True,
+                                                ctas_per_sm=2))
         return [c for c in dict.fromkeys(space) if c.fits(self.key["head_dim"])]
 
 
