@@ -5,6 +5,16 @@ import pytest
 from tileops.perf import timing
 
 
+def stub_trials(monkeypatch, trial):
+    """Replaces the device trials with `trial(fn, reps)`: one by one, and a CUPTI round as
+    one trial of each candidate in order (what the profiler session does)."""
+    monkeypatch.setattr(timing, "_cupti_trial", trial)
+    monkeypatch.setattr(timing, "_events_trial", trial)
+    monkeypatch.setattr(timing, "_cupti_round",
+                        lambda fns, reps: {name: trial(fn, reps) for name, fn in fns.items()})
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+
+
 @pytest.fixture
 def recorded(monkeypatch):
     """Trials that record which candidate ran and return its fixed cost; no device."""
@@ -14,9 +24,7 @@ def recorded(monkeypatch):
         order.append(fn.name)
         return fn.ms
 
-    monkeypatch.setattr(timing, "_cupti_trial", trial)
-    monkeypatch.setattr(timing, "_events_trial", trial)
-    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    stub_trials(monkeypatch, trial)
     return order
 
 
@@ -55,8 +63,35 @@ def test_warmup_lasts_the_requested_time(recorded):
     assert slow.calls > 1  # kept calling until 50 ms had passed
 
 
+def test_one_profiler_session_times_a_round_of_every_candidate(recorded, monkeypatch):
+    rounds = []
+    monkeypatch.setattr(timing, "_cupti_round",
+                        lambda fns, reps: rounds.append(list(fns)) or {"op": 2.0, "base": 3.0})
+    result = timing.measure_together({"op": Candidate("op", 0), "base": Candidate("base", 0)},
+                                     warmup=1, trials=3)
+    assert rounds == [["op", "base"]] * 3 and recorded == []  # never one by one
+    assert result["op"].median_ms == 2.0 and result["base"].median_ms == 3.0
+
+
+@pytest.mark.parametrize("round_result", [None, {"op": 2.0, "base": None}, RuntimeError])
+def test_a_round_that_cannot_stand_is_timed_one_by_one(recorded, monkeypatch, round_result):
+    """No projection, an empty bracket or a candidate that raised mid-round: that round's
+    trials run one candidate at a time, so each result (or error) finds its owner."""
+    def cupti_round(fns, reps):
+        if round_result is RuntimeError:
+            raise RuntimeError("base cannot run")
+        return round_result
+
+    monkeypatch.setattr(timing, "_cupti_round", cupti_round)
+    result = timing.measure_together({"op": Candidate("op", 2.0), "base": Candidate("base", 3.0)},
+                                     warmup=1, trials=2)
+    assert recorded == ["op", "base"] * 2
+    assert result["op"].median_ms == 2.0 and result["base"].median_ms == 3.0
+
+
 def test_events_fallback_when_the_trace_does_not_project(recorded, monkeypatch):
     monkeypatch.setattr(timing, "_cupti_trial", lambda fn, reps: None)
+    monkeypatch.setattr(timing, "_cupti_round", lambda fns, reps: None)
     result = timing.measure_together({"op": Candidate("op", 4.0)}, warmup=1, trials=3)
     assert result["op"].median_ms == 4.0
     assert result["op"].method.startswith("cuda-events")
@@ -78,8 +113,7 @@ def scripted(monkeypatch):
         order.append(fn.name)
         return next(fn.script) if isinstance(fn, Wandering) else fn.ms
 
-    monkeypatch.setattr(timing, "_cupti_trial", trial)
-    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    stub_trials(monkeypatch, trial)
     return order
 
 

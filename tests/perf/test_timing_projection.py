@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from torch.autograd import DeviceType
 
-from tileops.perf.timing import MARK_NAME, _bracketed_sums
+from tileops.perf.timing import MARK_NAME, _bracketed_round, _bracketed_sums
 
 
 def event(name, start, end, device=DeviceType.CUDA, annotation=False):
@@ -13,9 +13,9 @@ def event(name, start, end, device=DeviceType.CUDA, annotation=False):
                            time_range=interval)
 
 
-def trace(*calls):
+def trace(*calls, start=0):
     """Leading spin, then per call: an L2 flush, a marker, the call's kernels, a marker."""
-    events, t = [event(MARK_NAME, 0, 100)], 100
+    events, t = [event(MARK_NAME, start, start + 100)], start + 100
     for kernels in calls:
         events.append(event("fill_flush", t, t + 30))
         events.append(event(MARK_NAME, t + 30, t + 31))
@@ -45,3 +45,18 @@ def test_a_missing_bracket_or_an_empty_call_means_no_projection():
     events = trace([("a", 10)], [("b", 20)])
     assert _bracketed_sums(events[:-1], 2) is None  # the last marker never ran
     assert _bracketed_sums(trace([("a", 10)], []), 2) is None
+
+
+def test_a_round_splits_the_trace_by_candidate():
+    """One profiler session, candidates one after the other, each led by its spin kernel."""
+    op = trace([("tilelang_main", 50)], [("tilelang_main", 52)])
+    base = trace([("cudnn", 40), ("memset", 2)], [("cudnn", 41)], start=10_000)
+    assert _bracketed_round(op + base, 2, 2) == [[50, 52], [42, 41]]
+    assert _bracketed_round(list(reversed(base + op)), 2, 2) == [[50, 52], [42, 41]]
+
+
+def test_a_round_with_a_missing_marker_or_an_empty_bracket():
+    op = trace([("a", 10)], [("a", 11)])
+    base = trace([("b", 20)], [], start=10_000)  # the second call ran no kernel
+    assert _bracketed_round(op + base, 2, 2) == [[10, 11], None]
+    assert _bracketed_round(op + base[:-1], 2, 2) is None  # its last marker never ran

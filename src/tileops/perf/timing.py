@@ -15,7 +15,10 @@ their spread as the run's noise. An op and its baselines are timed together: one
 keeps the card busy for at least WARM_SECONDS (so its clock settles under this load), then
 their trials interleaved (op, baseline, op, baseline, ...), so a drift of the clock during
 the measurement (the H200 lowers it by up to 20% on long GEMMs near its power limit) moves
-every candidate alike instead of favouring whichever ran first.
+every candidate alike instead of favouring whichever ran first. One profiler session holds a
+whole round (one trial of each candidate in turn), since starting and reading a session
+costs more than a short candidate's trial; a round that cannot stand for one trial each (a
+candidate raised, or the trace did not project) is timed one candidate at a time.
 
 End-to-end call latency (host + device, eager and CUDA-graph replay) is measured apart,
 because for decode-size ops the host overhead is what users feel.
@@ -85,35 +88,67 @@ def _mark() -> None:
     torch.cuda._sleep(MARK_CYCLES)
 
 
-def _bracketed_sums(events: list, reps: int) -> list[float] | None:
-    """Per call, the summed duration (us) of device activity between its two markers."""
+def _bracketed_round(events: list, reps: int, candidates: int) -> list | None:
+    """Per candidate of a round (in order), the summed duration (us) of device activity
+    between each call's two markers, or None for a candidate with an empty bracket; None
+    for the whole round when the trace does not hold every marker."""
     device = sorted((e for e in events if e.device_type == DeviceType.CUDA
                      and not getattr(e, "is_user_annotation", False)),
                     key=lambda e: e.time_range.start)
     marks = [i for i, e in enumerate(device) if MARK_NAME in e.name]
-    marks = marks[1:]  # the trial's leading spin kernel has the markers' name too
-    if len(marks) != 2 * reps:
+    per_candidate = 1 + 2 * reps  # its leading spin kernel has the markers' name too
+    if len(marks) != candidates * per_candidate:
         return None
-    sums = [sum(e.time_range.elapsed_us() for e in device[a + 1:b])
-            for a, b in zip(marks[0::2], marks[1::2], strict=True)]
-    return sums if min(sums) > 0 else None
+    found = []
+    for first in range(0, len(marks), per_candidate):
+        ends = marks[first + 1:first + per_candidate]
+        sums = [sum(e.time_range.elapsed_us() for e in device[a + 1:b])
+                for a, b in zip(ends[0::2], ends[1::2], strict=True)]
+        found.append(sums if min(sums) > 0 else None)
+    return found
+
+
+def _bracketed_sums(events: list, reps: int) -> list[float] | None:
+    """Per call, the summed duration (us) of device activity between its two markers."""
+    found = _bracketed_round(events, reps, 1)
+    return None if found is None else found[0]
+
+
+def _profiled_calls(fns: list[Callable[[], object]], reps: int) -> list:
+    """The trace of `reps` bracketed calls of each of `fns` in turn, each candidate's calls
+    led by a spin kernel (the host enqueues while it runs)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for fn in fns:
+            torch.cuda._sleep(SPIN_CYCLES)
+            for _ in range(reps):
+                flush_l2()
+                _mark()
+                with record_function(REGION):
+                    fn()
+                _mark()
+        torch.cuda.synchronize()
+    return prof.events()
 
 
 def _cupti_trial(fn: Callable[[], object], reps: int) -> float | None:
     """Median over calls of the summed device time inside each call's bracket, or None."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda._sleep(SPIN_CYCLES)
-        for _ in range(reps):
-            flush_l2()
-            _mark()
-            with record_function(REGION):
-                fn()
-            _mark()
-        torch.cuda.synchronize()
-    per_call = _bracketed_sums(prof.events(), reps)
+    per_call = _bracketed_sums(_profiled_calls([fn], reps), reps)
     return None if per_call is None else statistics.median(per_call) / 1e3  # us -> ms
+
+
+def _cupti_round(fns: dict[str, Callable[[], object]],
+                 reps: int) -> dict[str, float | None] | None:
+    """One trial of every candidate, in order, in a single profiler session (starting and
+    reading a session costs more than a short candidate's trial): name -> median ms, or
+    None for a candidate whose brackets hold no kernel. None when the trace does not
+    project; a candidate that raises propagates (the caller then times one by one)."""
+    found = _bracketed_round(_profiled_calls(list(fns.values()), reps), reps, len(fns))
+    if found is None:
+        return None
+    return {name: None if sums is None else statistics.median(sums) / 1e3
+            for name, sums in zip(fns, found, strict=True)}
 
 
 def measure(fn: Callable[[], object], warmup: int = 5, reps: int = 30, trials: int = 3,
@@ -145,7 +180,12 @@ def measure_together(fns: dict[str, Callable[[], object]], warmup: int = 5, reps
     for done in range(max(trials, max_trials or 0)):
         if done >= trials and all(_settled(trial_ms[name], settle_pct) for name in alive):
             break
-        for name in list(alive):
+        together = _round_together(alive, reps) if use_cupti and not why else None
+        if together is not None:
+            for name, ms in together.items():
+                trial_ms[name].append(ms)
+            continue
+        for name in list(alive):  # one by one: errors and trace problems get their owner
             try:
                 trial_ms[name].append(_one_trial(alive[name], reps, use_cupti, name, why))
             except Exception as e:  # noqa: BLE001 - returned as this candidate's result
@@ -165,6 +205,21 @@ def measure_together(fns: dict[str, Callable[[], object]], warmup: int = 5, reps
         fn = alive[name]
         timings[name] = _summarize([_events_trial(fn, reps) for _ in range(trials)], fallback)
     return timings
+
+
+def _round_together(fns: dict[str, Callable[[], object]],
+                    reps: int) -> dict[str, float | None] | None:
+    """A CUPTI round of every candidate, or None when it cannot stand for one trial each:
+    the trace did not project, a candidate's brackets were empty, or one raised."""
+    if not fns:
+        return None
+    try:
+        together = _cupti_round(fns, reps)
+    except Exception:  # noqa: BLE001 - the one-by-one trials find who raised, and keep it
+        return None
+    if together is None or any(ms is None for ms in together.values()):
+        return None
+    return together
 
 
 def _settled(trials: list[float | None], settle_pct: float) -> bool:
