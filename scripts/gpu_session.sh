@@ -2,7 +2,7 @@
 # One device call: GPU tests, benchmarks and the host-overhead probe; logs and reports under
 # $OUT (at most 8 files come back: bench/ holds 5), a short table last.
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh [tests|all]
-#   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--tier smoke]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--op OP] [--dtype D] [--workload TEXT] [--tier smoke]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 # TEST_PATHS narrows the tests (default: tests); BENCH_SECONDS caps a bench sweep; steps chain

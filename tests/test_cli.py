@@ -158,3 +158,18 @@ def test_tuning_cases_filter_by_label_text_and_dtype():
     assert [(w["label"], d) for w, d in bf16_causal] == [("8k causal", ["bfloat16"]),
                                                          ("2k causal", ["bfloat16"])]
     assert cli.tuning_cases(workloads, ["fp16 only"], ["bfloat16"]) == []
+
+
+def test_bench_cases_filter_by_tier_dtype_and_label_text():
+    from tileops import GemmFwdOp
+    from tileops.perf.bench import bench_cases
+
+    every = [(w["label"], d) for _, w, d in bench_cases([GemmFwdOp])]
+    assert len(every) == 22 and len({label for label, _ in every}) == 11
+    decode_bf16 = [(w["label"], d) for _, w, d in bench_cases([GemmFwdOp], None, ["bfloat16"],
+                                                              ["decode"])]
+    assert decode_bf16 and all("decode" in label and d == "bfloat16"
+                               for label, d in decode_bf16)
+    assert len(decode_bf16) == len([1 for label, d in every
+                                    if "decode" in label and d == "bfloat16"])
+    assert list(bench_cases([GemmFwdOp], None, None, ["no such workload"])) == []

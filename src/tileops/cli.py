@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--family", nargs="+", metavar="F", help="only these families")
     p.add_argument("--tier", choices=("smoke", "full"), default="full")
     p.add_argument("--dtype", nargs="+", metavar="D", help="only these dtypes")
+    p.add_argument("--workload", metavar="TEXT", action="append",
+                   help="only workloads whose label contains TEXT (repeatable)")
     p.add_argument("--out", default="bench-results", help="report folder (default: %(default)s)")
     p.add_argument("--history", metavar="FILE",
                    help="append the run to this history (JSON lines) and compare with it")
@@ -393,7 +395,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
-    cases = list(bench_cases(ops, None if args.tier == "full" else args.tier, args.dtype))
+    cases = list(bench_cases(ops, None if args.tier == "full" else args.tier, args.dtype,
+                             args.workload))
+    if not cases:
+        print(f"error: no workload matches --tier {args.tier} --dtype {args.dtype} "
+              f"--workload {args.workload} (`tileops list` shows them)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
