@@ -257,10 +257,13 @@ def _one_trial(fn: Callable[[], object], reps: int, use_cupti: bool, name: str,
     if name in why:  # the profiler already failed for this candidate
         return None
     try:
-        return _cupti_trial(fn, reps)
+        ms = _cupti_trial(fn, reps)
     except Exception as e:  # noqa: BLE001 - a profiler that cannot run means fall back
         why[name] = f"profiler failed: {type(e).__name__}"
         return None
+    if ms is None:  # it falls back to events anyway: no more profiling, alone or in rounds
+        why[name] = "no kernel time in the trace"
+    return ms
 
 
 def time_cuda(fn: Callable[[], object], warmup: int = 5, reps: int = 30,
