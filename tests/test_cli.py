@@ -146,18 +146,20 @@ def test_bench_commit_comes_from_git_unless_the_caller_names_it(monkeypatch):
     assert cli._git_commit() == "abc1234"
 
 
-def test_tuning_cases_filter_by_label_text_and_dtype():
+def test_workload_selection_filters_by_label_text_and_dtype():
+    from tileops.manifest import select_workloads
+
     workloads = [{"label": "8k causal", "dtypes": ["bfloat16", "float16"]},
                  {"label": "2k causal", "dtypes": ["bfloat16", "float16"]},
                  {"label": "fp16 only", "dtypes": ["float16"]}]
-    everything = cli.tuning_cases(workloads, None, None)
+    everything = select_workloads(workloads, None, None)
     assert [(w["label"], d) for w, d in everything] == [
         ("8k causal", ["bfloat16", "float16"]), ("2k causal", ["bfloat16", "float16"]),
         ("fp16 only", ["float16"])]
-    bf16_causal = cli.tuning_cases(workloads, ["causal"], ["bfloat16"])
+    bf16_causal = select_workloads(workloads, ["causal"], ["bfloat16"])
     assert [(w["label"], d) for w, d in bf16_causal] == [("8k causal", ["bfloat16"]),
                                                          ("2k causal", ["bfloat16"])]
-    assert cli.tuning_cases(workloads, ["fp16 only"], ["bfloat16"]) == []
+    assert select_workloads(workloads, ["fp16 only"], ["bfloat16"]) == []
 
 
 def test_bench_cases_filter_by_tier_dtype_and_label_text():

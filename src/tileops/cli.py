@@ -296,7 +296,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"error: unknown op {args.op!r}; implemented: {sorted(OP_CLASSES)}",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
-    cases = tuning_cases(cls.spec.entry["workloads"], args.workload, args.dtype)
+    from .manifest import select_workloads
+
+    cases = select_workloads(cls.spec.entry["workloads"], args.workload, args.dtype)
     if not cases:
         labels = "\n  ".join(f"{w['label']} {w['dtypes']}" for w in cls.spec.entry["workloads"])
         print(f"error: {args.op} has no workload matching --workload {args.workload} "
@@ -316,20 +318,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
             if args.out:  # a run cut short still leaves what it found
                 _copy_tuned_table(args.out)
     return EXIT_FAILED if failed else EXIT_OK
-
-
-def tuning_cases(workloads: list[dict[str, Any]], texts: list[str] | None,
-                 dtypes: list[str] | None) -> list[tuple[dict[str, Any], list[str]]]:
-    """(workload, dtypes to tune) for the workloads whose label contains one of `texts` and
-    the dtypes among `dtypes` (None: no filter); workloads left with no dtype drop out."""
-    cases = []
-    for w in workloads:
-        if texts and not any(text in w["label"] for text in texts):
-            continue
-        chosen = [d for d in w["dtypes"] if not dtypes or d in dtypes]
-        if chosen:
-            cases.append((w, chosen))
-    return cases
 
 
 def _copy_tuned_table(out: str) -> None:

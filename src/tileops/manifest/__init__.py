@@ -63,4 +63,19 @@ def load_workloads(op_name: str, tier: str | None = None) -> list[dict[str, Any]
     return workloads
 
 
-__all__ = ["load_manifest", "get_spec", "load_workloads", "read_manifest_dir", "MANIFEST_DIR"]
+def select_workloads(workloads: list[dict[str, Any]], texts: list[str] | None = None,
+                     dtypes: list[str] | None = None) -> list[tuple[dict[str, Any], list[str]]]:
+    """(workload, its dtypes among `dtypes`) for the workloads whose label contains one of
+    `texts` (None: no filter); a workload left with no dtype drops out."""
+    chosen = []
+    for w in workloads:
+        if texts and not any(text in w["label"] for text in texts):
+            continue
+        kept = [d for d in w["dtypes"] if not dtypes or d in dtypes]
+        if kept:
+            chosen.append((w, kept))
+    return chosen
+
+
+__all__ = ["load_manifest", "get_spec", "load_workloads", "select_workloads",
+           "read_manifest_dir", "MANIFEST_DIR"]

@@ -139,9 +139,10 @@ class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
         kernel = self.get_kernel("attention_varlen_fwd", q.device,
                                  **self._kernel_key(q.dtype, heads, k.shape[1], head_dim))
         scale = self.scale if self.scale is not None else head_dim ** -0.5
+        # the longest key sequence picks the config bucket, as the key count does when dense
         kernel(self.max_seqlen_kv, tma_ready(q), tma_ready(k), tma_ready(v),
-               cu_seqlens_q.contiguous(),
-               cu_seqlens_kv.contiguous(), o, lse, self.max_seqlen_q, float(scale))
+               cu_seqlens_q.contiguous(), cu_seqlens_kv.contiguous(), o, lse,
+               self.max_seqlen_q, float(scale))
         return o, lse
 
     def _check_seqlens(self, cu: torch.Tensor, total: int, max_len: int, arg: str) -> None:

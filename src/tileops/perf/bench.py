@@ -115,15 +115,13 @@ def bench_cases(op_classes: list[Any], tier: str | None = None,
                 texts: list[str] | None = None) -> Iterator[tuple[Any, dict, str]]:
     """Every (op class, workload, dtype) a benchmark run covers; `texts` keeps the workloads
     whose label contains one of them."""
-    from ..manifest import load_workloads
+    from ..manifest import load_workloads, select_workloads
 
     for op_cls in op_classes:
-        for workload in load_workloads(op_cls.__name__, tier):
-            if texts and not any(text in workload["label"] for text in texts):
-                continue
-            for dtype in workload["dtypes"]:
-                if not dtypes or dtype in dtypes:
-                    yield op_cls, workload, dtype
+        for workload, kept in select_workloads(load_workloads(op_cls.__name__, tier), texts,
+                                               dtypes):
+            for dtype in kept:
+                yield op_cls, workload, dtype
 
 
 def merge_repeats(runs: list[list[dict]]) -> list[dict]:
