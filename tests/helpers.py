@@ -18,27 +18,40 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, scale: float =
 
     `scale` widens the absolute tolerance for sums whose terms are large (a GEMM's K).
     On failure, reports the worst element, its index and how many elements failed.
+    Compares in float64 chunks, so a large output does not need several float64 copies at
+    once (the GPU tests run one process per core on one card).
     """
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     atol, rtol = TOLERANCES[actual.dtype]
-    a = actual.double()
-    e = expected.double()
-    err = (a - e).abs()
-    bad = ~(err <= atol * scale + rtol * e.abs())  # NaN compares False, so it counts as bad
-    if bad.any():
-        worst = torch.where(torch.isnan(err), torch.inf, err).flatten().argmax().item()
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape))
+    flat_a, flat_e = actual.reshape(-1), expected.reshape(-1)
+    n_bad, worst, worst_err, diff_sq, ref_sq = 0, -1, -1.0, 0.0, 0.0
+    for lo in range(0, flat_a.numel(), _CHUNK):
+        a = flat_a[lo:lo + _CHUNK].double()
+        e = flat_e[lo:lo + _CHUNK].double()
+        err = (a - e).abs()
+        bad = ~(err <= atol * scale + rtol * e.abs())  # NaN compares False: counts as bad
+        n_bad += int(bad.sum())
+        ranked = torch.where(torch.isnan(err), torch.inf, err)
+        i = int(ranked.argmax())
+        if ranked[i].item() > worst_err:
+            worst, worst_err = lo + i, ranked[i].item()
+        diff_sq += float((a - e).square().sum())
+        ref_sq += float(e.square().sum())
+    if n_bad:
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), actual.shape))
         raise AssertionError(
-            f"{what}: {int(bad.sum())} of {a.numel()} elements off; worst at {idx}: "
-            f"got {a[idx].item():.6g}, expected {e[idx].item():.6g} "
-            f"(atol {atol * scale:.3g}, rtol {rtol}, "
-            f"max err {err.nan_to_num(torch.inf).max():.3g})")
+            f"{what}: {n_bad} of {actual.numel()} elements off; worst at {idx}: "
+            f"got {actual[idx].item():.6g}, expected {expected[idx].item():.6g} "
+            f"(atol {atol * scale:.3g}, rtol {rtol}, max err {worst_err:.3g})")
     # Catches a small bias spread over every element. The floor is the norm of an error of
     # atol everywhere, so an exactly-zero expected tensor (a 1x1 softmax's dq) does not divide
     # rounding noise by zero; the elementwise check above already bounds that case.
-    floor = atol * a.numel() ** 0.5
-    rel = (a - e).norm() / max(e.norm().item(), floor)
+    floor = atol * actual.numel() ** 0.5
+    rel = diff_sq ** 0.5 / max(ref_sq ** 0.5, floor)
     assert rel < 2 * rtol, f"{what}: relative L2 error {rel:.3g} too large"
+
+
+_CHUNK = 1 << 24  # elements per float64 comparison chunk (128 MiB per copy)
 
 
 def randn(*shape: int, dtype: torch.dtype, device: str = "cuda", std: float = 1.0,
