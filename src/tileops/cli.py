@@ -411,7 +411,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             # a run cut short (a device time limit) still leaves every case it finished
             partial = dict(meta, partial=f"run {run + 1} of {args.repeat}: "
                                          f"{len(run_rows)} of {len(cases)} cases")
-            _write_reports(merge_repeats([list(run_rows.values())]), out, partial)
+            # every case so far, merged over the runs that reached it, so a repeat cut short
+            # keeps the earlier runs' rows and the spread of the cases it did repeat
+            so_far = [merge_repeats([[r[c]] for r in runs if c in r])[0] for c in runs[0]]
+            _write_reports(so_far, out, partial)
     good = [c for c in runs[0] if c not in failed]
     rows = merge_repeats([[run[c] for c in good] for run in runs])
     table = _write_reports(rows, out, meta)
