@@ -128,3 +128,20 @@ def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), **variant)
     assert config in kernel.config_space("all")
     assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)
+
+
+@pytest.mark.parametrize("bucket", ["short", "long"])
+def test_attention_varlen_tile_store_stores_whole_tiles_by_tma(bucket, tmp_path):
+    """`tile_store`: blocks inside their sequence store O by TMA (the row path stays for
+    blocks cut by a sequence's end), without spills."""
+    import dataclasses
+
+    from tileops.kernels.attention import AttentionVarlenFwdKernel
+
+    kernel = AttentionVarlenFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                      window_left=-1, window_right=0, softcap=0.0)
+    config = dataclasses.replace(kernel.heuristic_config(bucket, "sm_90a"), tile_store=True)
+    assert config in kernel.config_space(bucket)
+    compiled = kernel.compile(config, bucket)[0]
+    assert "tma_store(o_desc" in compiled.get_kernel_source()
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)

@@ -54,6 +54,10 @@ class AttentionFwdConfig:
     # vote, so the skip is uniform): after the first tiles the max settles and the O pass,
     # head_dim multiplies per row per tile, is skipped. Exact: O, l and lse share the max.
     lazy_rescale: bool = False
+    # Varlen only (the dense kernel always does this): a query block that lies inside its
+    # sequence stores O through shared memory by TMA, whole tiles instead of row by row
+    # under a guard; blocks at a sequence's end still store row by row.
+    tile_store: bool = False
 
     def __post_init__(self):
         for name in ("edge_masks_only", "lazy_rescale"):
@@ -370,6 +374,16 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     def kv_rows(buf, tile, seq_offset, head):
         return buf[seq_offset + tile * block_n:seq_offset + (tile + 1) * block_n, head, :]
 
+    @T.macro
+    def store_rows(st, o, lse, q_offset, q_start, seq_q, head):
+        """Row by row: rows past the sequence's end belong to the next sequence."""
+        for i, j in T.Parallel(block_m, head_dim):
+            if q_start + i < seq_q:
+                o[q_offset + q_start + i, head, j] = st.o[i, j]
+        for i in T.Parallel(block_m):
+            if q_start + i < seq_q:
+                lse[head, q_offset + q_start + i] = st.lse[i]
+
     @T.prim_func
     def attention_varlen_fwd(q: T.Tensor((total_q, heads, head_dim), dtype),
                              k: T.Tensor((total_kv, kv_heads, head_dim), dtype),
@@ -385,6 +399,8 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
+            if config.tile_store:
+                o_shared = T.alloc_shared((block_m, head_dim), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
              lse_local, hold, stale) = step.alloc_state()
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
@@ -404,12 +420,16 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             step.key_loop(st, kv_rows, kv_offset, bx // group, k, v, n_tiles, tile_begin,
                           q_shared, k_shared, v_shared, q_start, seq_q, seq_kv, scale)
             step.finish(st, scale)
-            for i, j in T.Parallel(block_m, head_dim):
-                if q_start + i < seq_q:
-                    o[q_offset + q_start + i, bx, j] = st.o[i, j]
-            for i in T.Parallel(block_m):
-                if q_start + i < seq_q:
-                    lse[bx, q_offset + q_start + i] = st.lse[i]
+            if config.tile_store:
+                # n_tiles > 0: the consumers have awaited Q's load, which o_shared may overlay
+                if q_start + block_m <= seq_q and n_tiles > 0:
+                    T.copy(st.o, o_shared)
+                    T.copy(o_shared, o[q_offset + q_start:q_offset + q_start + block_m, bx, :])
+                    T.copy(st.lse, lse[bx, q_offset + q_start:q_offset + q_start + block_m])
+                else:
+                    store_rows(st, o, lse, q_offset, q_start, seq_q, bx)
+            else:
+                store_rows(st, o, lse, q_offset, q_start, seq_q, bx)
 
     return attention_varlen_fwd
 
@@ -489,6 +509,13 @@ class AttentionVarlenFwdKernel(AttentionFwdKernel):
         return attention_varlen_fwd_program(
             k["heads"], k["kv_heads"], k["head_dim"], k["dtype"], k["window_left"],
             k["window_right"], k["softcap"], config)
+
+    def config_space(self, bucket: str) -> list[AttentionFwdConfig]:
+        dense = super().config_space(bucket)
+        # whole-tile stores for blocks inside their sequence: twins of the two defaults
+        twins = [dataclasses.replace(self.heuristic_config(b, "sm_90a"), tile_store=True)
+                 for b in ("short", "long")]
+        return dense + [c for c in dict.fromkeys(twins) if c.fits(self.key["head_dim"])]
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, cu_seqlens_q,
             cu_seqlens_kv, o, lse, max_seqlen_q: int, scale: float) -> None:
