@@ -16,7 +16,6 @@ Gradients w.r.t. the raw scores: dS = P * (dP - delta) * scale, times (1 - tanh^
 the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute nothing.
 """
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
