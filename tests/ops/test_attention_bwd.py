@@ -101,3 +101,29 @@ def test_training_step_under_torch_compile():
     reference(*leaves, is_causal=True)[0].square().sum().backward()
     for got, want in zip((q.grad, k.grad, v.grad), leaves, strict=True):
         assert_close(got, want.grad.to(got.dtype), scale=8.0)
+
+
+@pytest.mark.parametrize("config", [c for c in AttentionBwdKernel(
+    dtype="bfloat16", heads=8, kv_heads=2, head_dim=128, window_left=-1, window_right=0,
+    softcap=0.0).config_space("all") if c.edge_masks_only], ids=str)
+def test_rows_with_infinite_lse_add_nothing(config):
+    """Rows whose lse is -inf saw no key: they must add nothing to dk/dv and get dq = 0, also
+    in fully visible tiles, where edge-mask configs skip the mask tests. Here such rows sit
+    mid-sequence with no mask at all, as left padding puts them (the varlen backward)."""
+    q, k, v = make_qkv(1, 384, 384, 8, 2, 128, torch.bfloat16)
+    do = torch.randn_like(q)
+    o, lse = GroupedQueryAttentionFwdOp()(q, k, v)
+    dead = torch.zeros(384, dtype=torch.bool, device=q.device)
+    dead[130:200] = True  # inside the second and third 64-row query blocks
+    lse = lse.masked_fill(dead, -float("inf"))
+    do = do.masked_fill(dead[None, :, None, None], 0.0)
+    o = o.masked_fill(dead[None, :, None, None], 0.0)
+    bwd = GroupedQueryAttentionBwdOp()
+    bwd.pin_config(config, do, q, k, v, o, lse)
+    dq, dk, dv = bwd(do, q, k, v, o, lse)
+    live = ~dead
+    want = reference_grads(q[:, live], k, v, do[:, live])
+    assert torch.all(dq[:, dead] == 0), "dq of rows that saw no key"
+    assert_close(dq[:, live], want[0].to(dq.dtype), scale=4.0, what="dq")
+    assert_close(dk, want[1].to(dk.dtype), scale=4.0, what="dk")
+    assert_close(dv, want[2].to(dv.dtype), scale=4.0, what="dv")
