@@ -118,7 +118,9 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"edge_masks_only": False, "staged_stats": False,
                                       "group_loop": True, "async_mma": True},
                                      {"staged_stats": False},
-                                     {"group_loop": True}], ids=str)
+                                     {"group_loop": True}, {"kv_chunks": 2},
+                                     {"kv_chunks": 4}, {"group_loop": True, "kv_chunks": 2}],
+                         ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
     import dataclasses

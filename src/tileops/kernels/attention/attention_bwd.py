@@ -16,6 +16,7 @@ Gradients w.r.t. the raw scores: dS = P * (dP - delta) * scale, times (1 - tanh^
 the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute nothing.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ class AttentionBwdConfig:
     # shared memory (the op pads them to a multiple of 4 rows for the TMA stride), instead of
     # every thread reading them from global memory after the score GEMMs.
     staged_stats: bool = False
+    # Launch order: key blocks split into this many runs, heaviest (first) runs of every head
+    # first; 1 keeps key blocks fastest, so the CTAs of one head share Q/dO in L2.
+    kv_chunks: int = 1
 
     def __post_init__(self):
         if self.async_mma and self.block_q < 64:
@@ -97,6 +101,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                                           config.threads)
     tma_dq, group_loop, async_mma = config.tma_dq, config.group_loop, config.async_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
+    kv_chunks = config.kv_chunks
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -106,10 +111,19 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     masked_left = window_left >= 0
     dkv_dtype = dtype if group_loop else "float"
     heads_per_cta = group if group_loop else 1
+    cta_heads = kv_heads if group_loop else heads  # the grid's head dimension
     # Accumulator registers per thread, for the fences that tell ptxas a wgmma has landed.
     regs_scores = block_kv * block_q // threads
     regs_dkv = block_kv * head_dim // threads
     regs_dq = block_q * head_dim // threads
+
+    def visited_query_blocks(kv_start, seq_q, seq_kv):
+        """(first, count) of the query blocks the key block at kv_start walks."""
+        begin, count = query_block_range(kv_start, seq_q, seq_kv, block_kv, block_q,
+                                         window_left, window_right)
+        if kv_chunks > 1:  # the last run's padding blocks lie past the keys: no work
+            count = T.if_then_else(kv_start < seq_kv, count, 0)
+        return begin, count
 
     @T.macro
     def probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head, q_start,
@@ -150,6 +164,119 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 p_local[i, j] = prob
                 ds_local[i, j] = prob * grad
 
+    @T.macro
+    def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz):
+        """One CTA: key/value block bx of query head (KV head with group_loop) by, batch bz."""
+        k_shared = T.alloc_shared((block_kv, head_dim), dtype)
+        v_shared = T.alloc_shared((block_kv, head_dim), dtype)
+        q_shared = T.alloc_shared((block_q, head_dim), dtype)
+        do_shared = T.alloc_shared((block_q, head_dim), dtype)
+        ds_shared = T.alloc_shared((block_kv, block_q), dtype)
+        s_local = T.alloc_fragment((block_kv, block_q), "float")  # keys x queries
+        p_local = T.alloc_fragment((block_kv, block_q), dtype)
+        dp_local = T.alloc_fragment((block_kv, block_q), "float")
+        ds_local = T.alloc_fragment((block_kv, block_q), dtype)
+        dk_local = T.alloc_fragment((block_kv, head_dim), "float")
+        dv_local = T.alloc_fragment((block_kv, head_dim), "float")
+        dq_local = T.alloc_fragment((block_q, head_dim), "float")
+        dq_shared = T.alloc_shared((block_q, head_dim), "float") if tma_dq else None
+        lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
+        delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
+        hold = T.alloc_local((1,), dtype) if async_mma else None
+
+        kv_head = by if group_loop else by // group
+        kv_start = bx * block_kv
+        q_begin, n_blocks = visited_query_blocks(kv_start, seq_q, seq_kv)
+
+        T.copy(k[bz, kv_start:kv_start + block_kv, kv_head, :], k_shared)
+        T.copy(v[bz, kv_start:kv_start + block_kv, kv_head, :], v_shared)
+        T.clear(dk_local)
+        T.clear(dv_local)
+        # With group_loop, t visits each visible query block for every query head of the
+        # group in turn (heads innermost: their rows sit side by side in BSHD, and the
+        # index math divides by a compile-time constant).
+        for t in T.Pipelined(heads_per_cta * n_blocks, num_stages=stages):
+            head = kv_head * group + t % group if group_loop else by
+            q_start = (q_begin + t // heads_per_cta) * block_q
+            T.copy(q[bz, q_start:q_start + block_q, head, :], q_shared)
+            T.copy(do[bz, q_start:q_start + block_q, head, :], do_shared)
+            if staged_stats:
+                T.copy(lse[bz, head, q_start:q_start + block_q], lse_shared)
+                T.copy(delta[bz, head, q_start:q_start + block_q], delta_shared)
+            T.clear(s_local)
+            # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
+            # so S^T, dP^T, P, dS, dK and dV share one register layout.
+            if async_mma:
+                T.clear(dp_local)
+                T.wgmma_gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)
+                T.wgmma_gemm(v_shared, do_shared, dp_local, transpose_B=True,
+                             policy=ROWS)
+                # TileLang 0.1.15 fences the whole tile before each wgmma (64 registers
+                # where a thread holds 32), so ptxas still waits for K Q^T before
+                # issuing V dO^T (C7517); the three gradient GEMMs below do overlap.
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(s_local, num_regs=regs_scores)
+                T.warpgroup_fence_operand(dp_local, num_regs=regs_scores)
+            else:
+                T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)  # K Q^T
+                T.clear(dp_local)
+                T.gemm(v_shared, do_shared, dp_local, transpose_B=True,
+                       policy=ROWS)  # V dO^T
+            # (lse, delta) of this block's rows: staged in shared memory, or global
+            stats = (lse_shared, delta_shared) if staged_stats else (lse, delta)
+            if edge_masks_only:
+                # every row of a fully visible tile sees keys, so its lse is finite
+                if tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q, block_kv,
+                                      window_left, window_right) & (
+                                          q_start + block_q <= seq_q):
+                    probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                    q_start, kv_start, seq_q, seq_kv, scale, False)
+                else:
+                    probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                    q_start, kv_start, seq_q, seq_kv, scale, True)
+            else:
+                probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                q_start, kv_start, seq_q, seq_kv, scale, True)
+            if async_mma:
+                T.copy(ds_local, ds_shared)
+                T.clear(dq_local)
+                T.wgmma_gemm(p_local, do_shared, dv_local, policy=ROWS)
+                T.wgmma_gemm(ds_local, q_shared, dk_local, policy=ROWS)
+                T.wgmma_gemm(ds_shared, k_shared, dq_local, transpose_A=True,
+                             policy=T.GemmWarpPolicy.FullCol)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(dv_local, num_regs=regs_dkv)
+                T.warpgroup_fence_operand(dk_local, num_regs=regs_dkv)
+                T.warpgroup_fence_operand(dq_local, num_regs=regs_dq)
+                # TileLang hands a Q/dO stage back to the producer after its last use
+                # in the iteration; this read keeps that after the wait, not at the
+                # asynchronous issue, so the next TMA load cannot overwrite the tiles
+                # while a wgmma still reads them.
+                hold[0] = q_shared[0, 0] + do_shared[0, 0]
+            else:
+                T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
+                T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
+                T.copy(ds_local, ds_shared)
+                T.clear(dq_local)
+                T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
+                       policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
+            if tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
+                T.copy(dq_local, dq_shared)
+                T.atomic_add(dq[bz, q_start:q_start + block_q, head, :], dq_shared,
+                             use_tma=True)
+            else:
+                for i, j in T.Parallel(block_q, head_dim):
+                    if q_start + i < seq_q:
+                        T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
+        for i, j in T.Parallel(block_kv, head_dim):
+            if kv_start + i < seq_kv:
+                if group_loop:  # this CTA holds the whole sum: store it
+                    dk[bz, kv_start + i, kv_head, j] = T.cast(dk_local[i, j], dtype)
+                    dv[bz, kv_start + i, kv_head, j] = T.cast(dv_local[i, j], dtype)
+                else:
+                    T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
+                    T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
+
     @T.prim_func
     def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
                       v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
@@ -157,118 +284,19 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                       delta: T.Tensor(stats_shape, "float"),
                       dq: T.Tensor(q_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
                       dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
-        with T.Kernel(T.ceildiv(seq_kv, block_kv), kv_heads if group_loop else heads, batch,
-                      threads=threads) as (bx, by, bz):
-            k_shared = T.alloc_shared((block_kv, head_dim), dtype)
-            v_shared = T.alloc_shared((block_kv, head_dim), dtype)
-            q_shared = T.alloc_shared((block_q, head_dim), dtype)
-            do_shared = T.alloc_shared((block_q, head_dim), dtype)
-            ds_shared = T.alloc_shared((block_kv, block_q), dtype)
-            s_local = T.alloc_fragment((block_kv, block_q), "float")  # keys x queries
-            p_local = T.alloc_fragment((block_kv, block_q), dtype)
-            dp_local = T.alloc_fragment((block_kv, block_q), "float")
-            ds_local = T.alloc_fragment((block_kv, block_q), dtype)
-            dk_local = T.alloc_fragment((block_kv, head_dim), "float")
-            dv_local = T.alloc_fragment((block_kv, head_dim), "float")
-            dq_local = T.alloc_fragment((block_q, head_dim), "float")
-            dq_shared = T.alloc_shared((block_q, head_dim), "float") if tma_dq else None
-            lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
-            delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
-            hold = T.alloc_local((1,), dtype) if async_mma else None
-
-            kv_head = by if group_loop else by // group
-            kv_start = bx * block_kv
-            q_begin, n_blocks = query_block_range(kv_start, seq_q, seq_kv, block_kv, block_q,
-                                                  window_left, window_right)
-
-            T.copy(k[bz, kv_start:kv_start + block_kv, kv_head, :], k_shared)
-            T.copy(v[bz, kv_start:kv_start + block_kv, kv_head, :], v_shared)
-            T.clear(dk_local)
-            T.clear(dv_local)
-            # With group_loop, t visits each visible query block for every query head of the
-            # group in turn (heads innermost: their rows sit side by side in BSHD, and the
-            # index math divides by a compile-time constant).
-            for t in T.Pipelined(heads_per_cta * n_blocks, num_stages=stages):
-                head = kv_head * group + t % group if group_loop else by
-                q_start = (q_begin + t // heads_per_cta) * block_q
-                T.copy(q[bz, q_start:q_start + block_q, head, :], q_shared)
-                T.copy(do[bz, q_start:q_start + block_q, head, :], do_shared)
-                if staged_stats:
-                    T.copy(lse[bz, head, q_start:q_start + block_q], lse_shared)
-                    T.copy(delta[bz, head, q_start:q_start + block_q], delta_shared)
-                T.clear(s_local)
-                # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
-                # so S^T, dP^T, P, dS, dK and dV share one register layout.
-                if async_mma:
-                    T.clear(dp_local)
-                    T.wgmma_gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)
-                    T.wgmma_gemm(v_shared, do_shared, dp_local, transpose_B=True,
-                                 policy=ROWS)
-                    # TileLang 0.1.15 fences the whole tile before each wgmma (64 registers
-                    # where a thread holds 32), so ptxas still waits for K Q^T before
-                    # issuing V dO^T (C7517); the three gradient GEMMs below do overlap.
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(s_local, num_regs=regs_scores)
-                    T.warpgroup_fence_operand(dp_local, num_regs=regs_scores)
-                else:
-                    T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)  # K Q^T
-                    T.clear(dp_local)
-                    T.gemm(v_shared, do_shared, dp_local, transpose_B=True,
-                           policy=ROWS)  # V dO^T
-                # (lse, delta) of this block's rows: staged in shared memory, or global
-                stats = (lse_shared, delta_shared) if staged_stats else (lse, delta)
-                if edge_masks_only:
-                    # every row of a fully visible tile sees keys, so its lse is finite
-                    if tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q, block_kv,
-                                          window_left, window_right) & (
-                                              q_start + block_q <= seq_q):
-                        probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
-                                        q_start, kv_start, seq_q, seq_kv, scale, False)
-                    else:
-                        probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
-                                        q_start, kv_start, seq_q, seq_kv, scale, True)
-                else:
-                    probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
-                                    q_start, kv_start, seq_q, seq_kv, scale, True)
-                if async_mma:
-                    T.copy(ds_local, ds_shared)
-                    T.clear(dq_local)
-                    T.wgmma_gemm(p_local, do_shared, dv_local, policy=ROWS)
-                    T.wgmma_gemm(ds_local, q_shared, dk_local, policy=ROWS)
-                    T.wgmma_gemm(ds_shared, k_shared, dq_local, transpose_A=True,
-                                 policy=T.GemmWarpPolicy.FullCol)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(dv_local, num_regs=regs_dkv)
-                    T.warpgroup_fence_operand(dk_local, num_regs=regs_dkv)
-                    T.warpgroup_fence_operand(dq_local, num_regs=regs_dq)
-                    # TileLang hands a Q/dO stage back to the producer after its last use
-                    # in the iteration; this read keeps that after the wait, not at the
-                    # asynchronous issue, so the next TMA load cannot overwrite the tiles
-                    # while a wgmma still reads them.
-                    hold[0] = q_shared[0, 0] + do_shared[0, 0]
-                else:
-                    T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
-                    T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
-                    T.copy(ds_local, ds_shared)
-                    T.clear(dq_local)
-                    T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
-                if tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
-                    T.copy(dq_local, dq_shared)
-                    T.atomic_add(dq[bz, q_start:q_start + block_q, head, :], dq_shared,
-                                 use_tma=True)
-                else:
-                    for i, j in T.Parallel(block_q, head_dim):
-                        if q_start + i < seq_q:
-                            T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
-            for i, j in T.Parallel(block_kv, head_dim):
-                if kv_start + i < seq_kv:
-                    if group_loop:  # this CTA holds the whole sum: store it
-                        dk[bz, kv_start + i, kv_head, j] = T.cast(dk_local[i, j], dtype)
-                        dv[bz, kv_start + i, kv_head, j] = T.cast(dv_local[i, j], dtype)
-                    else:
-                        T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
-                        T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
+        n_kv = T.ceildiv(seq_kv, block_kv)
+        if kv_chunks == 1:
+            with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
+                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz)
+        else:
+            # Key blocks in kv_chunks runs, the first run of every head and batch launched
+            # before the second: under a causal mask the first key blocks see the most query
+            # blocks, so the last wave holds light CTAs instead of a heavy tail.
+            per_chunk = T.ceildiv(n_kv, kv_chunks)
+            with T.Kernel(per_chunk, cta_heads, batch * kv_chunks,
+                          threads=threads) as (bx, by, bz):
+                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale,
+                          bz // batch * per_chunk + bx, by, bz % batch)
 
     return attention_bwd
 
@@ -334,7 +362,12 @@ class AttentionBwdKernel(Kernel):
                                                 edge_masks_only=True, staged_stats=True))
         space.append(AttentionBwdConfig(128, 64, 2, 256, True, edge_masks_only=True))
         # group_loop lost by 1-7% both with and without the lighter loop
-        space.append(AttentionBwdConfig(128, 64, 2, 256, True, True, edge_masks_only=True,
-                                        staged_stats=True))
+        group_loop = AttentionBwdConfig(128, 64, 2, 256, True, True, edge_masks_only=True,
+                                        staged_stats=True)
+        space.append(group_loop)
+        # heavy key blocks first (kv_chunks); group_loop has a quarter of the CTAs (GQA 4),
+        # so its tail weighs more
+        space += [dataclasses.replace(space[0], kv_chunks=n) for n in (2, 4)]
+        space.append(dataclasses.replace(group_loop, kv_chunks=2))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
