@@ -47,7 +47,9 @@ def test_merge_repeats_reports_median_and_run_to_run_spread():
                 "tflops": 1000.0 / latency, "tbps": 10.0 / latency, "sol_us": 50.0,
                 "sol_pct": 5000.0 / latency, "bound": "compute", "baselines": {"cublas": cublas},
                 "best_baseline": "cublas", "speedup": cublas / latency, "spread_pct": spread,
-                "device_state": {"sm_clock_mhz": clock}}
+                "device_state": {"sm_clock_mhz": clock},
+                "trials_us": [latency - 1, latency, latency + 1],
+                "baseline_trials_us": [cublas, cublas]}
 
     (merged,) = merge_repeats([[row(100.0, 95.0, 0.5, 1980)], [row(104.0, 97.0, 1.0, 1755)],
                                [row(102.0, 96.0, 0.2, 1980)]])
@@ -61,6 +63,10 @@ def test_merge_repeats_reports_median_and_run_to_run_spread():
     assert merged["baselines"] == {"cublas": 96.0}
     assert [b["cublas"] for b in merged["baselines_runs"]] == [95.0, 97.0, 96.0]
     assert merged["speedup"] == pytest.approx(96.0 / 102)
+    # every run's trials, in the order they ran, for a drift against an offset
+    assert merged["trials_us_runs"] == [[99.0, 100.0, 101.0], [103.0, 104.0, 105.0],
+                                        [101.0, 102.0, 103.0]]
+    assert merged["baseline_trials_us_runs"] == [[95.0, 95.0], [97.0, 97.0], [96.0, 96.0]]
 
 
 def test_device_state_is_empty_without_nvml_or_gpu(monkeypatch):

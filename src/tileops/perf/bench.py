@@ -37,6 +37,10 @@ class BenchRow:
     input_pool: int = 1  # distinct input copies rotated through (addresses change)
     gpu: str = ""
     device_state: dict = field(default_factory=dict)  # SM clock, power, temperature after
+    # TileOPs' trial medians in the order run, and the best baseline's, interleaved with
+    # them: whether a run-to-run gap is a drift within the run or a constant offset
+    trials_us: list = field(default_factory=list)
+    baseline_trials_us: list = field(default_factory=list)
 
 
 def device_state() -> dict[str, int]:
@@ -107,7 +111,8 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
     return BenchRow(op_cls.__name__, workload["label"], dtype, latency, flops / latency / 1e6,
                     nbytes / latency / 1e6, sol_s * 1e6, 100 * sol_s * 1e6 / latency, bound,
                     base, best, base[best] / latency if best else 0.0, timing.spread_pct,
-                    timing.method, pool, gpu, state)
+                    timing.method, pool, gpu, state, [t * 1e3 for t in timing.trials_ms],
+                    [t * 1e3 for t in timings[best].trials_ms] if best else [])
 
 
 def bench_cases(op_classes: list[Any], tier: str | None = None,
@@ -150,6 +155,8 @@ def merge_repeats(runs: list[list[dict]]) -> list[dict]:
             spread_pct=max(r.get("spread_pct") or 0.0 for r in case),
             run_to_run_pct=spread_pct(latencies),
             device_state_runs=[r.get("device_state") or {} for r in case],
+            trials_us_runs=[r.get("trials_us") or [] for r in case],
+            baseline_trials_us_runs=[r.get("baseline_trials_us") or [] for r in case],
             baselines_runs=[r["baselines"] for r in case],
             baselines={name: statistics.median(r["baselines"][name] for r in case
                                                if name in r["baselines"])
