@@ -5,7 +5,8 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--op OP] [--dtype D] [--workload TEXT] [--tier smoke]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
-# TEST_PATHS narrows the tests (default: tests); BENCH_SECONDS caps a bench sweep; steps chain
+# TEST_PATHS narrows the tests (default: tests), TEST_K selects by pytest -k expression (it may
+# hold spaces: "edge or tile_store"); BENCH_SECONDS caps a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as
 # TILEOPS_COMMIT=<hash> so the bench JSON names it.
 # Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present.
@@ -33,7 +34,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # alone afterwards (they measure).
   paths=${TEST_PATHS:-tests}
   ( r1=0; [ "$paths" = tests/perf ] || { python3 -m pytest -q -m gpu -n "$(nproc)" $paths \
-      --ignore tests/perf -p no:cacheprovider --junitxml "$OUT/junit.xml"; r1=$?; }
+      ${TEST_K:+-k "$TEST_K"} --ignore tests/perf -p no:cacheprovider \
+      --junitxml "$OUT/junit.xml"; r1=$?; }
     r2=0; case " $paths " in *" tests "*|*" tests/perf "*)
       python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$? ;; esac
     exit $(( r1 | r2 )) ) > "$OUT/gpu-tests.log" 2>&1; rc=$?
