@@ -75,7 +75,9 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
                                                (64, "two CTAs per SM, every tile masked"),
                                                (128, "lazy rescale"), (256, "lazy rescale"),
                                                (128, "two CTAs per SM, lazy rescale"),
-                                               (128, "two CTAs per SM, overlap")])
+                                               (128, "two CTAs per SM, overlap"),
+                                               (64, "192 keys"), (128, "192 keys"),
+                                               (128, "two CTAs per SM, 160 keys")])
 def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     import dataclasses
 
@@ -90,6 +92,8 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
         config = dataclasses.replace(config, edge_masks_only=False)
     elif variant and variant.endswith("lazy rescale"):
         config = dataclasses.replace(config, lazy_rescale=True)
+    elif variant and variant.endswith(" keys"):
+        config = dataclasses.replace(config, block_n=int(variant.split()[-2]))
     assert config in kernel.config_space(bucket), config
     compiled = kernel.compile(config, bucket)[0]
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)

@@ -489,6 +489,12 @@ class AttentionFwdKernel(Kernel):
             if two_ctas:
                 space.append(AttentionFwdConfig(64, block_n, 1, 128, ctas_per_sm=2,
                                                 edge_masks_only=True))
+        # wider key tiles, which the lighter edge-mask loop leaves registers for (ptxas: no
+        # spills; 208 keys, or 192 with two CTAs, spill and serialize the wgmma)
+        space.append(AttentionFwdConfig(128, 192, 1, 256, edge_masks_only=True))
+        if two_ctas:
+            space.append(AttentionFwdConfig(64, 160, 1, 128, ctas_per_sm=2,
+                                            edge_masks_only=True))
         space.append(dataclasses.replace(space[0], lazy_rescale=True))
         if two_ctas:
             # the intra-warpgroup overlap inside each of two CTAs: with one consumer warpgroup
