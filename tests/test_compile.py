@@ -123,7 +123,8 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                       "group_loop": True, "async_mma": True},
                                      {"staged_stats": False},
                                      {"group_loop": True}, {"kv_chunks": 2},
-                                     {"kv_chunks": 4}, {"group_loop": True, "kv_chunks": 2}],
+                                     {"kv_chunks": 4}, {"group_loop": True, "kv_chunks": 2},
+                                     {"stages": 3}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
