@@ -295,8 +295,12 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
     @T.macro
     def finish(st, scale):
         """o /= l and the natural-log lse; rows that saw no key get 0 and -inf."""
+        # one reciprocal per row, then multiplies: an IEEE division per element costs a
+        # refinement sequence each (64 per thread at head_dim 128)
+        for i in T.Parallel(block_m):
+            st.row_sum[i] = 1.0 / st.l[i]
         for i, j in T.Parallel(block_m, head_dim):
-            st.o[i, j] = T.if_then_else(st.l[i] > 0, st.o[i, j] / st.l[i], 0)
+            st.o[i, j] = T.if_then_else(st.l[i] > 0, st.o[i, j] * st.row_sum[i], 0)
         for i in T.Parallel(block_m):
             st.lse[i] = T.if_then_else(
                 st.l[i] > 0, (st.m[i] * exp2_scale(scale) + T.log2(st.l[i])) * LN2,
