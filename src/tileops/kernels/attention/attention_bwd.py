@@ -321,8 +321,9 @@ class AttentionBwdKernel(Kernel):
         if config.edge_masks_only:
             # A row that saw no key (lse -inf) must get P = 0 on tiles that skip the mask
             # tests too: the varlen backward's padded rows sit in fully visible tiles. With
-            # lse +inf, exp2(s - lse) is 0 on every path.
-            lse = lse.masked_fill(lse == -math.inf, math.inf)
+            # lse +inf, exp2(s - lse) is 0 on every path. One elementwise kernel (a mask and
+            # a fill would be two); NaN and +inf stay as they are.
+            lse = lse.nan_to_num(nan=math.nan, posinf=math.inf, neginf=math.inf)
         if config.staged_stats and seq_q % 4:  # pad rows to a 16-byte TMA stride
             lse, delta = (torch.nn.functional.pad(t, (0, -seq_q % 4)) for t in (lse, delta))
         dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
