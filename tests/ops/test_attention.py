@@ -88,10 +88,11 @@ def test_sequence_lengths(seq_q, seq_kv, is_causal, dtype):
     check(*make_qkv(1, seq_q, seq_kv, 4, 4, 128, dtype), is_causal=is_causal)
 
 
-def config_space(head_dim, window_left=-1, window_right=0, softcap=0.0):
-    return AttentionFwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=head_dim,
-                              window_left=window_left, window_right=window_right,
-                              softcap=softcap).config_space("long")
+def config_space(head_dim, window_left=-1, window_right=0, softcap=0.0,
+                 kernel_class=AttentionFwdKernel):
+    return kernel_class(dtype="bfloat16", heads=8, kv_heads=2, head_dim=head_dim,
+                        window_left=window_left, window_right=window_right,
+                        softcap=softcap).config_space("long")
 
 
 @pytest.mark.parametrize("config", config_space(128), ids=str)

@@ -10,7 +10,7 @@ from tileops.kernels.attention.attention_fwd import AttentionVarlenFwdKernel
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, randn
-from .test_attention import reference
+from .test_attention import config_space, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -57,9 +57,8 @@ def test_mixed_lengths_with_empty_and_single_token_sequences(is_causal, dtype):
     check(lens, lens, dtype=dtype, is_causal=is_causal)
 
 
-@pytest.mark.parametrize("config", AttentionVarlenFwdKernel(
-    dtype="bfloat16", heads=8, kv_heads=2, head_dim=128, window_left=-1, window_right=0,
-    softcap=0.0).config_space("long"), ids=str)
+@pytest.mark.parametrize("config", config_space(128, kernel_class=AttentionVarlenFwdKernel),
+                         ids=str)
 def test_every_config_of_the_space(config):
     """Sequences of 300 and 1000 rows hold blocks inside them (whole-tile stores with
     `tile_store`) and blocks cut by their end (row stores)."""
