@@ -133,3 +133,30 @@ def test_noisy_cases_take_more_trials_all_candidates_alike(scripted):
     assert scripted == ["op", "base"] * 8  # still interleaved, capped at max_trials
     assert len(result["op"].trials_ms) == len(result["base"].trials_ms) == 8
     assert result["op"].median_ms == pytest.approx(1.1)
+
+
+def test_past_the_minimum_only_the_op_and_the_best_baseline_go_on(scripted):
+    noisy = Wandering("op", [1.0, 1.2] * 10)
+    fast_base, slow_base = Candidate("fast", 1.1), Candidate("slow", 5.0)
+    result = timing.measure_together({"op": noisy, "slow": slow_base, "fast": fast_base},
+                                     warmup=1, trials=5, max_trials=9, focus="op")
+    assert scripted == ["op", "slow", "fast"] * 5 + ["op", "fast"] * 4
+    assert len(result["slow"].trials_ms) == 5 and len(result["fast"].trials_ms) == 9
+
+
+def test_many_noisy_trials_settle_once_their_median_is_pinned_down(scripted):
+    # two clock states 10% apart, alternating: the spread never shrinks, but the confidence
+    # interval of the median falls inside +-1% once enough trials sit on one side of it
+    noisy = Wandering("op", [1.0, 1.0, 1.1] * 20)
+    result = timing.measure_together({"op": noisy}, warmup=1, trials=5, max_trials=60)
+    assert 5 < len(result["op"].trials_ms) < 60
+    assert result["op"].median_ms == 1.0
+
+
+@pytest.mark.parametrize("trials, halfwidth", [
+    ([1.0, 1.02, 1.01, 1.0, 1.0], 1.0),  # five trials: half their spread
+    ([1.0] * 10 + [2.0] * 10, 50 * 1.0 / 1.5),  # an even split: the interval spans both
+    ([1.0] * 30 + [2.0] * 15, 0.0),  # two thirds at one value: the median is pinned there
+])
+def test_median_confidence_halfwidth(trials, halfwidth):
+    assert timing._median_halfwidth_pct(trials) == pytest.approx(halfwidth)

@@ -26,6 +26,7 @@ because for decode-size ops the host overhead is what users feel.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -162,14 +163,17 @@ def measure(fn: Callable[[], object], warmup: int = 5, reps: int = 30, trials: i
 
 def measure_together(fns: dict[str, Callable[[], object]], warmup: int = 5, reps: int = 30,
                      trials: int = 3, method: str = "auto", warm_seconds: float = 0.0,
-                     max_trials: int | None = None,
-                     settle_pct: float = 2.0) -> dict[str, Timing | Exception]:
+                     max_trials: int | None = None, settle_pct: float = 1.0,
+                     focus: str | None = None) -> dict[str, Timing | Exception]:
     """Times each of `fns` by the protocol above, their trials interleaved. A candidate that
     raises gets its exception as its result and drops out of the following trials.
 
-    With `max_trials` above `trials`, rounds go on while any candidate's trial medians still
-    spread by more than `settle_pct` (a clock that wanders during the case): the median of
-    more trials moves less from run to run. Steady cases stop at `trials`.
+    With `max_trials` above `trials`, rounds go on while the median of some candidate's trials
+    is not yet pinned down: its 95% confidence interval (`_median_halfwidth_pct`) is wider
+    than +-`settle_pct`. A clock that wanders near the power limit spreads the trials by
+    10% or more; the median of more of them moves less from run to run. Steady cases stop at
+    `trials`. With `focus` (the op), only it and the fastest other candidate (the best
+    baseline) go on past `trials`: the comparison the report makes is between those two.
     """
     alive = dict(fns)
     errors: dict[str, Exception] = {}
@@ -177,20 +181,24 @@ def measure_together(fns: dict[str, Callable[[], object]], warmup: int = 5, reps
     trial_ms: dict[str, list[float | None]] = {name: [] for name in alive}
     why: dict[str, str] = {}
     use_cupti = method in ("auto", "cupti")
+    rounds = alive  # the candidates still taking trials
     for done in range(max(trials, max_trials or 0)):
-        if done >= trials and all(_settled(trial_ms[name], settle_pct) for name in alive):
+        if done == trials and focus in alive:
+            rounds = _contenders(alive, trial_ms, focus)
+        if done >= trials and all(_settled(trial_ms[name], settle_pct) for name in rounds):
             break
-        together = _round_together(alive, reps) if use_cupti and not why else None
+        together = _round_together(rounds, reps) if use_cupti and not why else None
         if together is not None:
             for name, ms in together.items():
                 trial_ms[name].append(ms)
             continue
-        for name in list(alive):  # one by one: errors and trace problems get their owner
+        for name in list(rounds):  # one by one: errors and trace problems get their owner
             try:
-                trial_ms[name].append(_one_trial(alive[name], reps, use_cupti, name, why))
+                trial_ms[name].append(_one_trial(rounds[name], reps, use_cupti, name, why))
             except Exception as e:  # noqa: BLE001 - returned as this candidate's result
                 errors[name] = e
-                del alive[name]
+                alive.pop(name, None)
+                rounds.pop(name, None)
     timings: dict[str, Timing | Exception] = dict(errors)
     for name in alive:
         results = trial_ms[name]
@@ -222,12 +230,34 @@ def _round_together(fns: dict[str, Callable[[], object]],
     return together
 
 
+def _contenders(alive: dict[str, Callable[[], object]], trial_ms: dict[str, list[float | None]],
+                focus: str) -> dict[str, Callable[[], object]]:
+    """`focus` and the other candidate with the lowest median so far."""
+    others = [n for n in alive if n != focus and all(t is not None for t in trial_ms[n])]
+    keep = {focus} | ({min(others, key=lambda n: statistics.median(trial_ms[n]))}
+                      if others else set())
+    return {name: fn for name, fn in alive.items() if name in keep}
+
+
+def _median_halfwidth_pct(trials: list[float]) -> float:
+    """Half the width of a distribution-free 95% confidence interval of the median (between
+    the order statistics at ranks (n -+ 1.96 sqrt(n)) / 2), in % of the median. At 5 trials
+    it spans all of them (half the spread); it narrows as trials accumulate."""
+    ordered = sorted(trials)
+    n = len(ordered)
+    reach = 1.96 * math.sqrt(n) / 2
+    low = ordered[max(0, math.floor(n / 2 - reach))]
+    high = ordered[min(n - 1, math.ceil(n / 2 + reach) - 1)]
+    median = statistics.median(ordered)
+    return 50 * (high - low) / median if median > 0 else 0.0
+
+
 def _settled(trials: list[float | None], settle_pct: float) -> bool:
-    """Whether these trial medians agree within `settle_pct`; a trace that did not project
-    (None) ends the rounds, since the events fallback re-times it anyway."""
+    """Whether the median of these trials is known within +-`settle_pct`; a trace that did
+    not project (None) ends the rounds, since the events fallback re-times it anyway."""
     if any(t is None for t in trials):
         return True
-    return _spread_pct(trials) <= settle_pct
+    return _median_halfwidth_pct(trials) <= settle_pct
 
 
 def _warm_up(fns: dict[str, Callable[[], object]], rounds: int, seconds: float,
