@@ -335,11 +335,12 @@ def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
     """Runs the op once with `tune=True` (the Kernel base autotunes on first call)."""
     import torch
 
-    spec = cls.spec
-    inputs = [None if t is None else
-              (torch.randn(t.shape, device="cuda") * 0.5).to(t.dtype)
-              for t in (spec.workload_tensors(workload, dtype)[n] for n in spec.input_names)]
-    op = cls(tune=True, **spec.workload_params(workload))
+    from .perf.bench import random_inputs
+
+    # the bench's inputs: random where the workload gives only a shape, its own values where
+    # it gives them (a varlen workload's cu_seqlens)
+    inputs = random_inputs(cls, workload, dtype)
+    op = cls(tune=True, **cls.spec.workload_params(workload))
     op(*inputs)
     torch.cuda.synchronize()
     ns = op.check(inputs)
