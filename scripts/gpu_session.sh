@@ -5,6 +5,7 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--op OP] [--dtype D] [--workload TEXT] [--tier smoke]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh breakdown OP [--workload TEXT ...] [--dtype D]
 # TEST_PATHS narrows the tests (default: tests), TEST_K selects by pytest -k expression (it may
 # hold spaces: "edge or tile_store"); BENCH_SECONDS caps a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as
@@ -23,6 +24,10 @@ python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(p.name, p
 rc=0
 if [ "$what" = tune ]; then
   tileops tune "$@" --out "$OUT" 2>&1 | tee -a "$OUT/tune.log" | grep -E "^(tuned|FAILED|  )"
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = breakdown ]; then
+  python3 scripts/kernel_breakdown.py "$@" 2>&1 | tee "$OUT/breakdown.log" | grep -v INFO
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = calibrate ]; then

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tileops.perf.profiles import load_profile
-from tileops.perf.timing import call_latency_us, measure
+from tileops.perf.timing import call_latency_us, kernel_breakdown, measure
 
 pytestmark = pytest.mark.gpu
 
@@ -55,3 +55,19 @@ def test_cupti_counts_tilelang_kernels_launched_through_the_driver_api():
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     gemm = GemmFwdOp()
     assert_cupti_and_events_agree(lambda: gemm(a, b))
+
+
+def test_the_breakdown_names_each_kernel_and_adds_up_to_the_timer():
+    """A GEMM then an elementwise kernel: at least two activities (cuBLAS may add its own),
+    the elementwise one last and smaller than the GEMM, and their sum is what the timer
+    reports for the whole call."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def two_kernels():
+        return (a @ b).relu_()
+
+    rows = kernel_breakdown(two_kernels)
+    assert len(rows) >= 2 and max(us for _, us in rows) > rows[-1][1] > 0, rows
+    whole = measure(two_kernels, warmup=20, method="cupti").median_ms * 1e3
+    assert abs(sum(us for _, us in rows) - whole) < 0.1 * whole, (rows, whole)

@@ -2,8 +2,10 @@
 
 from types import SimpleNamespace
 
+import pytest
 from torch.autograd import DeviceType
 
+from tileops.perf import timing
 from tileops.perf.timing import MARK_NAME, _bracketed_round, _bracketed_sums
 
 
@@ -60,3 +62,21 @@ def test_a_round_with_a_missing_marker_or_an_empty_bracket():
     base = trace([("b", 20)], [], start=10_000)  # the second call ran no kernel
     assert _bracketed_round(op + base, 2, 2) == [[10, 11], None]
     assert _bracketed_round(op + base[:-1], 2, 2) is None  # its last marker never ran
+
+
+def test_the_breakdown_lists_each_activity_of_a_call_in_launch_order(monkeypatch):
+    events = trace([("zero_dq", 10), ("main", 100), ("cast_dq", 20)],
+                   [("zero_dq", 12), ("main", 104), ("cast_dq", 20)],
+                   [("zero_dq", 11), ("main", 90), ("cast_dq", 22)])
+    monkeypatch.setattr(timing, "_profiled_calls", lambda fns, reps: list(reversed(events)))
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    assert timing.kernel_breakdown(lambda: None, reps=3) == [
+        ("zero_dq", 11), ("main", 100), ("cast_dq", 20)]
+
+
+def test_the_breakdown_refuses_calls_that_launched_different_kernels(monkeypatch):
+    events = trace([("a", 10)], [("b", 10)])
+    monkeypatch.setattr(timing, "_profiled_calls", lambda fns, reps: events)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    with pytest.raises(RuntimeError, match="same device activities"):
+        timing.kernel_breakdown(lambda: None, reps=2)

@@ -89,10 +89,9 @@ def _mark() -> None:
     torch.cuda._sleep(MARK_CYCLES)
 
 
-def _bracketed_round(events: list, reps: int, candidates: int) -> list | None:
-    """Per candidate of a round (in order), the summed duration (us) of device activity
-    between each call's two markers, or None for a candidate with an empty bracket; None
-    for the whole round when the trace does not hold every marker."""
+def _brackets(events: list, reps: int, candidates: int) -> list[list[list]] | None:
+    """Per candidate of a round (in order), per call, the device activities between the
+    call's two markers, in launch order; None when the trace does not hold every marker."""
     device = sorted((e for e in events if e.device_type == DeviceType.CUDA
                      and not getattr(e, "is_user_annotation", False)),
                     key=lambda e: e.time_range.start)
@@ -103,10 +102,20 @@ def _bracketed_round(events: list, reps: int, candidates: int) -> list | None:
     found = []
     for first in range(0, len(marks), per_candidate):
         ends = marks[first + 1:first + per_candidate]
-        sums = [sum(e.time_range.elapsed_us() for e in device[a + 1:b])
-                for a, b in zip(ends[0::2], ends[1::2], strict=True)]
-        found.append(sums if min(sums) > 0 else None)
+        found.append([device[a + 1:b] for a, b in zip(ends[0::2], ends[1::2], strict=True)])
     return found
+
+
+def _bracketed_round(events: list, reps: int, candidates: int) -> list | None:
+    """Per candidate of a round (in order), the summed duration (us) of device activity
+    between each call's two markers, or None for a candidate with an empty bracket; None
+    for the whole round when the trace does not hold every marker."""
+    found = _brackets(events, reps, candidates)
+    if found is None:
+        return None
+    sums = [[sum(e.time_range.elapsed_us() for e in call) for call in calls]
+            for calls in found]
+    return [per_call if min(per_call) > 0 else None for per_call in sums]
 
 
 def _bracketed_sums(events: list, reps: int) -> list[float] | None:
@@ -150,6 +159,23 @@ def _cupti_round(fns: dict[str, Callable[[], object]],
         return None
     return {name: None if sums is None else statistics.median(sums) / 1e3
             for name, sums in zip(fns, found, strict=True)}
+
+
+def kernel_breakdown(fn: Callable[[], object], reps: int = 10) -> list[tuple[str, float]]:
+    """What one call of `fn` runs on the device: (name, median us) of each kernel, memset or
+    copy, in launch order, L2 flushed before every call as in the timing protocol. Shows
+    where a multi-kernel op spends its time (its main kernel against its helper passes)."""
+    fn()
+    torch.cuda.synchronize()
+    found = _brackets(_profiled_calls([fn], reps), reps, 1)
+    if found is None:
+        raise RuntimeError("the profiler trace does not hold one bracket per call")
+    calls = found[0]
+    names = [e.name for e in calls[0]]
+    if any([e.name for e in call] != names for call in calls):
+        raise RuntimeError("the calls did not all launch the same device activities")
+    return [(name, statistics.median(call[i].time_range.elapsed_us() for call in calls))
+            for i, name in enumerate(names)]
 
 
 def measure(fn: Callable[[], object], warmup: int = 5, reps: int = 30, trials: int = 3,
