@@ -20,6 +20,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export TILEOPS_CACHE_DIR=${TILEOPS_CACHE_DIR:-$PWD/.tilecache}
 tileops() { python3 -m tileops.cli "$@"; }
+export PYTHONUNBUFFERED=1  # a step cut short by `timeout` still shows what it printed
 python3 -c "import torch; p=torch.cuda.get_device_properties(0); print(p.name, p.multi_processor_count, 'SMs', torch.__version__)"
 rc=0
 if [ "$what" = tune ]; then

@@ -1,8 +1,15 @@
 """Compile-only: every kernel builds for sm_90a on the smoke workloads, on the fast paths."""
 
+import dataclasses
+
 import pytest
 
-from tileops.kernels.attention import AttentionBwdKernel, AttentionFwdKernel
+from tileops.kernels.attention import (
+    AttentionBwdKernel,
+    AttentionFwdKernel,
+    AttentionVarlenFwdKernel,
+)
+from tileops.kernels.attention.attention_fwd import SHORT_KEYS
 from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.normalization import RMSNormKernel
 from tileops.prebuild import build_plan
@@ -102,17 +109,22 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
 
 
 def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
-    """Up to 2K keys two 64-row CTAs share an SM (faster on the H200); longer key loops and
-    head_dim 256 (no registers for two) keep one 128-row CTA."""
-    def default(head_dim, seq_kv):
-        kernel = AttentionFwdKernel(dtype="float16", heads=32, kv_heads=8, head_dim=head_dim,
-                                    window_left=-1, window_right=0, softcap=0.0)
+    """Up to SHORT_KEYS (4K) keys two 64-row CTAs share an SM (faster on the H200); longer
+    key loops and head_dim 256 (no registers for two) keep one 128-row CTA."""
+    def default(head_dim, seq_kv, kernel_class=AttentionFwdKernel):
+        kernel = kernel_class(dtype="float16", heads=32, kv_heads=8, head_dim=head_dim,
+                              window_left=-1, window_right=0, softcap=0.0)
         return kernel.heuristic_config(kernel.bucket_of(seq_kv), "sm_90a")
 
-    assert default(128, 1).ctas_per_sm == default(64, 2048).ctas_per_sm == 2
-    assert default(128, 2048).block_m == 64
-    assert default(128, 2049).ctas_per_sm == default(256, 1024).ctas_per_sm == 1
-    assert default(128, 2049).block_m == 128
+    assert SHORT_KEYS == 4096
+    assert default(128, 1).ctas_per_sm == default(64, SHORT_KEYS).ctas_per_sm == 2
+    assert default(128, SHORT_KEYS).block_m == 64
+    assert default(128, SHORT_KEYS + 1).ctas_per_sm == default(256, 1024).ctas_per_sm == 1
+    assert default(128, SHORT_KEYS + 1).block_m == 128
+    # the varlen defaults are the dense ones with whole-tile stores
+    for head_dim, seq_kv in ((64, 100), (128, SHORT_KEYS + 1), (256, 1024)):
+        varlen = default(head_dim, seq_kv, AttentionVarlenFwdKernel)
+        assert varlen == dataclasses.replace(default(head_dim, seq_kv), tile_store=True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
