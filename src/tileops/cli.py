@@ -337,9 +337,7 @@ def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
 
     from .perf.bench import random_inputs
 
-    # the bench's inputs: random where the workload gives only a shape, its own values where
-    # it gives them (a varlen workload's cu_seqlens)
-    inputs = random_inputs(cls, workload, dtype)
+    inputs = random_inputs(cls, workload, dtype)  # the bench's: cu_seqlens kept as given
     op = cls(tune=True, **cls.spec.workload_params(workload))
     op(*inputs)
     torch.cuda.synchronize()

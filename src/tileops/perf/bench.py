@@ -54,11 +54,13 @@ def device_state() -> dict[str, int]:
         return {}
 
 
-def random_inputs(op_cls: Any, workload: dict, dtype: str) -> list[torch.Tensor | None]:
-    """Fresh random inputs of a workload's shapes (never zeros), on the current GPU."""
+def random_inputs(op_cls: Any, workload: dict, dtype: str,
+                  device: str = "cuda") -> list[torch.Tensor | None]:
+    """A workload's inputs on `device`: fresh random values (never zeros) where the workload
+    gives only a shape, its own values where it gives them (a varlen batch's cu_seqlens)."""
     tensors = op_cls.spec.workload_tensors(workload, dtype)
-    return [None if t is None else t.to("cuda") if t.device.type == "cpu"
-            else torch.randn(t.shape, device="cuda").to(t.dtype) for t in tensors.values()]
+    return [None if t is None else t.to(device) if t.device.type == "cpu"
+            else torch.randn(t.shape, device=device).to(t.dtype) for t in tensors.values()]
 
 
 def _rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Callable[[], Any]]:
