@@ -136,7 +136,8 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"staged_stats": False},
                                      {"group_loop": True}, {"kv_chunks": 2},
                                      {"kv_chunks": 4}, {"group_loop": True, "kv_chunks": 2},
-                                     {"stages": 3}],
+                                     {"stages": 3}, {"dq_rows": True},
+                                     {"dq_rows": True, "stages": 3}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
@@ -147,6 +148,23 @@ def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), **variant)
     assert config in kernel.config_space("all")
     assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)
+
+
+def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
+    """`dq_rows`: one bulk reduce per dq row from a padded, linear shared tile; inside the
+    key loop each issuing thread waits only before the tile is rewritten (one wait there,
+    one after the loop), not right after issuing."""
+    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                window_left=-1, window_right=0, softcap=0.0)
+    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_rows=True)
+    source = kernel.compile(config, "all")[1].get_kernel_source()
+    assert "dq_desc" not in source  # no tensor-map reduce of the whole tile
+    issue = source.index("tl::tma_store_add(")
+    assert ", 512);" in source[issue:issue + 1000]  # 128 fp32 per row
+    assert source.count("tl::tma_store_wait<0, true>()") == 2
+    first_wait = source.index("tl::tma_store_wait<0, true>()")
+    assert first_wait < issue < source.index("tl::tma_store_arrive()", issue)
+    assert "* 136)" in source  # rows 128 + 8 floats apart
 
 
 @pytest.mark.parametrize("bucket", ["short", "long"])

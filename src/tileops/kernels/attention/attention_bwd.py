@@ -22,12 +22,17 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 import torch
+from tilelang.layout import make_linear_layout
 
 from ..base import Kernel
 from .attention_fwd import SMEM_LIMIT
 from .mask import query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
+DQ_BARRIER = 8  # a named barrier of the consumer threads, clear of the ones TileLang uses
+# dq_rows: 8 more floats per shared row shift each row by 8 banks, so a warp's float2 stores
+# (8 rows x 4 columns) take two wavefronts instead of eight; rows stay 16-byte aligned
+DQ_ROW_PAD = 8
 ROWS = T.GemmWarpPolicy.FullRow
 
 
@@ -50,8 +55,16 @@ class AttentionBwdConfig:
     # Launch order: key blocks split into this many runs, heaviest (first) runs of every head
     # first; 1 keeps key blocks fastest, so the CTAs of one head share Q/dO in L2.
     kv_chunks: int = 1
+    # dq through the tma_dq tile by one bulk reduce per row (block_q consumer threads issue
+    # one each) instead of one per tile, and the wait for them to read shared memory moves
+    # from right after the issue to right before the next tile overwrites it, so no warp
+    # stalls on it inside the loop.
+    dq_rows: bool = False
 
     def __post_init__(self):
+        if self.dq_rows and not self.tma_dq:
+            raise ValueError("AttentionBwdConfig: dq_rows adds through the tma_dq tile, got "
+                             "tma_dq=False")
         if self.async_mma and self.block_q < 64:
             # async dQ = dS K must be a wgmma, and a wgmma takes at least 64 rows
             raise ValueError(f"AttentionBwdConfig: async_mma needs block_q >= 64, got "
@@ -63,7 +76,8 @@ class AttentionBwdConfig:
         tiles = (2 * self.block_kv + 2 * self.stages * self.block_q) * head_dim * elem_bytes
         ds = self.block_kv * self.block_q * elem_bytes
         stats = 2 * self.stages * self.block_q * 4 if self.staged_stats else 0
-        return tiles + ds + stats + (self.block_q * head_dim * 4 if self.tma_dq else 0)
+        dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows else 0)
+        return tiles + ds + stats + (self.block_q * dq_row * 4 if self.tma_dq else 0)
 
 
 def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int = 64,
@@ -100,6 +114,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     block_kv, block_q, stages, threads = (config.block_kv, config.block_q, config.stages,
                                           config.threads)
     tma_dq, group_loop, async_mma = config.tma_dq, config.group_loop, config.async_mma
+    dq_rows = config.dq_rows
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     kv_chunks = config.kv_chunks
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
@@ -165,6 +180,29 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 ds_local[i, j] = prob * grad
 
     @T.macro
+    def add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q):
+        """dq[rows of this tile] += dq_local by one bulk reduce per row (dq_rows). Thread
+        t of the consumers issues row t // (threads // block_q): bulk groups belong to the
+        thread that commits them, so the same thread waits for its row to be read out
+        before the tile after this one overwrites dq_shared."""
+        tx = T.get_thread_binding()
+        row = tx % threads // (threads // block_q)
+        issues = tx % (threads // block_q) == 0
+        if issues:
+            T.tma_store_wait(0, True)  # the previous tile's reduce has read this row
+        T.sync_threads(DQ_BARRIER, threads)  # every row read out before any is rewritten
+        T.copy(dq_local, dq_shared[:, :head_dim])
+        T.fence_proxy_async()  # the generic-proxy writes, seen by the bulk copies
+        T.sync_threads(DQ_BARRIER, threads)
+        if issues:
+            if q_start + row < seq_q:
+                T.call_extern("handle", "tl::tma_store_add",
+                              T.access_ptr(dq_shared[row, 0], "r"),
+                              T.access_ptr(dq[bz, q_start + row, head, 0], "w"),
+                              head_dim * 4)
+            T.tma_store_arrive()
+
+    @T.macro
     def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz):
         """One CTA: key/value block bx of query head (KV head with group_loop) by, batch bz."""
         k_shared = T.alloc_shared((block_kv, head_dim), dtype)
@@ -179,10 +217,15 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         dk_local = T.alloc_fragment((block_kv, head_dim), "float")
         dv_local = T.alloc_fragment((block_kv, head_dim), "float")
         dq_local = T.alloc_fragment((block_q, head_dim), "float")
-        dq_shared = T.alloc_shared((block_q, head_dim), "float") if tma_dq else None
+        # dq_rows: rows whole and in order (each one bulk reduce), DQ_ROW_PAD floats apart
+        # so the fragment's stores spread over the banks
+        dq_shared = T.alloc_shared((block_q, head_dim + DQ_ROW_PAD * dq_rows),
+                                   "float") if tma_dq else None
         lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         hold = T.alloc_local((1,), dtype) if async_mma else None
+        if dq_rows:
+            T.annotate_layout({dq_shared: make_linear_layout(dq_shared)})
 
         kv_head = by if group_loop else by // group
         kv_start = bx * block_kv
@@ -260,7 +303,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 T.clear(dq_local)
                 T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol)  # dQ = dS K
-            if tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
+            if dq_rows:
+                add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q)
+            elif tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
                 T.copy(dq_local, dq_shared)
                 T.atomic_add(dq[bz, q_start:q_start + block_q, head, :], dq_shared,
                              use_tma=True)
@@ -268,6 +313,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 for i, j in T.Parallel(block_q, head_dim):
                     if q_start + i < seq_q:
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
+        if dq_rows and T.get_thread_binding() % (threads // block_q) == 0:
+            T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
         for i, j in T.Parallel(block_kv, head_dim):
             if kv_start + i < seq_kv:
                 if group_loop:  # this CTA holds the whole sum: store it
@@ -373,6 +420,11 @@ class AttentionBwdKernel(Kernel):
         # heavy key blocks first (kv_chunks); group_loop has a quarter of the CTAs (GQA 4),
         # so its tail weighs more
         space += [dataclasses.replace(space[0], kv_chunks=n) for n in (2, 4)]
+        if space[0].tma_dq:
+            # dq by row reduces whose wait is deferred a tile (no warp stalls on the reduce
+            # reading shared memory), on the default and on its three-stage twin
+            space += [dataclasses.replace(space[0], dq_rows=True),
+                      dataclasses.replace(space[0], dq_rows=True, stages=3)]
         space.append(dataclasses.replace(group_loop, kv_chunks=2))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
