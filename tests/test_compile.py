@@ -137,7 +137,8 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"group_loop": True}, {"kv_chunks": 2},
                                      {"kv_chunks": 4}, {"group_loop": True, "kv_chunks": 2},
                                      {"stages": 3}, {"dq_rows": True},
-                                     {"dq_rows": True, "stages": 3}],
+                                     {"dq_rows": True, "stages": 3}, {"async_mma": True},
+                                     {"async_mma": True, "dq_rows": True}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""

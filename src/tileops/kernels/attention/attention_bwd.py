@@ -425,6 +425,11 @@ class AttentionBwdKernel(Kernel):
             # reading shared memory), on the default and on its three-stage twin
             space += [dataclasses.replace(space[0], dq_rows=True),
                       dataclasses.replace(space[0], dq_rows=True, stages=3)]
+        if space[0].block_q >= 64:
+            # the GEMMs issued in batches on the lighter loop (tried only with group_loop
+            # before), with either dq path
+            space += [dataclasses.replace(space[0], async_mma=True),
+                      dataclasses.replace(space[0], async_mma=True, dq_rows=space[0].tma_dq)]
         space.append(dataclasses.replace(group_loop, kv_chunks=2))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
