@@ -14,7 +14,7 @@ import torch
 
 from tileops.ops import OP_CLASSES
 from tileops.perf.baselines import baselines_for
-from tileops.perf.bench import bench_cases, random_inputs
+from tileops.perf.bench import bench_cases, case_candidates, random_inputs
 from tileops.perf.timing import kernel_breakdown
 
 NAME_WIDTH = 90
@@ -25,9 +25,8 @@ def print_case(op_cls, workload: dict, dtype: str) -> None:
     params = op_cls.spec.workload_params(workload)
     op = op_cls(**params)
     inputs = random_inputs(op_cls, workload, dtype)
-    candidates = {"tileops": lambda: op(*inputs)}
-    for name, fn in baselines_for(op_cls.__name__).items():
-        candidates[name] = lambda f=fn: f(*inputs, **params)
+    candidates = case_candidates(op, params, lambda fn: lambda: fn(*inputs),
+                                 baselines_for(op_cls.__name__))
     print(f"\n{op_cls.__name__} [{workload['label']}] {dtype}")
     for name, fn in candidates.items():
         try:

@@ -28,14 +28,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, scale: float =
     for lo in range(0, flat_a.numel(), _CHUNK):
         a = flat_a[lo:lo + _CHUNK].double()
         e = flat_e[lo:lo + _CHUNK].double()
-        err = (a - e).abs()
+        diff = a - e
+        err = diff.abs()
         bad = ~(err <= atol * scale + rtol * e.abs())  # NaN compares False: counts as bad
         n_bad += int(bad.sum())
         ranked = torch.where(torch.isnan(err), torch.inf, err)
         i = int(ranked.argmax())
         if ranked[i].item() > worst_err:
             worst, worst_err = lo + i, ranked[i].item()
-        diff_sq += float((a - e).square().sum())
+        diff_sq += float(diff.square().sum())
         ref_sq += float(e.square().sum())
     if n_bad:
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), actual.shape))

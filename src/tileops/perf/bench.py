@@ -75,6 +75,16 @@ def _rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Ca
     return bind
 
 
+def case_candidates(op: Any, params: dict, bind: Callable[[Callable[..., Any]], Callable[[], Any]],
+                    baselines: dict[str, Baseline]) -> dict[str, Callable[[], Any]]:
+    """Zero-argument calls of the op (under OP_KEY) and of each baseline with the case's
+    params, their inputs supplied by `bind` (see `_rotating`)."""
+    candidates = {OP_KEY: bind(op)}
+    for name, fn in baselines.items():
+        candidates[name] = bind(lambda *x, f=fn: f(*x, **params))
+    return candidates
+
+
 def bench_workload(op_cls: Any, workload: dict, dtype: str,
                    baselines: dict[str, Baseline] | None = None, pool_size: int = 4,
                    log: Callable[[str], None] = lambda s: None) -> BenchRow:
@@ -86,11 +96,10 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
     inputs = random_inputs(op_cls, workload, dtype)
     nbytes_in = sum(t.numel() * t.element_size() for t in inputs if t is not None)
     pool = pool_size if nbytes_in * pool_size <= POOL_BYTES_LIMIT else 1
-    bind = _rotating(inputs, pool)
     op(*inputs)  # compile / load before timing
-    candidates = {OP_KEY: bind(op)}
-    for name, fn in (baselines_for(op_cls.__name__) if baselines is None else baselines).items():
-        candidates[name] = bind(lambda *x, f=fn: f(*x, **params))
+    candidates = case_candidates(op, params, _rotating(inputs, pool),
+                                 baselines_for(op_cls.__name__) if baselines is None
+                                 else baselines)
     # One sustained warmup, then the op's and the baselines' trials interleaved: a clock that
     # drifts during the case moves them alike.
     timings = measure_together(candidates, trials=TRIALS, warm_seconds=WARM_SECONDS,

@@ -179,6 +179,10 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 p_local[i, j] = prob
                 ds_local[i, j] = prob * grad
 
+    def issues_dq_row(tx):
+        """dq_rows: whether consumer thread tx issues (and later awaits) a row's reduce."""
+        return tx % (threads // block_q) == 0
+
     @T.macro
     def add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q):
         """dq[rows of this tile] += dq_local by one bulk reduce per row (dq_rows). Thread
@@ -187,7 +191,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         before the tile after this one overwrites dq_shared."""
         tx = T.get_thread_binding()
         row = tx % threads // (threads // block_q)
-        issues = tx % (threads // block_q) == 0
+        issues = issues_dq_row(tx)
         if issues:
             T.tma_store_wait(0, True)  # the previous tile's reduce has read this row
         T.sync_threads(DQ_BARRIER, threads)  # every row read out before any is rewritten
@@ -313,7 +317,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 for i, j in T.Parallel(block_q, head_dim):
                     if q_start + i < seq_q:
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
-        if dq_rows and T.get_thread_binding() % (threads // block_q) == 0:
+        if dq_rows and issues_dq_row(T.get_thread_binding()):
             T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
         for i, j in T.Parallel(block_kv, head_dim):
             if kv_start + i < seq_kv:
