@@ -151,6 +151,22 @@ def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp
     assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_backward_two_ctas_per_sm_keep_everything_in_registers(head_dim, tmp_path):
+    """Two CTAs share an SM: launch bound and register split for both, no spills, and
+    wgmmas that ptxas does not serialize."""
+    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
+                                window_left=-1, window_right=0, softcap=0.0)
+    configs = [c for c in kernel.config_space("all") if c.ctas_per_sm == 2]
+    assert len(configs) == 2
+    for config in configs:
+        compiled = kernel.compile(config, "all")[1]
+        source = compiled.get_kernel_source()
+        assert "__launch_bounds__(256, 2)" in source
+        assert "warpgroup_reg_alloc<232>" in source
+        assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
 def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     """`dq_rows`: one bulk reduce per dq row from a padded, linear shared tile; inside the
     key loop each issuing thread waits only before the tile is rewritten (one wait there,

@@ -25,7 +25,7 @@ import torch
 from tilelang.layout import make_linear_layout
 
 from ..base import Kernel
-from .attention_fwd import SMEM_LIMIT
+from .attention_fwd import SMEM_LIMIT, sm_sharing
 from .mask import query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
@@ -60,6 +60,9 @@ class AttentionBwdConfig:
     # from right after the issue to right before the next tile overwrites it, so no warp
     # stalls on it inside the loop.
     dq_rows: bool = False
+    # 2: two CTAs share an SM (block_kv 64, one consumer warpgroup each, one Q/dO stage), so
+    # one's score math, barriers, epilogue atomics and prologue run under the other's GEMMs.
+    ctas_per_sm: int = 1
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -78,6 +81,10 @@ class AttentionBwdConfig:
         stats = 2 * self.stages * self.block_q * 4 if self.staged_stats else 0
         dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows else 0)
         return tiles + ds + stats + (self.block_q * dq_row * 4 if self.tma_dq else 0)
+
+    def fits(self, head_dim: int) -> bool:
+        """Whether `ctas_per_sm` CTAs of this config fit in one SM's shared memory."""
+        return self.ctas_per_sm * self.smem_bytes(head_dim) <= SMEM_LIMIT
 
 
 def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int = 64,
@@ -206,9 +213,12 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                               head_dim * 4)
             T.tma_store_arrive()
 
+    share_sm = sm_sharing(threads, config.ctas_per_sm)
+
     @T.macro
     def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz):
         """One CTA: key/value block bx of query head (KV head with group_loop) by, batch bz."""
+        share_sm()
         k_shared = T.alloc_shared((block_kv, head_dim), dtype)
         v_shared = T.alloc_shared((block_kv, head_dim), dtype)
         q_shared = T.alloc_shared((block_q, head_dim), dtype)
@@ -435,5 +445,11 @@ class AttentionBwdKernel(Kernel):
             space += [dataclasses.replace(space[0], async_mma=True),
                       dataclasses.replace(space[0], async_mma=True, dq_rows=space[0].tma_dq)]
         space.append(dataclasses.replace(group_loop, kv_chunks=2))
+        # two CTAs per SM (64 keys, one consumer warpgroup each): dq by the TMA tile with
+        # one Q/dO stage, or by atomics with two (either fits twice in shared memory).
+        # async_mma does not fit their registers: ptxas serializes its wgmmas (C7512).
+        two_ctas = AttentionBwdConfig(64, 64, 1, 128, True, edge_masks_only=True,
+                                      staged_stats=True, ctas_per_sm=2)
+        space += [two_ctas, dataclasses.replace(two_ctas, stages=2, tma_dq=False)]
         head_dim = self.key["head_dim"]
-        return [c for c in dict.fromkeys(space) if c.smem_bytes(head_dim) <= SMEM_LIMIT]
+        return [c for c in dict.fromkeys(space) if c.fits(head_dim)]

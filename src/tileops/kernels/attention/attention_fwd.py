@@ -74,11 +74,30 @@ class AttentionFwdConfig:
         return self.ctas_per_sm * self.smem_bytes(head_dim) <= SMEM_LIMIT
 
     def consumer_registers(self) -> int:
-        """Registers per consumer thread once the producer warpgroup has given its share
-        back (setmaxnreg), with `ctas_per_sm` CTAs resident: 240 for one CTA of 384
-        threads, 232 for two CTAs of 256."""
-        launch = min(255, 65536 // (self.ctas_per_sm * (self.threads + 128)) // 8 * 8)
-        return min(240, (launch + (launch - 24) * 128 // self.threads) // 8 * 8)
+        return consumer_registers(self.threads, self.ctas_per_sm)
+
+
+def consumer_registers(threads: int, ctas_per_sm: int) -> int:
+    """Registers per consumer thread once the producer warpgroup has given its share back
+    (setmaxnreg), with `ctas_per_sm` CTAs of `threads` consumers resident: 240 for one CTA
+    of 384 threads, 232 for two CTAs of 256."""
+    launch = min(255, 65536 // (ctas_per_sm * (threads + 128)) // 8 * 8)
+    return min(240, (launch + (launch - 24) * 128 // threads) // 8 * 8)
+
+
+def sm_sharing(threads: int, ctas_per_sm: int):
+    """A macro for the top of a warp-specialized kernel: with ctas_per_sm > 1, the launch
+    bound that lets the CTAs be resident together, and the consumer/producer register split
+    that fits in their share."""
+
+    @T.macro
+    def share_sm():
+        if ctas_per_sm > 1:
+            T.annotate_min_blocks_per_sm(ctas_per_sm)
+            T.annotate_producer_reg_dealloc(24)
+            T.annotate_consumer_reg_alloc(consumer_registers(threads, ctas_per_sm))
+
+    return share_sm
 
 
 def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right: int,
@@ -108,14 +127,7 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
     def state(*buffers):
         return SimpleNamespace(**dict(zip(STATE, buffers, strict=True)))
 
-    @T.macro
-    def share_sm():
-        """With ctas_per_sm > 1: the launch bound that lets the CTAs be resident together,
-        and the consumer/producer register split that fits in their share."""
-        if config.ctas_per_sm > 1:
-            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
-            T.annotate_producer_reg_dealloc(24)
-            T.annotate_consumer_reg_alloc(config.consumer_registers())
+    share_sm = sm_sharing(threads, config.ctas_per_sm)
 
     def exp2_scale(scale):
         """Factor that turns the score tile into log2 units inside exp2 (one FFMA)."""
