@@ -6,6 +6,7 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh breakdown OP [--workload TEXT ...] [--dtype D]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh ncu KERNEL_REGEX OP --workload TEXT [--dtype D]
 # TEST_PATHS narrows the tests (default: tests), TEST_K selects by pytest -k expression (it may
 # hold spaces: "edge or tile_store"); BENCH_SECONDS caps a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as
@@ -30,6 +31,23 @@ fi
 if [ "$what" = breakdown ]; then
   python3 scripts/kernel_breakdown.py "$@" 2>&1 | tee "$OUT/breakdown.log" | grep -v INFO
   exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = ncu ]; then
+  # Hardware counters (every section, per-instruction stall samples) of one launch of the
+  # kernels whose name matches $1, in the op's second call; ncu replays it once per pass.
+  kernel=$1; shift
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  "$ncu_bin" --clock-control none --kernel-name "regex:$kernel" --launch-skip 1 \
+    --launch-count 1 --set full --import-source yes -f -o "$OUT/profile" \
+    python3 scripts/profile_op.py "$@" > "$OUT/ncu.log" 2>&1
+  rc=$?
+  "$ncu_bin" --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu-details.txt" 2>&1
+  "$ncu_bin" --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/ncu-sass.csv" 2>&1
+  tail -n 3 "$OUT/ncu.log"
+  grep -E "Duration|Throughput|Issue Slots Busy|No Eligible|Cycles Per Issued|Registers Per" \
+    "$OUT/ncu-details.txt" | head -n 40
+  exit "$rc"
 fi
 if [ "$what" = calibrate ]; then
   python3 scripts/calibrate.py --out "$OUT" 2>&1 | grep -v INFO
