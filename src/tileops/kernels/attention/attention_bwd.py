@@ -433,19 +433,22 @@ class AttentionBwdKernel(Kernel):
         group_loop = AttentionBwdConfig(128, 64, 2, 256, True, True, edge_masks_only=True,
                                         staged_stats=True)
         space.append(group_loop)
+        # The twins below vary the lighter loop with two stages (the default until the third
+        # stage won), as they were measured; at head_dim 256, its own default.
+        base = dataclasses.replace(space[0], stages=2) if space[0].staged_stats else space[0]
         # heavy key blocks first (kv_chunks); group_loop has a quarter of the CTAs (GQA 4),
         # so its tail weighs more
-        space += [dataclasses.replace(space[0], kv_chunks=n) for n in (2, 4)]
-        if space[0].tma_dq:
+        space += [dataclasses.replace(base, kv_chunks=n) for n in (2, 4)]
+        if base.tma_dq:
             # dq by row reduces whose wait is deferred a tile (no warp stalls on the reduce
-            # reading shared memory), on the default and on its three-stage twin
-            space += [dataclasses.replace(space[0], dq_rows=True),
-                      dataclasses.replace(space[0], dq_rows=True, stages=3)]
-        if space[0].block_q >= 64:
+            # reading shared memory), with two and three stages
+            space += [dataclasses.replace(base, dq_rows=True),
+                      dataclasses.replace(base, dq_rows=True, stages=3)]
+        if base.block_q >= 64:
             # the GEMMs issued in batches on the lighter loop (tried only with group_loop
             # before), with either dq path
-            space += [dataclasses.replace(space[0], async_mma=True),
-                      dataclasses.replace(space[0], async_mma=True, dq_rows=space[0].tma_dq)]
+            space += [dataclasses.replace(base, async_mma=True),
+                      dataclasses.replace(base, async_mma=True, dq_rows=base.tma_dq)]
         space.append(dataclasses.replace(group_loop, kv_chunks=2))
         # two CTAs per SM (64 keys, one consumer warpgroup each): dq by the TMA tile with
         # one Q/dO stage, or by atomics with two (either fits twice in shared memory).
