@@ -84,12 +84,14 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
                                                (128, "two CTAs per SM, lazy rescale"),
                                                (128, "two CTAs per SM, overlap"),
                                                (64, "192 keys"), (128, "192 keys"),
-                                               (128, "two CTAs per SM, 160 keys")])
+                                               (128, "two CTAs per SM, 160 keys"),
+                                               (64, "bidirectional"), (128, "bidirectional")])
 def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     import dataclasses
 
     kernel = AttentionFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
-                                window_left=-1 if head_dim < 256 else 127, window_right=0,
+                                window_left=-1 if head_dim < 256 else 127,
+                                window_right=-1 if variant == "bidirectional" else 0,
                                 softcap=0.0 if head_dim < 256 else 50.0)
     bucket = "short" if variant and variant.startswith("two CTAs per SM") else "long"
     config = kernel.heuristic_config(bucket, "sm_90a")  # masks only the tiles a mask cuts
@@ -104,17 +106,23 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
     assert config in kernel.config_space(bucket), config
     compiled = kernel.compile(config, bucket)[0]
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
-    if variant == "two CTAs per SM":  # the launch bound that lets two CTAs be resident
+    if variant in ("two CTAs per SM", "bidirectional"):  # two CTAs resident: launch bound
         assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
 
 
 def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
     """Up to SHORT_KEYS (4K) keys two 64-row CTAs share an SM (faster on the H200); longer
-    key loops and head_dim 256 (no registers for two) keep one 128-row CTA."""
-    def default(head_dim, seq_kv, kernel_class=AttentionFwdKernel):
+    key loops and head_dim 256 (no registers for two) keep one 128-row CTA, unless every
+    key is visible (no causal mask, no window): then two 64 x 176 CTAs."""
+    def default(head_dim, seq_kv, kernel_class=AttentionFwdKernel, window_right=0):
         kernel = kernel_class(dtype="float16", heads=32, kv_heads=8, head_dim=head_dim,
-                              window_left=-1, window_right=0, softcap=0.0)
+                              window_left=-1, window_right=window_right, softcap=0.0)
         return kernel.heuristic_config(kernel.bucket_of(seq_kv), "sm_90a")
+
+    bidirectional = default(128, SHORT_KEYS + 1, window_right=-1)
+    assert (bidirectional.ctas_per_sm, bidirectional.block_m, bidirectional.block_n) == (2, 64,
+                                                                                        176)
+    assert default(256, SHORT_KEYS + 1, window_right=-1).ctas_per_sm == 1
 
     assert SHORT_KEYS == 4096
     assert default(128, 1).ctas_per_sm == default(64, SHORT_KEYS).ctas_per_sm == 2
