@@ -175,3 +175,54 @@ def test_bench_cases_filter_by_tier_dtype_and_label_text():
     assert len(decode_bf16) == len([1 for label, d in every
                                     if "decode" in label and d == "bfloat16"])
     assert list(bench_cases([GemmFwdOp], None, None, ["no such workload"])) == []
+
+
+def test_tune_times_a_kernel_key_once_and_says_so_after(monkeypatch):
+    """A second workload that shares the first one's kernel key and bucket is not timed
+    again: its line names the workload the timings came from instead of repeating them."""
+    import types
+
+    import torch
+
+    from tileops.perf import bench
+
+    class FakeKernel:
+        _by_bucket = {"all": ["winner"]}
+        timings = [(0.5, "winner"), (0.6, "runner-up")]
+        rejected = []
+
+        def bucket_of(self, size):
+            return "all"
+
+        def key_string(self, bucket):
+            return f"fake|{bucket}"
+
+    class FakeOp:
+        spec = types.SimpleNamespace(workload_params=lambda workload: {})
+
+        def __init__(self, tune=False):
+            pass
+
+        def __call__(self, *inputs):
+            pass
+
+        def check(self, inputs):
+            return {}
+
+        def kernels_for(self, ns):
+            return [("dispatch", {}, 1)]
+
+        def get_kernel(self, dispatch_key, device, **key):
+            return FakeKernel()
+
+    monkeypatch.setattr(bench, "random_inputs", lambda *args, **kwargs: [])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    timed_on = {}
+    first = cli._tune_one(FakeOp, {"label": "first"}, "bfloat16", timed_on)
+    second = cli._tune_one(FakeOp, {"label": "second"}, "bfloat16", timed_on)
+    assert first[0].startswith("tuned   FakeOp [first] bfloat16 fake|all -> winner")
+    assert first[1:] == ["       500.0 us  winner", "       600.0 us  runner-up"]
+    assert second[0].startswith("tuned   FakeOp [second] bfloat16 fake|all -> winner")
+    assert second[1:] == ["  (timed on [first], which shares this kernel key and bucket; "
+                          "not timed again)"]

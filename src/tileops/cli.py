@@ -306,10 +306,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
     failed = 0
+    timed_on: dict[str, str] = {}  # kernel key (with bucket) -> the workload it was timed on
     for w, dtypes in cases:
         for dtype in dtypes:
             try:
-                for line in _tune_one(cls, w, dtype):
+                for line in _tune_one(cls, w, dtype, timed_on):
                     print(line)
                     failed += line.startswith("FAILED")
             except Exception as e:  # noqa: BLE001 - report and go on with the next workload
@@ -331,8 +332,11 @@ def _copy_tuned_table(out: str) -> None:
         shutil.copy(table, os.path.join(out, table.name))
 
 
-def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
-    """Runs the op once with `tune=True` (the Kernel base autotunes on first call)."""
+def _tune_one(cls: Any, workload: dict[str, Any], dtype: str,
+              timed_on: dict[str, str]) -> list[str]:
+    """Runs the op once with `tune=True` (the Kernel base autotunes on first call). A kernel
+    key an earlier workload of this run already tuned is not timed again: its line names
+    that workload instead of repeating its timings."""
     import torch
 
     from .perf.bench import random_inputs
@@ -348,8 +352,14 @@ def _tune_one(cls: Any, workload: dict[str, Any], dtype: str) -> list[str]:
         kernel = op.get_kernel(dispatch_key, device, **key)
         bucket = kernel.bucket_of(size)
         config = kernel._by_bucket[bucket][0]
+        key_string = kernel.key_string(bucket)
         lines.append(f"tuned   {cls.__name__} [{workload['label']}] {dtype} "
-                     f"{kernel.key_string(bucket)} -> {config}")
+                     f"{key_string} -> {config}")
+        if key_string in timed_on:
+            lines.append(f"  (timed on [{timed_on[key_string]}], which shares this kernel key "
+                         "and bucket; not timed again)")
+            continue
+        timed_on[key_string] = workload["label"]
         lines += [f"  {ms * 1e3:10.1f} us  {timed}" for ms, timed in kernel.timings]
         lines += [f"FAILED  {cls.__name__} [{workload['label']}] {dtype} {rejected}: results "
                   "disagree with the default config's (left out)" for rejected in kernel.rejected]
