@@ -146,7 +146,9 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"kv_chunks": 4}, {"group_loop": True, "kv_chunks": 2},
                                      {"stages": 3}, {"dq_rows": True},
                                      {"dq_rows": True, "stages": 3}, {"async_mma": True},
-                                     {"async_mma": True, "dq_rows": True}],
+                                     {"async_mma": True, "dq_rows": True},
+                                     {"clear_by_mma": True},
+                                     {"clear_by_mma": True, "stages": 3}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
@@ -175,6 +177,27 @@ def test_attention_backward_two_ctas_per_sm_keep_everything_in_registers(head_di
         assert "__launch_bounds__(256, 2)" in source
         assert "warpgroup_reg_alloc<232>" in source
         assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+def test_attention_backward_clear_by_mma_zeroes_no_accumulator_by_hand():
+    """`clear_by_mma`: S, dP and dQ start from their first wgmma (scale-d off), so the only
+    zeroed fragments left are dK and dV, once per CTA."""
+    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                window_left=-1, window_right=0, softcap=0.0)
+    default = kernel.heuristic_config("all", "sm_90a")
+    config = dataclasses.replace(default, clear_by_mma=True)
+    assert config in kernel.config_space("all")
+    import re
+
+    def zeroed_fragments(source):  # how TileLang writes T.clear of a fragment
+        return len(re.findall(r"float broadcast_var(_\d+)? = 0x0p\+0f", source))
+
+    assert zeroed_fragments(kernel.compile(default, "all")[1].get_kernel_source()) == 5
+    source = kernel.compile(config, "all")[1].get_kernel_source()
+    assert zeroed_fragments(source) == 2  # dK and dV, before the loop
+    assert source.count("((0 < ki") == 3  # the first k-step of each of the three GEMMs
+    with pytest.raises(ValueError, match="clear_by_mma"):
+        dataclasses.replace(default, clear_by_mma=True, async_mma=True)
 
 
 def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
