@@ -194,6 +194,12 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 p_local[i, j] = prob
                 ds_local[i, j] = prob * grad
 
+    @T.macro
+    def clear_for_gemm(acc):
+        """Zero a GEMM's accumulator, unless clear_by_mma has its first wgmma do it."""
+        if not clear_by_mma:
+            T.clear(acc)
+
     def issues_dq_row(tx):
         """dq_rows: whether consumer thread tx issues (and later awaits) a row's reduce."""
         return tx % (threads // block_q) == 0
@@ -268,8 +274,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             if staged_stats:
                 T.copy(lse[bz, head, q_start:q_start + block_q], lse_shared)
                 T.copy(delta[bz, head, q_start:q_start + block_q], delta_shared)
-            if not clear_by_mma:
-                T.clear(s_local)
+            clear_for_gemm(s_local)
             # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
             # so S^T, dP^T, P, dS, dK and dV share one register layout.
             if async_mma:
@@ -286,8 +291,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             else:
                 T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS,
                        clear_accum=clear_by_mma)  # K Q^T
-                if not clear_by_mma:
-                    T.clear(dp_local)
+                clear_for_gemm(dp_local)
                 T.gemm(v_shared, do_shared, dp_local, transpose_B=True, policy=ROWS,
                        clear_accum=clear_by_mma)  # V dO^T
             # (lse, delta) of this block's rows: staged in shared memory, or global
@@ -325,8 +329,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
                 T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
                 T.copy(ds_local, ds_shared)
-                if not clear_by_mma:
-                    T.clear(dq_local)
+                clear_for_gemm(dq_local)
                 T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=clear_by_mma)  # dQ = dS K
             if dq_rows:
@@ -437,10 +440,6 @@ class AttentionBwdKernel(Kernel):
                 space.append(AttentionBwdConfig(block_kv, block_q, stages, 256, True,
                                                 edge_masks_only=True, staged_stats=True))
         space.append(AttentionBwdConfig(128, 64, 2, 256, True, edge_masks_only=True))
-        # a third Q/dO stage fits beside the lighter loop's staged stats at head_dim 128
-        # (210 KiB of shared memory)
-        space.append(AttentionBwdConfig(128, 64, 3, 256, True, edge_masks_only=True,
-                                        staged_stats=True))
         # group_loop lost by 1-7% both with and without the lighter loop
         group_loop = AttentionBwdConfig(128, 64, 2, 256, True, True, edge_masks_only=True,
                                         staged_stats=True)
