@@ -148,7 +148,9 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"dq_rows": True, "stages": 3}, {"async_mma": True},
                                      {"async_mma": True, "dq_rows": True},
                                      {"clear_by_mma": True},
-                                     {"clear_by_mma": True, "stages": 3}],
+                                     {"clear_by_mma": True, "stages": 3},
+                                     {"tma_dkv": True, "stages": 3},
+                                     {"clear_by_mma": True, "tma_dkv": True, "stages": 3}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
@@ -156,9 +158,10 @@ def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp
 
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                 window_left=-1, window_right=0, softcap=0.0)
-    # variants of the lighter loop with two Q/dO stages; {"stages": 3} is the default
+    # variants of the lighter loop with two Q/dO stages; the last one is the default
+    lighter_loop = {"stages": 2, "clear_by_mma": False, "tma_dkv": False}
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),
-                                 **{"stages": 2, **variant})
+                                 **{**lighter_loop, **variant})
     assert config in kernel.config_space("all")
     assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)
 
@@ -185,15 +188,16 @@ def test_attention_backward_clear_by_mma_zeroes_no_accumulator_by_hand():
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                 window_left=-1, window_right=0, softcap=0.0)
     default = kernel.heuristic_config("all", "sm_90a")
-    config = dataclasses.replace(default, clear_by_mma=True)
-    assert config in kernel.config_space("all")
+    assert default.clear_by_mma
+    by_hand = dataclasses.replace(default, clear_by_mma=False)
+    assert by_hand in kernel.config_space("all")
     import re
 
     def zeroed_fragments(source):  # how TileLang writes T.clear of a fragment
         return len(re.findall(r"float broadcast_var(_\d+)? = 0x0p\+0f", source))
 
-    assert zeroed_fragments(kernel.compile(default, "all")[1].get_kernel_source()) == 5
-    source = kernel.compile(config, "all")[1].get_kernel_source()
+    assert zeroed_fragments(kernel.compile(by_hand, "all")[1].get_kernel_source()) == 5
+    source = kernel.compile(default, "all")[1].get_kernel_source()
     assert zeroed_fragments(source) == 2  # dK and dV, before the loop
     assert source.count("((0 < ki") == 3  # the first k-step of each of the three GEMMs
     with pytest.raises(ValueError, match="clear_by_mma"):
@@ -206,7 +210,9 @@ def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     one after the loop), not right after issuing."""
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                 window_left=-1, window_right=0, softcap=0.0)
-    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_rows=True)
+    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_rows=True,
+                                 clear_by_mma=False, tma_dkv=False)
+    assert config in kernel.config_space("all")
     source = kernel.compile(config, "all")[1].get_kernel_source()
     assert "dq_desc" not in source  # no tensor-map reduce of the whole tile
     issue = source.index("tl::tma_store_add(")
@@ -215,6 +221,34 @@ def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     first_wait = source.index("tl::tma_store_wait<0, true>()")
     assert first_wait < issue < source.index("tl::tma_store_arrive()", issue)
     assert "* 136)" in source  # rows 128 + 8 floats apart
+
+
+def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_memory():
+    """`tma_dkv`: after the key loop dk and dv leave by tensor-map reduce-adds from shared
+    tiles laid over the dead K/V and Q/dO tiles, so the CTA needs no more shared memory."""
+    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                window_left=-1, window_right=0, softcap=0.0)
+    default = kernel.heuristic_config("all", "sm_90a")
+    assert default.tma_dkv
+    atomics = dataclasses.replace(default, tma_dkv=False)
+    assert atomics in kernel.config_space("all")
+    import re
+
+    def dynamic_smem(compiled):  # the launch's shared-memory bytes, an argument > 200 KB
+        found = re.findall(r"\(\(int64_t\)(2\d{5})\)", compiled.get_host_source())
+        assert len(set(found)) == 1, found
+        return found[0]
+
+    compiled = kernel.compile(default, "all")[1]
+    source = compiled.get_kernel_source()
+    assert "AtomicAdd" not in source
+    for tensor in ("dq", "dk", "dv"):
+        assert f"tl::tma_store_add({tensor}_desc" in source, tensor
+    assert "AtomicAddx2((&(dk[" in kernel.compile(atomics, "all")[1].get_kernel_source()
+    assert dynamic_smem(compiled) == dynamic_smem(kernel.compile(atomics, "all")[1])
+    assert default.smem_bytes(128) == atomics.smem_bytes(128)
+    with pytest.raises(ValueError, match="tma_dkv"):
+        dataclasses.replace(default, group_loop=True)
 
 
 @pytest.mark.parametrize("bucket", ["short", "long"])

@@ -68,6 +68,11 @@ class AttentionBwdConfig:
     # scale-d operand off, as the forward's S GEMM does) instead of zeroing it first: 96
     # fewer register moves per thread and tile.
     clear_by_mma: bool = False
+    # With GQA's atomics (not group_loop): dk and dv leave the CTA by two TMA bulk
+    # reduce-adds from shared memory instead of 2 x block_kv x head_dim / threads float2
+    # atomics per thread, which stalled the consumers for 12-14% of their time on the H200
+    # (ncu, 8B 8 x 2K) while the SM's tensor cores idled.
+    tma_dkv: bool = False
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -77,14 +82,19 @@ class AttentionBwdConfig:
             # async dQ = dS K must be a wgmma, and a wgmma takes at least 64 rows
             raise ValueError(f"AttentionBwdConfig: async_mma needs block_q >= 64, got "
                              f"block_q={self.block_q}")
+        if self.tma_dkv and self.group_loop:
+            raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
+                             "group_loop stores them whole, got both")
         if self.clear_by_mma and self.async_mma:
             raise ValueError("AttentionBwdConfig: clear_by_mma is written for T.gemm, not "
                              "for async_mma's T.wgmma_gemm")
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """K and V tiles, `stages` Q and dO tiles (and lse/delta rows), dS, and the fp32 dq
-        tile with tma_dq."""
+        tile with tma_dq; tma_dkv's fp32 dk and dv tiles lie over the K/V and Q/dO tiles."""
         tiles = (2 * self.block_kv + 2 * self.stages * self.block_q) * head_dim * elem_bytes
+        if self.tma_dkv:
+            tiles = max(tiles, 2 * self.block_kv * head_dim * 4)
         ds = self.block_kv * self.block_q * elem_bytes
         stats = 2 * self.stages * self.block_q * 4 if self.staged_stats else 0
         dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows else 0)
@@ -131,7 +141,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     tma_dq, group_loop, async_mma = config.tma_dq, config.group_loop, config.async_mma
     dq_rows, clear_by_mma = config.dq_rows, config.clear_by_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
-    kv_chunks = config.kv_chunks
+    kv_chunks, tma_dkv = config.kv_chunks, config.tma_dkv
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -252,6 +262,10 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         hold = T.alloc_local((1,), dtype) if async_mma else None
+        # tma_dkv: used only after the key loop, when the K/V and Q/dO tiles are dead, so
+        # TileLang's shared-memory planner lays them over those (no extra shared memory)
+        dk_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
+        dv_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
         if dq_rows:
             T.annotate_layout({dq_shared: make_linear_layout(dq_shared)})
 
@@ -344,12 +358,21 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
         if dq_rows and issues_dq_row(T.get_thread_binding()):
             T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
-        for i, j in T.Parallel(block_kv, head_dim):
-            if kv_start + i < seq_kv:
-                if group_loop:  # this CTA holds the whole sum: store it
+        if group_loop:  # this CTA holds the whole sum: store it
+            for i, j in T.Parallel(block_kv, head_dim):
+                if kv_start + i < seq_kv:
                     dk[bz, kv_start + i, kv_head, j] = T.cast(dk_local[i, j], dtype)
                     dv[bz, kv_start + i, kv_head, j] = T.cast(dv_local[i, j], dtype)
-                else:
+        elif tma_dkv:  # two bulk reduce-adds (TMA clips the Skv tail)
+            T.copy(dk_local, dk_shared)
+            T.copy(dv_local, dv_shared)
+            T.atomic_add(dk[bz, kv_start:kv_start + block_kv, kv_head, :], dk_shared,
+                         use_tma=True)
+            T.atomic_add(dv[bz, kv_start:kv_start + block_kv, kv_head, :], dv_shared,
+                         use_tma=True)
+        else:
+            for i, j in T.Parallel(block_kv, head_dim):
+                if kv_start + i < seq_kv:
                     T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
                     T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
 
@@ -422,8 +445,11 @@ class AttentionBwdKernel(Kernel):
         # us, bf16; edge masks alone 3964.2, staged stats alone 5006.2). A third Q/dO stage
         # (210 KiB of shared memory) won by about 1% in three tune runs (3639.7 / 3643.0 /
         # 3670.8 vs 3674.4 / 3675.0 / 3730.4 us).
+        # The first wgmma of S, dP and dQ overwriting its accumulator (clear_by_mma) won by
+        # 1.1% (3599.7 vs 3638.9 us); dk and dv by two TMA reduces (tma_dkv): ...
         return AttentionBwdConfig(block_kv=128, block_q=64, stages=3, threads=256, tma_dq=True,
-                                  edge_masks_only=True, staged_stats=True)
+                                  edge_masks_only=True, staged_stats=True, clear_by_mma=True,
+                                  tma_dkv=True)
 
     def config_space(self, bucket: str) -> list[AttentionBwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]
@@ -446,7 +472,8 @@ class AttentionBwdKernel(Kernel):
         space.append(group_loop)
         # The twins below vary the lighter loop with two stages (the default until the third
         # stage won), as they were measured; at head_dim 256, its own default.
-        base = dataclasses.replace(space[0], stages=2) if space[0].staged_stats else space[0]
+        base = (dataclasses.replace(space[0], stages=2, clear_by_mma=False, tma_dkv=False)
+                if space[0].staged_stats else space[0])
         # heavy key blocks first (kv_chunks); group_loop has a quarter of the CTAs (GQA 4),
         # so its tail weighs more
         space += [dataclasses.replace(base, kv_chunks=n) for n in (2, 4)]
@@ -470,5 +497,9 @@ class AttentionBwdKernel(Kernel):
         # the default (and the two-stage lighter loop) without the accumulator zeroing
         space += [dataclasses.replace(c, clear_by_mma=True) for c in (space[0], base)
                   if c.edge_masks_only and not c.async_mma]
+        # the default with and without each of its two newest choices
+        if space[0].edge_masks_only:
+            space += [dataclasses.replace(space[0], clear_by_mma=clear, tma_dkv=tma_dkv)
+                      for clear in (False, True) for tma_dkv in (False, True)]
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]
