@@ -13,7 +13,8 @@ then the three gradient GEMMs (dV, dK, dQ) back to back with one wait per group,
 waiting after each GEMM.
 
 Gradients w.r.t. the raw scores: dS = P * (dP - delta) * scale, times (1 - tanh^2) when
-the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute nothing.
+the logits are soft-capped. The kernel leaves `scale` out of dS (a multiply per score) and
+applies it once to dK, before it leaves the CTA, and to dq in the cast. Rows whose lse is -inf (they saw no key) contribute nothing.
 """
 
 import dataclasses
@@ -186,10 +187,10 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             if softcap > 0:
                 capped = T.tanh(s_local[i, j] * (scale / softcap))
                 prob = T.exp2(capped * (softcap * LOG2E) - row_lse * LOG2E)
-                grad = (dp_local[i, j] - row_delta) * scale * (1 - capped * capped)
+                grad = (dp_local[i, j] - row_delta) * (1 - capped * capped)
             else:
                 prob = T.exp2(s_local[i, j] * (scale * LOG2E) - row_lse * LOG2E)
-                grad = (dp_local[i, j] - row_delta) * scale
+                grad = dp_local[i, j] - row_delta
             if masked:
                 rel = kv_start + i - (q_start + j) - (seq_kv - seq_q)
                 visible = (kv_start + i < seq_kv) & (q_start + j < seq_q) & (
@@ -358,18 +359,24 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
         if dq_rows and issues_dq_row(T.get_thread_binding()):
             T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
+        for i, j in T.Parallel(block_kv, head_dim):
+            dk_local[i, j] *= scale  # dS left it out
         if group_loop:  # this CTA holds the whole sum: store it
             for i, j in T.Parallel(block_kv, head_dim):
                 if kv_start + i < seq_kv:
                     dk[bz, kv_start + i, kv_head, j] = T.cast(dk_local[i, j], dtype)
                     dv[bz, kv_start + i, kv_head, j] = T.cast(dv_local[i, j], dtype)
-        elif tma_dkv:  # two bulk reduce-adds (TMA clips the Skv tail)
-            T.copy(dk_local, dk_shared)
-            T.copy(dv_local, dv_shared)
-            T.atomic_add(dk[bz, kv_start:kv_start + block_kv, kv_head, :], dk_shared,
-                         use_tma=True)
-            T.atomic_add(dv[bz, kv_start:kv_start + block_kv, kv_head, :], dv_shared,
-                         use_tma=True)
+        elif tma_dkv:
+            # Two bulk reduce-adds (TMA clips the Skv tail). A block no query sees adds
+            # nothing, and must not write its tiles: they lie over K and V, whose loads
+            # nobody waited for.
+            if n_blocks > 0:
+                T.copy(dk_local, dk_shared)
+                T.copy(dv_local, dv_shared)
+                T.atomic_add(dk[bz, kv_start:kv_start + block_kv, kv_head, :], dk_shared,
+                             use_tma=True)
+                T.atomic_add(dv[bz, kv_start:kv_start + block_kv, kv_head, :], dv_shared,
+                             use_tma=True)
         else:
             for i, j in T.Parallel(block_kv, head_dim):
                 if kv_start + i < seq_kv:
@@ -434,7 +441,7 @@ class AttentionBwdKernel(Kernel):
             compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, scale)
             dk.copy_(dk32)
             dv.copy_(dv32)
-        dq.copy_(dq32)
+        torch.mul(dq32, scale, out=dq)  # the kernel's dS left the scale out
 
     def heuristic_config(self, bucket: str, arch: str) -> AttentionBwdConfig:
         if self.key["head_dim"] >= 256:
