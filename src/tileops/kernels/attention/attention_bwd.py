@@ -4,7 +4,8 @@ Three programs: `delta = rowsum(do * o)` per query row; the main pass, where eac
 one key/value block of one query head, keeps dk and dv for it in registers and walks the
 query blocks its mask lets see the block (recomputing P from the saved lse), adding each dq
 contribution into an fp32 buffer with atomics; and the cast of the fp32 gradients. With
-GQA the query heads of a group add into the same fp32 dk/dv rows, also with atomics. With
+GQA the query heads of a group add into the same fp32 dk/dv rows, also with atomics (with
+`tma_dkv`, two TMA reduce-adds of whole tiles). With
 `group_loop` a CTA owns the key/value block of a KV head instead and walks the query blocks
 of every query head of its group, so dk and dv sum in registers and are stored once, in the
 input dtype, with no atomics, no fp32 buffers and K/V loaded once per group. With
