@@ -164,6 +164,11 @@ class Kernel:
     def bucket_of(self, size: int) -> Any:
         return "all"
 
+    def pass_configs(self, config: Any, program_index: int) -> dict[str, Any]:
+        """TileLang pass configs for program `program_index` of `program()` (none by
+        default, which keeps TileLang's cache keys of every other kernel as they were)."""
+        return {}
+
     # -- shared machinery -----------------------------------------------------------------
     def key_string(self, bucket: Any) -> str:
         parts = [f"{k}={v}" for k, v in sorted(self.key.items())]
@@ -188,7 +193,11 @@ class Kernel:
             programs = self.program(config, bucket)
             if not isinstance(programs, tuple):
                 programs = (programs,)
-            compiled = tuple(tilelang.compile(p, target=self.target) for p in programs)
+            compiled = tuple(
+                tilelang.compile(p, target=self.target,
+                                 **({"pass_configs": pc} if (pc := self.pass_configs(config, i))
+                                    else {}))
+                for i, p in enumerate(programs))
             Kernel._compiled[memo_key] = compiled
             Kernel.compile_count += len(compiled)
         return compiled

@@ -31,6 +31,9 @@ from .mask import query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
 DQ_BARRIER = 8  # a named barrier of the consumer threads, clear of the ones TileLang uses
+# ds_handoff's named barriers, each plus a consumer warpgroup's index (0 or 1): its dS half
+# is in shared memory; the other warpgroup's dQ GEMM has read its dS half; its own threads.
+DS_READY, DS_FREE, WARPGROUP_BARRIER = 9, 11, 13
 # dq_rows: 8 more floats per shared row shift each row by 8 banks, so a warp's float2 stores
 # (8 rows x 4 columns) take two wavefronts instead of eight; rows stay 16-byte aligned
 DQ_ROW_PAD = 8
@@ -74,6 +77,15 @@ class AttentionBwdConfig:
     # atomics per thread, which stalled the consumers for 12-14% of their time on the H200
     # (ncu, 8B 8 x 2K) while the SM's tensor cores idled.
     tma_dkv: bool = False
+    # The two consumer warpgroups stop meeting at CTA-wide barriers inside the key loop,
+    # where ncu found them in lockstep (both in their GEMMs, then both in their softmax
+    # while the tensor cores idle). Each stores its dS half right after its softmax and
+    # signals it with a one-sided named barrier, runs its dV and dK GEMMs, and waits for the
+    # other half only before dQ; a second pair of barriers hands each half back once the
+    # other's dQ GEMM has read it. Each warpgroup reduces its own 64 dq columns, one bulk
+    # reduce per row, and waits for them only before it rewrites them. Every shared-memory
+    # sync of the kernel is then placed here by hand (TileLang's automatic ones are off).
+    ds_handoff: bool = False
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -83,6 +95,12 @@ class AttentionBwdConfig:
             # async dQ = dS K must be a wgmma, and a wgmma takes at least 64 rows
             raise ValueError(f"AttentionBwdConfig: async_mma needs block_q >= 64, got "
                              f"block_q={self.block_q}")
+        if self.ds_handoff and (self.async_mma or self.dq_rows or not self.tma_dq
+                                or self.threads != 256 or self.block_kv != 128
+                                or self.ctas_per_sm != 1):
+            raise ValueError("AttentionBwdConfig: ds_handoff is written for two consumer "
+                             "warpgroups of 64 keys each, T.gemm and its own dq rows through "
+                             f"shared memory, got {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -98,7 +116,7 @@ class AttentionBwdConfig:
             tiles = max(tiles, 2 * self.block_kv * head_dim * 4)
         ds = self.block_kv * self.block_q * elem_bytes
         stats = 2 * self.stages * self.block_q * 4 if self.staged_stats else 0
-        dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows else 0)
+        dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows or self.ds_handoff else 0)
         return tiles + ds + stats + (self.block_q * dq_row * 4 if self.tma_dq else 0)
 
     def fits(self, head_dim: int) -> bool:
@@ -142,7 +160,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     tma_dq, group_loop, async_mma = config.tma_dq, config.group_loop, config.async_mma
     dq_rows, clear_by_mma = config.dq_rows, config.clear_by_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
-    kv_chunks, tma_dkv = config.kv_chunks, config.tma_dkv
+    kv_chunks, tma_dkv, ds_handoff = config.kv_chunks, config.tma_dkv, config.ds_handoff
+    dq_by_rows = dq_rows or ds_handoff  # dq through shared memory by per-row bulk reduces
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -211,32 +230,65 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         if not clear_by_mma:
             T.clear(acc)
 
+    # The threads that write and reduce one part of the dq tile: all consumers and whole
+    # rows with dq_rows; with ds_handoff each warpgroup and its half of the columns (dQ's
+    # FullCol split), synced on its own barrier.
+    dq_part_threads = threads // 2 if ds_handoff else threads
+
     def issues_dq_row(tx):
-        """dq_rows: whether consumer thread tx issues (and later awaits) a row's reduce."""
-        return tx % (threads // block_q) == 0
+        """Whether consumer thread tx issues (and later awaits) a row's bulk reduce."""
+        return tx % (dq_part_threads // block_q) == 0
 
     @T.macro
     def add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q):
-        """dq[rows of this tile] += dq_local by one bulk reduce per row (dq_rows). Thread
-        t of the consumers issues row t // (threads // block_q): bulk groups belong to the
-        thread that commits them, so the same thread waits for its row to be read out
-        before the tile after this one overwrites dq_shared."""
+        """dq[rows of this tile] += dq_local by one bulk reduce per row (or, with
+        ds_handoff, per row of a warpgroup's columns). Thread t of a part issues row
+        t // (part threads // block_q): bulk groups belong to the thread that commits
+        them, so the same thread waits for its row to be read out before the tile after
+        this one overwrites dq_shared."""
         tx = T.get_thread_binding()
-        row = tx % threads // (threads // block_q)
+        part = tx // dq_part_threads  # 0 unless ds_handoff
+        row = tx % dq_part_threads // (dq_part_threads // block_q)
+        columns = head_dim * dq_part_threads // threads
+        barrier = WARPGROUP_BARRIER + part if ds_handoff else DQ_BARRIER
         issues = issues_dq_row(tx)
         if issues:
             T.tma_store_wait(0, True)  # the previous tile's reduce has read this row
-        T.sync_threads(DQ_BARRIER, threads)  # every row read out before any is rewritten
-        T.copy(dq_local, dq_shared[:, :head_dim])
+        T.sync_threads(barrier, dq_part_threads)  # every row read out before any rewrite
+        T.copy(dq_local, dq_shared[:, :head_dim])  # each thread writes its own part
         T.fence_proxy_async()  # the generic-proxy writes, seen by the bulk copies
-        T.sync_threads(DQ_BARRIER, threads)
+        T.sync_threads(barrier, dq_part_threads)
         if issues:
             if q_start + row < seq_q:
                 T.call_extern("handle", "tl::tma_store_add",
-                              T.access_ptr(dq_shared[row, 0], "r"),
-                              T.access_ptr(dq[bz, q_start + row, head, 0], "w"),
-                              head_dim * 4)
+                              T.access_ptr(dq_shared[row, part * columns], "r"),
+                              T.access_ptr(dq[bz, q_start + row, head, part * columns], "w"),
+                              columns * 4)
             T.tma_store_arrive()
+
+    @T.macro
+    def gradient_gemms_handing_off_ds(p_local, ds_local, ds_shared, dq_local, q_shared,
+                                      do_shared, k_shared, dv_local, dk_local, t, n_tiles):
+        """ds_handoff: dV, dK and dQ of tile t of n_tiles with the dS halves handed over
+        by one-sided named barriers. Each pairs one warpgroup's arrive with the other's sync
+        (so both count `threads`), one for one: a hand-back is given only when a tile
+        follows and awaited only after the first. (Barriers arrived on before the loop
+        would run in TileLang's prologue, shared with the producer.)"""
+        half = T.get_thread_binding() // (threads // 2)  # this consumer warpgroup
+        if t > 0:
+            T.sync_threads(DS_FREE + half, threads)  # the other's dQ GEMM read our half
+        T.copy(ds_local, ds_shared)  # our 64 key rows
+        T.fence_proxy_async()  # the generic-proxy writes, seen by the wgmma reads
+        T.named_barrier_arrive(DS_READY + half, threads)
+        T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
+        T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
+        T.sync_threads(DS_READY + 1 - half, threads)  # the other half is in
+        T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)  # and all of our own
+        clear_for_gemm(dq_local)
+        T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
+               policy=T.GemmWarpPolicy.FullCol, clear_accum=clear_by_mma)  # dQ = dS K
+        if t + 1 < n_tiles:
+            T.named_barrier_arrive(DS_FREE + 1 - half, threads)  # the other's half is read
 
     share_sm = sm_sharing(threads, config.ctas_per_sm)
 
@@ -256,9 +308,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         dk_local = T.alloc_fragment((block_kv, head_dim), "float")
         dv_local = T.alloc_fragment((block_kv, head_dim), "float")
         dq_local = T.alloc_fragment((block_q, head_dim), "float")
-        # dq_rows: rows whole and in order (each one bulk reduce), DQ_ROW_PAD floats apart
-        # so the fragment's stores spread over the banks
-        dq_shared = T.alloc_shared((block_q, head_dim + DQ_ROW_PAD * dq_rows),
+        # dq by rows: rows whole and in order (each one or two bulk reduces), DQ_ROW_PAD
+        # floats apart so the fragment's stores spread over the banks
+        dq_shared = T.alloc_shared((block_q, head_dim + DQ_ROW_PAD * dq_by_rows),
                                    "float") if tma_dq else None
         lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
@@ -267,7 +319,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         # TileLang's shared-memory planner lays them over those (no extra shared memory)
         dk_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
         dv_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
-        if dq_rows:
+        if dq_by_rows:
             T.annotate_layout({dq_shared: make_linear_layout(dq_shared)})
 
         kv_head = by if group_loop else by // group
@@ -340,6 +392,10 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 # asynchronous issue, so the next TMA load cannot overwrite the tiles
                 # while a wgmma still reads them.
                 hold[0] = q_shared[0, 0] + do_shared[0, 0]
+            elif ds_handoff:
+                gradient_gemms_handing_off_ds(p_local, ds_local, ds_shared, dq_local,
+                                              q_shared, do_shared, k_shared, dv_local,
+                                              dk_local, t, heads_per_cta * n_blocks)
             else:
                 T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
                 T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
@@ -347,7 +403,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 clear_for_gemm(dq_local)
                 T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=clear_by_mma)  # dQ = dS K
-            if dq_rows:
+            if dq_by_rows:
                 add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q)
             elif tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
                 T.copy(dq_local, dq_shared)
@@ -357,7 +413,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 for i, j in T.Parallel(block_q, head_dim):
                     if q_start + i < seq_q:
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
-        if dq_rows and issues_dq_row(T.get_thread_binding()):
+        if dq_by_rows and issues_dq_row(T.get_thread_binding()):
             T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
         if group_loop:  # this CTA holds the whole sum: store it
             for i, j in T.Parallel(block_kv, head_dim):
@@ -369,8 +425,12 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             # nothing, and must not write its tiles: they lie over K and V, whose loads
             # nobody waited for.
             if n_blocks > 0:
+                if ds_handoff:  # no automatic syncs: K/V and dq read out before overwriting
+                    T.sync_threads(DQ_BARRIER, threads)
                 T.copy(dk_local, dk_shared)
                 T.copy(dv_local, dv_shared)
+                if ds_handoff:
+                    T.sync_threads(DQ_BARRIER, threads)
                 T.atomic_add(dk[bz, kv_start:kv_start + block_kv, kv_head, :], dk_shared,
                              use_tma=True)
                 T.atomic_add(dv[bz, kv_start:kv_start + block_kv, kv_head, :], dv_shared,
@@ -416,6 +476,13 @@ class AttentionBwdKernel(Kernel):
         main = attention_bwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"], config)
         return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
+
+    def pass_configs(self, config: AttentionBwdConfig, program_index: int) -> dict:
+        # ds_handoff places every shared-memory sync of the main pass by hand; TileLang's
+        # own would put back the CTA-wide barriers it removes
+        if program_index == 1 and config.ds_handoff:
+            return {"tl.disable_thread_storage_sync": True}
+        return {}
 
     def run(self, config: AttentionBwdConfig, compiled: tuple, q, k, v, o, do, lse, dq, dk,
             dv, scale: float) -> None:
@@ -508,5 +575,7 @@ class AttentionBwdKernel(Kernel):
         if space[0].edge_masks_only:
             space += [dataclasses.replace(space[0], clear_by_mma=clear, tma_dkv=tma_dkv)
                       for clear in (False, True) for tma_dkv in (False, True)]
+            # the warpgroups out of lockstep (compile-checked, not yet run on a GPU)
+            space.append(dataclasses.replace(space[0], ds_handoff=True))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]
