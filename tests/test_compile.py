@@ -152,7 +152,9 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"tma_dkv": True, "stages": 3},
                                      {"clear_by_mma": True, "tma_dkv": True, "stages": 3},
                                      {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
-                                      "ds_handoff": True}],
+                                      "ds_handoff": True},
+                                     {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
+                                      "ds_handoff": True, "dq_rows": True}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
@@ -254,24 +256,26 @@ def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_mem
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim):
+@pytest.mark.parametrize("dq_rows", [False, True])
+def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_rows):
     """`ds_handoff`: no CTA-wide barrier inside the key loop. Each warpgroup syncs on the
     other's dS half (a one-sided named barrier the other arrives at), hands it back after
-    dQ, syncs its own dq columns on its own barrier and reduces them by row; TileLang's
-    automatic syncs are off for the main pass only."""
+    dQ, syncs its own dq columns on its own barrier and reduces them, by one TMA reduce or
+    by rows; TileLang's automatic syncs are off for the main pass only."""
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                 window_left=-1, window_right=0, softcap=0.0)
-    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), ds_handoff=True)
+    default = kernel.heuristic_config("all", "sm_90a")
+    config = dataclasses.replace(default, ds_handoff=True, dq_rows=dq_rows)
     assert config in kernel.config_space("all")
     assert kernel.pass_configs(config, 1) == {"tl.disable_thread_storage_sync": True}
     assert kernel.pass_configs(config, 0) == {}  # the delta pass keeps its syncs
-    assert kernel.pass_configs(kernel.heuristic_config("all", "sm_90a"), 1) == {}
+    assert kernel.pass_configs(default, 1) == {}
     delta, main = kernel.compile(config, "all")
-    default_delta = kernel.compile(kernel.heuristic_config("all", "sm_90a"), "all")[0]
+    default_delta = kernel.compile(default, "all")[0]
     assert delta.get_kernel_source() == default_delta.get_kernel_source()
     source = main.get_kernel_source()
-    loop = source[source.index("for (int t_1"):source.index("tl::tma_store_wait<0, true>();\n"
-                                                            "    }\n")]
+    loop = source[source.index("for (int t_1"):source.index("\n    }\n", source.index(
+        "for (int t_1"))]
     assert "__sync_thread_partial(3, 256)" not in source
     assert "__syncthreads" not in loop
     # consumer warpgroup h (threadIdx.x >> 7 is h + 1): dS ready 9 + h, free 11 + h, own 13 + h
@@ -280,8 +284,13 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim):
     assert "__named_barrier_arrive((13 - (((int)threadIdx.x) >> 7)), 256)" in loop  # free
     assert "__sync_thread_partial(((((int)threadIdx.x) >> 7) + 10), 256)" in loop  # ours
     assert loop.count("__sync_thread_partial(((((int)threadIdx.x) >> 7) + 12), 128)") == 3
-    assert "dq_desc" not in source  # dq by row halves: columns * 4 bytes each
-    assert f", {head_dim * 2});" in loop
+    if dq_rows:  # one bulk reduce per row of a warpgroup's columns: head_dim / 2 * 4 bytes
+        assert "dq_desc" not in source
+        assert f", {head_dim * 2});" in loop
+    else:  # one tensor-map reduce per warpgroup, from its first thread
+        assert "if (((int)threadIdx.x) == 128)" in loop
+        assert "if (((int)threadIdx.x) == 256)" in loop
+        assert loop.count("tl::tma_store_add(dq_desc") == 2
     # the arrives are under the consumers' loop, not in the prologue the producer runs too
     assert source.index("__named_barrier_arrive") > source.index("for (int t_1")
     with pytest.raises(ValueError, match="ds_handoff"):

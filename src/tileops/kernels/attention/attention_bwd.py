@@ -82,9 +82,10 @@ class AttentionBwdConfig:
     # while the tensor cores idle). Each stores its dS half right after its softmax and
     # signals it with a one-sided named barrier, runs its dV and dK GEMMs, and waits for the
     # other half only before dQ; a second pair of barriers hands each half back once the
-    # other's dQ GEMM has read it. Each warpgroup reduces its own 64 dq columns, one bulk
-    # reduce per row, and waits for them only before it rewrites them. Every shared-memory
-    # sync of the kernel is then placed here by hand (TileLang's automatic ones are off).
+    # other's dQ GEMM has read it. Each warpgroup reduces its own 64 dq columns: one TMA
+    # reduce of them (its first thread issues and waits), or with dq_rows one bulk reduce
+    # per row, awaited only before the rewrite. Every shared-memory sync of the kernel is
+    # then placed here by hand (TileLang's automatic ones are off).
     ds_handoff: bool = False
 
     def __post_init__(self):
@@ -95,12 +96,11 @@ class AttentionBwdConfig:
             # async dQ = dS K must be a wgmma, and a wgmma takes at least 64 rows
             raise ValueError(f"AttentionBwdConfig: async_mma needs block_q >= 64, got "
                              f"block_q={self.block_q}")
-        if self.ds_handoff and (self.async_mma or self.dq_rows or not self.tma_dq
-                                or self.threads != 256 or self.block_kv != 128
-                                or self.ctas_per_sm != 1):
+        if self.ds_handoff and (self.async_mma or not self.tma_dq or self.threads != 256
+                                or self.block_kv != 128 or self.ctas_per_sm != 1):
             raise ValueError("AttentionBwdConfig: ds_handoff is written for two consumer "
-                             "warpgroups of 64 keys each, T.gemm and its own dq rows through "
-                             f"shared memory, got {self}")
+                             "warpgroups of 64 keys each, T.gemm and dq through shared "
+                             f"memory (tma_dq), got {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -116,7 +116,7 @@ class AttentionBwdConfig:
             tiles = max(tiles, 2 * self.block_kv * head_dim * 4)
         ds = self.block_kv * self.block_q * elem_bytes
         stats = 2 * self.stages * self.block_q * 4 if self.staged_stats else 0
-        dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows or self.ds_handoff else 0)
+        dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows else 0)
         return tiles + ds + stats + (self.block_q * dq_row * 4 if self.tma_dq else 0)
 
     def fits(self, head_dim: int) -> bool:
@@ -161,7 +161,6 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     dq_rows, clear_by_mma = config.dq_rows, config.clear_by_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     kv_chunks, tma_dkv, ds_handoff = config.kv_chunks, config.tma_dkv, config.ds_handoff
-    dq_by_rows = dq_rows or ds_handoff  # dq through shared memory by per-row bulk reduces
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -267,6 +266,23 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             T.tma_store_arrive()
 
     @T.macro
+    def add_dq_halves(dq, dq_local, dq_shared, bz, head, q_start):
+        """ds_handoff without dq_rows: each consumer warpgroup adds its dQ columns by one
+        TMA reduce, issued (and awaited) by its first thread; TMA clips the Sq tail."""
+        half = T.get_thread_binding() // (threads // 2)
+        cols = head_dim // 2
+        T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)  # last reduce read out
+        T.copy(dq_local, dq_shared)  # each warpgroup writes its own columns
+        T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)
+        # TileLang elects the first thread of each branch (thread 0 and threads // 2)
+        if half == 0:
+            T.atomic_add(dq[bz, q_start:q_start + block_q, head, 0:cols],
+                         dq_shared[:, 0:cols], use_tma=True)
+        else:
+            T.atomic_add(dq[bz, q_start:q_start + block_q, head, cols:head_dim],
+                         dq_shared[:, cols:head_dim], use_tma=True)
+
+    @T.macro
     def gradient_gemms_handing_off_ds(p_local, ds_local, ds_shared, dq_local, q_shared,
                                       do_shared, k_shared, dv_local, dk_local, t, n_tiles):
         """ds_handoff: dV, dK and dQ of tile t of n_tiles with the dS halves handed over
@@ -308,9 +324,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         dk_local = T.alloc_fragment((block_kv, head_dim), "float")
         dv_local = T.alloc_fragment((block_kv, head_dim), "float")
         dq_local = T.alloc_fragment((block_q, head_dim), "float")
-        # dq by rows: rows whole and in order (each one or two bulk reduces), DQ_ROW_PAD
-        # floats apart so the fragment's stores spread over the banks
-        dq_shared = T.alloc_shared((block_q, head_dim + DQ_ROW_PAD * dq_by_rows),
+        # dq_rows: rows whole and in order (each one or two bulk reduces), DQ_ROW_PAD floats
+        # apart so the fragment's stores spread over the banks
+        dq_shared = T.alloc_shared((block_q, head_dim + DQ_ROW_PAD * dq_rows),
                                    "float") if tma_dq else None
         lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
@@ -319,7 +335,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         # TileLang's shared-memory planner lays them over those (no extra shared memory)
         dk_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
         dv_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
-        if dq_by_rows:
+        if dq_rows:
             T.annotate_layout({dq_shared: make_linear_layout(dq_shared)})
 
         kv_head = by if group_loop else by // group
@@ -403,8 +419,10 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 clear_for_gemm(dq_local)
                 T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
                        policy=T.GemmWarpPolicy.FullCol, clear_accum=clear_by_mma)  # dQ = dS K
-            if dq_by_rows:
+            if dq_rows:
                 add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q)
+            elif ds_handoff:
+                add_dq_halves(dq, dq_local, dq_shared, bz, head, q_start)
             elif tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
                 T.copy(dq_local, dq_shared)
                 T.atomic_add(dq[bz, q_start:q_start + block_q, head, :], dq_shared,
@@ -413,7 +431,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 for i, j in T.Parallel(block_q, head_dim):
                     if q_start + i < seq_q:
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
-        if dq_by_rows and issues_dq_row(T.get_thread_binding()):
+        if dq_rows and issues_dq_row(T.get_thread_binding()):
             T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
         if group_loop:  # this CTA holds the whole sum: store it
             for i, j in T.Parallel(block_kv, head_dim):
@@ -575,7 +593,9 @@ class AttentionBwdKernel(Kernel):
         if space[0].edge_masks_only:
             space += [dataclasses.replace(space[0], clear_by_mma=clear, tma_dkv=tma_dkv)
                       for clear in (False, True) for tma_dkv in (False, True)]
-            # the warpgroups out of lockstep (compile-checked, not yet run on a GPU)
-            space.append(dataclasses.replace(space[0], ds_handoff=True))
+            # the warpgroups out of lockstep, dq by a TMA reduce per warpgroup or by rows
+            # (compile-checked, not yet run on a GPU)
+            space += [dataclasses.replace(space[0], ds_handoff=True, dq_rows=rows)
+                      for rows in (False, True)]
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]
