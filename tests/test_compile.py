@@ -1,6 +1,7 @@
 """Compile-only: every kernel builds for sm_90a on the smoke workloads, on the fast paths."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -17,6 +18,12 @@ from tileops.prebuild import build_plan
 pytestmark = [pytest.mark.compile, pytest.mark.smoke]
 
 PLAN = build_plan(tier="smoke")
+
+
+def backward_kernel(head_dim: int) -> AttentionBwdKernel:
+    """The Llama-3.1-8B-shaped causal backward (32 query heads, 8 KV heads), bf16."""
+    return AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
+                              window_left=-1, window_right=0, softcap=0.0)
 
 
 @pytest.mark.parametrize("item", PLAN, ids=[i.describe() for i in PLAN])
@@ -87,8 +94,6 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
                                                (128, "two CTAs per SM, 160 keys"),
                                                (64, "bidirectional"), (128, "bidirectional")])
 def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_path):
-    import dataclasses
-
     kernel = AttentionFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                 window_left=-1 if head_dim < 256 else 127,
                                 window_right=-1 if variant == "bidirectional" else 0,
@@ -158,10 +163,7 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
-    import dataclasses
-
-    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
-                                window_left=-1, window_right=0, softcap=0.0)
+    kernel = backward_kernel(head_dim)
     # variants of the lighter loop with two Q/dO stages; the last one is the default
     lighter_loop = {"stages": 2, "clear_by_mma": False, "tma_dkv": False}
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),
@@ -174,8 +176,7 @@ def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp
 def test_attention_backward_two_ctas_per_sm_keep_everything_in_registers(head_dim, tmp_path):
     """Two CTAs share an SM: launch bound and register split for both, no spills, and
     wgmmas that ptxas does not serialize."""
-    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
-                                window_left=-1, window_right=0, softcap=0.0)
+    kernel = backward_kernel(head_dim)
     configs = [c for c in kernel.config_space("all") if c.ctas_per_sm == 2]
     assert len(configs) == 2
     for config in configs:
@@ -189,13 +190,11 @@ def test_attention_backward_two_ctas_per_sm_keep_everything_in_registers(head_di
 def test_attention_backward_clear_by_mma_zeroes_no_accumulator_by_hand():
     """`clear_by_mma`: S, dP and dQ start from their first wgmma (scale-d off), so the only
     zeroed fragments left are dK and dV, once per CTA."""
-    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
-                                window_left=-1, window_right=0, softcap=0.0)
+    kernel = backward_kernel(128)
     default = kernel.heuristic_config("all", "sm_90a")
     assert default.clear_by_mma
     by_hand = dataclasses.replace(default, clear_by_mma=False)
     assert by_hand in kernel.config_space("all")
-    import re
 
     def zeroed_fragments(source):  # how TileLang writes T.clear of a fragment
         return len(re.findall(r"float broadcast_var(_\d+)? = 0x0p\+0f", source))
@@ -212,8 +211,7 @@ def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     """`dq_rows`: one bulk reduce per dq row from a padded, linear shared tile; inside the
     key loop each issuing thread waits only before the tile is rewritten (one wait there,
     one after the loop), not right after issuing."""
-    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
-                                window_left=-1, window_right=0, softcap=0.0)
+    kernel = backward_kernel(128)
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_rows=True,
                                  clear_by_mma=False, tma_dkv=False)
     assert config in kernel.config_space("all")
@@ -230,13 +228,11 @@ def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
 def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_memory():
     """`tma_dkv`: after the key loop dk and dv leave by tensor-map reduce-adds from shared
     tiles laid over the dead K/V and Q/dO tiles, so the CTA needs no more shared memory."""
-    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
-                                window_left=-1, window_right=0, softcap=0.0)
+    kernel = backward_kernel(128)
     default = kernel.heuristic_config("all", "sm_90a")
     assert default.tma_dkv
     atomics = dataclasses.replace(default, tma_dkv=False)
     assert atomics in kernel.config_space("all")
-    import re
 
     def dynamic_smem(compiled):  # the launch's shared-memory bytes, an argument > 200 KB
         found = re.findall(r"\(\(int64_t\)(2\d{5})\)", compiled.get_host_source())
@@ -262,8 +258,7 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
     other's dS half (a one-sided named barrier the other arrives at), hands it back after
     dQ, syncs its own dq columns on its own barrier and reduces them, by one TMA reduce or
     by rows; TileLang's automatic syncs are off for the main pass only."""
-    kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
-                                window_left=-1, window_right=0, softcap=0.0)
+    kernel = backward_kernel(head_dim)
     default = kernel.heuristic_config("all", "sm_90a")
     config = dataclasses.replace(default, ds_handoff=True, dq_rows=dq_rows)
     assert config in kernel.config_space("all")
@@ -301,8 +296,6 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
 def test_attention_varlen_tile_store_stores_whole_tiles_by_tma(bucket, tmp_path):
     """`tile_store`: blocks inside their sequence store O by TMA (the row path stays for
     blocks cut by a sequence's end), without spills."""
-    import dataclasses
-
     from tileops.kernels.attention import AttentionVarlenFwdKernel
 
     kernel = AttentionVarlenFwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
