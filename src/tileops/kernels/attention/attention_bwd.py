@@ -74,8 +74,9 @@ class AttentionBwdConfig:
     clear_by_mma: bool = False
     # With GQA's atomics (not group_loop): dk and dv leave the CTA by two TMA bulk
     # reduce-adds from shared memory instead of 2 x block_kv x head_dim / threads float2
-    # atomics per thread, which stalled the consumers for 12-14% of their time on the H200
-    # (ncu, 8B 8 x 2K) while the SM's tensor cores idled.
+    # atomics per thread. ncu sampled the consumers stalled on those atomics 12-14% of the
+    # time (8B 8 x 2K), yet the change measured within the noise: the next CTA's start did
+    # not wait for them.
     tma_dkv: bool = False
     # The two consumer warpgroups stop meeting at CTA-wide barriers inside the key loop,
     # where ncu found them in lockstep (both in their GEMMs, then both in their softmax
