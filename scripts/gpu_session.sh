@@ -8,7 +8,8 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh breakdown OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh ncu KERNEL_REGEX OP --workload TEXT [--dtype D]
 # TEST_PATHS narrows the tests (default: tests), TEST_K selects by pytest -k expression (it may
-# hold spaces: "edge or tile_store"); BENCH_SECONDS caps a bench sweep; steps chain
+# hold spaces: "edge or tile_store"); TEST_SECONDS caps each test run (the counts still
+# print; a cut-off run exits 124) and BENCH_SECONDS a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as
 # TILEOPS_COMMIT=<hash> so the bench JSON names it.
 # Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present.
@@ -57,14 +58,20 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # Correctness tests in one process per CPU core (compiling dominates); the timer's tests
   # alone afterwards (they measure).
   paths=${TEST_PATHS:-tests}
-  ( r1=0; [ "$paths" = tests/perf ] || { python3 -m pytest -q -m gpu -n "$(nproc)" $paths \
-      ${TEST_K:+-k "$TEST_K"} --ignore tests/perf -p no:cacheprovider \
-      --junitxml "$OUT/junit.xml"; r1=$?; }
+  # One line per test (-v), so a run cut short by TEST_SECONDS still says what passed;
+  # faulthandler dumps the stacks of a test stuck for 150 s (a kernel that never returns).
+  pytest_gpu() { timeout "${TEST_SECONDS:-0}" python3 -m pytest -v -m gpu \
+      -o faulthandler_timeout=150 -p no:cacheprovider "$@"; }
+  ( r1=0; [ "$paths" = tests/perf ] || { pytest_gpu -n "$(nproc)" $paths \
+      ${TEST_K:+-k "$TEST_K"} --ignore tests/perf --junitxml "$OUT/junit.xml"; r1=$?; }
     r2=0; case " $paths " in *" tests "*|*" tests/perf "*)
-      python3 -m pytest -q -m gpu tests/perf -p no:cacheprovider; r2=$? ;; esac
+      pytest_gpu tests/perf; r2=$? ;; esac
     exit $(( r1 | r2 )) ) > "$OUT/gpu-tests.log" 2>&1; rc=$?
-  grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -n 3
-  grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -n 40
+  log="$OUT/gpu-tests.log"
+  echo "tests: $(grep -c " PASSED " "$log") passed, $(grep -cE " (FAILED|ERROR) " "$log")" \
+       "failed or errors$(grep -q "Timeout (0:" "$log" && echo ", a test hung (stacks in the log)")"
+  grep -E "^=+ .*(passed|failed|error).* in [0-9.]+s" "$log" | tail -n 2
+  grep -E "(^| )(FAILED|ERROR) " "$log" | head -n 40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # BENCH_SECONDS caps the sweep (0: none); the reports keep every case finished by then
