@@ -62,6 +62,21 @@ def test_every_config_of_the_space(config):
     check(2, 301, 301, 8, 2, 128, config=config)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_ds_handoff_over_long_key_loops(head_dim, is_causal):
+    """`ds_handoff`'s consumer warpgroups drift apart over a long walk of query blocks (41
+    here, the last one cut): a dS half rewritten before the other warpgroup's dQ read it, or
+    a dq tile rewritten before its reduce read it, shows up as wrong gradients."""
+    kernel = AttentionBwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=head_dim,
+                                window_left=-1, window_right=0 if is_causal else -1,
+                                softcap=0.0)
+    configs = [c for c in kernel.config_space("all") if c.ds_handoff]
+    assert len(configs) == 2  # dq by one TMA reduce per warpgroup, or by rows
+    for config in configs:
+        check(2, 2600, 2600, 8, 2, head_dim, config=config, is_causal=is_causal)
+
+
 @pytest.mark.parametrize("config", AttentionBwdKernel(
     dtype="bfloat16", heads=4, kv_heads=2, head_dim=256, window_left=127, window_right=0,
     softcap=50.0).config_space("all"), ids=str)
