@@ -6,7 +6,7 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh breakdown OP [--workload TEXT ...] [--dtype D]
-#   bash .gpu/remote.sh bash scripts/gpu_session.sh ncu KERNEL_REGEX OP --workload TEXT [--dtype D]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh ncu KERNEL_REGEX OP --workload TEXT [--dtype D] [--config JSON]
 # TEST_PATHS narrows the tests (default: tests), TEST_K selects by pytest -k expression (it may
 # hold spaces: "edge or tile_store"); TEST_SECONDS caps each test run (the counts still
 # print; a cut-off run exits 124) and BENCH_SECONDS a bench sweep; steps chain

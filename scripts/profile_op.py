@@ -5,10 +5,14 @@
         --workload "8 x 2k" --dtype bfloat16
 
 The first call compiles and loads the kernels (skip it); the inputs are the bench's (fresh
-random values). gpu_session.sh `ncu` wraps this.
+random values). `--config '{"ds_handoff": true}'` runs the op's kernel with those fields of
+its default config replaced (a config of the space that is not the default).
+gpu_session.sh `ncu` wraps this.
 """
 
 import argparse
+import dataclasses
+import json
 import sys
 
 import torch
@@ -29,6 +33,23 @@ def pick_case(op_name: str, workload_text: str, dtype: str) -> tuple:
     return cases[0]
 
 
+def config_with(op, inputs: list, overrides: dict):
+    """The default config of the one kernel `op` runs on `inputs` (shapes suffice), with
+    `overrides` replacing its fields; SystemExit when the op runs several kernels or a field
+    is unknown or the combination invalid."""
+    kernels = op.kernels_for(op.check(inputs))
+    if len(kernels) != 1:
+        raise SystemExit(f"profile_op: --config needs an op with one kernel, "
+                         f"{type(op).__name__} runs {len(kernels)}")
+    dispatch_key, key, size = kernels[0]
+    kernel = op.kernel_map[dispatch_key](**key)
+    default = kernel.heuristic_config(kernel.bucket_of(size), kernel.target["arch"])
+    try:
+        return dataclasses.replace(default, **overrides)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"profile_op: --config {json.dumps(overrides)}: {err}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", choices=sorted(OP_CLASSES))
@@ -36,10 +57,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="the workload whose label contains TEXT (exactly one)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--calls", type=int, default=2, help="calls, the first included")
+    parser.add_argument("--config", type=json.loads, metavar="JSON",
+                        help="fields of the kernel's default config to replace")
     args = parser.parse_args(argv)
     op_cls, workload = pick_case(args.op, args.workload, args.dtype)
     op = op_cls(**op_cls.spec.workload_params(workload))
     inputs = random_inputs(op_cls, workload, args.dtype)
+    if args.config:
+        config = config_with(op, inputs, args.config)
+        op.pin_config(config, *inputs)
+        print(f"profile_op: {config}", file=sys.stderr)
     for _ in range(args.calls):
         op(*inputs)
     torch.cuda.synchronize()
