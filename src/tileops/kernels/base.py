@@ -193,11 +193,9 @@ class Kernel:
             programs = self.program(config, bucket)
             if not isinstance(programs, tuple):
                 programs = (programs,)
-            compiled = tuple(
-                tilelang.compile(p, target=self.target,
-                                 **({"pass_configs": pc} if (pc := self.pass_configs(config, i))
-                                    else {}))
-                for i, p in enumerate(programs))
+            compiled = tuple(tilelang.compile(p, target=self.target,
+                                              pass_configs=self.pass_configs(config, i) or None)
+                             for i, p in enumerate(programs))
             Kernel._compiled[memo_key] = compiled
             Kernel.compile_count += len(compiled)
         return compiled

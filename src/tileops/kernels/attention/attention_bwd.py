@@ -230,6 +230,21 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         if not clear_by_mma:
             T.clear(acc)
 
+    @T.macro
+    def dv_dk_gemms(p_local, ds_local, q_shared, do_shared, dv_local, dk_local):
+        T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
+        T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
+
+    @T.macro
+    def dq_gemm(ds_shared, k_shared, dq_local):
+        clear_for_gemm(dq_local)
+        T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
+               policy=T.GemmWarpPolicy.FullCol, clear_accum=clear_by_mma)  # dQ = dS K
+
+    def consumer_warpgroup():
+        """0 or 1: which of the two consumer warpgroups runs this thread (ds_handoff)."""
+        return T.get_thread_binding() // (threads // 2)
+
     # The threads that write and reduce one part of the dq tile: all consumers and whole
     # rows with dq_rows; with ds_handoff each warpgroup and its half of the columns (dQ's
     # FullCol split), synced on its own barrier.
@@ -270,7 +285,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     def add_dq_halves(dq, dq_local, dq_shared, bz, head, q_start):
         """ds_handoff without dq_rows: each consumer warpgroup adds its dQ columns by one
         TMA reduce, issued (and awaited) by its first thread; TMA clips the Sq tail."""
-        half = T.get_thread_binding() // (threads // 2)
+        half = consumer_warpgroup()
         cols = head_dim // 2
         T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)  # last reduce read out
         T.copy(dq_local, dq_shared)  # each warpgroup writes its own columns
@@ -291,19 +306,16 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         (so both count `threads`), one for one: a hand-back is given only when a tile
         follows and awaited only after the first. (Barriers arrived on before the loop
         would run in TileLang's prologue, shared with the producer.)"""
-        half = T.get_thread_binding() // (threads // 2)  # this consumer warpgroup
+        half = consumer_warpgroup()
         if t > 0:
             T.sync_threads(DS_FREE + half, threads)  # the other's dQ GEMM read our half
         T.copy(ds_local, ds_shared)  # our 64 key rows
         T.fence_proxy_async()  # the generic-proxy writes, seen by the wgmma reads
         T.named_barrier_arrive(DS_READY + half, threads)
-        T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
-        T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
+        dv_dk_gemms(p_local, ds_local, q_shared, do_shared, dv_local, dk_local)
         T.sync_threads(DS_READY + 1 - half, threads)  # the other half is in
         T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)  # and all of our own
-        clear_for_gemm(dq_local)
-        T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
-               policy=T.GemmWarpPolicy.FullCol, clear_accum=clear_by_mma)  # dQ = dS K
+        dq_gemm(ds_shared, k_shared, dq_local)
         if t + 1 < n_tiles:
             T.named_barrier_arrive(DS_FREE + 1 - half, threads)  # the other's half is read
 
@@ -414,12 +426,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                                               q_shared, do_shared, k_shared, dv_local,
                                               dk_local, t, heads_per_cta * n_blocks)
             else:
-                T.gemm(p_local, do_shared, dv_local, policy=ROWS)  # dV += P^T dO
-                T.gemm(ds_local, q_shared, dk_local, policy=ROWS)  # dK += dS^T Q
+                dv_dk_gemms(p_local, ds_local, q_shared, do_shared, dv_local, dk_local)
                 T.copy(ds_local, ds_shared)
-                clear_for_gemm(dq_local)
-                T.gemm(ds_shared, k_shared, dq_local, transpose_A=True,
-                       policy=T.GemmWarpPolicy.FullCol, clear_accum=clear_by_mma)  # dQ = dS K
+                dq_gemm(ds_shared, k_shared, dq_local)
             if dq_rows:
                 add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q)
             elif ds_handoff:
