@@ -159,7 +159,9 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
                                       "ds_handoff": True},
                                      {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
-                                      "ds_handoff": True, "dq_rows": True}],
+                                      "ds_handoff": True, "dq_rows": True},
+                                     {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
+                                      "ds_handoff": True, "dq_bulk": True}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
@@ -295,6 +297,30 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
     assert source.index("__named_barrier_arrive") > source.index("for (int t_1")
     with pytest.raises(ValueError, match="ds_handoff"):
         dataclasses.replace(config, async_mma=True, clear_by_mma=False)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_backward_dq_bulk_adds_each_warpgroup_half_by_one_deferred_bulk_reduce(
+        head_dim):
+    """`dq_bulk`: each consumer warpgroup adds its dQ half by one bulk reduce of a contiguous
+    padded run into the head-major fp32 buffer; its first thread waits for the read only
+    before the next rewrite (and once after the loop), never right after the issue."""
+    kernel = backward_kernel(head_dim)
+    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_bulk=True)
+    assert config in kernel.config_space("all")
+    source = kernel.compile(config, "all")[1].get_kernel_source()
+    loop = source[source.index("for (int t_1"):source.index("\n    }\n", source.index(
+        "for (int t_1"))]
+    assert "dq_desc" not in source
+    half_run = 64 * (head_dim // 2 + 8) * 4  # block_q padded half rows of fp32
+    assert loop.count(f"), {half_run});") == 1  # one issue site, by the elected thread
+    wait, issue = loop.index("tl::tma_store_wait<0, true>()"), loop.index("tl::tma_store_add(")
+    assert loop.count("tl::tma_store_wait<0, true>()") == 1 and wait < issue
+    assert "tl::tma_store_wait" not in loop[issue:]  # deferred to the next tile
+    assert "if ((((int)threadIdx.x) % 128) == 0)" in loop
+    for bad in ({"ds_handoff": False}, {"dq_rows": True}):
+        with pytest.raises(ValueError, match="dq_bulk"):
+            dataclasses.replace(config, **bad)
 
 
 @pytest.mark.parametrize("bucket", ["short", "long"])

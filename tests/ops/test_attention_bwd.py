@@ -67,12 +67,13 @@ def test_every_config_of_the_space(config):
 def test_ds_handoff_over_long_key_loops(head_dim, is_causal):
     """`ds_handoff`'s consumer warpgroups drift apart over a long walk of query blocks (41
     here, the last one cut): a dS half rewritten before the other warpgroup's dQ read it, or
-    a dq tile rewritten before its reduce read it, shows up as wrong gradients."""
+    a dq tile rewritten before its reduce read it (dq_bulk defers that wait a tile), shows up
+    as wrong gradients."""
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=head_dim,
                                 window_left=-1, window_right=0 if is_causal else -1,
                                 softcap=0.0)
     configs = [c for c in kernel.config_space("all") if c.ds_handoff]
-    assert len(configs) == 2  # dq by one TMA reduce per warpgroup, or by rows
+    assert len(configs) == 3  # dq by one TMA reduce per warpgroup, by rows, or dq_bulk
     for config in configs:
         check(2, 2600, 2600, 8, 2, head_dim, config=config, is_causal=is_causal)
 

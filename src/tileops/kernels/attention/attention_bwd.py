@@ -88,6 +88,12 @@ class AttentionBwdConfig:
     # per row, awaited only before the rewrite. Every shared-memory sync of the kernel is
     # then placed here by hand (TileLang's automatic ones are off).
     ds_handoff: bool = False
+    # With ds_handoff: dq accumulates in a head-major fp32 buffer [B, H, 2, Sq rounded up to
+    # block_q, head_dim / 2 + DQ_ROW_PAD] (the op's own, cast into dq at the end), where a
+    # warpgroup's 64-row half tile is one contiguous run: one bulk reduce-add of it, and the
+    # issuing thread awaits its read of shared memory only before the next rewrite, not
+    # right after the issue (a tensor-map reduce's wait held up the warpgroup's next GEMM).
+    dq_bulk: bool = False
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -102,6 +108,9 @@ class AttentionBwdConfig:
             raise ValueError("AttentionBwdConfig: ds_handoff is written for two consumer "
                              "warpgroups of 64 keys each, T.gemm and dq through shared "
                              f"memory (tma_dq), got {self}")
+        if self.dq_bulk and (not self.ds_handoff or self.dq_rows):
+            raise ValueError("AttentionBwdConfig: dq_bulk is a dq path of ds_handoff, other "
+                             f"than dq_rows, got {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -117,7 +126,8 @@ class AttentionBwdConfig:
             tiles = max(tiles, 2 * self.block_kv * head_dim * 4)
         ds = self.block_kv * self.block_q * elem_bytes
         stats = 2 * self.stages * self.block_q * 4 if self.staged_stats else 0
-        dq_row = head_dim + (DQ_ROW_PAD if self.dq_rows else 0)
+        # dq_bulk pads each warpgroup's half row
+        dq_row = head_dim + DQ_ROW_PAD * (self.dq_rows + 2 * self.dq_bulk)
         return tiles + ds + stats + (self.block_q * dq_row * 4 if self.tma_dq else 0)
 
     def fits(self, head_dim: int) -> bool:
@@ -162,11 +172,14 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     dq_rows, clear_by_mma = config.dq_rows, config.clear_by_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     kv_chunks, tma_dkv, ds_handoff = config.kv_chunks, config.tma_dkv, config.ds_handoff
+    dq_bulk = config.dq_bulk
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
+    dq_half_row = head_dim // 2 + DQ_ROW_PAD  # dq_bulk: a warpgroup's padded half row
+    dq_shape = ((batch, heads, 2, T.dynamic("seq_dq"), dq_half_row) if dq_bulk else q_shape)
     masked_right = window_right >= 0
     masked_left = window_left >= 0
     dkv_dtype = dtype if group_loop else "float"
@@ -298,6 +311,32 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             T.atomic_add(dq[bz, q_start:q_start + block_q, head, cols:head_dim],
                          dq_shared[:, cols:head_dim], use_tma=True)
 
+    def issues_dq_bulk(tx):
+        """Whether consumer thread tx issues (and later awaits) its warpgroup's bulk reduce."""
+        return tx % (threads // 2) == 0
+
+    @T.macro
+    def add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start):
+        """dq_bulk: each consumer warpgroup copies its dQ columns into its padded half of
+        dq_shared (rows h * block_q ...) and adds them by one bulk reduce of the contiguous
+        run; its first thread issues it and awaits the read before the next rewrite."""
+        tx = T.get_thread_binding()
+        half = consumer_warpgroup()
+        cols = head_dim // 2
+        if issues_dq_bulk(tx):
+            T.tma_store_wait(0, True)  # our previous reduce has read our half
+        T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)
+        for i, j in T.Parallel(block_q, head_dim):
+            dq_shared[j // cols * block_q + i, j % cols] = dq_local[i, j]
+        T.fence_proxy_async()  # the generic-proxy writes, seen by the bulk copy
+        T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)
+        if issues_dq_bulk(tx):
+            T.call_extern("handle", "tl::tma_store_add",
+                          T.access_ptr(dq_shared[half * block_q, 0], "r"),
+                          T.access_ptr(dq[bz, head, half, q_start, 0], "w"),
+                          block_q * dq_half_row * 4)
+            T.tma_store_arrive()
+
     @T.macro
     def gradient_gemms_handing_off_ds(p_local, ds_local, ds_shared, dq_local, q_shared,
                                       do_shared, k_shared, dv_local, dk_local, t, n_tiles):
@@ -339,8 +378,11 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         dq_local = T.alloc_fragment((block_q, head_dim), "float")
         # dq_rows: rows whole and in order (each one or two bulk reduces), DQ_ROW_PAD floats
         # apart so the fragment's stores spread over the banks
-        dq_shared = T.alloc_shared((block_q, head_dim + DQ_ROW_PAD * dq_rows),
-                                   "float") if tma_dq else None
+        if dq_bulk:  # the two warpgroups' halves one after the other, rows padded
+            dq_shared = T.alloc_shared((2 * block_q, dq_half_row), "float")
+        else:
+            dq_shared = T.alloc_shared((block_q, head_dim + DQ_ROW_PAD * dq_rows),
+                                       "float") if tma_dq else None
         lse_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         delta_shared = T.alloc_shared((block_q,), "float") if staged_stats else None
         hold = T.alloc_local((1,), dtype) if async_mma else None
@@ -348,7 +390,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         # TileLang's shared-memory planner lays them over those (no extra shared memory)
         dk_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
         dv_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
-        if dq_rows:
+        if dq_rows or dq_bulk:
             T.annotate_layout({dq_shared: make_linear_layout(dq_shared)})
 
         kv_head = by if group_loop else by // group
@@ -431,6 +473,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 dq_gemm(ds_shared, k_shared, dq_local)
             if dq_rows:
                 add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q)
+            elif dq_bulk:
+                add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start)
             elif ds_handoff:
                 add_dq_halves(dq, dq_local, dq_shared, bz, head, q_start)
             elif tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
@@ -443,6 +487,10 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
         if dq_rows and issues_dq_row(T.get_thread_binding()):
             T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
+        if dq_bulk and issues_dq_bulk(T.get_thread_binding()):
+            # read out before the CTA exits, and before the tma_dkv tiles (which the
+            # planner may lay over dq_shared) are written
+            T.tma_store_wait(0, True)
         if group_loop:  # this CTA holds the whole sum: store it
             for i, j in T.Parallel(block_kv, head_dim):
                 if kv_start + i < seq_kv:
@@ -474,7 +522,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                       v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
                       lse: T.Tensor(stats_shape, "float"),
                       delta: T.Tensor(stats_shape, "float"),
-                      dq: T.Tensor(q_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
+                      dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
                       dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
         n_kv = T.ceildiv(seq_kv, block_kv)
         if kv_chunks == 1:
@@ -525,7 +573,13 @@ class AttentionBwdKernel(Kernel):
             lse = lse.nan_to_num(nan=math.nan, posinf=math.inf, neginf=math.inf)
         if config.staged_stats and seq_q % 4:  # pad rows to a 16-byte TMA stride
             lse, delta = (torch.nn.functional.pad(t, (0, -seq_q % 4)) for t in (lse, delta))
-        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        if config.dq_bulk:  # head-major, halves apart, rows padded (see dq_bulk)
+            half = q.shape[-1] // 2
+            rows = -(-seq_q // config.block_q) * config.block_q
+            dq32 = torch.zeros((batch, heads, 2, rows, half + DQ_ROW_PAD),
+                               dtype=torch.float32, device=q.device)
+        else:
+            dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         if config.group_loop:  # dk and dv are stored whole by their CTAs
             compiled[1](q, k, v, do, lse, delta, dq32, dk, dv, scale)
         else:
@@ -534,7 +588,10 @@ class AttentionBwdKernel(Kernel):
             compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, scale)
             dk.copy_(dk32)
             dv.copy_(dv32)
-        dq.copy_(dq32)
+        if config.dq_bulk:
+            dq.unflatten(-1, (2, half)).copy_(dq32[..., :seq_q, :half].permute(0, 3, 1, 2, 4))
+        else:
+            dq.copy_(dq32)
 
     def heuristic_config(self, bucket: str, arch: str) -> AttentionBwdConfig:
         if self.key["head_dim"] >= 256:
@@ -609,5 +666,7 @@ class AttentionBwdKernel(Kernel):
                       for clear in (False, True) for tma_dkv in (False, True)]
             # out of lockstep with dq by row reduces
             space.append(dataclasses.replace(space[0], dq_rows=True))
+            # out of lockstep with dq by one bulk reduce per warpgroup, its wait deferred
+            space.append(dataclasses.replace(space[0], dq_bulk=True))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]
