@@ -167,7 +167,8 @@ def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
     kernel = backward_kernel(head_dim)
     # variants of the lighter loop with two Q/dO stages; the last but one is the default
-    lighter_loop = {"stages": 2, "clear_by_mma": False, "tma_dkv": False, "ds_handoff": False}
+    lighter_loop = {"stages": 2, "clear_by_mma": False, "tma_dkv": False, "ds_handoff": False,
+                    "dq_bulk": False}
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),
                                  **{**lighter_loop, **variant})
     assert config in kernel.config_space("all")
@@ -195,7 +196,7 @@ def test_attention_backward_clear_by_mma_zeroes_no_accumulator_by_hand():
     kernel = backward_kernel(128)
     default = kernel.heuristic_config("all", "sm_90a")
     assert default.clear_by_mma
-    lockstep = dataclasses.replace(default, ds_handoff=False)  # one loop shape for both
+    lockstep = dataclasses.replace(default, ds_handoff=False, dq_bulk=False)  # one loop shape
     by_hand = dataclasses.replace(lockstep, clear_by_mma=False)
     assert {by_hand, lockstep} <= set(kernel.config_space("all"))
 
@@ -216,7 +217,8 @@ def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     one after the loop), not right after issuing."""
     kernel = backward_kernel(128)
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_rows=True,
-                                 clear_by_mma=False, tma_dkv=False, ds_handoff=False)
+                                 clear_by_mma=False, tma_dkv=False, ds_handoff=False,
+                                 dq_bulk=False)
     assert config in kernel.config_space("all")
     source = kernel.compile(config, "all")[1].get_kernel_source()
     assert "dq_desc" not in source  # no tensor-map reduce of the whole tile
@@ -234,7 +236,7 @@ def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_mem
     kernel = backward_kernel(128)
     default = kernel.heuristic_config("all", "sm_90a")
     assert default.tma_dkv
-    lockstep = dataclasses.replace(default, ds_handoff=False)  # one loop shape for both
+    lockstep = dataclasses.replace(default, ds_handoff=False, dq_bulk=False)  # one loop shape
     atomics = dataclasses.replace(lockstep, tma_dkv=False)
     assert {atomics, lockstep} <= set(kernel.config_space("all"))
 
@@ -266,8 +268,8 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
     kernel = backward_kernel(head_dim)
     default = kernel.heuristic_config("all", "sm_90a")
     assert default.ds_handoff
-    config = dataclasses.replace(default, dq_rows=dq_rows)
-    lockstep = dataclasses.replace(default, ds_handoff=False)
+    config = dataclasses.replace(default, dq_bulk=False, dq_rows=dq_rows)
+    lockstep = dataclasses.replace(default, ds_handoff=False, dq_bulk=False)
     assert {config, lockstep} <= set(kernel.config_space("all"))
     assert kernel.pass_configs(config, 1) == {"tl.disable_thread_storage_sync": True}
     assert kernel.pass_configs(config, 0) == {}  # the delta pass keeps its syncs
@@ -296,7 +298,7 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
     # the arrives are under the consumers' loop, not in the prologue the producer runs too
     assert source.index("__named_barrier_arrive") > source.index("for (int t_1")
     with pytest.raises(ValueError, match="ds_handoff"):
-        dataclasses.replace(config, async_mma=True, clear_by_mma=False)
+        dataclasses.replace(config, async_mma=True, clear_by_mma=False, dq_bulk=False)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -306,8 +308,8 @@ def test_attention_backward_dq_bulk_adds_each_warpgroup_half_by_one_deferred_bul
     padded run into the head-major fp32 buffer; its first thread waits for the read only
     before the next rewrite (and once after the loop), never right after the issue."""
     kernel = backward_kernel(head_dim)
-    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_bulk=True)
-    assert config in kernel.config_space("all")
+    config = kernel.heuristic_config("all", "sm_90a")
+    assert config.dq_bulk
     source = kernel.compile(config, "all")[1].get_kernel_source()
     loop = source[source.index("for (int t_1"):source.index("\n    }\n", source.index(
         "for (int t_1"))]
