@@ -253,7 +253,7 @@ def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_mem
     assert "AtomicAddx2((&(dk[" in kernel.compile(atomics, "all")[1].get_kernel_source()
     assert dynamic_smem(compiled) == dynamic_smem(kernel.compile(atomics, "all")[1])
     assert "AtomicAdd" not in kernel.compile(default, "all")[1].get_kernel_source()
-    assert default.smem_bytes(128) == atomics.smem_bytes(128)
+    assert lockstep.smem_bytes(128) == atomics.smem_bytes(128)
     with pytest.raises(ValueError, match="tma_dkv"):
         dataclasses.replace(lockstep, group_loop=True)
 
