@@ -115,6 +115,22 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
         assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
 
 
+@pytest.mark.parametrize("kernel_class", [AttentionFwdKernel, AttentionVarlenFwdKernel])
+def test_attention_forward_kv_head_major_grid(kernel_class):
+    """`kv_head_major`: grid x is the query head within its GQA group (4), z the sequence
+    times the KV head (8), so K/V rows come from KV head z % 8 and Q rows from head
+    (z % 8) * 4 + x."""
+    kernel = kernel_class(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128, window_left=-1,
+                          window_right=-1, softcap=0.0)
+    config = dataclasses.replace(kernel.heuristic_config("long", "sm_90a"), kv_head_major=True)
+    assert config in kernel.config_space("long")
+    compiled = kernel.compile(config, "long")[0]
+    source = compiled.get_kernel_source()
+    assert "((((int)blockIdx.z) & 7) * 4) + ((int)blockIdx.x))" in source
+    host = compiled.get_host_source()  # the launch's grid z: sequences x 8
+    assert re.search(r"= \(\(int64_t\)\(\(?batch(_1)? \* 8\)( - 8\))?\);", host)
+
+
 def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
     """Up to SHORT_KEYS (4K) keys two 64-row CTAs share an SM (faster on the H200); longer
     key loops and head_dim 256 (no registers for two) keep one 128-row CTA, unless every
@@ -128,6 +144,8 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
     assert (bidirectional.ctas_per_sm, bidirectional.block_m, bidirectional.block_n) == (2, 64,
                                                                                         176)
     assert default(256, SHORT_KEYS + 1, window_right=-1).ctas_per_sm == 1
+    # and, with no causal order to keep, the grid goes KV head by KV head
+    assert bidirectional.kv_head_major and not default(128, SHORT_KEYS + 1).kv_head_major
 
     assert SHORT_KEYS == 4096
     assert default(128, 1).ctas_per_sm == default(64, SHORT_KEYS).ctas_per_sm == 2

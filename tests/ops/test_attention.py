@@ -1,5 +1,6 @@
 """GroupedQueryAttentionFwdOp on the GPU against an fp32 reference with explicit masks."""
 
+import dataclasses
 import math
 
 import pytest
@@ -100,6 +101,17 @@ def test_every_config_of_the_space(config):
     """The tuner may pick any config of the space (it checks agreement with the default on
     the tuning inputs only), so each one must be right on tails and Sq != Skv."""
     check(*make_qkv(2, 777, 1000, 8, 2, 128, torch.bfloat16), config=config, is_causal=True)
+
+
+@pytest.mark.parametrize("kv_head_major", [True, False])
+def test_grid_orders_without_a_mask(kv_head_major):
+    """The long bidirectional default walks the grid KV head by KV head (kv_head_major);
+    with either order every (query head, batch, block) must be computed once, over a batch
+    of three with GQA 4 and tails."""
+    default = config_space(128, window_right=-1)[0]
+    assert default.kv_head_major
+    config = dataclasses.replace(default, kv_head_major=kv_head_major)
+    check(*make_qkv(3, 300, 1000, 8, 2, 128, torch.bfloat16), config=config)
 
 
 @pytest.mark.parametrize("config", [c for c in config_space(128) if c.lazy_rescale], ids=str)

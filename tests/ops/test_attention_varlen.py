@@ -1,6 +1,8 @@
 """GroupedQueryAttentionVarlenFwdOp on the GPU: each packed sequence against the dense
 fp32 reference of the same options."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,6 +66,18 @@ def test_every_config_of_the_space(config):
     `tile_store`) and blocks cut by their end (row stores)."""
     lens = [0, 1, 17, 300, 1000, 129]
     check(lens, lens, config=config, is_causal=True)
+
+
+@pytest.mark.parametrize("kv_head_major", [False, True])
+def test_grid_orders_without_a_mask(kv_head_major):
+    """kv_head_major's grid (sequence x KV head in z) covers every sequence and head once."""
+    kernel = AttentionVarlenFwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=128,
+                                      window_left=-1, window_right=-1, softcap=0.0)
+    config = dataclasses.replace(kernel.heuristic_config("long", "sm_90a"),
+                                 kv_head_major=kv_head_major)
+    assert config in kernel.config_space("long")
+    lens = [0, 1, 17, 300, 1000, 129]
+    check(lens, lens, config=config)
 
 
 def test_chunked_prefill_bottom_right_causal():

@@ -58,6 +58,11 @@ class AttentionFwdConfig:
     # sequence stores O through shared memory by TMA, whole tiles instead of row by row
     # under a guard; blocks at a sequence's end still store row by row.
     tile_store: bool = False
+    # The grid walks the query heads of one GQA group fastest, then the query blocks, then
+    # the KV heads, so the CTAs in flight read the K/V of one or two KV heads, which stays
+    # in L2 at any length. With heads fastest every KV head streams at once: at 16K keys
+    # (8 KV heads, head_dim 128) that is 64 MB of K/V against the H200's 50 MB of L2.
+    kv_head_major: bool = False
 
     def __post_init__(self):
         for name in ("edge_masks_only", "lazy_rescale"):
@@ -95,6 +100,21 @@ def sm_sharing(threads: int, ctas_per_sm: int):
             T.annotate_consumer_reg_alloc(consumer_registers(threads, ctas_per_sm))
 
     return share_sm
+
+
+def launch_grid(config: AttentionFwdConfig, heads: int, kv_heads: int, n_blocks, n_seqs):
+    """The grid's extents: (heads, query blocks, sequences), or with kv_head_major
+    (group, query blocks, sequences x KV heads)."""
+    if config.kv_head_major:
+        return heads // kv_heads, n_blocks, n_seqs * kv_heads
+    return heads, n_blocks, n_seqs
+
+
+def head_and_sequence(config: AttentionFwdConfig, heads: int, kv_heads: int, bx, bz):
+    """(query head, sequence) of the CTA at grid x bx and z bz of `launch_grid`."""
+    if config.kv_head_major:
+        return bz % kv_heads * (heads // kv_heads) + bx, bz // kv_heads
+    return bx, bz
 
 
 def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right: int,
@@ -340,9 +360,11 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                       lse: T.Tensor((batch, heads, seq_q), "float"), scale: T.float32):
         # Heads vary fastest and query blocks run last-first, so the first wave takes the
         # blocks a causal mask leaves the most key tiles to (longest-first scheduling), and
-        # the query heads of one GQA group share K/V in L2.
+        # the query heads of one GQA group share K/V in L2 (see kv_head_major).
         n_blocks = T.ceildiv(seq_q, block_m)
-        with T.Kernel(heads, n_blocks, batch, threads=threads) as (bx, by, bz):
+        with T.Kernel(*launch_grid(config, heads, kv_heads, n_blocks, batch),
+                      threads=threads) as (bx, by, bz_):
+            head, bz = head_and_sequence(config, heads, kv_heads, bx, bz_)
             step.share_sm()
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
@@ -359,14 +381,14 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             # the first iteration, and o_shared overlays q_shared, so a block whose rows see
             # no key (Sq > Skv) would otherwise store O while that load may still land.
             n_tiles = T.max(reachable, 1)
-            T.copy(q[bz, q_start:q_start + block_m, bx, :], q_shared)
+            T.copy(q[bz, q_start:q_start + block_m, head, :], q_shared)
             step.init(st)
-            step.key_loop(st, kv_rows, bz, bx // group, k, v, n_tiles, tile_begin, q_shared,
+            step.key_loop(st, kv_rows, bz, head // group, k, v, n_tiles, tile_begin, q_shared,
                           k_shared, v_shared, q_start, seq_q, seq_kv, scale)
             step.finish(st, scale)
             T.copy(st.o, o_shared)
-            T.copy(o_shared, o[bz, q_start:q_start + block_m, bx, :])  # TMA clips the Sq tail
-            T.copy(st.lse, lse[bz, bx, q_start:q_start + block_m])
+            T.copy(o_shared, o[bz, q_start:q_start + block_m, head, :])  # TMA clips Sq's tail
+            T.copy(st.lse, lse[bz, head, q_start:q_start + block_m])
 
     return attention_fwd
 
@@ -407,7 +429,9 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
                              lse: T.Tensor((heads, total_q), "float"), max_seqlen_q: T.int32,
                              scale: T.float32):
         n_blocks = T.ceildiv(max_seqlen_q, block_m)  # longest-first, as in the dense grid
-        with T.Kernel(heads, n_blocks, batch_1 - 1, threads=threads) as (bx, by, bz):
+        with T.Kernel(*launch_grid(config, heads, kv_heads, n_blocks, batch_1 - 1),
+                      threads=threads) as (bx, by, bz_):
+            head, bz = head_and_sequence(config, heads, kv_heads, bx, bz_)
             step.share_sm()
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
@@ -426,23 +450,24 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             q_start = (n_blocks - 1 - by) * block_m
             tile_begin, reachable = step.tile_range(q_start, seq_q, seq_kv)
             n_tiles = T.if_then_else(q_start < seq_q, reachable, 0)
-            T.copy(q[q_offset + q_start:q_offset + q_start + block_m, bx, :], q_shared)
+            T.copy(q[q_offset + q_start:q_offset + q_start + block_m, head, :], q_shared)
             step.init(st)
             # With overlap, a block with no tile loads (never uses) tile -1, which lies
             # inside the packed tensor or is clipped by TMA.
-            step.key_loop(st, kv_rows, kv_offset, bx // group, k, v, n_tiles, tile_begin,
+            step.key_loop(st, kv_rows, kv_offset, head // group, k, v, n_tiles, tile_begin,
                           q_shared, k_shared, v_shared, q_start, seq_q, seq_kv, scale)
             step.finish(st, scale)
             if config.tile_store:
                 # n_tiles > 0: the consumers have awaited Q's load, which o_shared may overlay
                 if q_start + block_m <= seq_q and n_tiles > 0:
                     T.copy(st.o, o_shared)
-                    T.copy(o_shared, o[q_offset + q_start:q_offset + q_start + block_m, bx, :])
-                    T.copy(st.lse, lse[bx, q_offset + q_start:q_offset + q_start + block_m])
+                    T.copy(o_shared,
+                           o[q_offset + q_start:q_offset + q_start + block_m, head, :])
+                    T.copy(st.lse, lse[head, q_offset + q_start:q_offset + q_start + block_m])
                 else:
-                    store_rows(st, o, lse, q_offset, q_start, seq_q, bx)
+                    store_rows(st, o, lse, q_offset, q_start, seq_q, head)
             else:
-                store_rows(st, o, lse, q_offset, q_start, seq_q, bx)
+                store_rows(st, o, lse, q_offset, q_start, seq_q, head)
 
     return attention_varlen_fwd
 
@@ -487,9 +512,10 @@ class AttentionFwdKernel(Kernel):
         if self.key["window_left"] < 0 and self.key["window_right"] < 0:
             # Every key visible: two 64-row CTAs per SM hide each other's softmax; at 8K (8B
             # bidirectional, bf16) 1810.2 vs 1910.3 us in the tuner and 1724.3 vs 1836.0 in
-            # the bench; unchanged at 16K (8115.0 vs 8130.5).
+            # the bench; unchanged at 16K (8115.0 vs 8130.5). No causal order to keep, so
+            # the grid goes KV head by KV head (kv_head_major): K/V stays in L2 at 16K.
             return AttentionFwdConfig(block_m=64, block_n=176, stages=1, threads=128,
-                                      ctas_per_sm=2, edge_masks_only=True)
+                                      ctas_per_sm=2, edge_masks_only=True, kv_head_major=True)
         # 176-key tiles with one stage beat 128 keys x 2 stages by 2-6% (8K, causal and not);
         # the overlap variant lost by 0-8%.
         return AttentionFwdConfig(block_m=128, block_n=176, stages=1, threads=256,
@@ -516,6 +542,8 @@ class AttentionFwdKernel(Kernel):
             space.append(AttentionFwdConfig(64, 160, 1, 128, ctas_per_sm=2,
                                             edge_masks_only=True))
         space.append(dataclasses.replace(space[0], lazy_rescale=True))
+        # each default with the other grid order
+        space.append(dataclasses.replace(space[0], kv_head_major=not space[0].kv_head_major))
         if two_ctas:
             # the intra-warpgroup overlap inside each of two CTAs: with one consumer warpgroup
             # per CTA there is no second warpgroup to contend with for the barriers
@@ -541,7 +569,9 @@ class AttentionVarlenFwdKernel(AttentionFwdKernel):
         # (H200, 8B 8 x 2K equal lengths, bf16: 537.6 vs 603.5 us with row stores in the
         # tuner; in the bench 560.9 vs 624.4, 0.95x the dense kernel's throughput on the same
         # tokens). O reuses the Q buffer, so it fits wherever the dense default does.
-        return dataclasses.replace(super().heuristic_config(bucket, arch), tile_store=True)
+        # (The dense grid order: kv_head_major is measured on dense batches only.)
+        return dataclasses.replace(super().heuristic_config(bucket, arch), tile_store=True,
+                                   kv_head_major=False)
 
     def config_space(self, bucket: str) -> list[AttentionFwdConfig]:
         # the dense space (this default first), then both buckets' defaults with row stores
