@@ -542,8 +542,12 @@ class AttentionFwdKernel(Kernel):
             space.append(AttentionFwdConfig(64, 160, 1, 128, ctas_per_sm=2,
                                             edge_masks_only=True))
         space.append(dataclasses.replace(space[0], lazy_rescale=True))
-        # each default with the other grid order
+        # each default with the other grid order; where the default walks KV heads (every key
+        # visible), the edge-mask tilings in that order too, to compare them at equal L2 reuse
         space.append(dataclasses.replace(space[0], kv_head_major=not space[0].kv_head_major))
+        if space[0].kv_head_major:
+            space += [dataclasses.replace(c, kv_head_major=True) for c in space
+                      if c.edge_masks_only and not c.lazy_rescale]
         if two_ctas:
             # the intra-warpgroup overlap inside each of two CTAs: with one consumer warpgroup
             # per CTA there is no second warpgroup to contend with for the barriers
