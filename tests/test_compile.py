@@ -111,7 +111,7 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
     assert config in kernel.config_space(bucket), config
     compiled = kernel.compile(config, bucket)[0]
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
-    if variant in ("two CTAs per SM", "bidirectional"):  # two CTAs resident: launch bound
+    if variant == "two CTAs per SM":  # two CTAs resident: launch bound
         assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
 
 
@@ -134,15 +134,15 @@ def test_attention_forward_kv_head_major_grid(kernel_class):
 def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
     """Up to SHORT_KEYS (4K) keys two 64-row CTAs share an SM (faster on the H200); longer
     key loops and head_dim 256 (no registers for two) keep one 128-row CTA, unless every
-    key is visible (no causal mask, no window): then two 64 x 176 CTAs."""
+    key is visible (no causal mask, no window): then one 128 x 192 CTA, KV head by KV head."""
     def default(head_dim, seq_kv, kernel_class=AttentionFwdKernel, window_right=0):
         kernel = kernel_class(dtype="float16", heads=32, kv_heads=8, head_dim=head_dim,
                               window_left=-1, window_right=window_right, softcap=0.0)
         return kernel.heuristic_config(kernel.bucket_of(seq_kv), "sm_90a")
 
     bidirectional = default(128, SHORT_KEYS + 1, window_right=-1)
-    assert (bidirectional.ctas_per_sm, bidirectional.block_m, bidirectional.block_n) == (2, 64,
-                                                                                        176)
+    assert (bidirectional.ctas_per_sm, bidirectional.block_m, bidirectional.block_n) == (1, 128,
+                                                                                        192)
     assert default(256, SHORT_KEYS + 1, window_right=-1).ctas_per_sm == 1
     # and, with no causal order to keep, the grid goes KV head by KV head
     assert bidirectional.kv_head_major and not default(128, SHORT_KEYS + 1).kv_head_major
