@@ -85,8 +85,9 @@ class AttentionBwdConfig:
     # other half only before dQ; a second pair of barriers hands each half back once the
     # other's dQ GEMM has read it. Each warpgroup reduces its own 64 dq columns: one TMA
     # reduce of them (its first thread issues and waits), or with dq_rows one bulk reduce
-    # per row, awaited only before the rewrite. Every shared-memory sync of the kernel is
-    # then placed here by hand (TileLang's automatic ones are off).
+    # per row, awaited only before the rewrite, or with dq_bulk (below). Every
+    # shared-memory sync of the kernel is then placed here by hand (TileLang's automatic
+    # ones are off).
     ds_handoff: bool = False
     # With ds_handoff: dq accumulates in a head-major fp32 buffer [B, H, 2, Sq rounded up to
     # block_q, head_dim / 2 + DQ_ROW_PAD] (the op's own, cast into dq at the end), where a
@@ -296,8 +297,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
 
     @T.macro
     def add_dq_halves(dq, dq_local, dq_shared, bz, head, q_start):
-        """ds_handoff without dq_rows: each consumer warpgroup adds its dQ columns by one
-        TMA reduce, issued (and awaited) by its first thread; TMA clips the Sq tail."""
+        """ds_handoff without dq_rows or dq_bulk: each consumer warpgroup adds its dQ
+        columns by one TMA reduce, issued (and awaited) by its first thread; TMA clips the
+        Sq tail."""
         half = consumer_warpgroup()
         cols = head_dim // 2
         T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)  # last reduce read out
