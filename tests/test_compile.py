@@ -179,7 +179,9 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                      {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
                                       "ds_handoff": True, "dq_rows": True},
                                      {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
-                                      "ds_handoff": True, "dq_bulk": True}],
+                                      "ds_handoff": True, "dq_bulk": True},
+                                     {"clear_by_mma": True, "stages": 3, "ds_handoff": True,
+                                      "dq_bulk": True, "group_loop": True}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
