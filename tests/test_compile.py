@@ -26,6 +26,13 @@ def backward_kernel(head_dim: int) -> AttentionBwdKernel:
                               window_left=-1, window_right=0, softcap=0.0)
 
 
+def default_and_lockstep(kernel: AttentionBwdKernel):
+    """The backward default and its twin with the consumer warpgroups in lockstep (no
+    ds_handoff, so no dq_bulk): the loop shape the older choices were measured in."""
+    default = kernel.heuristic_config("all", "sm_90a")
+    return default, dataclasses.replace(default, ds_handoff=False, dq_bulk=False)
+
+
 @pytest.mark.parametrize("item", PLAN, ids=[i.describe() for i in PLAN])
 def test_smoke_workloads_compile(item):
     compiled = item.kernel.compile(item.config, item.bucket)
@@ -214,9 +221,8 @@ def test_attention_backward_clear_by_mma_zeroes_no_accumulator_by_hand():
     """`clear_by_mma`: S, dP and dQ start from their first wgmma (scale-d off), so the only
     zeroed fragments left are dK and dV, once per CTA."""
     kernel = backward_kernel(128)
-    default = kernel.heuristic_config("all", "sm_90a")
+    default, lockstep = default_and_lockstep(kernel)
     assert default.clear_by_mma
-    lockstep = dataclasses.replace(default, ds_handoff=False, dq_bulk=False)  # one loop shape
     by_hand = dataclasses.replace(lockstep, clear_by_mma=False)
     assert {by_hand, lockstep} <= set(kernel.config_space("all"))
 
@@ -254,9 +260,8 @@ def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_mem
     """`tma_dkv`: after the key loop dk and dv leave by tensor-map reduce-adds from shared
     tiles laid over the dead K/V and Q/dO tiles, so the CTA needs no more shared memory."""
     kernel = backward_kernel(128)
-    default = kernel.heuristic_config("all", "sm_90a")
+    default, lockstep = default_and_lockstep(kernel)
     assert default.tma_dkv
-    lockstep = dataclasses.replace(default, ds_handoff=False, dq_bulk=False)  # one loop shape
     atomics = dataclasses.replace(lockstep, tma_dkv=False)
     assert {atomics, lockstep} <= set(kernel.config_space("all"))
 
@@ -286,10 +291,9 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
     dQ, syncs its own dq columns on its own barrier and reduces them, by one TMA reduce or
     by rows; TileLang's automatic syncs are off for the main pass only."""
     kernel = backward_kernel(head_dim)
-    default = kernel.heuristic_config("all", "sm_90a")
+    default, lockstep = default_and_lockstep(kernel)
     assert default.ds_handoff
     config = dataclasses.replace(default, dq_bulk=False, dq_rows=dq_rows)
-    lockstep = dataclasses.replace(default, ds_handoff=False, dq_bulk=False)
     assert {config, lockstep} <= set(kernel.config_space("all"))
     assert kernel.pass_configs(config, 1) == {"tl.disable_thread_storage_sync": True}
     assert kernel.pass_configs(config, 0) == {}  # the delta pass keeps its syncs
