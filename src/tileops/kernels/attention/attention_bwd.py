@@ -264,6 +264,12 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     # FullCol split), synced on its own barrier.
     dq_part_threads = threads // 2 if ds_handoff else threads
 
+    def bulk_reduce_add(src, dst, nbytes):
+        """dst += src (nbytes from shared to global memory) by one bulk reduce on plain
+        addresses, committed to the issuing thread's bulk group."""
+        return T.call_extern("handle", "tl::tma_store_add", T.access_ptr(src, "r"),
+                             T.access_ptr(dst, "w"), nbytes)
+
     def issues_dq_row(tx):
         """Whether consumer thread tx issues (and later awaits) a row's bulk reduce."""
         return tx % (dq_part_threads // block_q) == 0
@@ -289,10 +295,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         T.sync_threads(barrier, dq_part_threads)
         if issues:
             if q_start + row < seq_q:
-                T.call_extern("handle", "tl::tma_store_add",
-                              T.access_ptr(dq_shared[row, part * columns], "r"),
-                              T.access_ptr(dq[bz, q_start + row, head, part * columns], "w"),
-                              columns * 4)
+                bulk_reduce_add(dq_shared[row, part * columns],
+                                dq[bz, q_start + row, head, part * columns], columns * 4)
             T.tma_store_arrive()
 
     @T.macro
@@ -333,10 +337,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         T.fence_proxy_async()  # the generic-proxy writes, seen by the bulk copy
         T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)
         if issues_dq_bulk(tx):
-            T.call_extern("handle", "tl::tma_store_add",
-                          T.access_ptr(dq_shared[half * block_q, 0], "r"),
-                          T.access_ptr(dq[bz, head, half, q_start, 0], "w"),
-                          block_q * dq_half_row * 4)
+            bulk_reduce_add(dq_shared[half * block_q, 0], dq[bz, head, half, q_start, 0],
+                            block_q * dq_half_row * 4)
             T.tma_store_arrive()
 
     @T.macro
@@ -487,12 +489,13 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 for i, j in T.Parallel(block_q, head_dim):
                     if q_start + i < seq_q:
                         T.atomic_add(dq[bz, q_start + i, head, j], dq_local[i, j])
-        if dq_rows and issues_dq_row(T.get_thread_binding()):
-            T.tma_store_wait(0, True)  # the last tile's rows read out before the CTA exits
-        if dq_bulk and issues_dq_bulk(T.get_thread_binding()):
-            # read out before the CTA exits, and before the tma_dkv tiles (which the
-            # planner may lay over dq_shared) are written
-            T.tma_store_wait(0, True)
+        # dq_rows and dq_bulk defer each wait to the next tile: the last tile's reduce is
+        # read out before the CTA exits, and before the tma_dkv tiles (which the planner may
+        # lay over dq_shared) are written
+        if dq_rows or dq_bulk:
+            issuer = issues_dq_row if dq_rows else issues_dq_bulk
+            if issuer(T.get_thread_binding()):
+                T.tma_store_wait(0, True)
         if group_loop:  # this CTA holds the whole sum: store it
             for i, j in T.Parallel(block_kv, head_dim):
                 if kv_start + i < seq_kv:
