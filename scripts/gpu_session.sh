@@ -6,6 +6,7 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh breakdown OP [--workload TEXT ...] [--dtype D]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh compare OP --workload TEXT [--config JSON ...]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh ncu KERNEL_REGEX OP --workload TEXT [--dtype D] [--config JSON]
 # TEST_PATHS narrows the tests (default: tests), TEST_K selects by pytest -k expression (it may
 # hold spaces: "edge or tile_store"); TEST_SECONDS caps each test run (the counts still
@@ -31,6 +32,10 @@ if [ "$what" = tune ]; then
 fi
 if [ "$what" = breakdown ]; then
   python3 scripts/kernel_breakdown.py "$@" 2>&1 | tee "$OUT/breakdown.log" | grep -v INFO
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = compare ]; then
+  python3 scripts/compare_configs.py "$@" 2>&1 | tee -a "$OUT/compare.log" | grep -v INFO
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = ncu ]; then

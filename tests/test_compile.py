@@ -349,6 +349,35 @@ def test_attention_backward_dq_bulk_adds_each_warpgroup_half_by_one_deferred_bul
             dataclasses.replace(config, **bad)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_backward_dq_last_casts_counts_landed_reduces_and_stores_dq(head_dim,
+                                                                             tmp_path):
+    """`dq_last_casts`: in the key loop each warpgroup's issuing thread waits for its last
+    reduce to land in dq (not only to be read out), fences the async proxy, counts it by
+    one acq_rel atomic, and the warpgroup stores a half block it completed in bf16; so does
+    the exit for the last tile. No spills, on the default and with group_loop."""
+    kernel = backward_kernel(head_dim)
+    configs = [c for c in kernel.config_space("all") if c.dq_last_casts]
+    assert {c.group_loop for c in configs} == {False, True}
+    for config in configs:
+        compiled = kernel.compile(config, "all")[1]
+        source = compiled.get_kernel_source()
+        start = source.index("for (int t_1")
+        end = source.index("\n    }\n", start)
+        loop, exit_ = source[start:end], source[end:]
+        assert "tl::tma_store_wait<0, true>()" not in loop
+        for part in (loop, exit_):
+            wait = part.index("tl::tma_store_wait<0, false>()")
+            fence = part.index("tileops_fence_proxy_async_global();", wait)
+            count = part.index("AtomicAddRet(", fence)
+            assert part[count:].split(";")[0].endswith(", 1, 4)")  # acq_rel
+            assert "__float22bfloat162_rn" in part[count:]
+        assert loop.count("AtomicAddRet(") == 1
+        assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+    with pytest.raises(ValueError, match="dq_last_casts"):
+        dataclasses.replace(configs[0], dq_bulk=False)
+
+
 @pytest.mark.parametrize("bucket", ["short", "long"])
 def test_attention_varlen_tile_store_stores_whole_tiles_by_tma(bucket, tmp_path):
     """`tile_store`: blocks inside their sequence store O by TMA (the row path stays for

@@ -20,6 +20,7 @@ the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute 
 import dataclasses
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 import torch
@@ -27,7 +28,7 @@ from tilelang.layout import make_linear_layout
 
 from ..base import Kernel
 from .attention_fwd import SMEM_LIMIT, sm_sharing
-from .mask import query_block_range, tile_fully_visible
+from .mask import INT_OPS, key_tile_range, query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
 DQ_BARRIER = 8  # a named barrier of the consumer threads, clear of the ones TileLang uses
@@ -38,6 +39,14 @@ DS_READY, DS_FREE, WARPGROUP_BARRIER = 9, 11, 13
 # (8 rows x 4 columns) take two wavefronts instead of eight; rows stay 16-byte aligned
 DQ_ROW_PAD = 8
 ROWS = T.GemmWarpPolicy.FullRow
+# dq_last_casts: bulk reduces write dq through the async proxy, the casting warpgroup reads
+# it through the generic one; the issuer orders the two before it counts its reduce in
+FENCE_ASYNC_GLOBAL = "tileops_fence_proxy_async_global"
+FENCE_ASYNC_GLOBAL_SOURCE = f"""
+__device__ __forceinline__ void {FENCE_ASYNC_GLOBAL}() {{
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}}
+"""
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,11 @@ class AttentionBwdConfig:
     # issuing thread awaits its read of shared memory only before the next rewrite, not
     # right after the issue (a tensor-map reduce's wait held up the warpgroup's next GEMM).
     dq_bulk: bool = False
+    # With dq_bulk: no cast pass. The warpgroup whose bulk reduce completes a half block of
+    # dq (a per-half arrival counter; the mask gives how many key blocks add to it) reads it
+    # back, from L2 mostly, and stores it in dq in the input dtype. A pass after the kernel
+    # read the whole fp32 buffer from memory instead (436 MB at 8B 8 x 2K).
+    dq_last_casts: bool = False
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -112,6 +126,9 @@ class AttentionBwdConfig:
         if self.dq_bulk and (not self.ds_handoff or self.dq_rows):
             raise ValueError("AttentionBwdConfig: dq_bulk is a dq path of ds_handoff, other "
                              f"than dq_rows, got {self}")
+        if self.dq_last_casts and not self.dq_bulk:
+            raise ValueError("AttentionBwdConfig: dq_last_casts reads back dq_bulk's half "
+                             f"blocks, got dq_bulk=False in {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -173,7 +190,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     dq_rows, clear_by_mma = config.dq_rows, config.clear_by_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     kv_chunks, tma_dkv, ds_handoff = config.kv_chunks, config.tma_dkv, config.ds_handoff
-    dq_bulk = config.dq_bulk
+    dq_bulk, dq_last_casts = config.dq_bulk, config.dq_last_casts
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -198,6 +215,14 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         if kv_chunks > 1:  # the last run's padding blocks lie past the keys: no work
             count = T.if_then_else(kv_start < seq_kv, count, 0)
         return begin, count
+
+    def tile_of(t, by, kv_head, q_begin):
+        """(query head, first query row) of tile t of a CTA's walk. With group_loop, t visits
+        each visible query block for every query head of the group in turn (heads innermost:
+        their rows sit side by side in BSHD, and the index math divides by a compile-time
+        constant)."""
+        head = kv_head * group + t % group if group_loop else by
+        return head, (q_begin + t // heads_per_cta) * block_q
 
     @T.macro
     def probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head, q_start,
@@ -322,16 +347,56 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         return tx % (threads // 2) == 0
 
     @T.macro
-    def add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start):
+    def count_landed_reduce(casts, last, bz, head, half, q_start):
+        """dq_last_casts, a warpgroup's issuing thread: once its bulk reduce into the half
+        block (head, q_start) has landed in dq (not only read out of shared memory), count
+        it in; last[half] says whether it was the last of the key blocks that add to that
+        block."""
+        T.tma_store_wait(0, False)
+        T.call_extern("handle", FENCE_ASYNC_GLOBAL)
+        adders = key_tile_range(q_start, seq_q, seq_kv, block_q, block_kv, window_left,
+                                window_right)[1]
+        # through a register: a shared-memory store of a global value would be taken for
+        # a load and moved to TileLang's producer warps
+        casts.before[0] = T.atomic_add(casts.arrivals[bz, head, half, q_start // block_q],
+                                       1, memory_order="acq_rel", return_prev=True)
+        last[half] = T.if_then_else(casts.before[0] == adders - 1, 1, 0)
+
+    @T.macro
+    def store_dq_half(dq, casts, bz, head, half, q_start):
+        """dq_last_casts: a warpgroup's threads store its finished fp32 half block into dq
+        in the input dtype, four columns per thread and step (rows past Sq skipped)."""
+        cols = head_dim // 2
+        per_row = cols // 4  # threads per row
+        tx = T.get_thread_binding() % (threads // 2)
+        for step in T.serial(block_q * per_row // (threads // 2)):
+            row = step * (threads // 2 // per_row) + tx // per_row
+            col = tx % per_row * 4
+            if q_start + row < seq_q:
+                for c in T.vectorized(4):
+                    casts.dq_out[bz, q_start + row, head, half * cols + col + c] = T.cast(
+                        dq[bz, head, half, q_start + row, col + c], dtype)
+
+    @T.macro
+    def add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start, casts, t, previous):
         """dq_bulk: each consumer warpgroup copies its dQ columns into its padded half of
         dq_shared (rows h * block_q ...) and adds them by one bulk reduce of the contiguous
-        run; its first thread issues it and awaits the read before the next rewrite."""
+        run; its first thread issues it and awaits the read before the next rewrite. With
+        dq_last_casts it awaits the write instead, counts the previous tile's reduce in, and
+        the warpgroup stores that half block if it was the last, after this tile's issue."""
         tx = T.get_thread_binding()
         half = consumer_warpgroup()
         cols = head_dim // 2
         if issues_dq_bulk(tx):
-            T.tma_store_wait(0, True)  # our previous reduce has read our half
+            if dq_last_casts:
+                if t > 0:
+                    count_landed_reduce(casts, casts.last, bz, previous[0], half,
+                                        previous[1])
+            else:
+                T.tma_store_wait(0, True)  # our previous reduce has read our half
         T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)
+        if dq_last_casts:  # read before the issuer's next write, which follows our next sync
+            casts.finished[0] = T.if_then_else(t > 0, casts.last[half], 0)
         for i, j in T.Parallel(block_q, head_dim):
             dq_shared[j // cols * block_q + i, j % cols] = dq_local[i, j]
         T.fence_proxy_async()  # the generic-proxy writes, seen by the bulk copy
@@ -340,6 +405,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             bulk_reduce_add(dq_shared[half * block_q, 0], dq[bz, head, half, q_start, 0],
                             block_q * dq_half_row * 4)
             T.tma_store_arrive()
+        if dq_last_casts:
+            if casts.finished[0] == 1:
+                store_dq_half(dq, casts, bz, previous[0], half, previous[1])
 
     @T.macro
     def gradient_gemms_handing_off_ds(p_local, ds_local, ds_shared, dq_local, q_shared,
@@ -365,8 +433,9 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     share_sm = sm_sharing(threads, config.ctas_per_sm)
 
     @T.macro
-    def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz):
-        """One CTA: key/value block bx of query head (KV head with group_loop) by, batch bz."""
+    def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz, casting):
+        """One CTA: key/value block bx of query head (KV head with group_loop) by, batch bz.
+        `casting` is (dq_out, arrivals) with dq_last_casts, else None."""
         share_sm()
         k_shared = T.alloc_shared((block_kv, head_dim), dtype)
         v_shared = T.alloc_shared((block_kv, head_dim), dtype)
@@ -396,6 +465,16 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         dv_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
         if dq_rows or dq_bulk:
             T.annotate_layout({dq_shared: make_linear_layout(dq_shared)})
+        casts = None
+        if dq_last_casts:
+            T.import_source(FENCE_ASYNC_GLOBAL_SOURCE)
+            # per warpgroup, whether its latest counted reduce was a block's last: in the
+            # key loop, and after it (a buffer the loop writes is versioned by stage)
+            casts = SimpleNamespace(dq_out=casting[0], arrivals=casting[1],
+                                    last=T.alloc_shared((2,), "int32"),
+                                    last_tile=T.alloc_shared((2,), "int32"),
+                                    finished=T.alloc_local((1,), "int32"),
+                                    before=T.alloc_local((1,), "int32"))
 
         kv_head = by if group_loop else by // group
         kv_start = bx * block_kv
@@ -405,12 +484,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         T.copy(v[bz, kv_start:kv_start + block_kv, kv_head, :], v_shared)
         T.clear(dk_local)
         T.clear(dv_local)
-        # With group_loop, t visits each visible query block for every query head of the
-        # group in turn (heads innermost: their rows sit side by side in BSHD, and the
-        # index math divides by a compile-time constant).
         for t in T.Pipelined(heads_per_cta * n_blocks, num_stages=stages):
-            head = kv_head * group + t % group if group_loop else by
-            q_start = (q_begin + t // heads_per_cta) * block_q
+            head, q_start = tile_of(t, by, kv_head, q_begin)
             T.copy(q[bz, q_start:q_start + block_q, head, :], q_shared)
             T.copy(do[bz, q_start:q_start + block_q, head, :], do_shared)
             if staged_stats:
@@ -478,7 +553,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             if dq_rows:
                 add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q)
             elif dq_bulk:
-                add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start)
+                add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start, casts, t,
+                            tile_of(t - 1, by, kv_head, q_begin) if dq_last_casts else None)
             elif ds_handoff:
                 add_dq_halves(dq, dq_local, dq_shared, bz, head, q_start)
             elif tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
@@ -521,27 +597,59 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 if kv_start + i < seq_kv:
                     T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
                     T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
+        # dq_last_casts: the last tile's reduce, counted in after the dk/dv epilogue (it
+        # lands meanwhile); its half block stored if it was the last
+        if dq_last_casts:
+            if n_blocks > 0:
+                half = consumer_warpgroup()
+                last_head, last_q_start = tile_of(heads_per_cta * n_blocks - 1, by, kv_head,
+                                                  q_begin)
+                if issues_dq_bulk(T.get_thread_binding()):
+                    count_landed_reduce(casts, casts.last_tile, bz, last_head, half,
+                                        last_q_start)
+                T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)
+                if casts.last_tile[half] == 1:
+                    store_dq_half(dq, casts, bz, last_head, half, last_q_start)
 
-    @T.prim_func
-    def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
-                      v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
-                      lse: T.Tensor(stats_shape, "float"),
-                      delta: T.Tensor(stats_shape, "float"),
-                      dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
-                      dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
-        n_kv = T.ceildiv(seq_kv, block_kv)
+    # (a macro would bind a named size to a variable; the prim_func inlined it)
+    n_kv = T.ceildiv(seq_kv, block_kv)
+    per_chunk = T.ceildiv(n_kv, kv_chunks)
+
+    @T.macro
+    def launch(q, k, v, do, lse, delta, dq, dk, dv, scale, casting):
         if kv_chunks == 1:
             with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
-                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz)
+                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz, casting)
         else:
             # Key blocks in kv_chunks runs, the first run of every head and batch launched
             # before the second: under a causal mask the first key blocks see the most query
             # blocks, so the last wave holds light CTAs instead of a heavy tail.
-            per_chunk = T.ceildiv(n_kv, kv_chunks)
             with T.Kernel(per_chunk, cta_heads, batch * kv_chunks,
                           threads=threads) as (bx, by, bz):
                 key_block(q, k, v, do, lse, delta, dq, dk, dv, scale,
-                          bz // batch * per_chunk + bx, by, bz % batch)
+                          bz // batch * per_chunk + bx, by, bz % batch, casting)
+
+    if dq_last_casts:  # dq_out (input dtype) and the per-half-block arrival counters too
+        @T.prim_func
+        def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
+                          v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
+                          lse: T.Tensor(stats_shape, "float"),
+                          delta: T.Tensor(stats_shape, "float"),
+                          dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
+                          dv: T.Tensor(kv_shape, dkv_dtype), dq_out: T.Tensor(q_shape, dtype),
+                          arrivals: T.Tensor((batch, heads, 2, T.dynamic("q_blocks")),
+                                             "int32"),
+                          scale: T.float32):
+            launch(q, k, v, do, lse, delta, dq, dk, dv, scale, (dq_out, arrivals))
+    else:
+        @T.prim_func
+        def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
+                          v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
+                          lse: T.Tensor(stats_shape, "float"),
+                          delta: T.Tensor(stats_shape, "float"),
+                          dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
+                          dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
+            launch(q, k, v, do, lse, delta, dq, dk, dv, scale, None)
 
     return attention_bwd
 
@@ -585,18 +693,34 @@ class AttentionBwdKernel(Kernel):
                                dtype=torch.float32, device=q.device)
         else:
             dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        casting = ()
+        if config.dq_last_casts:  # the kernel stores dq itself, half block by half block
+            casting = (dq, torch.zeros((batch, heads, 2, rows // config.block_q),
+                                       dtype=torch.int32, device=q.device))
+            if self.leading_query_blocks_unseen(seq_q, k.shape[1], config):
+                dq.zero_()  # no key block adds to (so no warpgroup stores) those rows
         if config.group_loop:  # dk and dv are stored whole by their CTAs
-            compiled[1](q, k, v, do, lse, delta, dq32, dk, dv, scale)
+            compiled[1](q, k, v, do, lse, delta, dq32, dk, dv, *casting, scale)
         else:
             dk32 = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
             dv32 = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-            compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, scale)
+            compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, *casting, scale)
             dk.copy_(dk32)
             dv.copy_(dv32)
-        if config.dq_bulk:
-            dq.unflatten(-1, (2, half)).copy_(dq32[..., :seq_q, :half].permute(0, 3, 1, 2, 4))
-        else:
+        if not config.dq_bulk:
             dq.copy_(dq32)
+        elif not config.dq_last_casts:
+            dq.unflatten(-1, (2, half)).copy_(dq32[..., :seq_q, :half].permute(0, 3, 1, 2, 4))
+
+    def leading_query_blocks_unseen(self, seq_q: int, seq_kv: int,
+                                    config: AttentionBwdConfig) -> bool:
+        """Whether no key block reaches the first query block. Only leading blocks can be
+        out of every key's reach (rows before the first key of a bottom-right aligned mask
+        with Sq > Skv), or all of them when there are no keys."""
+        k = self.key
+        return seq_q > 0 and key_tile_range(0, seq_q, seq_kv, config.block_q, config.block_kv,
+                                            k["window_left"], k["window_right"],
+                                            ops=INT_OPS)[1] == 0
 
     def heuristic_config(self, bucket: str, arch: str) -> AttentionBwdConfig:
         if self.key["head_dim"] >= 256:
@@ -678,5 +802,10 @@ class AttentionBwdKernel(Kernel):
             # not (compile-checked, not yet run on a GPU)
             space += [dataclasses.replace(space[0], group_loop=True, tma_dkv=False,
                                           kv_chunks=n) for n in (1, 2)]
+            # dq stored by the warpgroup that completes each half block (no cast pass), on
+            # the default and on the default walking the GQA group
+            space += [dataclasses.replace(space[0], dq_last_casts=True),
+                      dataclasses.replace(space[0], group_loop=True, tma_dkv=False,
+                                          dq_last_casts=True)]
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]

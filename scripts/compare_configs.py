@@ -1,0 +1,81 @@
+"""Times an op's default config against variants of it and against the op's baselines, on
+manifest workloads, interleaved by the bench's protocol (CUPTI, L2 flushed, trials taken
+round by round, so a drifting clock moves every candidate alike):
+
+    python scripts/compare_configs.py GroupedQueryAttentionBwdOp --workload "8 x 2k" \
+        --workload "4 x 4k" --dtype bfloat16 --config '{"dq_last_casts": true}'
+
+Each --config replaces fields of the default config (see profile_op.py). A variant whose
+outputs disagree with the default's on the same inputs is reported and not timed, as in
+the tuner. Cheaper than `tileops tune` when only a few configs of a large space matter,
+and it puts the best baseline in the same rounds.
+"""
+
+import argparse
+import json
+
+import torch
+from profile_op import config_with
+
+from tileops.kernels.base import agrees
+from tileops.ops import OP_CLASSES
+from tileops.perf.baselines import baselines_for
+from tileops.perf.bench import bench_cases, random_inputs
+from tileops.perf.timing import measure_together
+
+DEFAULT = "default"
+
+
+def compare(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
+    params = op_cls.spec.workload_params(workload)
+    inputs = random_inputs(op_cls, workload, dtype)
+    default_op = op_cls(**params)
+    reference = default_op(*inputs)
+    candidates = {DEFAULT: lambda: default_op(*inputs)}
+    for overrides in variants:
+        name = json.dumps(overrides)
+        op = op_cls(**params)
+        op.pin_config(config_with(op, inputs, overrides), *inputs)
+        outputs = op(*inputs)
+        if not agrees(list(outputs), list(reference)):
+            print(f"  {name}: outputs disagree with the default's (not timed)")
+            continue
+        candidates[name] = lambda op=op: op(*inputs)
+    for name, fn in baselines_for(op_cls.__name__).items():
+        candidates[name] = lambda fn=fn: fn(*inputs, **params)
+    timings = measure_together(candidates, trials=5, warm_seconds=2.0, max_trials=15)
+    base = timings[DEFAULT].median_ms
+    ours = [n for n in candidates if n == DEFAULT or n.startswith("{")]
+    best = min((n for n in candidates if n not in ours
+                and not isinstance(timings[n], Exception)),
+               key=lambda n: timings[n].median_ms, default=None)
+    print(f"\n{op_cls.__name__} [{workload['label']}] {dtype}")
+    for name, timing in timings.items():
+        if isinstance(timing, Exception):
+            print(f"  {name}: {type(timing).__name__}: {timing}")
+            continue
+        ms = timing.median_ms
+        line = (f"  {ms * 1e3:10.1f} us  {base / ms:6.3f}x default  "
+                f"spread {timing.spread_pct:4.1f}%")
+        if best is not None and name in ours:
+            line += f"  {timings[best].median_ms / ms:6.3f}x {best}"
+        print(f"{line}  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("op", choices=sorted(OP_CLASSES))
+    parser.add_argument("--workload", action="append", required=True, metavar="TEXT",
+                        help="workloads whose label contains TEXT (repeatable)")
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
+    parser.add_argument("--config", type=json.loads, action="append", default=[],
+                        metavar="JSON", help="fields of the default config to replace")
+    args = parser.parse_args()
+    op_cls = OP_CLASSES[args.op]
+    for _, workload, dtype in bench_cases([op_cls], None, args.dtype, args.workload):
+        compare(op_cls, workload, dtype, args.config)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
