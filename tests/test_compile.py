@@ -350,32 +350,34 @@ def test_attention_backward_dq_bulk_adds_each_warpgroup_half_by_one_deferred_bul
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_backward_dq_last_casts_counts_landed_reduces_and_stores_dq(head_dim,
-                                                                             tmp_path):
-    """`dq_last_casts`: in the key loop each warpgroup's issuing thread waits for its last
-    reduce to land in dq (not only to be read out), fences the async proxy, counts it by
-    one acq_rel atomic, and the warpgroup stores a half block it completed in bf16; so does
-    the exit for the last tile. No spills, on the default and with group_loop."""
+def test_attention_backward_dq_last_casts_counts_reduces_after_the_key_loop(head_dim,
+                                                                           tmp_path):
+    """`dq_last_casts` leaves the default's key loop as it is. After it, each warpgroup's
+    issuing thread waits for its reduces to land in dq (not only to be read out), fences
+    the async proxy and releases; the threads count tiles by acq_rel atomics and store the
+    half blocks they completed in bf16. No spills."""
     kernel = backward_kernel(head_dim)
-    configs = [c for c in kernel.config_space("all") if c.dq_last_casts]
-    assert {c.group_loop for c in configs} == {False, True}
-    for config in configs:
-        compiled = kernel.compile(config, "all")[1]
-        source = compiled.get_kernel_source()
+    default = kernel.heuristic_config("all", "sm_90a")
+    config = dataclasses.replace(default, dq_last_casts=True)
+    assert config in kernel.config_space("all")
+
+    def loop_and_exit(config):
+        source = kernel.compile(config, "all")[1].get_kernel_source()
         start = source.index("for (int t_1")
         end = source.index("\n    }\n", start)
-        loop, exit_ = source[start:end], source[end:]
-        assert "tl::tma_store_wait<0, true>()" not in loop
-        for part in (loop, exit_):
-            wait = part.index("tl::tma_store_wait<0, false>()")
-            fence = part.index("tileops_fence_proxy_async_global();", wait)
-            count = part.index("AtomicAddRet(", fence)
-            assert part[count:].split(";")[0].endswith(", 1, 4)")  # acq_rel
-            assert "__float22bfloat162_rn" in part[count:]
-        assert loop.count("AtomicAddRet(") == 1
-        assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+        return source[start:end], source[end:]
+
+    loop, exit_ = loop_and_exit(config)
+    assert loop == loop_and_exit(default)[0]
+    wait = exit_.index("tl::tma_store_wait<0, false>()")
+    fence = exit_.index("tileops_fence_proxy_async_global();", wait)
+    release = exit_.index("__threadfence();", fence)
+    count = exit_.index("AtomicAddRet(", release)
+    assert exit_[count:].split(";")[0].endswith(", 1, 4)")  # acq_rel
+    assert "__float22bfloat162_rn" in exit_[count:]
+    assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)
     with pytest.raises(ValueError, match="dq_last_casts"):
-        dataclasses.replace(configs[0], dq_bulk=False)
+        dataclasses.replace(config, dq_bulk=False)
 
 
 @pytest.mark.parametrize("bucket", ["short", "long"])

@@ -74,8 +74,8 @@ def test_ds_handoff_over_long_key_loops(head_dim, is_causal):
                                 softcap=0.0)
     configs = [c for c in kernel.config_space("all") if c.ds_handoff]
     # dq by one TMA reduce per warpgroup, by rows, or dq_bulk; dq_bulk walking the GQA group
-    # (heavy key blocks first or not); dq_last_casts, walking the group or not
-    assert len(configs) == 7
+    # (heavy key blocks first or not); dq_last_casts
+    assert len(configs) == 6
     for config in configs:
         check(2, 2600, 2600, 8, 2, head_dim, config=config, is_causal=is_causal)
 
@@ -84,8 +84,8 @@ def test_ds_handoff_over_long_key_loops(head_dim, is_causal):
     dtype="bfloat16", heads=8, kv_heads=2, head_dim=128, window_left=-1, window_right=0,
     softcap=0.0).config_space("all") if c.dq_last_casts], ids=str)
 def test_dq_last_casts_store_every_row(config):
-    """With dq_last_casts the kernel stores dq itself, each half block by the warpgroup
-    whose reduce completes it. Into a dq full of NaN: blocks one key block reaches and
+    """With dq_last_casts the kernel stores dq itself, each half block by the CTA whose
+    count completes it. Into a dq full of NaN: blocks one key block reaches and
     blocks many do, rows past Sq, and leading query blocks no key reaches (Sq > Skv,
     causal), whose dq must come out zero."""
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=128,
