@@ -80,32 +80,3 @@ def test_a_tile_skips_its_mask_only_when_every_pair_is_visible(seq_q, seq_kv, le
             assert full == every_pair, (q_start, kv_start)
         else:
             assert every_pair or not full, (q_start, kv_start)
-
-
-@pytest.mark.parametrize("left, right", WINDOWS)
-@pytest.mark.parametrize("seq_q, seq_kv", LENGTHS + [(1000, 100), (130, 4100), (64, 0)])
-@pytest.mark.parametrize("block_kv, block_q", [(128, 64), (128, 32)])
-def test_backward_knows_how_many_key_blocks_add_to_each_query_block(seq_q, seq_kv, left,
-                                                                    right, block_kv,
-                                                                    block_q):
-    """dq_last_casts counts the reduces into a query block until the forward's tile count
-    (key_tile_range), so that count must be exactly the number of key blocks whose walk
-    (query_block_range) visits the block. A block no key block visits is never stored by
-    the kernel: such blocks only lead, and the op zeroes dq for them."""
-    from tileops.kernels.attention.attention_bwd import AttentionBwdConfig, AttentionBwdKernel
-
-    visits = [0] * -(-seq_q // block_q)
-    for kv_start in range(0, seq_kv, block_kv):
-        begin, count = query_block_range(kv_start, seq_q, seq_kv, block_kv, block_q, left,
-                                         right, INT_OPS)
-        for t in range(begin, begin + count):
-            visits[t] += 1
-    for t, visited in enumerate(visits):
-        assert key_tile_range(t * block_q, seq_q, seq_kv, block_q, block_kv, left, right,
-                              INT_OPS)[1] == visited, t
-    unseen = [t for t, visited in enumerate(visits) if visited == 0]
-    assert unseen == list(range(len(unseen))), unseen
-    kernel = AttentionBwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=128,
-                                window_left=left, window_right=right, softcap=0.0)
-    config = AttentionBwdConfig(block_kv=block_kv, block_q=block_q)
-    assert kernel.leading_query_blocks_unseen(seq_q, seq_kv, config) == bool(unseen)

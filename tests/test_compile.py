@@ -350,34 +350,17 @@ def test_attention_backward_dq_bulk_adds_each_warpgroup_half_by_one_deferred_bul
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_attention_backward_dq_last_casts_counts_reduces_after_the_key_loop(head_dim,
-                                                                           tmp_path):
-    """`dq_last_casts` leaves the default's key loop as it is. After it, each warpgroup's
-    issuing thread waits for its reduces to land in dq (not only to be read out), fences
-    the async proxy and releases; the threads count tiles by acq_rel atomics and store the
-    half blocks they completed in bf16. No spills."""
+def test_attention_backward_dq_bulk_casts_dq_by_whole_rows(head_dim):
+    """dq_bulk's head-major fp32 dq becomes dq by a kernel of its own: 16-byte loads and
+    8-byte stores along whole rows (torch's copy through a permuted view ran at half the
+    bandwidth)."""
     kernel = backward_kernel(head_dim)
-    default = kernel.heuristic_config("all", "sm_90a")
-    config = dataclasses.replace(default, dq_last_casts=True)
-    assert config in kernel.config_space("all")
-
-    def loop_and_exit(config):
-        source = kernel.compile(config, "all")[1].get_kernel_source()
-        start = source.index("for (int t_1")
-        end = source.index("\n    }\n", start)
-        return source[start:end], source[end:]
-
-    loop, exit_ = loop_and_exit(config)
-    assert loop == loop_and_exit(default)[0]
-    wait = exit_.index("tl::tma_store_wait<0, false>()")
-    fence = exit_.index("tileops_fence_proxy_async_global();", wait)
-    release = exit_.index("__threadfence();", fence)
-    count = exit_.index("AtomicAddRet(", release)
-    assert exit_[count:].split(";")[0].endswith(", 1, 4)")  # acq_rel
-    assert "__float22bfloat162_rn" in exit_[count:]
-    assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)
-    with pytest.raises(ValueError, match="dq_last_casts"):
-        dataclasses.replace(config, dq_bulk=False)
+    config = kernel.heuristic_config("all", "sm_90a")
+    assert config.dq_bulk
+    cast = kernel.compile(config, "all")[2].get_kernel_source()
+    assert "*(float4*)(dq32 + " in cast and "*(uint2*)(dq + " in cast
+    lockstep = default_and_lockstep(kernel)[1]
+    assert len(kernel.program(lockstep, "all")) == 2  # dq.copy_ of a [B, S, H, D] buffer
 
 
 @pytest.mark.parametrize("bucket", ["short", "long"])

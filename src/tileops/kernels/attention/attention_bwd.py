@@ -20,7 +20,6 @@ the logits are soft-capped. Rows whose lse is -inf (they saw no key) contribute 
 import dataclasses
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import tilelang.language as T
 import torch
@@ -28,7 +27,7 @@ from tilelang.layout import make_linear_layout
 
 from ..base import Kernel
 from .attention_fwd import SMEM_LIMIT, sm_sharing
-from .mask import INT_OPS, key_tile_range, query_block_range, tile_fully_visible
+from .mask import query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
 DQ_BARRIER = 8  # a named barrier of the consumer threads, clear of the ones TileLang uses
@@ -39,14 +38,6 @@ DS_READY, DS_FREE, WARPGROUP_BARRIER = 9, 11, 13
 # (8 rows x 4 columns) take two wavefronts instead of eight; rows stay 16-byte aligned
 DQ_ROW_PAD = 8
 ROWS = T.GemmWarpPolicy.FullRow
-# dq_last_casts: bulk reduces write dq through the async proxy, the casting warpgroup reads
-# it through the generic one; the issuer orders the two before it counts its reduce in
-FENCE_ASYNC_GLOBAL = "tileops_fence_proxy_async_global"
-FENCE_ASYNC_GLOBAL_SOURCE = f"""
-__device__ __forceinline__ void {FENCE_ASYNC_GLOBAL}() {{
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}}
-"""
 
 
 @dataclass(frozen=True)
@@ -104,14 +95,6 @@ class AttentionBwdConfig:
     # issuing thread awaits its read of shared memory only before the next rewrite, not
     # right after the issue (a tensor-map reduce's wait held up the warpgroup's next GEMM).
     dq_bulk: bool = False
-    # With dq_bulk: no cast pass. When a CTA's reduces have all landed (once, after its key
-    # loop), each warpgroup counts them into per-half-block arrival counters (the mask gives
-    # how many key blocks add to a block) and stores in the input dtype the half blocks it
-    # completed, read back from L2 mostly, while other CTAs compute. A pass after the kernel
-    # reads the whole fp32 buffer from memory instead (436 MB at 8B 8 x 2K). Counting each
-    # reduce in the key loop (wait for it to land, an acq_rel atomic) stalled the warpgroup
-    # every tile: 17-20% slower than the default on the H200.
-    dq_last_casts: bool = False
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -129,9 +112,6 @@ class AttentionBwdConfig:
         if self.dq_bulk and (not self.ds_handoff or self.dq_rows):
             raise ValueError("AttentionBwdConfig: dq_bulk is a dq path of ds_handoff, other "
                              f"than dq_rows, got {self}")
-        if self.dq_last_casts and not self.dq_bulk:
-            raise ValueError("AttentionBwdConfig: dq_last_casts reads back dq_bulk's half "
-                             f"blocks, got dq_bulk=False in {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -181,6 +161,26 @@ def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int 
     return attention_delta
 
 
+def attention_dq_cast_program(heads: int, head_dim: int, dtype: str, block_q: int = 64,
+                               threads: int = 128):
+    """dq[b, i, h, :] = dq_bulk's fp32 rows [b, h, 0 and 1, i, :head_dim / 2] in the input
+    dtype, whole rows in and out. torch's copy through the permuted view read them at half
+    the bandwidth (200 us at 8B 8 x 2K, where the 436 MB need about 100)."""
+    batch, seq_q, seq_dq = T.dynamic("batch, seq_q, seq_dq")
+    half = head_dim // 2
+
+    @T.prim_func
+    def attention_dq_cast(dq32: T.Tensor((batch, heads, 2, seq_dq, half + DQ_ROW_PAD), "float"),
+                          dq: T.Tensor((batch, seq_q, heads, head_dim), dtype)):
+        with T.Kernel(T.ceildiv(seq_q, block_q), heads, batch, threads=threads) as (bx, by, bz):
+            for i, part, j in T.Parallel(block_q, 2, half):
+                if bx * block_q + i < seq_q:
+                    dq[bz, bx * block_q + i, by, part * half + j] = T.cast(
+                        dq32[bz, by, part, bx * block_q + i, j], dtype)
+
+    return attention_dq_cast
+
+
 def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
                           config: AttentionBwdConfig):
@@ -193,7 +193,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     dq_rows, clear_by_mma = config.dq_rows, config.clear_by_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     kv_chunks, tma_dkv, ds_handoff = config.kv_chunks, config.tma_dkv, config.ds_handoff
-    dq_bulk, dq_last_casts = config.dq_bulk, config.dq_last_casts
+    dq_bulk = config.dq_bulk
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -218,14 +218,6 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         if kv_chunks > 1:  # the last run's padding blocks lie past the keys: no work
             count = T.if_then_else(kv_start < seq_kv, count, 0)
         return begin, count
-
-    def tile_of(t, by, kv_head, q_begin):
-        """(query head, first query row) of tile t of a CTA's walk. With group_loop, t visits
-        each visible query block for every query head of the group in turn (heads innermost:
-        their rows sit side by side in BSHD, and the index math divides by a compile-time
-        constant)."""
-        head = kv_head * group + t % group if group_loop else by
-        return head, (q_begin + t // heads_per_cta) * block_q
 
     @T.macro
     def probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head, q_start,
@@ -350,60 +342,6 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         return tx % (threads // 2) == 0
 
     @T.macro
-    def store_dq_half(dq, casts, bz, head, half, q_start):
-        """dq_last_casts: a warpgroup's threads store its finished fp32 half block into dq
-        in the input dtype, four columns per thread and step (rows past Sq skipped)."""
-        cols = head_dim // 2
-        per_row = cols // 4  # threads per row
-        tx = T.get_thread_binding() % (threads // 2)
-        for step in T.serial(block_q * per_row // (threads // 2)):
-            row = step * (threads // 2 // per_row) + tx // per_row
-            col = tx % per_row * 4
-            if q_start + row < seq_q:
-                for c in T.vectorized(4):
-                    casts.dq_out[bz, q_start + row, head, half * cols + col + c] = T.cast(
-                        dq[bz, head, half, q_start + row, col + c], dtype)
-
-    @T.macro
-    def store_completed_dq_halves(dq, casts, bz, by, kv_head, q_begin, n_tiles):
-        """dq_last_casts, after the key loop: once every bulk reduce of this warpgroup has
-        landed, its threads count one tile each into the arrival counters (128 tiles a
-        round) and the warpgroup stores each half block whose count this completed."""
-        tx = T.get_thread_binding()
-        half = consumer_warpgroup()
-        lane = tx % (threads // 2)
-        if issues_dq_bulk(tx):
-            T.tma_store_wait(0, False)  # landed in dq, not only read out
-            # bulk reduces write through the async proxy, the casts read through the generic
-            # one; then the release reaches the other threads' counts through the barrier
-            T.call_extern("handle", FENCE_ASYNC_GLOBAL)
-            T.call_extern("handle", "__threadfence")
-        # the shared-memory planner may lay `completed` over the tma_dkv tiles, which only
-        # their issuing thread waited to be read out
-        T.sync_threads(DQ_BARRIER, threads)
-        for round_ in T.serial(T.ceildiv(n_tiles, threads // 2)):
-            t = round_ * (threads // 2) + lane
-            T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)  # flags free, reduces in
-            casts.completed[half, lane] = 0
-            if t < n_tiles:
-                head, q_start = tile_of(t, by, kv_head, q_begin)
-                adders = key_tile_range(q_start, seq_q, seq_kv, block_q, block_kv,
-                                        window_left, window_right)[1]
-                # through a register: a shared store of a global value would be taken for
-                # a load and moved to TileLang's producer warps
-                casts.before[0] = T.atomic_add(
-                    casts.arrivals[bz, head, half, q_start // block_q], 1,
-                    memory_order="acq_rel", return_prev=True)
-                casts.completed[half, lane] = T.if_then_else(casts.before[0] == adders - 1,
-                                                             1, 0)
-            T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)
-            for j in T.serial(T.min(threads // 2, n_tiles - round_ * (threads // 2))):
-                if casts.completed[half, j] == 1:
-                    head_j, q_start_j = tile_of(round_ * (threads // 2) + j, by, kv_head,
-                                                q_begin)
-                    store_dq_half(dq, casts, bz, head_j, half, q_start_j)
-
-    @T.macro
     def add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start):
         """dq_bulk: each consumer warpgroup copies its dQ columns into its padded half of
         dq_shared (rows h * block_q ...) and adds them by one bulk reduce of the contiguous
@@ -447,9 +385,8 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     share_sm = sm_sharing(threads, config.ctas_per_sm)
 
     @T.macro
-    def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz, casting):
-        """One CTA: key/value block bx of query head (KV head with group_loop) by, batch bz.
-        `casting` is (dq_out, arrivals) with dq_last_casts, else None."""
+    def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz):
+        """One CTA: key/value block bx of query head (KV head with group_loop) by, batch bz."""
         share_sm()
         k_shared = T.alloc_shared((block_kv, head_dim), dtype)
         v_shared = T.alloc_shared((block_kv, head_dim), dtype)
@@ -479,13 +416,6 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         dv_shared = T.alloc_shared((block_kv, head_dim), "float") if tma_dkv else None
         if dq_rows or dq_bulk:
             T.annotate_layout({dq_shared: make_linear_layout(dq_shared)})
-        casts = None
-        if dq_last_casts:
-            T.import_source(FENCE_ASYNC_GLOBAL_SOURCE)
-            # completed: per warpgroup and thread, whether its count completed a half block
-            casts = SimpleNamespace(dq_out=casting[0], arrivals=casting[1],
-                                    completed=T.alloc_shared((2, threads // 2), "int32"),
-                                    before=T.alloc_local((1,), "int32"))
 
         kv_head = by if group_loop else by // group
         kv_start = bx * block_kv
@@ -495,8 +425,12 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         T.copy(v[bz, kv_start:kv_start + block_kv, kv_head, :], v_shared)
         T.clear(dk_local)
         T.clear(dv_local)
+        # With group_loop, t visits each visible query block for every query head of the
+        # group in turn (heads innermost: their rows sit side by side in BSHD, and the
+        # index math divides by a compile-time constant).
         for t in T.Pipelined(heads_per_cta * n_blocks, num_stages=stages):
-            head, q_start = tile_of(t, by, kv_head, q_begin)
+            head = kv_head * group + t % group if group_loop else by
+            q_start = (q_begin + t // heads_per_cta) * block_q
             T.copy(q[bz, q_start:q_start + block_q, head, :], q_shared)
             T.copy(do[bz, q_start:q_start + block_q, head, :], do_shared)
             if staged_stats:
@@ -607,50 +541,27 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 if kv_start + i < seq_kv:
                     T.atomic_add(dk[bz, kv_start + i, kv_head, j], dk_local[i, j])
                     T.atomic_add(dv[bz, kv_start + i, kv_head, j], dv_local[i, j])
-        # dq_last_casts: after the dk/dv epilogue, so the last reduces land meanwhile
-        if dq_last_casts:
-            store_completed_dq_halves(dq, casts, bz, by, kv_head, q_begin,
-                                      heads_per_cta * n_blocks)
 
-    # (a macro would bind a named size to a variable; the prim_func inlined it)
-    n_kv = T.ceildiv(seq_kv, block_kv)
-    per_chunk = T.ceildiv(n_kv, kv_chunks)
-
-    @T.macro
-    def launch(q, k, v, do, lse, delta, dq, dk, dv, scale, casting):
+    @T.prim_func
+    def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
+                      v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
+                      lse: T.Tensor(stats_shape, "float"),
+                      delta: T.Tensor(stats_shape, "float"),
+                      dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
+                      dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
+        n_kv = T.ceildiv(seq_kv, block_kv)
         if kv_chunks == 1:
             with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
-                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz, casting)
+                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz)
         else:
             # Key blocks in kv_chunks runs, the first run of every head and batch launched
             # before the second: under a causal mask the first key blocks see the most query
             # blocks, so the last wave holds light CTAs instead of a heavy tail.
+            per_chunk = T.ceildiv(n_kv, kv_chunks)
             with T.Kernel(per_chunk, cta_heads, batch * kv_chunks,
                           threads=threads) as (bx, by, bz):
                 key_block(q, k, v, do, lse, delta, dq, dk, dv, scale,
-                          bz // batch * per_chunk + bx, by, bz % batch, casting)
-
-    if dq_last_casts:  # dq_out (input dtype) and the per-half-block arrival counters too
-        @T.prim_func
-        def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
-                          v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
-                          lse: T.Tensor(stats_shape, "float"),
-                          delta: T.Tensor(stats_shape, "float"),
-                          dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
-                          dv: T.Tensor(kv_shape, dkv_dtype), dq_out: T.Tensor(q_shape, dtype),
-                          arrivals: T.Tensor((batch, heads, 2, T.dynamic("q_blocks")),
-                                             "int32"),
-                          scale: T.float32):
-            launch(q, k, v, do, lse, delta, dq, dk, dv, scale, (dq_out, arrivals))
-    else:
-        @T.prim_func
-        def attention_bwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
-                          v: T.Tensor(kv_shape, dtype), do: T.Tensor(q_shape, dtype),
-                          lse: T.Tensor(stats_shape, "float"),
-                          delta: T.Tensor(stats_shape, "float"),
-                          dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
-                          dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
-            launch(q, k, v, do, lse, delta, dq, dk, dv, scale, None)
+                          bz // batch * per_chunk + bx, by, bz % batch)
 
     return attention_bwd
 
@@ -665,7 +576,11 @@ class AttentionBwdKernel(Kernel):
         k = self.key
         main = attention_bwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"], config)
-        return attention_delta_program(k["heads"], k["head_dim"], k["dtype"]), main
+        delta = attention_delta_program(k["heads"], k["head_dim"], k["dtype"])
+        if config.dq_bulk:  # its fp32 dq is head-major, halves apart: a kernel of its own
+            return delta, main, attention_dq_cast_program(k["heads"], k["head_dim"],
+                                                          k["dtype"], config.block_q)
+        return delta, main
 
     def pass_configs(self, config: AttentionBwdConfig, program_index: int) -> dict:
         # ds_handoff places every shared-memory sync of the main pass by hand; TileLang's
@@ -694,34 +609,18 @@ class AttentionBwdKernel(Kernel):
                                dtype=torch.float32, device=q.device)
         else:
             dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        casting = ()
-        if config.dq_last_casts:  # the kernel stores dq itself, half block by half block
-            casting = (dq, torch.zeros((batch, heads, 2, rows // config.block_q),
-                                       dtype=torch.int32, device=q.device))
-            if self.leading_query_blocks_unseen(seq_q, k.shape[1], config):
-                dq.zero_()  # no key block adds to (so no warpgroup stores) those rows
         if config.group_loop:  # dk and dv are stored whole by their CTAs
-            compiled[1](q, k, v, do, lse, delta, dq32, dk, dv, *casting, scale)
+            compiled[1](q, k, v, do, lse, delta, dq32, dk, dv, scale)
         else:
             dk32 = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
             dv32 = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-            compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, *casting, scale)
+            compiled[1](q, k, v, do, lse, delta, dq32, dk32, dv32, scale)
             dk.copy_(dk32)
             dv.copy_(dv32)
-        if not config.dq_bulk:
+        if config.dq_bulk:
+            compiled[2](dq32, dq)
+        else:
             dq.copy_(dq32)
-        elif not config.dq_last_casts:
-            dq.unflatten(-1, (2, half)).copy_(dq32[..., :seq_q, :half].permute(0, 3, 1, 2, 4))
-
-    def leading_query_blocks_unseen(self, seq_q: int, seq_kv: int,
-                                    config: AttentionBwdConfig) -> bool:
-        """Whether no key block reaches the first query block. Only leading blocks can be
-        out of every key's reach (rows before the first key of a bottom-right aligned mask
-        with Sq > Skv), or all of them when there are no keys."""
-        k = self.key
-        return seq_q > 0 and key_tile_range(0, seq_q, seq_kv, config.block_q, config.block_kv,
-                                            k["window_left"], k["window_right"],
-                                            ops=INT_OPS)[1] == 0
 
     def heuristic_config(self, bucket: str, arch: str) -> AttentionBwdConfig:
         if self.key["head_dim"] >= 256:
@@ -803,7 +702,5 @@ class AttentionBwdKernel(Kernel):
             # not (compile-checked, not yet run on a GPU)
             space += [dataclasses.replace(space[0], group_loop=True, tma_dkv=False,
                                           kv_chunks=n) for n in (1, 2)]
-            # dq stored by the CTAs that complete its half blocks (no cast pass)
-            space.append(dataclasses.replace(space[0], dq_last_casts=True))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]
