@@ -13,7 +13,10 @@
 # print; a cut-off run exits 124) and BENCH_SECONDS a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as
 # TILEOPS_COMMIT=<hash> so the bench JSON names it.
-# Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present.
+# Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present; make
+# it with: mkdir .whl && cd .whl && pip download --no-deps jsonschema jsonschema-specifications
+#   referencing attrs && pip download --no-deps --python-version 3.12 --only-binary=:all:
+#   --platform manylinux2014_x86_64 rpds-py   (the device runs Python 3.12)
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
