@@ -698,6 +698,10 @@ class AttentionBwdKernel(Kernel):
             # out of lockstep with dq by one tensor-map reduce per warpgroup, or by rows
             space += [dataclasses.replace(space[0], dq_bulk=False, dq_rows=rows)
                       for rows in (False, True)]
+            # the default with two Q/dO stages, as before the third won in lockstep: 1.2%
+            # faster at 8B 4 x 4K and 2.0% at 8 x 2K in one compare run at 6ee9f0f (spread
+            # 2-5%); not yet through the GPU tests or a bench
+            space.append(dataclasses.replace(space[0], stages=2))
             # the default walking the whole GQA group (no fp32 dk/dv buffers, zero fills or
             # casts: 335 MB less traffic per call at 8B 8 x 2K), heavy key blocks first or
             # not: 6-10% slower on the H200 (8B 4 x 4K and 8 x 2K)
