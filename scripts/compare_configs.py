@@ -20,10 +20,8 @@ from profile_op import config_with
 from tileops.kernels.base import agrees
 from tileops.ops import OP_CLASSES
 from tileops.perf.baselines import baselines_for
-from tileops.perf.bench import bench_cases, random_inputs
+from tileops.perf.bench import OP_KEY, bench_cases, case_candidates, random_inputs
 from tileops.perf.timing import measure_together
-
-DEFAULT = "default"
 
 
 def compare(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
@@ -31,23 +29,21 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
     inputs = random_inputs(op_cls, workload, dtype)
     default_op = op_cls(**params)
     reference = default_op(*inputs)
-    candidates = {DEFAULT: lambda: default_op(*inputs)}
+    baselines = baselines_for(op_cls.__name__)
+    # the bench's candidates (the op under OP_KEY, then its baselines), variants added
+    candidates = case_candidates(default_op, params, lambda fn: lambda: fn(*inputs),
+                                 baselines)
     for overrides in variants:
         name = json.dumps(overrides)
         op = op_cls(**params)
         op.pin_config(config_with(op, inputs, overrides), *inputs)
-        outputs = op(*inputs)
-        if not agrees(list(outputs), list(reference)):
+        if not agrees(list(op(*inputs)), list(reference)):
             print(f"  {name}: outputs disagree with the default's (not timed)")
             continue
         candidates[name] = lambda op=op: op(*inputs)
-    for name, fn in baselines_for(op_cls.__name__).items():
-        candidates[name] = lambda fn=fn: fn(*inputs, **params)
     timings = measure_together(candidates, trials=5, warm_seconds=2.0, max_trials=15)
-    base = timings[DEFAULT].median_ms
-    ours = [n for n in candidates if n == DEFAULT or n.startswith("{")]
-    best = min((n for n in candidates if n not in ours
-                and not isinstance(timings[n], Exception)),
+    base = timings[OP_KEY].median_ms
+    best = min((n for n in baselines if not isinstance(timings[n], Exception)),
                key=lambda n: timings[n].median_ms, default=None)
     print(f"\n{op_cls.__name__} [{workload['label']}] {dtype}")
     for name, timing in timings.items():
@@ -57,9 +53,9 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
         ms = timing.median_ms
         line = (f"  {ms * 1e3:10.1f} us  {base / ms:6.3f}x default  "
                 f"spread {timing.spread_pct:4.1f}%")
-        if best is not None and name in ours:
+        if best is not None and name not in baselines:
             line += f"  {timings[best].median_ms / ms:6.3f}x {best}"
-        print(f"{line}  {name}")
+        print(f"{line}  {'default' if name == OP_KEY else name}")
 
 
 def main() -> None:
