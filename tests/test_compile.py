@@ -187,6 +187,8 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                       "ds_handoff": True, "dq_rows": True},
                                      {"clear_by_mma": True, "tma_dkv": True, "stages": 3,
                                       "ds_handoff": True, "dq_bulk": True},
+                                     {"clear_by_mma": True, "tma_dkv": True,
+                                      "ds_handoff": True, "dq_bulk": True},
                                      {"clear_by_mma": True, "stages": 3, "ds_handoff": True,
                                       "dq_bulk": True, "group_loop": True}],
                          ids=str)

@@ -638,8 +638,10 @@ class AttentionBwdKernel(Kernel):
         # atomics per thread (ncu had sampled consumers stalled there 12-14% of the time).
         # The two consumer warpgroups out of lockstep (ds_handoff) on top: 3558.7 vs 3640.0
         # us (2.2%); with dq_rows 3736.2. Its dq by one bulk reduce per warpgroup with the
-        # wait deferred (dq_bulk): 3452.5 vs 3541.6 us (2.5%).
-        return AttentionBwdConfig(block_kv=128, block_q=64, stages=3, threads=256, tma_dq=True,
+        # wait deferred (dq_bulk): 3452.5 vs 3541.6 us (2.5%). Out of lockstep, two Q/dO
+        # stages beat three again: 1916.1 vs 1955.0 us at 8 x 2K, 3266.0 vs 3306.7 at 4 x 4K
+        # (compare, 6ee9f0f).
+        return AttentionBwdConfig(block_kv=128, block_q=64, stages=2, threads=256, tma_dq=True,
                                   edge_masks_only=True, staged_stats=True, clear_by_mma=True,
                                   tma_dkv=True, ds_handoff=True, dq_bulk=True)
 
@@ -687,25 +689,26 @@ class AttentionBwdKernel(Kernel):
         two_ctas = AttentionBwdConfig(64, 64, 1, 128, True, edge_masks_only=True,
                                       staged_stats=True, ctas_per_sm=2)
         space += [two_ctas, dataclasses.replace(two_ctas, stages=2, tma_dq=False)]
-        # the default (and the two-stage lighter loop) without the accumulator zeroing
-        space += [dataclasses.replace(c, clear_by_mma=True, ds_handoff=False, dq_bulk=False)
-                  for c in (space[0], base) if c.edge_masks_only and not c.async_mma]
+        # the two-stage lighter loop without the accumulator zeroing (the default's twins
+        # in lockstep follow)
+        if base.edge_masks_only and not base.async_mma:
+            space.append(dataclasses.replace(base, clear_by_mma=True))
         if space[0].edge_masks_only:
-            # the default in lockstep, with and without each of its two previous choices
-            space += [dataclasses.replace(space[0], clear_by_mma=clear, tma_dkv=tma_dkv,
+            # the default with three Q/dO stages, as the choices below were measured (the
+            # third stage won in lockstep)
+            three_stages = dataclasses.replace(space[0], stages=3)
+            space.append(three_stages)
+            # in lockstep, with and without each of its two previous choices
+            space += [dataclasses.replace(three_stages, clear_by_mma=clear, tma_dkv=tma_dkv,
                                           ds_handoff=False, dq_bulk=False)
                       for clear in (False, True) for tma_dkv in (False, True)]
             # out of lockstep with dq by one tensor-map reduce per warpgroup, or by rows
-            space += [dataclasses.replace(space[0], dq_bulk=False, dq_rows=rows)
+            space += [dataclasses.replace(three_stages, dq_bulk=False, dq_rows=rows)
                       for rows in (False, True)]
-            # the default with two Q/dO stages, as before the third won in lockstep: 1.2%
-            # faster at 8B 4 x 4K and 2.0% at 8 x 2K in one compare run at 6ee9f0f (spread
-            # 2-5%); not yet through the GPU tests or a bench
-            space.append(dataclasses.replace(space[0], stages=2))
             # the default walking the whole GQA group (no fp32 dk/dv buffers, zero fills or
             # casts: 335 MB less traffic per call at 8B 8 x 2K), heavy key blocks first or
             # not: 6-10% slower on the H200 (8B 4 x 4K and 8 x 2K)
-            space += [dataclasses.replace(space[0], group_loop=True, tma_dkv=False,
+            space += [dataclasses.replace(three_stages, group_loop=True, tma_dkv=False,
                                           kv_chunks=n) for n in (1, 2)]
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]
