@@ -28,9 +28,10 @@ def backward_kernel(head_dim: int) -> AttentionBwdKernel:
 
 def default_and_lockstep(kernel: AttentionBwdKernel):
     """The backward default and its twin with the consumer warpgroups in lockstep (no
-    ds_handoff, so no dq_bulk): the loop shape the older choices were measured in."""
+    ds_handoff, so no dq_bulk) and three Q/dO stages: the loop shape the older choices were
+    measured in."""
     default = kernel.heuristic_config("all", "sm_90a")
-    return default, dataclasses.replace(default, ds_handoff=False, dq_bulk=False)
+    return default, dataclasses.replace(default, stages=3, ds_handoff=False, dq_bulk=False)
 
 
 @pytest.mark.parametrize("item", PLAN, ids=[i.describe() for i in PLAN])
@@ -189,13 +190,16 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                       "ds_handoff": True, "dq_bulk": True},
                                      {"clear_by_mma": True, "tma_dkv": True,
                                       "ds_handoff": True, "dq_bulk": True},
+                                     {"clear_by_mma": True, "tma_dkv": True,
+                                      "ds_handoff": True, "dq_bulk": True,
+                                      "skip_hidden_halves": True},
                                      {"clear_by_mma": True, "stages": 3, "ds_handoff": True,
                                       "dq_bulk": True, "group_loop": True}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
     kernel = backward_kernel(head_dim)
-    # variants of the lighter loop with two Q/dO stages; the last but one is the default
+    # variants of the lighter loop with two Q/dO stages; the last but two is the default
     lighter_loop = {"stages": 2, "clear_by_mma": False, "tma_dkv": False, "ds_handoff": False,
                     "dq_bulk": False}
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),
@@ -295,7 +299,7 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
     kernel = backward_kernel(head_dim)
     default, lockstep = default_and_lockstep(kernel)
     assert default.ds_handoff
-    config = dataclasses.replace(default, dq_bulk=False, dq_rows=dq_rows)
+    config = dataclasses.replace(default, stages=3, dq_bulk=False, dq_rows=dq_rows)
     assert {config, lockstep} <= set(kernel.config_space("all"))
     assert kernel.pass_configs(config, 1) == {"tl.disable_thread_storage_sync": True}
     assert kernel.pass_configs(config, 0) == {}  # the delta pass keeps its syncs
