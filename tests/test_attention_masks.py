@@ -12,7 +12,6 @@ import pytest
 from tileops.kernels.attention.mask import (
     INT_OPS,
     key_tile_range,
-    keys_hidden,
     query_block_range,
     tile_fully_visible,
 )
@@ -81,18 +80,3 @@ def test_a_tile_skips_its_mask_only_when_every_pair_is_visible(seq_q, seq_kv, le
             assert full == every_pair, (q_start, kv_start)
         else:
             assert every_pair or not full, (q_start, kv_start)
-
-
-@pytest.mark.parametrize("left, right", WINDOWS)
-@pytest.mark.parametrize("seq_q, seq_kv", LENGTHS + [(1000, 1000), (700, 1500)])
-def test_a_key_half_is_hidden_only_when_no_row_sees_it(seq_q, seq_kv, left, right):
-    """The backward's skip_hidden_halves: a warpgroup's 64 keys of a 128-key block against
-    a 64-row query block. Hidden must mean no pair is visible (its GEMMs are skipped), and
-    it is exact (rows past seq_q taken at their positions), so no work is left either."""
-    for q_start, kv_start in itertools.product(range(0, seq_q, 64), range(0, seq_kv, 64)):
-        rows = range(q_start, q_start + 64)
-        keys = range(kv_start, kv_start + 64)
-        none_seen = not any(j < seq_kv and visible(i, j, seq_q, seq_kv, left, right)
-                            for i, j in itertools.product(rows, keys))
-        hidden = keys_hidden(q_start, kv_start, seq_q, seq_kv, 64, 64, left, right)
-        assert hidden == none_seen, (q_start, kv_start)

@@ -190,16 +190,13 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                       "ds_handoff": True, "dq_bulk": True},
                                      {"clear_by_mma": True, "tma_dkv": True,
                                       "ds_handoff": True, "dq_bulk": True},
-                                     {"clear_by_mma": True, "tma_dkv": True,
-                                      "ds_handoff": True, "dq_bulk": True,
-                                      "skip_hidden_halves": True},
                                      {"clear_by_mma": True, "stages": 3, "ds_handoff": True,
                                       "dq_bulk": True, "group_loop": True}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
     kernel = backward_kernel(head_dim)
-    # variants of the lighter loop with two Q/dO stages; the last but two is the default
+    # variants of the lighter loop with two Q/dO stages; the last but one is the default
     lighter_loop = {"stages": 2, "clear_by_mma": False, "tma_dkv": False, "ds_handoff": False,
                     "dq_bulk": False}
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),

@@ -28,7 +28,7 @@ from tilelang.layout import make_linear_layout
 
 from ..base import Kernel
 from .attention_fwd import SMEM_LIMIT, sm_sharing
-from .mask import keys_hidden, query_block_range, tile_fully_visible
+from .mask import query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
 DQ_BARRIER = 8  # a named barrier of the consumer threads, clear of the ones TileLang uses
@@ -96,11 +96,6 @@ class AttentionBwdConfig:
     # issuing thread awaits its read of shared memory only before the next rewrite, not
     # right after the issue (a tensor-map reduce's wait held up the warpgroup's next GEMM).
     dq_bulk: bool = False
-    # With ds_handoff: a warpgroup whose 64 keys no query of the tile sees skips its S, dP,
-    # dV and dK GEMMs and its probabilities, and hands the other warpgroup a zero dS half
-    # for dQ. Under a causal mask that is the upper half of every key block's first query
-    # block, an eighth of the tensor work at 8B 8 x 2K (the diagonal tiles are 12% of it).
-    skip_hidden_halves: bool = False
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -118,9 +113,6 @@ class AttentionBwdConfig:
         if self.dq_bulk and (not self.ds_handoff or self.dq_rows):
             raise ValueError("AttentionBwdConfig: dq_bulk is a dq path of ds_handoff, other "
                              f"than dq_rows, got {self}")
-        if self.skip_hidden_halves and not self.ds_handoff:
-            raise ValueError("AttentionBwdConfig: skip_hidden_halves is a path of ds_handoff "
-                             f"(each warpgroup on its own), got {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -202,7 +194,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     dq_rows, clear_by_mma = config.dq_rows, config.clear_by_mma
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     kv_chunks, tma_dkv, ds_handoff = config.kv_chunks, config.tma_dkv, config.ds_handoff
-    dq_bulk, skip_hidden_halves = config.dq_bulk, config.skip_hidden_halves
+    dq_bulk = config.dq_bulk
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -372,8 +364,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
 
     @T.macro
     def gradient_gemms_handing_off_ds(p_local, ds_local, ds_shared, dq_local, q_shared,
-                                      do_shared, k_shared, dv_local, dk_local, t, n_tiles,
-                                      hidden):
+                                      do_shared, k_shared, dv_local, dk_local, t, n_tiles):
         """ds_handoff: dV, dK and dQ of tile t of n_tiles with the dS halves handed over
         by one-sided named barriers. Each pairs one warpgroup's arrive with the other's sync
         (so both count `threads`), one for one: a hand-back is given only when a tile
@@ -385,57 +376,12 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         T.copy(ds_local, ds_shared)  # our 64 key rows
         T.fence_proxy_async()  # the generic-proxy writes, seen by the wgmma reads
         T.named_barrier_arrive(DS_READY + half, threads)
-        if skip_hidden_halves:
-            if not hidden:  # (a hidden half adds nothing to dV and dK)
-                dv_dk_gemms(p_local, ds_local, q_shared, do_shared, dv_local, dk_local)
-        else:
-            dv_dk_gemms(p_local, ds_local, q_shared, do_shared, dv_local, dk_local)
+        dv_dk_gemms(p_local, ds_local, q_shared, do_shared, dv_local, dk_local)
         T.sync_threads(DS_READY + 1 - half, threads)  # the other half is in
         T.sync_threads(WARPGROUP_BARRIER + half, threads // 2)  # and all of our own
         dq_gemm(ds_shared, k_shared, dq_local)
         if t + 1 < n_tiles:
             T.named_barrier_arrive(DS_FREE + 1 - half, threads)  # the other's half is read
-
-    @T.macro
-    def scores_and_grads(k_shared, v_shared, q_shared, do_shared, s_local, dp_local, p_local,
-                         ds_local, lse, delta, lse_shared, delta_shared, bz, head, q_start,
-                         kv_start, scale):
-        """S^T = K Q^T and dP^T = V dO^T of the tile, then P and dS from them."""
-        clear_for_gemm(s_local)
-        # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
-        # so S^T, dP^T, P, dS, dK and dV share one register layout.
-        if async_mma:
-            T.clear(dp_local)
-            T.wgmma_gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)
-            T.wgmma_gemm(v_shared, do_shared, dp_local, transpose_B=True,
-                         policy=ROWS)
-            # TileLang 0.1.15 fences the whole tile before each wgmma (64 registers
-            # where a thread holds 32), so ptxas still waits for K Q^T before
-            # issuing V dO^T (C7517); the three gradient GEMMs below do overlap.
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(s_local, num_regs=regs_scores)
-            T.warpgroup_fence_operand(dp_local, num_regs=regs_scores)
-        else:
-            T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS,
-                   clear_accum=clear_by_mma)  # K Q^T
-            clear_for_gemm(dp_local)
-            T.gemm(v_shared, do_shared, dp_local, transpose_B=True, policy=ROWS,
-                   clear_accum=clear_by_mma)  # V dO^T
-        # (lse, delta) of this block's rows: staged in shared memory, or global
-        stats = (lse_shared, delta_shared) if staged_stats else (lse, delta)
-        if edge_masks_only:
-            # every row of a fully visible tile sees keys, so its lse is finite
-            if tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q, block_kv,
-                                  window_left, window_right) & (
-                                      q_start + block_q <= seq_q):
-                probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
-                                q_start, kv_start, seq_q, seq_kv, scale, False)
-            else:
-                probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
-                                q_start, kv_start, seq_q, seq_kv, scale, True)
-        else:
-            probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
-                            q_start, kv_start, seq_q, seq_kv, scale, True)
 
     share_sm = sm_sharing(threads, config.ctas_per_sm)
 
@@ -491,22 +437,41 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             if staged_stats:
                 T.copy(lse[bz, head, q_start:q_start + block_q], lse_shared)
                 T.copy(delta[bz, head, q_start:q_start + block_q], delta_shared)
-            if skip_hidden_halves:
-                # this warpgroup's keys, against the tile's query rows
-                hidden = keys_hidden(q_start, kv_start + consumer_warpgroup() * block_kv // 2,
-                                     seq_q, seq_kv, block_q, block_kv // 2, window_left,
-                                     window_right)
-                if hidden:
-                    T.clear(ds_local)  # our dS half, for the other warpgroup's dQ
-                else:
-                    scores_and_grads(k_shared, v_shared, q_shared, do_shared, s_local,
-                                     dp_local, p_local, ds_local, lse, delta, lse_shared,
-                                     delta_shared, bz, head, q_start, kv_start, scale)
+            clear_for_gemm(s_local)
+            # Each consumer warpgroup owns block_kv / 2 key rows in every key-major GEMM,
+            # so S^T, dP^T, P, dS, dK and dV share one register layout.
+            if async_mma:
+                T.clear(dp_local)
+                T.wgmma_gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS)
+                T.wgmma_gemm(v_shared, do_shared, dp_local, transpose_B=True,
+                             policy=ROWS)
+                # TileLang 0.1.15 fences the whole tile before each wgmma (64 registers
+                # where a thread holds 32), so ptxas still waits for K Q^T before
+                # issuing V dO^T (C7517); the three gradient GEMMs below do overlap.
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(s_local, num_regs=regs_scores)
+                T.warpgroup_fence_operand(dp_local, num_regs=regs_scores)
             else:
-                hidden = False
-                scores_and_grads(k_shared, v_shared, q_shared, do_shared, s_local, dp_local,
-                                 p_local, ds_local, lse, delta, lse_shared, delta_shared, bz,
-                                 head, q_start, kv_start, scale)
+                T.gemm(k_shared, q_shared, s_local, transpose_B=True, policy=ROWS,
+                       clear_accum=clear_by_mma)  # K Q^T
+                clear_for_gemm(dp_local)
+                T.gemm(v_shared, do_shared, dp_local, transpose_B=True, policy=ROWS,
+                       clear_accum=clear_by_mma)  # V dO^T
+            # (lse, delta) of this block's rows: staged in shared memory, or global
+            stats = (lse_shared, delta_shared) if staged_stats else (lse, delta)
+            if edge_masks_only:
+                # every row of a fully visible tile sees keys, so its lse is finite
+                if tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q, block_kv,
+                                      window_left, window_right) & (
+                                          q_start + block_q <= seq_q):
+                    probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                    q_start, kv_start, seq_q, seq_kv, scale, False)
+                else:
+                    probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                    q_start, kv_start, seq_q, seq_kv, scale, True)
+            else:
+                probs_and_grads(stats, s_local, dp_local, p_local, ds_local, bz, head,
+                                q_start, kv_start, seq_q, seq_kv, scale, True)
             if async_mma:
                 T.copy(ds_local, ds_shared)
                 T.clear(dq_local)
@@ -526,7 +491,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             elif ds_handoff:
                 gradient_gemms_handing_off_ds(p_local, ds_local, ds_shared, dq_local,
                                               q_shared, do_shared, k_shared, dv_local,
-                                              dk_local, t, heads_per_cta * n_blocks, hidden)
+                                              dk_local, t, heads_per_cta * n_blocks)
             else:
                 dv_dk_gemms(p_local, ds_local, q_shared, do_shared, dv_local, dk_local)
                 T.copy(ds_local, ds_shared)
@@ -740,8 +705,6 @@ class AttentionBwdKernel(Kernel):
             # out of lockstep with dq by one tensor-map reduce per warpgroup, or by rows
             space += [dataclasses.replace(three_stages, dq_bulk=False, dq_rows=rows)
                       for rows in (False, True)]
-            # the default skipping the GEMMs of key halves no query of the tile sees
-            space.append(dataclasses.replace(space[0], skip_hidden_halves=True))
             # the default walking the whole GQA group (no fp32 dk/dv buffers, zero fills or
             # casts: 335 MB less traffic per call at 8B 8 x 2K), heavy key blocks first or
             # not: 6-10% slower on the H200 (8B 4 x 4K and 8 x 2K)

@@ -57,18 +57,3 @@ def tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_q: int, block_kv:
     if window_left >= 0:  # the smallest: first key, last row
         seen = seen & (kv_start - (q_start + block_q - 1) - offset >= -window_left)
     return seen
-
-
-def keys_hidden(q_start, kv_start, seq_q, seq_kv, block_q: int, keys: int, window_left: int,
-                window_right: int):
-    """Whether no query row of [q_start, q_start + block_q) sees any key of
-    [kv_start, kv_start + keys) (keys past seq_kv are seen by none): the tile's part for
-    those keys is all zeros. Rows past seq_q count at their positions (callers zero them
-    anyway), which keeps the answer exact."""
-    offset = seq_kv - seq_q
-    hidden = kv_start >= seq_kv
-    if window_right >= 0:  # the smallest key - query distance: first key, last row
-        hidden = hidden | (kv_start - (q_start + block_q - 1) - offset > window_right)
-    if window_left >= 0:  # the largest: last key, first row
-        hidden = hidden | (kv_start + keys - 1 - q_start - offset < -window_left)
-    return hidden
