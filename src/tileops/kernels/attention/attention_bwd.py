@@ -105,13 +105,14 @@ class AttentionBwdConfig:
             # async dQ = dS K must be a wgmma, and a wgmma takes at least 64 rows
             raise ValueError(f"AttentionBwdConfig: async_mma needs block_q >= 64, got "
                              f"block_q={self.block_q}")
-        if self.ds_handoff and (self.async_mma or self.threads != 256
+        if self.ds_handoff and (self.async_mma or not self.tma_dq or self.threads != 256
                                 or self.block_kv != 128 or self.ctas_per_sm != 1):
             raise ValueError("AttentionBwdConfig: ds_handoff is written for two consumer "
-                             f"warpgroups of 64 keys each and T.gemm, got {self}")
-        if self.dq_bulk and (not self.ds_handoff or self.dq_rows or not self.tma_dq):
-            raise ValueError("AttentionBwdConfig: dq_bulk is a dq path of ds_handoff through "
-                             f"shared memory (tma_dq), other than dq_rows, got {self}")
+                             "warpgroups of 64 keys each, T.gemm and dq through shared "
+                             f"memory (tma_dq), got {self}")
+        if self.dq_bulk and (not self.ds_handoff or self.dq_rows):
+            raise ValueError("AttentionBwdConfig: dq_bulk is a dq path of ds_handoff, other "
+                             f"than dq_rows, got {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -499,7 +500,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 add_dq_rows(dq, dq_local, dq_shared, bz, head, q_start, seq_q)
             elif dq_bulk:
                 add_dq_bulk(dq, dq_local, dq_shared, bz, head, q_start)
-            elif ds_handoff and tma_dq:
+            elif ds_handoff:
                 add_dq_halves(dq, dq_local, dq_shared, bz, head, q_start)
             elif tma_dq:  # one bulk reduce-add of the tile (TMA clips the Sq tail)
                 T.copy(dq_local, dq_shared)
