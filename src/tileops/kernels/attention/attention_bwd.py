@@ -96,6 +96,13 @@ class AttentionBwdConfig:
     # issuing thread awaits its read of shared memory only before the next rewrite, not
     # right after the issue (a tensor-map reduce's wait held up the warpgroup's next GEMM).
     dq_bulk: bool = False
+    # Launch order of about the last `tail_ctas` CTAs: those (batch, head)s go key block by
+    # key block, so under a causal mask their heavy first key blocks start first and the
+    # last wave holds light CTAs instead of a heavy one that runs on while the other SMs
+    # idle. Only the tail: their Q and dO (about tail_ctas x 64 KiB) still fit in L2 while
+    # the whole grid keeps its head-by-head order (kv_chunks, heavy first everywhere, lost
+    # that locality).
+    tail_ctas: int = 0
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -113,6 +120,9 @@ class AttentionBwdConfig:
         if self.dq_bulk and (not self.ds_handoff or self.dq_rows):
             raise ValueError("AttentionBwdConfig: dq_bulk is a dq path of ds_handoff, other "
                              f"than dq_rows, got {self}")
+        if self.tail_ctas and self.kv_chunks != 1:
+            raise ValueError("AttentionBwdConfig: tail_ctas reorders the head-by-head launch "
+                             f"order, kv_chunks replaces it; got both: {self}")
         if self.tma_dkv and self.group_loop:
             raise ValueError("AttentionBwdConfig: tma_dkv adds dk and dv into fp32 buffers; "
                              "group_loop stores them whole, got both")
@@ -551,7 +561,22 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                       dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
                       dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
         n_kv = T.ceildiv(seq_kv, block_kv)
-        if kv_chunks == 1:
+        if kv_chunks == 1 and config.tail_ctas:
+            with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
+                # the last n_tail (batch, head)s, flattened, launch key block by key block
+                n_tail = T.min(T.ceildiv(config.tail_ctas, n_kv), cta_heads * batch)
+                tail_start = cta_heads * batch - n_tail
+                flat = bz * cta_heads + by
+                rank = bx + n_kv * (flat - tail_start)  # the CTA's place in the tail
+                in_tail = flat >= tail_start
+                # computed once into registers: as expressions they were inlined into every
+                # use (93 integer divisions in the PTX)
+                block = T.alloc_var("int32", init=T.if_then_else(in_tail, rank // n_tail, bx))
+                head = T.alloc_var("int32", init=T.if_then_else(in_tail,
+                                                                tail_start + rank % n_tail, flat))
+                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, block, head % cta_heads,
+                          head // cta_heads)
+        elif kv_chunks == 1:
             with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
                 key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz)
         else:
