@@ -10,7 +10,9 @@ from tileops.kernels.attention import (
     AttentionFwdKernel,
     AttentionVarlenFwdKernel,
 )
+from tileops.kernels.attention.attention_bwd import tail_launch_order
 from tileops.kernels.attention.attention_fwd import SHORT_KEYS
+from tileops.kernels.attention.mask import INT_OPS
 from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.normalization import RMSNormKernel
 from tileops.prebuild import build_plan
@@ -31,7 +33,8 @@ def default_and_lockstep(kernel: AttentionBwdKernel):
     ds_handoff, so no dq_bulk) and three Q/dO stages: the loop shape the older choices were
     measured in."""
     default = kernel.heuristic_config("all", "sm_90a")
-    return default, dataclasses.replace(default, stages=3, ds_handoff=False, dq_bulk=False)
+    return default, dataclasses.replace(default, stages=3, ds_handoff=False, dq_bulk=False,
+                                        tail_ctas=0)
 
 
 @pytest.mark.parametrize("item", PLAN, ids=[i.describe() for i in PLAN])
@@ -190,15 +193,18 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
                                       "ds_handoff": True, "dq_bulk": True},
                                      {"clear_by_mma": True, "tma_dkv": True,
                                       "ds_handoff": True, "dq_bulk": True},
+                                     {"clear_by_mma": True, "tma_dkv": True,
+                                      "ds_handoff": True, "dq_bulk": True, "tail_ctas": 256},
                                      {"clear_by_mma": True, "stages": 3, "ds_handoff": True,
                                       "dq_bulk": True, "group_loop": True}],
                          ids=str)
 def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp_path):
     """head_dim 256 is left out: its backward spills (a known cost, see docs/performance)."""
     kernel = backward_kernel(head_dim)
-    # variants of the lighter loop with two Q/dO stages; the last but one is the default
+    # variants of the lighter loop with two Q/dO stages in the grid's plain order; the last
+    # but one is the default
     lighter_loop = {"stages": 2, "clear_by_mma": False, "tma_dkv": False, "ds_handoff": False,
-                    "dq_bulk": False}
+                    "dq_bulk": False, "tail_ctas": 0}
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),
                                  **{**lighter_loop, **variant})
     assert config in kernel.config_space("all")
@@ -296,7 +302,8 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
     kernel = backward_kernel(head_dim)
     default, lockstep = default_and_lockstep(kernel)
     assert default.ds_handoff
-    config = dataclasses.replace(default, stages=3, dq_bulk=False, dq_rows=dq_rows)
+    config = dataclasses.replace(default, stages=3, dq_bulk=False, dq_rows=dq_rows,
+                                 tail_ctas=0)
     assert {config, lockstep} <= set(kernel.config_space("all"))
     assert kernel.pass_configs(config, 1) == {"tl.disable_thread_storage_sync": True}
     assert kernel.pass_configs(config, 0) == {}  # the delta pass keeps its syncs
@@ -379,3 +386,24 @@ def test_attention_varlen_tile_store_stores_whole_tiles_by_tma(bucket, tmp_path)
     compiled = kernel.compile(config, bucket)[0]
     assert "tma_store(o_desc" in compiled.get_kernel_source()
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("n_kv, n_heads, tail_ctas", [(16, 256, 256), (32, 128, 256),
+                                                      (64, 128, 256), (3, 16, 256),
+                                                      (5, 21, 9), (7, 3, 1)])
+def test_tail_launch_order_is_a_permutation_heavy_first_at_the_end(n_kv, n_heads,
+                                                                   tail_ctas):
+    """`tail_ctas`: every (key block, head) is launched exactly once; before the tail the
+    grid's order is kept, and in it the key blocks (heaviest first under a causal mask)
+    never go back."""
+    order = [tail_launch_order(bx, flat, n_kv, n_heads, tail_ctas, INT_OPS)
+             for flat in range(n_heads) for bx in range(n_kv)]
+    assert sorted(order) == [(bx, flat) for bx in range(n_kv) for flat in range(n_heads)]
+    n_tail = min(-(-tail_ctas // n_kv), n_heads)
+    head_part = (n_heads - n_tail) * n_kv
+    assert order[:head_part] == [(bx, flat) for flat in range(n_heads - n_tail)
+                                 for bx in range(n_kv)]
+    tail_blocks = [bx for bx, _ in order[head_part:]]
+    assert tail_blocks == sorted(tail_blocks)
+    assert len(order) - head_part >= min(tail_ctas, n_kv * n_heads)

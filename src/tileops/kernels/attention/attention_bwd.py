@@ -28,7 +28,7 @@ from tilelang.layout import make_linear_layout
 
 from ..base import Kernel
 from .attention_fwd import SMEM_LIMIT, sm_sharing
-from .mask import query_block_range, tile_fully_visible
+from .mask import TIR_OPS, query_block_range, tile_fully_visible
 
 LOG2E = math.log2(math.e)
 DQ_BARRIER = 8  # a named barrier of the consumer threads, clear of the ones TileLang uses
@@ -145,6 +145,18 @@ class AttentionBwdConfig:
     def fits(self, head_dim: int) -> bool:
         """Whether `ctas_per_sm` CTAs of this config fit in one SM's shared memory."""
         return self.ctas_per_sm * self.smem_bytes(head_dim) <= SMEM_LIMIT
+
+
+def tail_launch_order(bx, flat_head, n_kv, n_heads, tail_ctas: int, ops=TIR_OPS):
+    """(key block, flattened batch x head) of the CTA launched as (bx, flat_head) in a grid
+    of n_kv key blocks (fastest) x n_heads: the order is kept, except that the last
+    ceil(tail_ctas / n_kv) heads go key block by key block (tail_ctas)."""
+    n_tail = ops.min(ops.ceildiv(tail_ctas, n_kv), n_heads)
+    tail_start = n_heads - n_tail
+    rank = bx + n_kv * (flat_head - tail_start)  # the CTA's place in the tail
+    in_tail = flat_head >= tail_start
+    return (ops.select(in_tail, ops.floordiv(rank, n_tail), bx),
+            ops.select(in_tail, tail_start + ops.floormod(rank, n_tail), flat_head))
 
 
 def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int = 64,
@@ -563,19 +575,14 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         n_kv = T.ceildiv(seq_kv, block_kv)
         if kv_chunks == 1 and config.tail_ctas:
             with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
-                # the last n_tail (batch, head)s, flattened, launch key block by key block
-                n_tail = T.min(T.ceildiv(config.tail_ctas, n_kv), cta_heads * batch)
-                tail_start = cta_heads * batch - n_tail
-                flat = bz * cta_heads + by
-                rank = bx + n_kv * (flat - tail_start)  # the CTA's place in the tail
-                in_tail = flat >= tail_start
+                block, head = tail_launch_order(bx, bz * cta_heads + by, n_kv,
+                                                cta_heads * batch, config.tail_ctas)
                 # computed once into registers: as expressions they were inlined into every
                 # use (93 integer divisions in the PTX)
-                block = T.alloc_var("int32", init=T.if_then_else(in_tail, rank // n_tail, bx))
-                head = T.alloc_var("int32", init=T.if_then_else(in_tail,
-                                                                tail_start + rank % n_tail, flat))
-                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, block, head % cta_heads,
-                          head // cta_heads)
+                block_var = T.alloc_var("int32", init=block)
+                head_var = T.alloc_var("int32", init=head)
+                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, block_var,
+                          head_var % cta_heads, head_var // cta_heads)
         elif kv_chunks == 1:
             with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
                 key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz)
@@ -665,13 +672,17 @@ class AttentionBwdKernel(Kernel):
         # us (2.2%); with dq_rows 3736.2. Its dq by one bulk reduce per warpgroup with the
         # wait deferred (dq_bulk): 3452.5 vs 3541.6 us (2.5%). Out of lockstep, two Q/dO
         # stages beat three again: 1916.1 vs 1955.0 us at 8 x 2K, 3266.0 vs 3306.7 at 4 x 4K
-        # (compare, 6ee9f0f).
+        # (compare, 6ee9f0f). The last 256 CTAs heavy first (tail_ctas): 1859.4 vs 1910.0 us
+        # at 8 x 2K, 3151.1 vs 3192.5 at 4 x 4K (compare, eb392f8; 512 gave the same).
         return AttentionBwdConfig(block_kv=128, block_q=64, stages=2, threads=256, tma_dq=True,
                                   edge_masks_only=True, staged_stats=True, clear_by_mma=True,
-                                  tma_dkv=True, ds_handoff=True, dq_bulk=True)
+                                  tma_dkv=True, ds_handoff=True, dq_bulk=True, tail_ctas=256)
 
     def config_space(self, bucket: str) -> list[AttentionBwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]
+        # the default in the grid's plain order, as the twins below were measured
+        plain_order = dataclasses.replace(space[0], tail_ctas=0)
+        space.append(plain_order)
         # block_q 128 does not build in TileLang 0.1.15 (a shared-memory sync would fall in
         # a 252-thread divergent region), so the space stops at 64.
         for block_kv, block_q in ((128, 64), (128, 32)):
@@ -691,9 +702,9 @@ class AttentionBwdKernel(Kernel):
         space.append(group_loop)
         # The twins below vary the lighter loop with two stages (the default until the third
         # stage won), as they were measured; at head_dim 256, its own default.
-        base = (dataclasses.replace(space[0], stages=2, clear_by_mma=False, tma_dkv=False,
+        base = (dataclasses.replace(plain_order, stages=2, clear_by_mma=False, tma_dkv=False,
                                     ds_handoff=False, dq_bulk=False)
-                if space[0].staged_stats else space[0])
+                if plain_order.staged_stats else plain_order)
         # heavy key blocks first (kv_chunks); group_loop has a quarter of the CTAs (GQA 4),
         # so its tail weighs more
         space += [dataclasses.replace(base, kv_chunks=n) for n in (2, 4)]
@@ -718,10 +729,10 @@ class AttentionBwdKernel(Kernel):
         # in lockstep follow)
         if base.edge_masks_only and not base.async_mma:
             space.append(dataclasses.replace(base, clear_by_mma=True))
-        if space[0].edge_masks_only:
+        if plain_order.edge_masks_only:
             # the default with three Q/dO stages, as the choices below were measured (the
             # third stage won in lockstep)
-            three_stages = dataclasses.replace(space[0], stages=3)
+            three_stages = dataclasses.replace(plain_order, stages=3)
             space.append(three_stages)
             # in lockstep, with and without each of its two previous choices
             space += [dataclasses.replace(three_stages, clear_by_mma=clear, tma_dkv=tma_dkv,

@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 INT_OPS = SimpleNamespace(max=max, min=min, ceildiv=lambda a, b: -(-a // b),
-                          floordiv=lambda a, b: a // b)
-TIR_OPS = SimpleNamespace(max=T.max, min=T.min, ceildiv=T.ceildiv, floordiv=T.floordiv)
+                          floordiv=lambda a, b: a // b, floormod=lambda a, b: a % b,
+                          select=lambda cond, a, b: a if cond else b)
+TIR_OPS = SimpleNamespace(max=T.max, min=T.min, ceildiv=T.ceildiv, floordiv=T.floordiv,
+                          floormod=T.floormod, select=T.if_then_else)
 
 
 def key_tile_range(q_start, seq_q, seq_kv, block_m: int, block_n: int, window_left: int,
