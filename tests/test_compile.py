@@ -253,7 +253,7 @@ def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     kernel = backward_kernel(128)
     config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), dq_rows=True,
                                  clear_by_mma=False, tma_dkv=False, ds_handoff=False,
-                                 dq_bulk=False)
+                                 dq_bulk=False, tail_ctas=0)
     assert config in kernel.config_space("all")
     source = kernel.compile(config, "all")[1].get_kernel_source()
     assert "dq_desc" not in source  # no tensor-map reduce of the whole tile

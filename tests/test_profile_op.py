@@ -34,13 +34,13 @@ def test_config_replaces_fields_of_the_kernel_default(profile_op):
     op_cls, workload = profile_op.pick_case("GroupedQueryAttentionBwdOp", "8 x 2k", "bfloat16")
     op = op_cls(**op_cls.spec.workload_params(workload))
     shapes = list(op_cls.spec.workload_tensors(workload, "bfloat16").values())  # meta tensors
-    config = profile_op.config_with(op, shapes, {"dq_bulk": False})
+    config = profile_op.config_with(op, shapes, {"tail_ctas": 0})
     from tileops.kernels.attention import AttentionBwdKernel
 
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                 window_left=-1, window_right=0, softcap=0.0)
     assert config == dataclasses.replace(kernel.heuristic_config("all", "sm_90a"),
-                                         dq_bulk=False)
+                                         tail_ctas=0)
     assert config in kernel.config_space("all")
     with pytest.raises(SystemExit, match="no_such_field"):
         profile_op.config_with(op, shapes, {"no_such_field": 1})
