@@ -1,9 +1,10 @@
 """Times an op's default config against variants of it and against the op's baselines, on
-manifest workloads, interleaved by the bench's protocol (CUPTI, L2 flushed, trials taken
-round by round, so a drifting clock moves every candidate alike):
+manifest workloads, interleaved by the bench's timer (CUPTI, L2 flushed, trials taken
+round by round, so a drifting clock moves every candidate alike; at most 15 trials, where
+the bench allows 45):
 
     python scripts/compare_configs.py GroupedQueryAttentionBwdOp --workload "8 x 2k" \
-        --workload "4 x 4k" --dtype bfloat16 --config '{"dq_last_casts": true}'
+        --workload "4 x 4k" --dtype bfloat16 --config '{"stages": 3}'
 
 Each --config replaces fields of the default config (see profile_op.py). A variant whose
 outputs disagree with the default's on the same inputs is reported and not timed, as in

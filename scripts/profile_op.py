@@ -5,8 +5,8 @@
         --workload "8 x 2k" --dtype bfloat16
 
 The first call compiles and loads the kernels (skip it); the inputs are the bench's (fresh
-random values). `--config '{"dq_bulk": false}'` runs the op's kernel with those fields of
-its default config replaced (a config of the space that is not the default).
+random values). `--config '{"tail_ctas": 0}'` runs the op's kernel with those fields of
+its default config replaced (here a config of the space that is not the default).
 gpu_session.sh `ncu` wraps this.
 """
 

@@ -573,19 +573,19 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                       dq: T.Tensor(dq_shape, "float"), dk: T.Tensor(kv_shape, dkv_dtype),
                       dv: T.Tensor(kv_shape, dkv_dtype), scale: T.float32):
         n_kv = T.ceildiv(seq_kv, block_kv)
-        if kv_chunks == 1 and config.tail_ctas:
+        if kv_chunks == 1:
             with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
-                block, head = tail_launch_order(bx, bz * cta_heads + by, n_kv,
-                                                cta_heads * batch, config.tail_ctas)
-                # computed once into registers: as expressions they were inlined into every
-                # use (93 integer divisions in the PTX)
-                block_var = T.alloc_var("int32", init=block)
-                head_var = T.alloc_var("int32", init=head)
-                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, block_var,
-                          head_var % cta_heads, head_var // cta_heads)
-        elif kv_chunks == 1:
-            with T.Kernel(n_kv, cta_heads, batch, threads=threads) as (bx, by, bz):
-                key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz)
+                if config.tail_ctas:
+                    block, head = tail_launch_order(bx, bz * cta_heads + by, n_kv,
+                                                    cta_heads * batch, config.tail_ctas)
+                    # computed once into registers: as expressions they were inlined into
+                    # every use (93 integer divisions in the PTX)
+                    block_var = T.alloc_var("int32", init=block)
+                    head_var = T.alloc_var("int32", init=head)
+                    key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, block_var,
+                              head_var % cta_heads, head_var // cta_heads)
+                else:
+                    key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz)
         else:
             # Key blocks in kv_chunks runs, the first run of every head and batch launched
             # before the second: under a causal mask the first key blocks see the most query
