@@ -17,9 +17,15 @@ from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.normalization import RMSNormKernel
 from tileops.prebuild import build_plan
 
-pytestmark = [pytest.mark.compile, pytest.mark.smoke]
+pytestmark = pytest.mark.compile
 
+# Every distinct program the smoke workloads build, in every dtype (`full`), and the CI set:
+# one dtype per workload, since the dtype changes no code path of a kernel.
 PLAN = build_plan(tier="smoke")
+FIRST_DTYPE = {}
+for _item in PLAN:
+    FIRST_DTYPE.setdefault((_item.op_name, _item.label), _item.dtype)
+SMOKE_PLAN = [i for i in PLAN if FIRST_DTYPE[(i.op_name, i.label)] == i.dtype]
 
 
 def backward_kernel(head_dim: int) -> AttentionBwdKernel:
@@ -37,9 +43,8 @@ def default_and_lockstep(kernel: AttentionBwdKernel):
                                         tail_ctas=0)
 
 
-@pytest.mark.parametrize("item", PLAN, ids=[i.describe() for i in PLAN])
-def test_smoke_workloads_compile(item):
-    compiled = item.kernel.compile(item.config, item.bucket)
+def check_fast_path(item, compiled, tmp_path) -> None:
+    """The program the op would run uses the Hopper fast path and spills nothing."""
     source = compiled[0].get_kernel_source()
     if isinstance(item.kernel, GemmKernel):
         # TileLang silently falls back to mma.sync / cp.async; the fast path must be there.
@@ -48,24 +53,41 @@ def test_smoke_workloads_compile(item):
         # QK^T from shared memory, PV with P in registers, K/V through TMA, producer warps.
         for needle in ("wgmma_ss", "wgmma_rs", "tma_load", "warpgroup_reg_alloc"):
             assert needle in source, (needle, item.describe())
+        assert_no_spills_or_serialized_wgmma(compiled[0], tmp_path)
     if isinstance(item.kernel, AttentionBwdKernel):
-        main_source = compiled[1].get_kernel_source()  # [0] is the delta = rowsum(o*do) pass
+        main = compiled[1]  # [0] is the delta = rowsum(o*do) pass
         for needle in ("wgmma_ss", "wgmma_rs", "tma_load"):
-            assert needle in main_source, (needle, item.describe())
+            assert needle in main.get_kernel_source(), (needle, item.describe())
+        assert_no_spills_or_serialized_wgmma(main, tmp_path)
 
 
+@pytest.mark.smoke
+@pytest.mark.parametrize("item", SMOKE_PLAN, ids=[i.describe() for i in SMOKE_PLAN])
+def test_smoke_workloads_compile(item, tmp_path):
+    check_fast_path(item, item.kernel.compile(item.config, item.bucket), tmp_path)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("item", PLAN, ids=[i.describe() for i in PLAN])
+def test_smoke_workloads_compile_in_every_dtype(item, tmp_path):
+    check_fast_path(item, item.kernel.compile(item.config, item.bucket), tmp_path)
+
+
+@pytest.mark.smoke
 def test_odd_k_still_uses_wgmma():
     kernel = GemmKernel(dtype="float16", n=3000, k=777, trans_a=False, trans_b=True)
     compiled = kernel.compile(kernel.heuristic_config("large", "sm_90a"), "large")
     assert "wgmma" in compiled[0].get_kernel_source()
 
 
+@pytest.mark.smoke
 def test_rms_norm_uses_16_byte_accesses():
     kernel = RMSNormKernel(dtype="bfloat16", n=4096, has_weight=True)
     compiled = kernel.compile(kernel.heuristic_config("all", "sm_90a"), "all")
     assert "uint4" in compiled[0].get_kernel_source()
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("hidden", [24, 199])
 def test_rms_norm_padded_path_compiles(hidden):
     """Hidden sizes whose 16-byte vectors cannot split over the threads take the padded path."""
@@ -92,6 +114,7 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
     assert "serialized" not in report, report
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("head_dim, variant", [(64, None), (128, None), (256, None),
                                                (128, "overlap"), (256, "overlap"),
                                                (64, "two CTAs per SM"), (128, "two CTAs per SM"),
@@ -126,6 +149,7 @@ def test_attention_forward_keeps_everything_in_registers(head_dim, variant, tmp_
         assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("kernel_class", [AttentionFwdKernel, AttentionVarlenFwdKernel])
 def test_attention_forward_kv_head_major_grid(kernel_class):
     """`kv_head_major`: grid x is the query head within its GQA group (4), z the sequence
@@ -142,6 +166,7 @@ def test_attention_forward_kv_head_major_grid(kernel_class):
     assert re.search(r"= \(\(int64_t\)\(\(?batch(_1)? \* 8\)( - 8\))?\);", host)
 
 
+@pytest.mark.smoke
 def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
     """Up to SHORT_KEYS (4K) keys two 64-row CTAs share an SM (faster on the H200); longer
     key loops and head_dim 256 (no registers for two) keep one 128-row CTA, unless every
@@ -169,6 +194,7 @@ def test_attention_forward_picks_two_ctas_per_sm_for_short_keys():
         assert varlen == dataclasses.replace(default(head_dim, seq_kv), tile_store=True)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", [{}, {"edge_masks_only": False, "staged_stats": False},
                                      {"edge_masks_only": False, "staged_stats": False,
@@ -211,6 +237,7 @@ def test_attention_backward_keeps_everything_in_registers(head_dim, variant, tmp
     assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[1], tmp_path)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_attention_backward_two_ctas_per_sm_keep_everything_in_registers(head_dim, tmp_path):
     """Two CTAs share an SM: launch bound and register split for both, no spills, and
@@ -226,6 +253,7 @@ def test_attention_backward_two_ctas_per_sm_keep_everything_in_registers(head_di
         assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
+@pytest.mark.full
 def test_attention_backward_clear_by_mma_zeroes_no_accumulator_by_hand():
     """`clear_by_mma`: S, dP and dQ start from their first wgmma (scale-d off), so the only
     zeroed fragments left are dK and dV, once per CTA."""
@@ -246,6 +274,7 @@ def test_attention_backward_clear_by_mma_zeroes_no_accumulator_by_hand():
         dataclasses.replace(default, clear_by_mma=True, async_mma=True)
 
 
+@pytest.mark.full
 def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     """`dq_rows`: one bulk reduce per dq row from a padded, linear shared tile; inside the
     key loop each issuing thread waits only before the tile is rewritten (one wait there,
@@ -265,6 +294,7 @@ def test_attention_backward_dq_rows_defers_the_wait_for_its_row_reduces():
     assert "* 136)" in source  # rows 128 + 8 floats apart
 
 
+@pytest.mark.full
 def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_memory():
     """`tma_dkv`: after the key loop dk and dv leave by tensor-map reduce-adds from shared
     tiles laid over the dead K/V and Q/dO tiles, so the CTA needs no more shared memory."""
@@ -292,6 +322,7 @@ def test_attention_backward_tma_dkv_adds_dk_and_dv_by_tma_in_no_extra_shared_mem
         dataclasses.replace(lockstep, group_loop=True)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dq_rows", [False, True])
 def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_rows):
@@ -335,7 +366,8 @@ def test_attention_backward_ds_handoff_places_every_sync_by_hand(head_dim, dq_ro
         dataclasses.replace(config, async_mma=True, clear_by_mma=False, dq_bulk=False)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.smoke
+@pytest.mark.parametrize("head_dim", [pytest.param(64, marks=pytest.mark.full), 128])
 def test_attention_backward_dq_bulk_adds_each_warpgroup_half_by_one_deferred_bulk_reduce(
         head_dim):
     """`dq_bulk`: each consumer warpgroup adds its dQ half by one bulk reduce of a contiguous
@@ -359,7 +391,8 @@ def test_attention_backward_dq_bulk_adds_each_warpgroup_half_by_one_deferred_bul
             dataclasses.replace(config, **bad)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.smoke
+@pytest.mark.parametrize("head_dim", [pytest.param(64, marks=pytest.mark.full), 128])
 def test_attention_backward_dq_bulk_casts_dq_by_whole_rows(head_dim):
     """dq_bulk's head-major fp32 dq becomes dq by a kernel of its own: 16-byte loads and
     8-byte stores along whole rows (torch's copy through a permuted view ran at half the
@@ -373,6 +406,7 @@ def test_attention_backward_dq_bulk_casts_dq_by_whole_rows(head_dim):
     assert len(kernel.program(lockstep, "all")) == 2  # dq.copy_ of a [B, S, H, D] buffer
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("bucket", ["short", "long"])
 def test_attention_varlen_tile_store_stores_whole_tiles_by_tma(bucket, tmp_path):
     """`tile_store`: blocks inside their sequence store O by TMA (the row path stays for
