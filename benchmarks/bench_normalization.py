@@ -1,12 +1,21 @@
-"""RMSNormFwdOp against torch eager, torch.compile and Liger (when importable)."""
+"""The normalization family (RMSNorm, fused add + RMSNorm, LayerNorm; forward and backward)
+against torch eager, torch.compile and Liger (when importable)."""
 
 import pytest
 
-from tileops import RMSNormFwdOp
+from tileops import (
+    FusedAddRMSNormBwdOp,
+    FusedAddRMSNormFwdOp,
+    LayerNormBwdOp,
+    LayerNormFwdOp,
+    RMSNormBwdOp,
+    RMSNormFwdOp,
+)
 
-OP = RMSNormFwdOp
+OPS = [RMSNormFwdOp, RMSNormBwdOp, FusedAddRMSNormFwdOp, FusedAddRMSNormBwdOp, LayerNormFwdOp,
+       LayerNormBwdOp]
 
 
 @pytest.mark.gpu
-def test_rms_norm(bench, workload, dtype):
-    bench(OP, workload, dtype)
+def test_normalization(bench, op_cls, workload, dtype):
+    bench(op_cls, workload, dtype)

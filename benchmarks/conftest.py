@@ -44,12 +44,17 @@ def bench(record_property):
 
 
 def pytest_generate_tests(metafunc):
-    """Parametrizes a bench module's test over its op's (`OP`) manifest workloads."""
+    """Parametrizes a bench module's test over its ops' (`OPS`, or `OP`) manifest workloads."""
     if "workload" not in metafunc.fixturenames:
         return
     from tileops.perf.bench import bench_cases
 
     tier = metafunc.config.getoption("--bench-tier")
-    found = list(bench_cases([metafunc.module.OP], None if tier == "full" else tier))
-    metafunc.parametrize("workload, dtype", [(w, d) for _, w, d in found],
-                         ids=[f"{w['label']} [{d}]" for _, w, d in found])
+    ops = getattr(metafunc.module, "OPS", None) or [metafunc.module.OP]
+    found = list(bench_cases(ops, None if tier == "full" else tier))
+    if "op_cls" in metafunc.fixturenames:
+        metafunc.parametrize("op_cls, workload, dtype", found,
+                             ids=[f"{c.__name__} {w['label']} [{d}]" for c, w, d in found])
+    else:
+        metafunc.parametrize("workload, dtype", [(w, d) for _, w, d in found],
+                             ids=[f"{w['label']} [{d}]" for _, w, d in found])

@@ -16,7 +16,7 @@ def main():
     y = torch.empty_like(x)
     op = RMSNormFwdOp(normalized_shape=[4096], eps=1e-5)
     op(x, w)
-    kernel = op.get_kernel("rms_norm", x.device, **op._kernel_key(x.dtype, 4096, True))
+    kernel = op.get_kernel("rms_norm", x.device, **op._kernel_key(x.dtype, 4096, has_weight=True))
     config, (exe,) = kernel.select(64)  # the TVM-FFI executable the op launches
     rows = {
         "torch F.rms_norm": lambda: torch.nn.functional.rms_norm(x, [4096], w, 1e-5),
@@ -26,8 +26,13 @@ def main():
         "op.check": lambda: op.check([x, w], require_cuda=True),
         "RMSNormFwdOp()": lambda: op(x, w),
         "tileops.rms_norm": lambda: tileops.rms_norm(x, [4096], w, 1e-5),
-        "torch.ops.tileops.rms_norm_fwd": lambda: torch.ops.tileops.rms_norm_fwd(x, w, [4096],
+        "torch.ops.tileops.rms_norm_fwd": lambda: torch.ops.tileops.rms_norm_fwd(x, [4096], w,
                                                                                1e-5),
+        "torch add + F.rms_norm": lambda: torch.nn.functional.rms_norm(x + y, [4096], w, 1e-5),
+        "tileops.fused_add_rms_norm": lambda: tileops.fused_add_rms_norm(x, y, w, 1e-5),
+        "tileops.fused_add_rms_norm_": lambda: tileops.fused_add_rms_norm_(x, y, w, 1e-5),
+        "torch F.layer_norm": lambda: torch.nn.functional.layer_norm(x, [4096], w, w),
+        "tileops.layer_norm": lambda: tileops.layer_norm(x, [4096], w, w),
     }
     a = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16)

@@ -1,7 +1,11 @@
 """The `tileops` command: each subcommand's output and exit status (CPU, no GPU needed)."""
 
+import argparse
 import importlib
+import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -11,14 +15,65 @@ pytestmark = pytest.mark.smoke
 
 
 def test_list_shows_every_op(capsys):
+    from tileops.manifest import get_spec
+
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     header, *rows = out.splitlines()
     assert header.split() == ["op", "family", "status", "ref_api", "promises", "workloads"]
     gemm = next(r for r in rows if r.startswith("GemmFwdOp"))
-    assert gemm.split() == ["GemmFwdOp", "gemm", "implemented", "torch.matmul", "torch_compile",
-                            "11"]
+    spec = get_spec("GemmFwdOp")
+    assert gemm.split() == ["GemmFwdOp", "gemm", "implemented", spec["ref_api"],
+                            "torch_compile", str(len(spec["workloads"]))]
     assert any(r.startswith("RMSNormFwdOp") for r in rows)
+
+
+def test_manifest_commands_start_without_torch_or_tilelang():
+    """`--help`, `list`, `import tileops` and `tileops.list_ops()` read no more than the
+    manifest: torch and TileLang (seconds of imports) stay unloaded. A fresh interpreter,
+    since this one has them loaded already."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from tileops import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        cli.main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "    assert cli.main(['list']) == 0\n"
+        "import tileops, tileops.manifest\n"
+        "assert tileops.list_ops()\n"
+        "print(sorted(m for m in ('torch', 'tilelang', 'tileops.ops') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_every_option_has_help_text():
+    parser = cli._parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {action.dest}" for name, sub in subparsers.choices.items()
+               for action in sub._actions if not action.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["compile", "--jobs", "0"], "argument --jobs: expected a positive integer, got '0'"),
+    (["compile", "--arch", "hopper"], "argument --arch: expected a CUDA architecture such as "
+                                      "sm_90a, got 'hopper'"),
+    (["bench", "--repeat", "x"], "argument --repeat: expected a positive integer, got 'x'"),
+    (["bench", "--tier", "huge"], "argument --tier: invalid choice: 'huge'"),
+    (["report", "run.json"], "the following arguments are required: --history"),
+    (["list", "--verbose"], "unrecognized arguments: --verbose"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_bad_arguments_get_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err and err.startswith("tileops")
 
 
 def test_validate_passes_on_the_shipped_manifest(capsys):
@@ -40,10 +95,15 @@ def test_validate_reports_errors(monkeypatch, capsys):
 
 
 def test_doctor_always_succeeds(capsys):
+    import torch
+
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "tilelang" in out and "torch" in out and "nvcc" in out
     assert "what will work" in out and "run kernels:" in out
+    assert "meta-tensor shape checks: yes" in out
+    if not torch.cuda.is_available():
+        assert "run kernels: no (" in out
 
 
 def test_compile_without_nvcc_is_a_clear_error(monkeypatch, capsys):
@@ -53,9 +113,12 @@ def test_compile_without_nvcc_is_a_clear_error(monkeypatch, capsys):
 
 
 def test_compile_unknown_op(monkeypatch, capsys):
-    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/nvcc")
+    """The op name is checked before nvcc is looked for."""
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
     assert cli.main(["compile", "--op", "NoSuchFwdOp"]) == 2
-    assert "unknown op(s) ['NoSuchFwdOp']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown op 'NoSuchFwdOp'; implemented: ")
+    assert "GemmFwdOp" in err and len(err.splitlines()) == 1
 
 
 def test_compile_reports_failures_and_missing_wgmma(monkeypatch, capsys):
@@ -93,6 +156,26 @@ def test_tune_without_a_gpu_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["tune", "GemmFwdOp"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tune", "NoSuchOp"], "error: unknown op 'NoSuchOp'; implemented: "),
+    (["tune", "GemmFwdOp", "--workload", "no such label"],
+     "error: GemmFwdOp has no workload matching --workload no such label; its workloads: "),
+    (["bench", "--op", "NoSuchOp"], "error: unknown op 'NoSuchOp'; implemented: "),
+    (["bench", "--family", "nope"], "error: no implemented op matches --family nope; families: "),
+    (["bench", "--dtype", "fp8"], "error: no workload of any op matches --tier full --dtype fp8"),
+])
+def test_arguments_are_checked_before_the_gpu(argv, message, monkeypatch, capsys):
+    import torch
+
+    def no_gpu_question():
+        pytest.fail("the GPU was asked for before the arguments were checked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_gpu_question)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.splitlines()) == 1
 
 
 def test_no_command_prints_help(capsys):
@@ -136,6 +219,108 @@ def test_report_flags_a_regression(tmp_path, capsys):
     run.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200"},
                                "rows": [{**row, "latency_us": 101.0}]}))
     assert cli.main(["report", str(run), "--history", str(history.path)]) == 0
+
+
+def _bench_row(**changes):
+    row = {"op": "GemmFwdOp", "label": "w", "dtype": "bfloat16", "latency_us": 100.0,
+           "gpu": "NVIDIA H200"}
+    return {**row, **changes}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "run.json: no such file"),
+    ("{}", "run.json: not a benchmark report (no 'rows' list); expected the bench.json"),
+    ("[1, 2]", "run.json: not a benchmark report (no 'rows' list)"),
+    ("rows: 1", "run.json: not JSON (Expecting value at line 1, column 1)"),
+    (b"\x89PNG\x00\xff", "run.json: not a text file"),
+    (json.dumps({"meta": {}, "rows": [_bench_row(latency_us=None)]}),
+     "run.json: row 1: expected a number for 'latency_us', got None"),
+    (json.dumps({"meta": {}, "rows": [{"op": "GemmFwdOp"}]}),
+     "run.json: row 1: no 'label', 'dtype', 'latency_us'"),
+])
+def test_report_answers_a_bad_run_file_in_one_line(content, message, tmp_path, capsys):
+    run = tmp_path / "run.json"
+    if isinstance(content, bytes):
+        run.write_bytes(content)
+    elif content is not None:
+        run.write_text(content)
+    history = tmp_path / "history.jsonl"
+    history.write_text("")
+    assert cli.main(["report", str(run), "--history", str(history)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"error: {tmp_path}/") and message in err
+
+
+@pytest.mark.parametrize("history_text, message", [
+    (None, "no such file (`tileops bench --history FILE` creates it)"),
+    ("not json\n", "history.jsonl:1: not JSON"),
+    (json.dumps({"meta": {}, "rows": [{"op": "x"}]}) + "\n",
+     "history.jsonl: run 1, row 1: no 'label', 'dtype', 'latency_us'"),
+])
+def test_report_answers_a_bad_history_in_one_line(history_text, message, tmp_path, capsys):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"meta": {}, "rows": [_bench_row()]}))
+    history = tmp_path / "history.jsonl"
+    if history_text is not None:
+        history.write_text(history_text)
+    assert cli.main(["report", str(run), "--history", str(history)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("command", ["list", "validate"])
+def test_a_manifest_that_is_not_yaml_is_one_line(command, tmp_path, monkeypatch, capsys):
+    from tileops import manifest
+
+    (tmp_path / "gemm.yaml").write_text("GemmFwdOp:\n  family: [gemm\n  status: x\n")
+    monkeypatch.setattr(manifest, "load_manifest",
+                        lambda: manifest.read_manifest_dir(tmp_path))
+    assert cli.main([command]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: gemm.yaml: not valid YAML: did not find expected ',' or ']' "
+                          "(line 3, column ")
+    assert len(err.splitlines()) == 1
+
+
+def test_warmup_says_what_it_builds_and_counts(monkeypatch, capsys):
+    """No compile: the plan is stubbed; the lines are what a user sees on stderr."""
+    prebuild = importlib.import_module("tileops.prebuild")
+    import tileops
+
+    built = []
+
+    class StubKernel:
+        name = "stub"
+
+        def compile(self, config, bucket):
+            built.append(bucket)
+
+    plan = [prebuild.BuildItem("GemmFwdOp", "w1", "bfloat16", StubKernel(), "m16", None),
+            prebuild.BuildItem("RMSNormFwdOp", "w2", "float16", StubKernel(), "all", None)]
+    monkeypatch.setattr(prebuild, "build_plan", lambda *args, **kwargs: plan)
+    assert tileops.warmup() == 2 and built == ["m16", "all"]
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 4 and all(line.startswith("tileops.warmup: ") for line in lines)
+    assert "2 programs for cuda sm_90a (compile only, nothing runs on a GPU; cache " in lines[0]
+    assert lines[1].endswith("[1/2] GemmFwdOp [w1] bfloat16 stub m16")
+    assert lines[2].endswith("[2/2] RMSNormFwdOp [w2] float16 stub all")
+    assert "2 programs ready in " in lines[3]
+
+    seen = []
+    assert tileops.warmup(progress=seen.append) == 2
+    assert len(seen) == 4 and seen[1] == "[1/2] GemmFwdOp [w1] bfloat16 stub m16"
+    assert tileops.warmup(progress=None) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_warmup_names_an_unknown_op():
+    import tileops
+
+    with pytest.raises(tileops.TileOpsValueError, match=r"unknown op\(s\) \['NoSuchOp'\]"):
+        tileops.warmup(["NoSuchOp"])
 
 
 def test_bench_commit_comes_from_git_unless_the_caller_names_it(monkeypatch):

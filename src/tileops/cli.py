@@ -2,26 +2,32 @@
 
 Each subcommand is a thin shell over the package: the checks live in `validate.py`, the
 compile plan in `prebuild.py`, the autotuner in the Kernel base class.
+
+torch and TileLang take seconds to import, so this module imports them only inside the
+subcommands that need them: `--help` and `list` read nothing but the manifest. Arguments are
+checked against the manifest before anything heavy is imported or any device is asked for,
+and a bad argument or file is answered by one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import platform
+import re
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any
+from typing import Any, NoReturn
 
-from .errors import TileOpsError
+from .errors import ManifestError, TileOpsError
 
 # Exit codes: 0 success, 1 the checked thing failed, 2 cannot run here (usage, no nvcc/GPU).
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A bad argument or input file; `main` prints it as one line and exits 2."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,11 +37,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_UNAVAILABLE
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except UsageError as e:
+        return _fail(f"{e}", EXIT_UNAVAILABLE)
+    except ManifestError as e:
+        return _fail(f"{e}", EXIT_FAILED)
+    except (TileOpsError, OSError) as e:
+        return _fail(f"{e}", EXIT_UNAVAILABLE)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_UNAVAILABLE, f"{self.prog}: error: {message} "
+                                    f"(`{self.prog} --help` lists the options)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _arch(text: str) -> str:
+    if not re.fullmatch(r"sm_\d+a?", text):
+        raise argparse.ArgumentTypeError(f"expected a CUDA architecture such as sm_90a, "
+                                         f"got {text!r}")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tileops", description="TileOPs: spec-driven LLM operators for NVIDIA Hopper.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -47,11 +92,12 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="compile every kernel the workloads need (needs nvcc, "
                                        "no GPU)")
-    p.add_argument("--arch", default="sm_90a", help="target architecture (default: sm_90a)")
+    p.add_argument("--arch", type=_arch, default="sm_90a",
+                   help="target architecture (default: sm_90a)")
     p.add_argument("--op", nargs="+", metavar="NAME", help="only these ops (default: all)")
     p.add_argument("--tier", choices=("smoke", "full"), default="smoke",
                    help="smoke: the workloads CI compiles (default); full: every workload")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
                    help="programs compiled in parallel (default: the CPU count)")
     p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_compile)
@@ -72,26 +118,31 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark ops on their manifest workloads (needs a GPU)")
     p.add_argument("--op", nargs="+", metavar="NAME", help="only these ops")
     p.add_argument("--family", nargs="+", metavar="F", help="only these families")
-    p.add_argument("--tier", choices=("smoke", "full"), default="full")
+    p.add_argument("--tier", choices=("smoke", "full"), default="full",
+                   help="smoke: the workloads marked smoke; full: every workload (default)")
     p.add_argument("--dtype", nargs="+", metavar="D", help="only these dtypes")
     p.add_argument("--workload", metavar="TEXT", action="append",
                    help="only workloads whose label contains TEXT (repeatable)")
-    p.add_argument("--out", default="bench-results", help="report folder (default: %(default)s)")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="report folder (default: %(default)s)")
     p.add_argument("--history", metavar="FILE",
                    help="append the run to this history (JSON lines) and compare with it")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
+    p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
                    help="run every case N times; rows report the median and the spread")
     p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_bench)
 
     p = sub.add_parser("report", help="compare a bench run with the history; flag regressions")
     p.add_argument("run", metavar="RUN_JSON", help="bench.json written by `tileops bench`")
-    p.add_argument("--history", metavar="FILE", required=True)
+    p.add_argument("--history", metavar="FILE", required=True,
+                   help="the history (JSON lines) that `tileops bench --history` appends to")
     p.set_defaults(handler=cmd_report)
     return parser
 
 
 def _quiet_tilelang(verbose: bool) -> None:
+    import logging
+
     # TileLang logs two INFO lines per build, which would bury our one-line results.
     if not verbose:
         logging.getLogger("tilelang").setLevel(logging.WARNING)
@@ -101,6 +152,32 @@ def _print_table(rows: list[list[str]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _implemented_ops() -> dict[str, dict[str, Any]]:
+    """The manifest's implemented entries (the ops with code), read without torch."""
+    from .manifest import load_manifest
+
+    return {n: e for n, e in load_manifest().items() if e["status"] == "implemented"}
+
+
+def _check_op_names(names: Sequence[str] | None) -> None:
+    implemented = _implemented_ops()
+    unknown = [n for n in names or () if n not in implemented]
+    if unknown:
+        what = "unknown op" if len(unknown) == 1 else "unknown ops"
+        raise UsageError(f"{what} {', '.join(map(repr, unknown))}; implemented: "
+                         f"{', '.join(sorted(implemented))}")
+
+
+def _filters(**options: Any) -> str:
+    """'--dtype fp8 --workload 8k' for the options that were given."""
+    given = []
+    for name, value in options.items():
+        if value:
+            values = value if isinstance(value, list | tuple) else [value]
+            given.append(f"--{name} {' '.join(map(str, values))}")
+    return " ".join(given) or "the defaults"
 
 
 # -- list -------------------------------------------------------------------------------------
@@ -121,9 +198,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Runs the validator; exit 1 when the code and the manifest disagree."""
     from .manifest import load_manifest
+
+    manifest = load_manifest()  # a manifest that does not parse is reported before the imports
     from .validate import validate
 
-    manifest = load_manifest()
     result = validate(manifest)
     for note in result.notes:
         print(f"note: {note}")
@@ -140,25 +218,22 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # -- compile ----------------------------------------------------------------------------------
 def cmd_compile(args: argparse.Namespace) -> int:
     """Compiles every kernel the chosen workloads need, in parallel; no GPU needed."""
+    _check_op_names(args.op)
     if shutil.which("nvcc") is None:
         print("error: nvcc not found on PATH; `tileops compile` needs the CUDA toolkit "
               "(a GPU is not needed)", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     from .kernels.gemm import GemmKernel
-    from .ops import OP_CLASSES
     from .prebuild import build_plan
 
-    unknown = [n for n in args.op or () if n not in OP_CLASSES]
-    if unknown:
-        print(f"error: unknown op(s) {unknown}; implemented: {sorted(OP_CLASSES)}",
-              file=sys.stderr)
-        return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
     plan = build_plan(args.op, args.tier, target={"kind": "cuda", "arch": args.arch})
     print(f"compiling {len(plan)} programs for {args.arch} with {args.jobs} jobs")
     start = time.perf_counter()
     failed = warnings = 0
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(_compile_one, item): item for item in plan}
         for future in as_completed(futures):
             item = futures[future]
@@ -190,57 +265,113 @@ def _compile_one(item: Any) -> tuple[float, tuple, str | None]:
 
 # -- doctor -----------------------------------------------------------------------------------
 def cmd_doctor(args: argparse.Namespace) -> int:
-    """Prints what this machine has and what TileOPs can do on it; always exit 0."""
-    import torch
+    """Prints what this machine has and what TileOPs can do on it; always exit 0.
 
-    from .kernels.base import TUNED_DIR, cache_root, gpu_slug
+    What needs no import comes first; then the op layer is loaded (torch and TileLang, the
+    seconds every new process pays) and tried on meta tensors, so "meta-tensor shape
+    checks" and "run kernels" report what happened, not what should happen.
+    """
+    import importlib.metadata
+    import platform
+
+    from .kernels.base import TUNED_DIR, cache_root
 
     def line(what: str, value: object) -> None:
-        print(f"{what + ':':<22}{value}")
+        print(f"{what + ':':<22}{value}", flush=True)
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
 
     line("python", f"{platform.python_version()} ({sys.executable})")
+    line("tileops", f"{version('tileops')} ({os.path.dirname(os.path.abspath(__file__))})")
+    nvcc = shutil.which("nvcc")
+    line("nvcc", f"{nvcc} ({_nvcc_version(nvcc)})" if nvcc else "not found on PATH")
+    driver = _run_quietly(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    line("NVIDIA driver", driver.splitlines()[0] if driver else "not found (no nvidia-smi)")
+    line("TILELANG_CACHE_DIR", os.environ.get("TILELANG_CACHE_DIR", "unset"))
+    line("TILEOPS_CACHE_DIR", os.environ.get("TILEOPS_CACHE_DIR", f"unset (using {cache_root()})"))
+    tables = sorted(p.stem for p in TUNED_DIR.glob("*.json"))
+    line("shipped tuned tables", ", ".join(tables) or f"none (in {TUNED_DIR})")
+
+    start = time.perf_counter()
+    try:
+        import torch
+
+        from . import ops  # noqa: F401 - loads TileLang and registers torch.ops.tileops
+    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+        line("torch", version("torch"))
+        line("tilelang", version("tilelang"))
+        line("op layer", f"does not load: {type(e).__name__}: {e}")
+        why = f"no (the op layer does not load: {type(e).__name__})"
+        _doctor_summary(nvcc, validate=why, meta=why, run=why)
+        return EXIT_OK
+    load_s = time.perf_counter() - start
     line("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
-    line("tilelang", _tilelang_version())
+    line("tilelang", version("tilelang"))
+    line("op layer load", f"{load_s:.1f} s (torch and TileLang; every new process pays it)")
     cuda = torch.cuda.is_available()
     line("CUDA available", "yes" if cuda else "no")
     supported_gpus = []
-    if cuda:
-        line("driver", _run_quietly(["nvidia-smi", "--query-gpu=driver_version",
-                                     "--format=csv,noheader"]) or "unknown")
-        for index in range(torch.cuda.device_count()):
-            name = torch.cuda.get_device_name(index)
-            major, minor = torch.cuda.get_device_capability(index)
-            ok = (major, minor) == (9, 0)
-            if ok:
-                supported_gpus.append(name)
-            line(f"GPU {index}", f"{name}, compute capability {major}.{minor} "
-                                 f"({'supported, sm_90a' if ok else 'not supported: needs 9.0'})")
-            slug = gpu_slug(name)
-            shipped = TUNED_DIR / f"{slug}.json"
-            user = cache_root() / "tuned" / f"{slug}.json"
-            line("  tuned table", f"{shipped} ({'present' if shipped.exists() else 'absent'})")
-            line("  user tuned table", f"{user} ({'present' if user.exists() else 'absent'})")
-    else:
-        tables = sorted(p.stem for p in TUNED_DIR.glob("*.json"))
-        line("shipped tuned tables", ", ".join(tables) or f"none (in {TUNED_DIR})")
-    nvcc = shutil.which("nvcc")
-    line("nvcc", f"{nvcc} ({_nvcc_version(nvcc)})" if nvcc else "not found on PATH")
-    line("TILELANG_CACHE_DIR", os.environ.get("TILELANG_CACHE_DIR", "unset"))
-    line("TILEOPS_CACHE_DIR", os.environ.get("TILEOPS_CACHE_DIR", f"unset (using {cache_root()})"))
-
-    print("\nwhat will work:")
-    print(f"  compile kernels for sm_90a: {'yes' if nvcc else 'no (needs nvcc on PATH)'}")
+    for index in range(torch.cuda.device_count() if cuda else 0):
+        name = torch.cuda.get_device_name(index)
+        major, minor = torch.cuda.get_device_capability(index)
+        ok = (major, minor) == (9, 0)
+        if ok:
+            supported_gpus.append(name)
+        line(f"GPU {index}", f"{name}, compute capability {major}.{minor} "
+                             f"({'supported, sm_90a' if ok else 'not supported: needs 9.0'})")
+        _doctor_tuned_tables(name)
     if not cuda:
-        run = "no (no CUDA device visible to torch)"
+        why = ("a CPU-only build of torch" if not torch.version.cuda
+               else "no CUDA device visible to torch")
+        run = f"no ({why})"
     elif not supported_gpus:
         run = "no (no Hopper GPU: kernels need compute capability 9.0)"
     elif not nvcc:
         run = "only kernels already in the disk cache (nvcc missing, nothing new compiles)"
     else:
         run = f"yes ({', '.join(supported_gpus)})"
-    print(f"  run kernels: {run}")
-    print("  list / validate / meta-tensor checks: yes")
+    _doctor_summary(nvcc, validate="yes", meta=_try_meta_call(), run=run)
     return EXIT_OK
+
+
+def _doctor_tuned_tables(gpu_name: str) -> None:
+    from .kernels.base import TUNED_DIR, cache_root, gpu_slug
+
+    slug = gpu_slug(gpu_name)
+    shipped = TUNED_DIR / f"{slug}.json"
+    user = cache_root() / "tuned" / f"{slug}.json"
+    print(f"{'  tuned table:':<22}{shipped} ({'present' if shipped.exists() else 'absent'})")
+    print(f"{'  user tuned table:':<22}{user} ({'present' if user.exists() else 'absent'})")
+
+
+def _try_meta_call() -> str:
+    """'yes' when a functional op returns a meta output of the right shape here."""
+    try:
+        import torch
+
+        from .ops import gemm
+
+        a = torch.empty(16, 64, dtype=torch.bfloat16, device="meta")
+        b = torch.empty(32, 64, dtype=torch.bfloat16, device="meta")
+        out = gemm(a, b)
+        if out.shape != (16, 32) or out.device.type != "meta":
+            return f"no (tileops.gemm returned {tuple(out.shape)} on {out.device})"
+    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+        return f"no ({type(e).__name__}: {e})"
+    return "yes (tileops.gemm on meta tensors ran)"
+
+
+def _doctor_summary(nvcc: str | None, validate: str, meta: str, run: str) -> None:
+    print("\nwhat will work:")
+    print("  list: yes")
+    print(f"  validate: {validate}")
+    print(f"  meta-tensor shape checks: {meta}")
+    print(f"  compile kernels for sm_90a: {'yes' if nvcc else 'no (needs nvcc on PATH)'}")
+    print(f"  run kernels: {run}")
 
 
 def _write_reports(rows: list[dict], out: Any, meta: dict[str, Any]) -> str:
@@ -258,7 +389,7 @@ def _write_reports(rows: list[dict], out: Any, meta: dict[str, Any]) -> str:
 def _tilelang_version() -> str:
     try:
         import tilelang
-    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+    except Exception as e:  # noqa: BLE001 - a bench run reports it, never crashes on it
         return f"not importable ({type(e).__name__}: {e})"
     return getattr(tilelang, "__version__", "unknown")
 
@@ -271,6 +402,8 @@ def _nvcc_version(nvcc: str) -> str:
 
 def _run_quietly(cmd: list[str]) -> str | None:
     """A command's stdout, or None when it is missing, fails or hangs."""
+    import subprocess
+
     if shutil.which(cmd[0]) is None:
         return None
     try:
@@ -283,27 +416,25 @@ def _run_quietly(cmd: list[str]) -> str | None:
 # -- tune -------------------------------------------------------------------------------------
 def cmd_tune(args: argparse.Namespace) -> int:
     """Autotunes the op's kernels on its workloads; winners go to the user cache."""
-    import torch
+    from .manifest import select_workloads
 
-    from .ops import OP_CLASSES
+    _check_op_names([args.op])
+    workloads = _implemented_ops()[args.op]["workloads"]
+    cases = select_workloads(workloads, args.workload, args.dtype)
+    if not cases:
+        labels = "; ".join(f"{w['label']} ({', '.join(w['dtypes'])})" for w in workloads)
+        raise UsageError(f"{args.op} has no workload matching "
+                         f"{_filters(workload=args.workload, dtype=args.dtype)}; "
+                         f"its workloads: {labels}")
+    import torch
 
     if not torch.cuda.is_available():
         print("error: `tileops tune` times kernels on the GPU; no CUDA device is visible "
               "(run `tileops doctor`)", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    cls = OP_CLASSES.get(args.op)
-    if cls is None:
-        print(f"error: unknown op {args.op!r}; implemented: {sorted(OP_CLASSES)}",
-              file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    from .manifest import select_workloads
+    from .ops import OP_CLASSES
 
-    cases = select_workloads(cls.spec.entry["workloads"], args.workload, args.dtype)
-    if not cases:
-        labels = "\n  ".join(f"{w['label']} {w['dtypes']}" for w in cls.spec.entry["workloads"])
-        print(f"error: {args.op} has no workload matching --workload {args.workload} "
-              f"--dtype {args.dtype}; workloads:\n  {labels}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    cls = OP_CLASSES[args.op]
     _quiet_tilelang(args.verbose)
     failed = 0
     timed_on: dict[str, str] = {}  # kernel key (with bucket) -> the workload it was timed on
@@ -372,32 +503,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
     import pathlib
 
+    from .manifest import load_workloads, select_workloads
+
+    _check_op_names(args.op)
+    names = [name for name, entry in sorted(_implemented_ops().items())
+             if (not args.op or name in args.op)
+             and (not args.family or entry["family"] in args.family)]
+    if not names:
+        families = sorted({e["family"] for e in _implemented_ops().values()})
+        raise UsageError(f"no implemented op matches {_filters(op=args.op, family=args.family)}"
+                         f"; families: {', '.join(families)}")
+    tier = None if args.tier == "full" else args.tier
+    if not any(select_workloads(load_workloads(n, tier), args.workload, args.dtype)
+               for n in names):
+        dtypes = sorted({d for n in names for w in load_workloads(n, tier) for d in w["dtypes"]})
+        which = ", ".join(names) if args.op or args.family else "any op"
+        raise UsageError(f"no workload of {which} matches "
+                         f"{_filters(tier=args.tier, dtype=args.dtype, workload=args.workload)}"
+                         f" (their dtypes: {', '.join(dtypes)})")
     import torch
 
+    if not torch.cuda.is_available():
+        print("error: `tileops bench` needs a CUDA device (run `tileops doctor`)",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
     from .ops import OP_CLASSES
     from .perf import report
     from .perf.baselines import available_libraries
     from .perf.bench import bench_cases, bench_workload, merge_repeats
     from .perf.profiles import load_profile
 
-    if not torch.cuda.is_available():
-        print("error: `tileops bench` needs a CUDA device (run `tileops doctor`)",
-              file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    ops = [cls for name, cls in sorted(OP_CLASSES.items())
-           if (not args.op or name in args.op)
-           and (not args.family or cls.spec.entry["family"] in args.family)]
-    if not ops:
-        print(f"error: no implemented op matches --op {args.op} --family {args.family}",
-              file=sys.stderr)
-        return EXIT_UNAVAILABLE
     _quiet_tilelang(args.verbose)
-    cases = list(bench_cases(ops, None if args.tier == "full" else args.tier, args.dtype,
-                             args.workload))
-    if not cases:
-        print(f"error: no workload matches --tier {args.tier} --dtype {args.dtype} "
-              f"--workload {args.workload} (`tileops list` shows them)", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    cases = list(bench_cases([OP_CLASSES[n] for n in names], tier, args.dtype, args.workload))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
@@ -452,15 +589,64 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Compares a run with the runs before it in the history; exit 1 on a regression."""
+    from .perf import report
+
+    run = _read_run(args.run)
+    if not os.path.isfile(args.history):
+        raise UsageError(f"--history {args.history}: no such file (`tileops bench --history "
+                         "FILE` creates it)")
+    gpu = run["meta"].get("gpu")
+    history = report.History(args.history).runs(gpu=gpu)
+    for n, past in enumerate(history, 1):
+        for i, row in enumerate(past["rows"], 1):
+            problem = _row_problem(row)
+            if problem:
+                raise UsageError(f"{args.history}: run {n}, row {i}: {problem}")
+    comparisons = report.compare(run["rows"], history)
+    print(report.comparison_table(comparisons))
+    return EXIT_FAILED if any(c.status == "regression" for c in comparisons) else EXIT_OK
+
+
+def _read_run(path: str) -> dict[str, Any]:
+    """The bench run at `path`, or a UsageError saying in one line why it is not one."""
     import json
 
     from .perf import report
 
-    run = json.loads(open(args.run).read())
-    gpu = run.get("meta", {}).get("gpu")
-    comparisons = report.compare(run["rows"], report.History(args.history).runs(gpu=gpu))
-    print(report.comparison_table(comparisons))
-    return EXIT_FAILED if any(c.status == "regression" for c in comparisons) else EXIT_OK
+    try:
+        run = report.read_json(path)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                         "expected the bench.json that `tileops bench` writes") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a text file; expected the bench.json that "
+                         "`tileops bench` writes") from None
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read it ({e.strerror})") from None
+    except TileOpsError as e:
+        raise UsageError(f"{e}; expected the bench.json that `tileops bench` writes") from None
+    if not isinstance(run.get("meta"), dict):
+        raise UsageError(f"{path}: 'meta' is not an object")
+    for i, row in enumerate(run["rows"], 1):
+        problem = _row_problem(row)
+        if problem:
+            raise UsageError(f"{path}: row {i}: {problem}")
+    return run
+
+
+def _row_problem(row: Any) -> str | None:
+    """What makes `row` unusable for a comparison, or None."""
+    if not isinstance(row, dict):
+        return f"expected an object, got {type(row).__name__}"
+    missing = [k for k in ("op", "label", "dtype", "latency_us") if k not in row]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}"
+    latency = row["latency_us"]
+    if not isinstance(latency, int | float) or isinstance(latency, bool):
+        return f"expected a number for 'latency_us', got {latency!r}"
+    return None
 
 
 def _progress(items: list) -> Any:

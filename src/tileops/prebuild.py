@@ -6,10 +6,15 @@ programs a call with those shapes would run. No GPU is needed for an explicit ta
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import TileOpsValueError
 from .kernels.base import SM90A, Kernel
 from .manifest import load_workloads
 
@@ -33,8 +38,12 @@ def build_plan(op_names: Iterable[str] | None = None, tier: str | None = None,
     """Every distinct (kernel, bucket, config) the given ops' workloads would build."""
     from .ops import OP_CLASSES
 
+    op_names = list(op_names or sorted(OP_CLASSES))
+    unknown = [n for n in op_names if n not in OP_CLASSES]
+    if unknown:
+        raise TileOpsValueError(f"unknown op(s) {unknown}; implemented: {sorted(OP_CLASSES)}")
     items: dict[tuple, BuildItem] = {}
-    for name in op_names or sorted(OP_CLASSES):
+    for name in op_names:
         cls = OP_CLASSES[name]
         spec = cls.spec
         for workload in (workloads or {}).get(name) or load_workloads(name, tier):
@@ -52,16 +61,53 @@ def build_plan(op_names: Iterable[str] | None = None, tier: str | None = None,
     return list(items.values())
 
 
+def print_progress(line: str) -> None:
+    """warmup's default progress: each line on stderr, at once."""
+    print(f"tileops.warmup: {line}", file=sys.stderr, flush=True)
+
+
 def warmup(op_names: Iterable[str] | None = None, tier: str | None = None,
            target: dict[str, str] = SM90A, gpu: str | None = "h200",
-           progress: Callable[[BuildItem], None] | None = None) -> int:
+           progress: Callable[[str], None] | None = print_progress) -> int:
     """Compiles (or loads from the disk cache) every kernel the manifest workloads need.
 
-    Returns how many programs were built. Later calls with those shapes start fast.
+    This only compiles, for `target` (sm_90a by default): nothing runs and no GPU is needed
+    or used. The programs land in TileLang's disk cache (`$TILELANG_CACHE_DIR`, by default
+    under `$TILEOPS_CACHE_DIR`), where a later process that calls an op with these shapes
+    finds them instead of compiling; a program already there loads in milliseconds. New
+    programs need nvcc and take seconds to minutes each.
+
+    Args:
+        op_names: the ops to warm up (Op class names); default: every implemented op.
+        tier: 'smoke' for the workloads CI compiles; default: every workload.
+        target: the TileLang target, e.g. {"kind": "cuda", "arch": "sm_90a"}.
+        gpu: whose tuned table picks the configs ('h200'); None: the rule-based defaults.
+        progress: called with one line of text: what will be built, then one line before
+            each program ("[3/12] ..."), then the total time. The default prints to
+            stderr; None is silent.
+
+    Returns:
+        How many programs were built or loaded.
     """
     plan = build_plan(op_names, tier, target, gpu)
-    for item in plan:
+    total = len(plan)
+    if progress:
+        progress(_plan_summary(total, target))
+    start = time.perf_counter()
+    width = len(str(total))
+    for done, item in enumerate(plan, 1):
         if progress:
-            progress(item)
+            progress(f"[{done:>{width}}/{total}] {item.describe()}")
         item.kernel.compile(item.config, item.bucket)
-    return len(plan)
+    if progress:
+        progress(f"{total} programs ready in {time.perf_counter() - start:.1f} s")
+    return total
+
+
+def _plan_summary(total: int, target: dict[str, str]) -> str:
+    cache = os.environ.get("TILELANG_CACHE_DIR", "TileLang's default")
+    nvcc = shutil.which("nvcc")
+    compiler = (f"nvcc {nvcc}" if nvcc else
+                "nvcc not found: only programs already in the cache will load")
+    return (f"{total} programs for {target['kind']} {target['arch']} (compile only, nothing "
+            f"runs on a GPU; cache {cache}; {compiler})")

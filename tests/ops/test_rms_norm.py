@@ -1,12 +1,13 @@
-"""RMSNormFwdOp on the GPU against an fp32 reference of torch.nn.functional.rms_norm."""
+"""RMSNormFwdOp and RMSNormBwdOp on the GPU against fp32 torch.nn.functional.rms_norm."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tileops
-from tileops import RMSNormFwdOp, TileOpsError
+from tileops import RMSNormBwdOp, RMSNormFwdOp, TileOpsError
 from tileops.kernels.base import Kernel
-from tileops.kernels.normalization import RMSNormKernel
+from tileops.kernels.normalization import RMSNormBwdKernel, RMSNormKernel
 
 from ..helpers import assert_close, poison, randn
 
@@ -16,11 +17,10 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 
 def reference(x, normalized_shape, weight=None, eps=None):
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
-    dims = tuple(range(x.ndim - len(normalized_shape), x.ndim))
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)
-    return y * weight.float() if weight is not None else y
+    """torch's own RMSNorm in fp32: what F.rms_norm computes for fp16/bf16 rows (its
+    eps=None is float32's epsilon there), before the final rounding."""
+    return F.rms_norm(x.float(), list(normalized_shape),
+                      None if weight is None else weight.float(), eps)
 
 
 @pytest.mark.smoke
@@ -45,7 +45,8 @@ def test_every_element_written(dtype):
     op = RMSNormFwdOp(normalized_shape=[128])
     for rows, hidden in ((333, 128), (1000, 199)):
         x = randn(rows, hidden, dtype=dtype)
-        kernel = op.get_kernel("rms_norm", x.device, **op._kernel_key(dtype, hidden, False))
+        kernel = op.get_kernel("rms_norm", x.device,
+                               **op._kernel_key(dtype, hidden, has_weight=False))
         y = torch.full_like(x, float("nan"))
         kernel(rows, x, None, y, 1e-6)
         assert_close(y, reference(x, [hidden], None, 1e-6))
@@ -75,7 +76,10 @@ def test_every_config_of_the_space(hidden, has_weight, config, dtype):
     w = randn(hidden, dtype=dtype) if has_weight else None
     x = randn(1, hidden, dtype=dtype)
     op.pin_config(config, x, w)
-    kernel = op.get_kernel("rms_norm", x.device, **op._kernel_key(dtype, hidden, has_weight))
+    kernel = op.get_kernel("rms_norm", x.device,
+                           **op._kernel_key(dtype, hidden, has_weight=has_weight))
+    for bucket in ("few", "all"):  # the decode and the prefill bucket both run `config`
+        kernel.use(config, bucket)
     for rows in (1, 7, 1000, 4099, 12289):
         x = randn(rows, hidden, dtype=dtype)
         y = poison(torch.empty_like(x))
@@ -152,3 +156,117 @@ def test_weight_on_other_device_is_rejected():
     x = randn(4, 256, dtype=torch.bfloat16)
     with pytest.raises(TileOpsError, match="argument 'weight'"):
         tileops.rms_norm(x, [256], torch.ones(256, dtype=torch.bfloat16))
+
+
+# -- backward ---------------------------------------------------------------------------
+def reference_grads(x, normalized_shape, weight, eps, dy):
+    """(dx, dw) of fp32 torch autograd through F.rms_norm."""
+    xf = x.float().requires_grad_()
+    wf = None if weight is None else weight.float().requires_grad_()
+    F.rms_norm(xf, list(normalized_shape), wf, eps).backward(dy.float())
+    return xf.grad, None if wf is None else wf.grad
+
+
+def check_grads(x, normalized_shape, weight, eps, what=""):
+    dy = randn(*x.shape, dtype=x.dtype)
+    xt = x.detach().clone().requires_grad_()
+    wt = None if weight is None else weight.detach().clone().requires_grad_()
+    tileops.rms_norm(xt, normalized_shape, wt, eps).backward(dy)
+    dx_ref, dw_ref = reference_grads(x, normalized_shape, weight, eps, dy)
+    assert_close(xt.grad, dx_ref, what=f"dx {what}")
+    if weight is not None:
+        rows = x.numel() // weight.numel()
+        assert_close(wt.grad, dw_ref, scale=rows ** 0.5, what=f"dw {what}")
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(4099, 4096), (1, 8192), (1000, 7168), (333, 128),
+                                          (1000, 199), (3, 4097), (9000, 5120)])
+def test_gradients_match_autograd(rows, hidden, dtype):
+    check_grads(randn(rows, hidden, dtype=dtype), [hidden], randn(hidden, dtype=dtype), 1e-5,
+                f"{rows}x{hidden}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_without_weight_3d_default_eps(dtype):
+    check_grads(randn(4, 37, 2048, dtype=dtype), [2048], None, None)
+    check_grads(randn(100, 8, 128, dtype=dtype), [8, 128], randn(8, 128, dtype=dtype), None)
+
+
+def test_gradients_of_non_contiguous_input_and_large_fp16_magnitudes():
+    x = randn(4096, 300, dtype=torch.bfloat16).t()
+    check_grads(x, [4096], randn(8192, dtype=torch.bfloat16)[::2], 1e-6, "transposed")
+    check_grads(randn(64, 8192, dtype=torch.float16, std=300.0), [8192],
+                randn(8192, dtype=torch.float16), 1e-5, "std 300")
+
+
+def bwd_space_cases():
+    cases = []
+    for hidden in (128, 4096, 8192, 16384, 199):
+        kernel = RMSNormBwdKernel(dtype="bfloat16", n=hidden, has_weight=True)
+        for bucket in ("few", "many"):
+            for config in kernel.config_space(bucket):
+                cases.append(pytest.param(hidden, bucket, config,
+                                          id=f"{hidden}-{bucket}-{config}"))
+    return cases
+
+
+@pytest.mark.parametrize("hidden, bucket, config", bwd_space_cases())
+def test_every_backward_config_of_the_space(hidden, bucket, config):
+    """Row counts off every CTA-grid multiple, one row to several passes of the grid; dx
+    poisoned so every element must be written."""
+    op = RMSNormBwdOp(normalized_shape=[hidden], eps=1e-5)
+    w = randn(hidden, dtype=torch.bfloat16)
+    rows_list = (1, 7, 1000, 4096) if bucket == "few" else (4097, 12289)
+    x = randn(rows_list[0], hidden, dtype=torch.bfloat16)
+    op.pin_config(config, x, x, w)
+    for rows in rows_list:
+        x, dy = (randn(rows, hidden, dtype=torch.bfloat16) for _ in range(2))
+        dx, dw = op(dy, x, w)
+        dx_ref, dw_ref = reference_grads(x, [hidden], w, 1e-5, dy)
+        assert_close(dx, dx_ref, what=f"dx rows={rows}")
+        assert_close(dw, dw_ref, scale=rows ** 0.5, what=f"dw rows={rows}")
+
+
+@pytest.mark.parametrize("rows, hidden", [(517, 1000), (333, 128), (5000, 4096)])
+def test_backward_writes_every_element(rows, hidden):
+    """dx, dw and every partial row of dw start as NaN: each must be written."""
+    op = RMSNormBwdOp(normalized_shape=[hidden])
+    kernel = op.get_kernel("rms_norm_bwd", torch.device("cuda"),
+                           **op._kernel_key(torch.float16, hidden, has_weight=True))
+    config, _ = kernel.select(rows)
+    x, dy = randn(rows, hidden, dtype=torch.float16), randn(rows, hidden, dtype=torch.float16)
+    w = randn(hidden, dtype=torch.float16)
+    dx, dw = poison(torch.empty_like(x)), poison(torch.empty_like(w))
+    part = poison(torch.empty(kernel.partial_rows(config), hidden, device="cuda"))
+    kernel(rows, dy, x, w, None, dx, dw, None, part, None, 1e-5)
+    dx_ref, dw_ref = reference_grads(x, [hidden], w, 1e-5, dy)
+    assert_close(dx, dx_ref, what="dx")
+    assert_close(dw, dw_ref, scale=rows ** 0.5, what="dw")
+
+
+def test_torch_compile_forward_and_backward():
+    x = randn(300, 4096, dtype=torch.bfloat16).requires_grad_()
+    w = randn(4096, dtype=torch.bfloat16).requires_grad_()
+    dy = randn(300, 4096, dtype=torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def step(t, weight):
+        return tileops.rms_norm(t * 2, [4096], weight, 1e-6)
+
+    step(x, w).backward(dy)
+    dx_ref, dw_ref = reference_grads(x.detach() * 2, [4096], w.detach(), 1e-6, dy)
+    assert_close(x.grad, 2 * dx_ref.to(torch.bfloat16).float(), what="dx")
+    assert_close(w.grad, dw_ref, scale=300 ** 0.5, what="dw")
+
+
+def test_backward_runtime_rows_do_not_recompile():
+    w = randn(4096, dtype=torch.bfloat16)
+    op = RMSNormBwdOp(normalized_shape=[4096])
+    op(randn(5, 4096, dtype=torch.bfloat16), randn(5, 4096, dtype=torch.bfloat16), w)
+    op(randn(5000, 4096, dtype=torch.bfloat16), randn(5000, 4096, dtype=torch.bfloat16), w)
+    before = Kernel.compile_count
+    for rows in (1, 17, 300, 4096, 4097, 9999):
+        op(randn(rows, 4096, dtype=torch.bfloat16), randn(rows, 4096, dtype=torch.bfloat16), w)
+    assert Kernel.compile_count == before

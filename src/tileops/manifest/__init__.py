@@ -1,14 +1,16 @@
 """The operator manifest: one YAML file per family, the single source of every op's spec.
 
-Nothing else in the package parses the YAML; use `load_manifest`, `get_spec` and
-`load_workloads`.
+Nothing else in the package parses the YAML; use `load_manifest`, `get_spec`,
+`load_workloads` and `list_ops`. This package needs neither torch nor TileLang (the `tileops`
+command's `list` reads it in a fraction of a second); `spec.py`, which compiles an entry into
+checks on tensors, does.
 """
 
 from __future__ import annotations
 
 import functools
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -16,6 +18,8 @@ from ..errors import ManifestError
 from .schema import schema_errors
 
 MANIFEST_DIR = pathlib.Path(__file__).parent
+# libyaml's loader when PyYAML was built with it: several times faster than the pure-Python one
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def read_manifest_dir(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
@@ -23,8 +27,11 @@ def read_manifest_dir(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
     entries: dict[str, dict[str, Any]] = {}
     errors: list[ManifestError] = []
     for path in sorted(directory.glob("*.yaml")):
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                data = yaml.load(f, Loader=_YAML_LOADER) or {}  # a safe loader, C or Python
+        except yaml.YAMLError as e:
+            raise ManifestError(f"{path.name}: not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ManifestError(f"{path.name}: expected a mapping of op name -> entry")
         for name, entry in data.items():
@@ -39,6 +46,13 @@ def read_manifest_dir(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
     if errors:
         raise ManifestError("manifest is invalid:\n  " + "\n  ".join(map(str, errors)))
     return entries
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what and where (its own text spans several lines)."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else problem
 
 
 @functools.cache
@@ -63,6 +77,29 @@ def load_workloads(op_name: str, tier: str | None = None) -> list[dict[str, Any]
     return workloads
 
 
+class OpInfo(NamedTuple):
+    """One manifest op, as `list_ops` returns it."""
+
+    name: str      # the Op class name, e.g. 'RMSNormFwdOp'
+    family: str    # e.g. 'normalization'
+    status: str    # 'implemented' or 'spec-only'
+    ref_api: str   # the API it mirrors, e.g. 'torch.nn.functional.rms_norm'
+
+
+def list_ops(family: str | None = None, status: str | None = None) -> list[OpInfo]:
+    """The manifest's ops, by family then name; reads the YAML only (no torch, no GPU).
+
+    Args:
+        family: only this family (e.g. 'attention').
+        status: only this status ('implemented' or 'spec-only').
+    """
+    ops = [OpInfo(name, e["family"], e["status"], e["ref_api"])
+           for name, e in load_manifest().items()]
+    return sorted((op for op in ops if (family is None or op.family == family)
+                   and (status is None or op.status == status)),
+                  key=lambda op: (op.family, op.name))
+
+
 def select_workloads(workloads: list[dict[str, Any]], texts: list[str] | None = None,
                      dtypes: list[str] | None = None) -> list[tuple[dict[str, Any], list[str]]]:
     """(workload, its dtypes among `dtypes`) for the workloads whose label contains one of
@@ -77,5 +114,5 @@ def select_workloads(workloads: list[dict[str, Any]], texts: list[str] | None = 
     return chosen
 
 
-__all__ = ["load_manifest", "get_spec", "load_workloads", "select_workloads",
-           "read_manifest_dir", "MANIFEST_DIR"]
+__all__ = ["load_manifest", "get_spec", "load_workloads", "select_workloads", "list_ops",
+           "OpInfo", "read_manifest_dir", "MANIFEST_DIR"]

@@ -74,6 +74,9 @@ ENTRY_SCHEMA: dict[str, Any] = {
                     "items": {"type": "object", "additionalProperties": {"enum": _DTYPE_NAMES}},
                 },
                 "shape_rules": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                # the reference API's argument order, when it interleaves inputs and params
+                "call_order": {"type": "array", "uniqueItems": True,
+                               "items": {"type": "string", "minLength": 1}},
             },
         },
         "workloads": {"type": "array", "items": _WORKLOAD},

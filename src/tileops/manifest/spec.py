@@ -57,7 +57,11 @@ class Expr:
         except SyntaxError as e:
             raise ManifestError(
                 f"{op}: field '{where}': not a Python expression: {text!r} ({e})") from None
-        names = tuple(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
+        # names bound inside the expression (comprehension variables) are not inputs
+        bound = {n.id for c in ast.walk(tree) if isinstance(c, ast.comprehension)
+                 for n in ast.walk(c.target) if isinstance(n, ast.Name)}
+        names = tuple(dict.fromkeys(n.id for n in ast.walk(tree)
+                                    if isinstance(n, ast.Name) and n.id not in bound))
         return cls(text, where, compile(tree, f"<{op}.{where}>", "eval"), names)
 
     def __call__(self, namespace: Mapping[str, Any]) -> Any:
@@ -177,6 +181,10 @@ class CompiledSpec:
                      for n, e in (sig.get("dims") or {}).items()}
         self.shape_rules = [Expr.compile(op_name, f"signature.shape_rules[{i}]", r)
                             for i, r in enumerate(sig.get("shape_rules") or [])]
+        self._check_rule_names()
+        self.call_order = self._call_order(sig.get("call_order"))
+        # rule -> (the input it blames, or None; whether it reads a tensor at all)
+        self._blame = {rule.where: self._rule_subject(rule) for rule in self.shape_rules}
         self.dtype_combos = [
             {n: DTYPES[d] for n, d in combo.items()} for combo in sig.get("dtype_combos") or []
         ]
@@ -202,6 +210,52 @@ class CompiledSpec:
     @property
     def param_names(self) -> list[str]:
         return [p.name for p in self.params]
+
+    def _check_rule_names(self) -> None:
+        """A rule or dim naming something the call does not have is a manifest error, found
+        here once rather than reported per call as a failing rule."""
+        known = (set(HELPERS) | set(self.input_names) | set(self.param_names) | set(self.dims)
+                 | set(self.shape_name_owner) | {"None", "True", "False"})
+        for expr in [*self.dims.values(), *self.shape_rules]:
+            unknown = [n for n in expr.names if n not in known]
+            if unknown:
+                raise ManifestError(f"{self.op_name}: field '{expr.where}': {expr.text!r} names "
+                                    f"{unknown}, which are no input, param, dim or shape name")
+
+    def _call_order(self, order: list[str] | None) -> list[str]:
+        """The argument order of the functional API and the torch.ops schema: the manifest's
+        `call_order` (the reference API's order), else the inputs, then the params."""
+        names = self.input_names + self.param_names
+        if order is None:
+            return names
+        if sorted(order) != sorted(names):
+            raise ManifestError(f"{self.op_name}: field 'signature.call_order': expected every "
+                                f"input and param once ({names} in some order), got {order}")
+        return list(order)
+
+    def _rule_subject(self, rule: Expr) -> tuple[str | None, bool]:
+        """The input a failing rule blames, and whether the rule reads any tensor.
+
+        A rule that relates several inputs blames the last of them in signature order: the
+        earlier ones set the sizes (q's head count), the later one fails to match (k's). An
+        input counts when the rule reads it, a shape name it binds first, or a dim computed
+        from it.
+        """
+        read: set[str] = set()
+        pending, seen = list(rule.names), set()
+        while pending:
+            name = pending.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in self.input_names:
+                read.add(name)
+            elif name in self.shape_name_owner:
+                read.add(self.shape_name_owner[name])
+            elif name in self.dims:
+                pending.extend(self.dims[name].names)
+        last = max(read, key=self.input_names.index, default=None)
+        return last, bool(read)
 
     # -- checks ---------------------------------------------------------------------------
     def check_dtypes(self, tensors: Mapping[str, Any]) -> None:
@@ -269,20 +323,29 @@ class CompiledSpec:
         for rule in self.shape_rules:
             try:
                 ok = bool(rule(ns))
-            except Exception as e:  # noqa: BLE001 - any failure means the rule does not hold
-                ok, detail = False, f" ({type(e).__name__}: {e})"
-            else:
-                detail = ""
+            except Exception:  # noqa: BLE001 - a rule that cannot be evaluated does not hold
+                ok = False
             if not ok:
-                arg = next((n for n in rule.names if n in self.input_names), None)
-                arg = arg or next((self.shape_name_owner[n] for n in rule.names
-                                   if n in self.shape_name_owner), None)
-                arg = arg or next((n for n in rule.names if n in self.param_names), "shapes")
-                seen = ", ".join(self._describe(n, ns) for n in rule.names
-                                 if n in self.input_names or n in self.param_names
-                                 or n in self.dims or n in self.shape_name_owner)
-                raise op_error(TileOpsValueError, self.op_name, arg,
-                               f"shapes satisfying `{rule.text}`", f"{seen}{detail}")
+                raise self._rule_error(rule, ns)
+
+    def _rule_error(self, rule: Expr, ns: Mapping[str, Any]) -> TileOpsValueError:
+        """'argument <blamed>: expected shapes (or a value) satisfying `<rule>`, got <values>'.
+
+        The blamed argument is an input (see `_rule_subject`), else the first param the rule
+        reads. The values are those of every name the rule reads, plus the blamed tensor's
+        shape; never the text of an exception the rule raised on them.
+        """
+        arg, reads_tensor = self._blame[rule.where]
+        arg = arg or next((n for n in rule.names if n in self.param_names), "inputs")
+        shown = [n for n in rule.names if n != arg and (
+            n in self.input_names or n in self.param_names or n in self.dims
+            or n in self.shape_name_owner)]
+        if arg in self.input_names or arg in rule.names:
+            shown.insert(0, arg)
+        seen = ", ".join(self._describe(n, ns) for n in shown)
+        what = "shapes" if reads_tensor else "a value"
+        return op_error(TileOpsValueError, self.op_name, arg,
+                        f"{what} satisfying `{rule.text}`", seen)
 
     @staticmethod
     def _describe(name: str, ns: Mapping[str, Any]) -> str:

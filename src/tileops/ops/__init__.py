@@ -1,5 +1,16 @@
 """Op layer: one module per family."""
 
+from .activation import (
+    GeluAndMulBwdOp,
+    GeluAndMulFwdOp,
+    SiluAndMulBwdOp,
+    SiluAndMulFwdOp,
+    SwigluBwdOp,
+    SwigluFwdOp,
+    gelu_and_mul,
+    silu_and_mul,
+    swiglu,
+)
 from .attention import (
     GroupedQueryAttentionBwdOp,
     GroupedQueryAttentionFwdOp,
@@ -9,12 +20,48 @@ from .attention import (
 )
 from .base import Op
 from .gemm import GemmFwdOp, gemm
-from .normalization import RMSNormFwdOp, rms_norm
+from .normalization import (
+    FusedAddRMSNormBwdOp,
+    FusedAddRMSNormFwdOp,
+    LayerNormBwdOp,
+    LayerNormFwdOp,
+    RMSNormBwdOp,
+    RMSNormFwdOp,
+    fused_add_rms_norm,
+    fused_add_rms_norm_,
+    layer_norm,
+    rms_norm,
+)
+from .position_encoding import (
+    RotaryBwdOp,
+    RotaryFwdOp,
+    RotaryWithCacheFwdOp,
+    apply_rotary,
+    apply_rotary_with_cache,
+)
+from .rope_tables import (
+    rope_cos_sin,
+    rope_cos_sin_cache,
+    rope_inv_freq,
+    rope_inv_freq_from_config,
+)
 
 OP_CLASSES: dict[str, type[Op]] = {
     cls.__name__: cls for cls in (GemmFwdOp, RMSNormFwdOp, GroupedQueryAttentionFwdOp,
-                                  GroupedQueryAttentionVarlenFwdOp, GroupedQueryAttentionBwdOp)}
+                                  GroupedQueryAttentionVarlenFwdOp, GroupedQueryAttentionBwdOp,
+                                  RMSNormBwdOp, FusedAddRMSNormFwdOp, FusedAddRMSNormBwdOp,
+                                  LayerNormFwdOp, LayerNormBwdOp, SiluAndMulFwdOp,
+                                  SiluAndMulBwdOp, GeluAndMulFwdOp, GeluAndMulBwdOp,
+                                  SwigluFwdOp, SwigluBwdOp,
+                                  RotaryFwdOp, RotaryBwdOp, RotaryWithCacheFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
-           "attention_varlen", "gemm", "rms_norm"]
+           "attention_varlen", "gemm", "rms_norm", "RMSNormBwdOp", "FusedAddRMSNormFwdOp",
+           "FusedAddRMSNormBwdOp", "LayerNormFwdOp", "LayerNormBwdOp", "fused_add_rms_norm",
+           "fused_add_rms_norm_", "layer_norm", "SiluAndMulFwdOp", "SiluAndMulBwdOp",
+           "GeluAndMulFwdOp", "GeluAndMulBwdOp", "SwigluFwdOp", "SwigluBwdOp", "silu_and_mul",
+           "gelu_and_mul", "swiglu",
+           "RotaryFwdOp", "RotaryBwdOp", "RotaryWithCacheFwdOp", "apply_rotary",
+           "apply_rotary_with_cache", "rope_inv_freq",
+           "rope_inv_freq_from_config", "rope_cos_sin", "rope_cos_sin_cache"]

@@ -4,6 +4,15 @@ A concrete Op declares `__init__` with the manifest params, `forward` with the m
 inputs, and `kernel_map`. The base supplies validation (dtypes, shape rules, devices), output
 metadata, the roofline, the kernel cache and the `torch.ops.tileops.<name>` custom op whose
 fake implementation lets torch.compile(fullgraph=True) trace through the op.
+
+Argument orders: an Op object takes its params in the constructor and its tensors at call
+time, in the manifest's input order (`op(input, weight)`). The functional API and the custom
+op take the reference API's order, the manifest's `signature.call_order` (default: the
+inputs, then the params), e.g. `tileops.rms_norm(input, normalized_shape, weight, eps)` and
+`torch.ops.tileops.rms_norm_fwd(input, normalized_shape, weight, eps)`.
+
+Meta tensors: a call whose inputs are all on the meta device is fully validated and returns
+meta outputs of the manifest's shapes and dtypes, with no GPU and no kernel.
 """
 
 from __future__ import annotations
@@ -44,11 +53,16 @@ class Op:
     torch_op: ClassVar[Any]  # torch.ops.tileops.<name>.default
     _instances: ClassVar[dict[tuple, Op]]
     _kernels: ClassVar[dict[tuple, Kernel]] = {}
+    # per position of the custom op's arguments: an input's index or a param's name
+    _call_slots: ClassVar[tuple[int | str, ...]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.spec = CompiledSpec(cls.__name__, get_spec(cls.__name__))
         cls._instances = {}
+        inputs = cls.spec.input_names
+        cls._call_slots = tuple(inputs.index(n) if n in inputs else n
+                                for n in cls.spec.call_order)
         cls.custom_op = _register_custom_op(cls)
         cls.torch_op = getattr(getattr(torch.ops, LIBRARY), custom_op_name(cls.__name__)).default
 
@@ -83,8 +97,9 @@ class Op:
 
     # -- calling --------------------------------------------------------------------------
     def __call__(self, *inputs: Any) -> Any:
+        """Runs the op on `inputs`, given in the manifest's input order."""
         if torch.compiler.is_compiling() or _needs_autograd(inputs):
-            return type(self).torch_op(*inputs, *self.params.values())
+            return type(self).torch_op(*self._torch_op_args(inputs, self.params))
         return self.run(*inputs)
 
     @classmethod
@@ -92,14 +107,26 @@ class Op:
         """The functional API's body: plain eager calls skip the dispatcher; traced calls
         and calls that autograd must record go through the custom op."""
         if torch.compiler.is_compiling() or _needs_autograd(inputs):
-            return cls.torch_op(*inputs, *(params[n] for n in cls.spec.param_names))
+            return cls.torch_op(*cls._torch_op_args(inputs, params))
         return cls.cached(**params).run(*inputs)
+
+    @classmethod
+    def _torch_op_args(cls, inputs: Sequence[Any], params: Mapping[str, Any]) -> list[Any]:
+        """The custom op's arguments (call order) from inputs (input order) and params."""
+        n_inputs = len(cls.spec.inputs)
+        if len(inputs) > n_inputs:
+            raise _too_many_inputs(cls.spec, len(inputs))
+        inputs = [*inputs, *(None,) * (n_inputs - len(inputs))]
+        return [inputs[slot] if isinstance(slot, int) else params[slot]
+                for slot in cls._call_slots]
 
     def run(self, *inputs: Any) -> Any:
         """Validate, then launch through `forward` (the eager body of the custom op).
 
         Validation depends only on shapes, dtypes and devices, so a signature seen before
-        skips it: host time per call is what decode-size ops are bound by.
+        skips it: host time per call is what decode-size ops are bound by. Meta inputs
+        are checked on every call (their signatures are never cached) and get meta
+        outputs, so they never reach `forward`.
         """
         try:
             signature = tuple(None if t is None else (t.shape, t.dtype, t.device)
@@ -107,7 +134,11 @@ class Op:
         except AttributeError:  # not a tensor: let check() say so
             signature = None
         if signature is None or signature not in self._validated:
-            self.check(inputs, require_cuda=True)
+            ns = self.check(inputs, require_cuda=True)
+            self._last_signature = signature
+            device = next(t.device for t in inputs if t is not None)
+            if device.type == "meta":
+                return self._meta_outputs(ns, device)
             if signature is not None:
                 if len(self._validated) >= 4096:
                     self._validated.clear()
@@ -119,13 +150,17 @@ class Op:
         raise NotImplementedError
 
     def check(self, inputs: Sequence[Any], require_cuda: bool = False) -> dict[str, Any]:
-        """Validates the inputs against the spec; returns the expression namespace."""
+        """Validates the inputs against the spec; returns the expression namespace.
+
+        Args:
+            inputs: the tensors, in the manifest's input order.
+            require_cuda: the inputs must all be on one CUDA device, or all on the meta
+                device (a shape check); any device otherwise (fake tensors, workloads).
+        """
         spec = self.spec
         name = spec.op_name
         if len(inputs) > len(spec.inputs):
-            raise op_error(TileOpsTypeError, name, "inputs",
-                           f"at most {len(spec.inputs)} tensors {spec.input_names}",
-                           f"{len(inputs)}")
+            raise _too_many_inputs(spec, len(inputs))
         tensors: dict[str, Any] = {}
         device = None
         for i, t_spec in enumerate(spec.inputs):
@@ -137,7 +172,7 @@ class Op:
                 raise op_error(TileOpsTypeError, name, t_spec.name, "a torch.Tensor",
                                type(t).__name__)
             elif require_cuda:
-                if t.device.type != "cuda":
+                if t.device.type not in ("cuda", "meta"):  # meta: a shape check, no launch
                     raise op_error(TileOpsValueError, name, t_spec.name, "a CUDA tensor",
                                    f"a tensor on {t.device}")
                 if device is not None and t.device != device:
@@ -155,6 +190,11 @@ class Op:
     def empty_outputs(self, ns: Mapping[str, Any], device: torch.device) -> list[torch.Tensor]:
         return [torch.empty(shape, dtype=dtype, device=device)
                 for shape, dtype in self.spec.output_meta(ns)]
+
+    def _meta_outputs(self, ns: Mapping[str, Any], device: torch.device) -> Any:
+        """What `forward` returns, as empty tensors on `device` (meta or fake)."""
+        outs = self.empty_outputs(ns, device)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def eval_roofline(self, *inputs: Any) -> tuple[int, int]:
         """(flops, bytes) of the given inputs, or of the last call when none are given."""
@@ -210,24 +250,30 @@ class Op:
         raise NotImplementedError
 
 
+def _too_many_inputs(spec: CompiledSpec, n: int) -> TileOpsTypeError:
+    return op_error(TileOpsTypeError, spec.op_name, "inputs",
+                    f"at most {len(spec.inputs)} tensors {spec.input_names}", n)
+
+
 def _needs_autograd(inputs: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
 def _register_custom_op(cls: type[Op]) -> Any:
+    """Registers `torch.ops.tileops.<name>` with the manifest's call order; its fake
+    implementation (also its meta kernel) is the op's own check plus the output rules."""
     spec = cls.spec
-    args = []
-    for t in spec.inputs:
-        args.append(f"Tensor{'?' if t.optional else ''} {t.name}")
-    for p in spec.params:
-        args.append(f"{_SCHEMA_TYPES[p.type]} {p.name}")
+    types = {t.name: f"Tensor{'?' if t.optional else ''}" for t in spec.inputs}
+    types.update((p.name, _SCHEMA_TYPES[p.type]) for p in spec.params)
+    args = ", ".join(f"{types[n]} {n}" for n in spec.call_order)
     outs = ", ".join("Tensor" for _ in spec.outputs)
-    schema = f"({', '.join(args)}) -> {outs if len(spec.outputs) == 1 else f'({outs})'}"
-    n_inputs = len(spec.inputs)
+    schema = f"({args}) -> {outs if len(spec.outputs) == 1 else f'({outs})'}"
+    input_at = [spec.call_order.index(n) for n in spec.input_names]
+    param_at = {n: spec.call_order.index(n) for n in spec.param_names}
 
     def split(args: tuple) -> tuple[tuple, dict[str, Any]]:
-        return args[:n_inputs], dict(zip(spec.param_names, args[n_inputs:], strict=True))
+        return tuple(args[i] for i in input_at), {n: args[i] for n, i in param_at.items()}
 
     def real(*args: Any) -> Any:
         inputs, params = split(args)
@@ -237,9 +283,7 @@ def _register_custom_op(cls: type[Op]) -> Any:
         inputs, params = split(args)
         op = cls.cached(**params)
         ns = op.check(inputs)
-        device = next(t.device for t in inputs if t is not None)
-        outs = op.empty_outputs(ns, device)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return op._meta_outputs(ns, next(t.device for t in inputs if t is not None))
 
     qualname = f"{LIBRARY}::{custom_op_name(cls.__name__)}"
     custom = torch.library.custom_op(qualname, real, mutates_args=(), schema=schema)

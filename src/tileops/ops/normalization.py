@@ -1,4 +1,11 @@
-"""Normalization family: RMSNorm (torch.nn.functional.rms_norm)."""
+"""Normalization family: RMSNorm, the fused residual add + RMSNorm, LayerNorm; forward and
+backward ops, and the differentiable functional API.
+
+Defaults are PyTorch's: eps=None means the epsilon of the fp32 math torch runs for fp16 /
+bf16 inputs (torch.finfo(torch.float32).eps), not the input dtype's; LayerNorm's eps is
+1e-5. The backward ops recompute the row statistics from the forward's input, so autograd
+saves only tensors it holds anyway.
+"""
 
 from __future__ import annotations
 
@@ -8,59 +15,348 @@ from typing import Any
 
 import torch
 
+from ..errors import TileOpsValueError, op_error
 from ..kernels.base import Kernel
-from ..kernels.normalization import RMSNormKernel
+from ..kernels.normalization import (
+    FusedAddRMSNormBwdKernel,
+    FusedAddRMSNormKernel,
+    LayerNormBwdKernel,
+    LayerNormKernel,
+    RMSNormBwdKernel,
+    RMSNormKernel,
+)
 from .base import Op
 from .layout import tma_ready
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
 
-class RMSNormFwdOp(Op):
-    """RMSNorm over the trailing `normalized_shape` dims; eps=None means finfo(dtype).eps."""
+def _shape_list(normalized_shape: Sequence[int] | int) -> list[int]:
+    return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+
+
+class _RowNorm:
+    """Shared host side of the row norm ops (a mixin: every Op subclass is bound to a
+    manifest entry): rows flattened to [rows, N], contiguous, 16-byte aligned; kernels
+    keyed by dtype and N (plus the op's optional tensors)."""
+
+    eps: float | None
+
+    @staticmethod
+    def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """`t` as a [rows, n] tensor the kernels can read (a view where possible)."""
+        if t is None:
+            return None
+        return tma_ready(t if t.dim() == 2 and t.shape[1] == n else t.reshape(-1, n))
+
+    @staticmethod
+    def _vec(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """A weight or bias of `normalized_shape` as an [n] tensor the kernels can read."""
+        if t is None:
+            return None
+        return tma_ready(t if t.dim() == 1 else t.reshape(n))
+
+    def _eps(self) -> float:
+        return FP32_EPS if self.eps is None else float(self.eps)
+
+    @staticmethod
+    def _kernel_key(dtype: torch.dtype, n: int, **flags: bool) -> dict[str, Any]:
+        return {"dtype": _DTYPE_NAMES[dtype], "n": n, **flags}
+
+
+class RMSNormFwdOp(_RowNorm, Op):
+    """RMSNorm over the trailing `normalized_shape` dims (torch.nn.functional.rms_norm)."""
 
     kernel_map = {"rms_norm": RMSNormKernel}
 
-    def __init__(self, *, normalized_shape: Sequence[int], eps: float | None = None,
+    def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float | None = None,
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        if isinstance(normalized_shape, int):
-            normalized_shape = [normalized_shape]
-        super().__init__(normalized_shape=list(normalized_shape), eps=eps,
+        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=eps,
                          kernel_map=kernel_map, tune=tune)
+        self.hidden = math.prod(self.normalized_shape)
 
     def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         n = self.hidden
-        # The kernel takes [rows, n]; views cost host time, so 2-D input skips them.
-        flat = input.dim() == 2 and len(self.normalized_shape) == 1
-        x = input if flat else input.reshape(-1, n)
-        y = torch.empty(x.shape, dtype=input.dtype, device=input.device)
+        x = self._rows(input, n)
+        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
         if x.shape[0] == 0:
-            return y.view(input.shape)
-        eps = torch.finfo(input.dtype).eps if self.eps is None else float(self.eps)
-        if weight is not None and weight.dim() != 1:
-            weight = weight.reshape(n)
+            return y
         kernel = self.get_kernel("rms_norm", input.device,
-                                 **self._kernel_key(input.dtype, n, weight is not None))
-        kernel(x.shape[0], tma_ready(x), None if weight is None else tma_ready(weight), y, eps)
-        return y if flat else y.view(input.shape)
-
-    @property
-    def hidden(self) -> int:
-        """Elements per normalized row: the product of normalized_shape."""
-        return math.prod(self.normalized_shape)
-
-    @staticmethod
-    def _kernel_key(dtype: torch.dtype, n: int, has_weight: bool) -> dict[str, Any]:
-        return {"dtype": _DTYPE_NAMES[dtype], "n": n, "has_weight": has_weight}
+                                 **self._kernel_key(input.dtype, n, has_weight=weight is not None))
+        kernel(x.shape[0], x, self._vec(weight, n), y.view(x.shape), self._eps())
+        return y
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
-        key = self._kernel_key(ns["input"].dtype, ns["N"], ns["weight"] is not None)
+        key = self._kernel_key(ns["input"].dtype, ns["N"], has_weight=ns["weight"] is not None)
         return [("rms_norm", key, ns["rows"])]
 
 
+class RMSNormBwdOp(_RowNorm, Op):
+    """(grad_input, grad_weight) of rms_norm; grad_weight is empty when there is no weight."""
+
+    kernel_map = {"rms_norm_bwd": RMSNormBwdKernel}
+
+    def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float | None = None,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=eps,
+                         kernel_map=kernel_map, tune=tune)
+        self.hidden = math.prod(self.normalized_shape)
+
+    def forward(self, grad_output: torch.Tensor, input: torch.Tensor,
+                weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _norm_backward(self, "rms_norm_bwd", self.hidden, grad_output, input, weight,
+                              None, None)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = self._kernel_key(ns["input"].dtype, ns["N"], has_weight=ns["weight"] is not None)
+        return [("rms_norm_bwd", key, ns["rows"])]
+
+
+class FusedAddRMSNormFwdOp(_RowNorm, Op):
+    """h = input + residual (rounded to the input dtype, as the unfused add), then RMSNorm
+    of h over the last dim: returns (rms_norm(h), h) from one pass over HBM."""
+
+    kernel_map = {"fused_add_rms_norm": FusedAddRMSNormKernel}
+
+    def __init__(self, *, eps: float | None = None,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(eps=eps, kernel_map=kernel_map, tune=tune)
+
+    def forward(self, input: torch.Tensor, residual: torch.Tensor,
+                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        h = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        self.launch(input, residual, weight, y, h)
+        return y, h
+
+    def launch(self, input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+               y: torch.Tensor, h: torch.Tensor) -> None:
+        """Writes rms_norm(h) into y and h = input + residual into h; y and h may be the
+        inputs' own (contiguous) storage: each element is read before it is written."""
+        n = input.shape[-1]
+        x = self._rows(input, n)
+        if x.shape[0] == 0:
+            return
+        kernel = self.get_kernel("fused_add_rms_norm", input.device,
+                                 **self._kernel_key(input.dtype, n))
+        kernel(x.shape[0], x, self._rows(residual, n), self._vec(weight, n),
+               y.view(x.shape), h.view(x.shape), self._eps())
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return [("fused_add_rms_norm", self._kernel_key(ns["input"].dtype, ns["N"]), ns["rows"])]
+
+
+class FusedAddRMSNormBwdOp(_RowNorm, Op):
+    """Gradient of fused_add_rms_norm: grad_input (= the residual's gradient) and
+    grad_weight, from the forward's residual_out and the gradients of both outputs."""
+
+    kernel_map = {"fused_add_rms_norm_bwd": FusedAddRMSNormBwdKernel}
+
+    def __init__(self, *, eps: float | None = None,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(eps=eps, kernel_map=kernel_map, tune=tune)
+
+    def forward(self, grad_output: torch.Tensor, grad_residual_out: torch.Tensor,
+                residual_out: torch.Tensor,
+                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _norm_backward(self, "fused_add_rms_norm_bwd", residual_out.shape[-1],
+                              grad_output, residual_out, weight, None, grad_residual_out)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return [("fused_add_rms_norm_bwd", self._kernel_key(ns["residual_out"].dtype, ns["N"]),
+                 ns["rows"])]
+
+
+class LayerNormFwdOp(_RowNorm, Op):
+    """LayerNorm over the trailing `normalized_shape` dims (torch.nn.functional.layer_norm)."""
+
+    kernel_map = {"layer_norm": LayerNormKernel}
+
+    def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float = 1e-5,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=float(eps),
+                         kernel_map=kernel_map, tune=tune)
+        self.hidden = math.prod(self.normalized_shape)
+
+    def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        n = self.hidden
+        x = self._rows(input, n)
+        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        if x.shape[0] == 0:
+            return y
+        kernel = self.get_kernel("layer_norm", input.device, **self._kernel_key(
+            input.dtype, n, has_weight=weight is not None, has_bias=bias is not None))
+        kernel(x.shape[0], x, self._vec(weight, n), self._vec(bias, n), y.view(x.shape),
+               self._eps())
+        return y
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = self._kernel_key(ns["input"].dtype, ns["N"], has_weight=ns["weight"] is not None,
+                        has_bias=ns["bias"] is not None)
+        return [("layer_norm", key, ns["rows"])]
+
+
+class LayerNormBwdOp(_RowNorm, Op):
+    """(grad_input, grad_weight, grad_bias) of layer_norm; the gradient of an absent weight
+    or bias is empty."""
+
+    kernel_map = {"layer_norm_bwd": LayerNormBwdKernel}
+
+    def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float = 1e-5,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=float(eps),
+                         kernel_map=kernel_map, tune=tune)
+        self.hidden = math.prod(self.normalized_shape)
+
+    def forward(self, grad_output: torch.Tensor, input: torch.Tensor,
+                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _norm_backward(self, "layer_norm_bwd", self.hidden, grad_output, input, weight,
+                              bias, None, with_bias=True)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = self._kernel_key(ns["input"].dtype, ns["N"], has_weight=ns["weight"] is not None,
+                        has_bias=ns["bias"] is not None)
+        return [("layer_norm_bwd", key, ns["rows"])]
+
+
+def _norm_backward(op: Any, dispatch_key: str, n: int, grad_output: torch.Tensor,
+                   h: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   grad_residual: torch.Tensor | None, with_bias: bool = False) -> tuple:
+    """The backward ops' shared body: one pass writing dx and fp32 partial sums of dw / db
+    per CTA, then a column sum of the partials (see kernels/normalization/row_norm_bwd.py)."""
+    device, dtype = h.device, h.dtype
+    dx = torch.empty(h.shape, dtype=dtype, device=device)
+    param_shape = weight.shape if weight is not None else bias.shape if bias is not None else 0
+    dw = torch.empty(param_shape if weight is not None else 0, dtype=dtype, device=device)
+    db = torch.empty(param_shape if bias is not None else 0, dtype=dtype, device=device)
+    outputs = (dx, dw, db) if with_bias else (dx, dw)
+    flags = {} if dispatch_key == "fused_add_rms_norm_bwd" else {"has_weight": weight is not None}
+    if with_bias:
+        flags["has_bias"] = bias is not None
+    kernel = op.get_kernel(dispatch_key, device, **op._kernel_key(dtype, n, **flags))
+    dy = op._rows(grad_output, n)
+    rows = dy.shape[0]
+    if rows == 0:
+        dw.zero_(), db.zero_()
+        return outputs
+    config, _ = kernel.select(rows)
+    parts = kernel.partial_rows(config)
+
+    def partials(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.empty((parts, n), dtype=torch.float32, device=device)
+
+    kernel(rows, dy, op._rows(h, n), op._vec(weight, n), op._rows(grad_residual, n),
+           dx.view(dy.shape), dw.view(n) if weight is not None else None,
+           db.view(n) if bias is not None else None, partials(weight), partials(bias),
+           op._eps())
+    return outputs
+
+
+# -- autograd -----------------------------------------------------------------------------
+def _named(cls: type[Op], inputs: Sequence[Any]) -> dict[str, Any]:
+    """The custom op's arguments by name (they come in the manifest's call order)."""
+    return dict(zip(cls.spec.call_order, inputs, strict=True))
+
+
+def _save_inputs(cls: type[Op], names: Sequence[str]):
+    def setup_context(ctx, inputs, output):
+        args = _named(cls, inputs)
+        ctx.args = args
+        ctx.save_for_backward(*(args[n] for n in names))
+    return setup_context
+
+
+def _rms_norm_backward(ctx, grad_output):
+    x, weight = ctx.saved_tensors
+    shape, eps = ctx.args["normalized_shape"], ctx.args["eps"]
+    dx, dw = _dispatch(RMSNormBwdOp, grad_output, x, weight, normalized_shape=list(shape),
+                       eps=eps)
+    return _grads(RMSNormFwdOp, input=dx, weight=dw if weight is not None else None)
+
+
+def _fused_add_backward(ctx, grad_output, grad_residual_out):
+    h, weight = ctx.saved_tensors
+    dx, dw = _dispatch(FusedAddRMSNormBwdOp, grad_output, grad_residual_out, h, weight,
+                       eps=ctx.args["eps"])
+    return _grads(FusedAddRMSNormFwdOp, input=dx, residual=dx, weight=dw)
+
+
+def _fused_add_setup(ctx, inputs, output):
+    args = _named(FusedAddRMSNormFwdOp, inputs)
+    ctx.args = args
+    ctx.save_for_backward(output[1], args["weight"])  # h: the backward's only row input
+
+
+def _layer_norm_backward(ctx, grad_output):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = _dispatch(LayerNormBwdOp, grad_output, x, weight, bias,
+                           normalized_shape=list(ctx.args["normalized_shape"]),
+                           eps=ctx.args["eps"])
+    return _grads(LayerNormFwdOp, input=dx, weight=dw if weight is not None else None,
+                  bias=db if bias is not None else None)
+
+
+def _dispatch(cls: type[Op], *inputs: Any, **params: Any) -> Any:
+    """Calls `cls` through its custom op: a backward runs under autograd's tracing too
+    (torch.compile), where only the custom op is opaque."""
+    return cls.torch_op(*cls._torch_op_args(inputs, params))
+
+
+def _grads(cls: type[Op], **grads: Any) -> tuple:
+    """Gradients in the custom op's argument order; None for params and absent tensors."""
+    return tuple(grads.get(name) for name in cls.spec.call_order)
+
+
+torch.library.register_autograd(RMSNormFwdOp.torch_op, _rms_norm_backward,
+                                setup_context=_save_inputs(RMSNormFwdOp, ("input", "weight")))
+torch.library.register_autograd(FusedAddRMSNormFwdOp.torch_op, _fused_add_backward,
+                                setup_context=_fused_add_setup)
+torch.library.register_autograd(LayerNormFwdOp.torch_op, _layer_norm_backward,
+                                setup_context=_save_inputs(LayerNormFwdOp,
+                                                           ("input", "weight", "bias")))
+
+
+# -- functional API -----------------------------------------------------------------------
 def rms_norm(input: torch.Tensor, normalized_shape: Sequence[int] | int,
              weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
-    """torch.nn.functional.rms_norm on TileOPs kernels."""
-    if isinstance(normalized_shape, int):
-        normalized_shape = [normalized_shape]
-    return RMSNormFwdOp.apply(input, weight, normalized_shape=list(normalized_shape), eps=eps)
+    """torch.nn.functional.rms_norm on TileOPs kernels (differentiable)."""
+    return RMSNormFwdOp.apply(input, weight, normalized_shape=_shape_list(normalized_shape),
+                              eps=eps)
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(input + residual, [N], weight, eps), input + residual) in one pass, the
+    pre-norm residual step of a Llama-style layer (differentiable)."""
+    return FusedAddRMSNormFwdOp.apply(input, residual, weight, eps=eps)
+
+
+def fused_add_rms_norm_(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, as serving engines call it: `residual` becomes input + residual and
+    `input` its RMSNorm; returns (input, residual). Both must be contiguous. Under
+    torch.compile or autograd it runs out of place and copies into the inputs."""
+    op = FusedAddRMSNormFwdOp.cached(eps=eps)
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() and (
+            input.requires_grad or residual.requires_grad or weight.requires_grad):
+        y, h = FusedAddRMSNormFwdOp.apply(input, residual, weight, eps=eps)
+        return input.copy_(y), residual.copy_(h)
+    op.check((input, residual, weight), require_cuda=True)
+    for name, t in (("input", input), ("residual", residual)):
+        if not t.is_contiguous():
+            raise op_error(TileOpsValueError, op.spec.op_name, name,
+                           "a contiguous tensor (the in-place form writes into it)",
+                           f"strides {tuple(t.stride())}")
+    op.launch(input, residual, weight, input, residual)
+    return input, residual
+
+
+def layer_norm(input: torch.Tensor, normalized_shape: Sequence[int] | int,
+               weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """torch.nn.functional.layer_norm on TileOPs kernels (differentiable)."""
+    return LayerNormFwdOp.apply(input, weight, bias,
+                                normalized_shape=_shape_list(normalized_shape), eps=float(eps))

@@ -48,6 +48,67 @@ def _rms_norm_liger(x, w, normalized_shape, eps):
     return LigerRMSNormFunction.apply(x, w, eps if eps is not None else 1e-6)
 
 
+def _liger_function(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(f"liger_kernel.ops.{module}"), name)
+
+
+def _graph_backward(forward: Baseline, grad_inputs: tuple[int, ...]) -> Baseline:
+    """Times torch's backward alone: `forward(*inputs, **params)` is recorded once per input
+    set, then each call differentiates it w.r.t. the inputs at `grad_inputs` (the positions
+    of tensors; the first argument of the returned baseline is the output's gradient, or a
+    tuple of them)."""
+    graphs: dict[tuple, tuple] = {}
+
+    def run(grads, *inputs, **params):
+        key = tuple(t.data_ptr() for t in inputs if t is not None)
+        if key not in graphs:
+            leaves = [None if t is None else t.detach().requires_grad_(i in grad_inputs)
+                      for i, t in enumerate(inputs)]
+            out = forward(*leaves, **params)
+            graphs[key] = (out, [leaves[i] for i in grad_inputs if leaves[i] is not None])
+        out, leaves = graphs[key]
+        return torch.autograd.grad(out, leaves, grads, retain_graph=True)
+
+    return run
+
+
+def _fused_add_rms_norm_eager(x, residual, w, eps=None):
+    h = x + residual
+    return F.rms_norm(h, [h.shape[-1]], w, eps), h
+
+
+def _fused_add_rms_norm_liger(x, residual, w, eps=None):
+    fn = _liger_function("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
+    return fn.apply(x, residual, w, eps if eps is not None else 1e-6)
+
+
+def _layer_norm_eager(x, w, b, normalized_shape, eps=1e-5):
+    return F.layer_norm(x, normalized_shape, w, b, eps)
+
+
+def _layer_norm_liger(x, w, b, normalized_shape, eps=1e-5):
+    if w is None or b is None or len(normalized_shape) != 1:
+        raise NotImplementedError("Liger's LayerNorm needs a weight, a bias and one dim")
+    return _liger_function("layer_norm", "LigerLayerNormFunction").apply(x, w, b, eps)
+
+
+def _norm_baselines(libs: dict[str, bool], eager: Baseline, liger: Baseline) -> dict:
+    table = {"torch-eager": eager, "torch-compile": lambda *a, **k: _compiled(eager)(*a, **k)}
+    if libs["liger_kernel"]:
+        table["liger"] = liger
+    return table
+
+
+def _norm_backward_baselines(libs: dict[str, bool], eager: Baseline, liger: Baseline,
+                             grad_inputs: tuple[int, ...], n_grads: int = 1) -> dict:
+    """Backward baselines of a norm whose backward op takes (grad(s), *forward inputs)."""
+    def split(fn):
+        backward = _graph_backward(fn, grad_inputs)
+        return lambda *a, **k: backward(tuple(a[:n_grads]) if n_grads > 1 else a[0],
+                                        *a[n_grads:], **k)
+    return {name: split(fn) for name, fn in _norm_baselines(libs, eager, liger).items()}
+
+
 _window_masks: dict[tuple, torch.Tensor] = {}
 
 
@@ -131,6 +192,208 @@ def _attention_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
     return table
 
 
+def _silu_and_mul_eager(x):
+    n = x.shape[-1] // 2
+    return F.silu(x[..., :n]) * x[..., n:]
+
+
+def _gelu_and_mul_eager(x, approximate="none"):
+    n = x.shape[-1] // 2
+    return F.gelu(x[..., :n], approximate=approximate) * x[..., n:]
+
+
+def _swiglu_eager(gate, up):
+    return F.silu(gate) * up
+
+
+# Liger takes gate and up as two tensors (it copies the halves of a fused x contiguous);
+# its GEGLU is the tanh approximation only.
+def _silu_and_mul_liger(x):
+    a, b = x.chunk(2, -1)  # Liger takes two tensors; it copies these halves contiguous
+    return _liger_function("swiglu", "LigerSiLUMulFunction").apply(a, b)
+
+
+def _gelu_and_mul_liger(x, approximate="none"):
+    if approximate != "tanh":
+        raise NotImplementedError("Liger's GEGLU has only the tanh approximation")
+    a, b = x.chunk(2, -1)
+    return _liger_function("geglu", "LigerGELUMulFunction").apply(a, b)
+
+
+def _swiglu_liger(gate, up):
+    return _liger_function("swiglu", "LigerSiLUMulFunction").apply(gate, up)
+
+
+def _silu_and_mul_flashinfer(x):
+    from flashinfer.activation import silu_and_mul
+
+    return silu_and_mul(x)
+
+
+def _gelu_and_mul_flashinfer(x, approximate="none"):
+    from flashinfer.activation import gelu_and_mul, gelu_tanh_and_mul
+
+    return (gelu_tanh_and_mul if approximate == "tanh" else gelu_and_mul)(x)
+
+
+_GATED_ACTIVATIONS = {  # forward op name -> (eager, liger, flashinfer or None)
+    "SiluAndMul": (_silu_and_mul_eager, _silu_and_mul_liger, _silu_and_mul_flashinfer),
+    "GeluAndMul": (_gelu_and_mul_eager, _gelu_and_mul_liger, _gelu_and_mul_flashinfer),
+    "Swiglu": (_swiglu_eager, _swiglu_liger, None),
+}
+
+
+def _gated_activation_baselines(op_name: str, libs: dict[str, bool]) -> dict[str, Baseline]:
+    """torch eager, torch.compile, Liger and FlashInfer (when importable) for the gated
+    activations; a backward op's baselines time autograd's backward of the forward's."""
+    stem, direction = op_name[:-5], op_name[-5:-2]
+    eager, liger, flashinfer = _GATED_ACTIVATIONS[stem]
+    table = {"torch-eager": eager, "torch-compile": lambda *a, **k: _compiled(eager)(*a, **k)}
+    if libs["liger_kernel"]:
+        table["liger"] = liger
+    if direction == "Fwd":
+        if flashinfer is not None and libs["flashinfer"]:
+            table["flashinfer"] = flashinfer
+        return table
+    if "liger" in table:  # its backward overwrites the saved inputs: give it copies
+        table["liger"] = lambda *a, **k: liger(*(t.clone() for t in a), **k)
+    grad_inputs = (0, 1) if stem == "Swiglu" else (0,)  # backward op: (grad_out, *inputs)
+    return {name: _graph_backward(fn, grad_inputs) for name, fn in table.items()}
+
+
+# -- rotary embeddings: the reference formulas, written here independently of TileOPs -------
+def _rotate_pairs(x, interleaved):
+    """rotate_half (NeoX) or rotate_every_two (GPT-J) over the last dim."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary_eager(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+    """transformers' apply_rotary_pos_emb, with partial rotary as GPT-NeoX's (the first
+    cos.shape[-1] elements rotate) and [S, R] tables broadcast over the batch."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot = cos.shape[-1]
+
+    def apply(x):
+        x_rot = x[..., :rot]
+        y = x_rot * cos + _rotate_pairs(x_rot, interleaved) * sin
+        return torch.cat((y, x[..., rot:]), dim=-1) if rot < x.shape[-1] else y
+
+    return apply(q), apply(k)
+
+
+def _rotary_compiled(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+    return _compiled(_rotary_eager)(q, k, cos, sin, unsqueeze_dim, interleaved)
+
+
+def _rotary_liger(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    if interleaved or cos.shape[-1] != q.shape[-1]:
+        raise NotImplementedError("Liger's RoPE is NeoX-style over the whole head only")
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if unsqueeze_dim == 2:  # Liger takes [B, H, S, D] views
+        q_out, k_out = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    return LigerRopeFunction.apply(q, k, cos, sin)
+
+
+def _rotary_backward(forward):
+    """The backward of `forward` alone: its graph is recorded once per input set, then each
+    call differentiates it with (dq_out, dk_out)."""
+    graphs: dict[tuple, tuple] = {}
+
+    def run(dq_out, dk_out, cos, sin, unsqueeze_dim=1, interleaved=False):
+        key = (dq_out.data_ptr(), dk_out.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        if key not in graphs:
+            leaves = (torch.randn_like(dq_out).requires_grad_(),
+                      torch.randn_like(dk_out).requires_grad_())
+            graphs[key] = (forward(*leaves, cos, sin, unsqueeze_dim, interleaved), leaves)
+        outs, leaves = graphs[key]
+        return torch.autograd.grad(outs, leaves, (dq_out, dk_out), retain_graph=True)
+
+    return run
+
+
+def _rotary_liger_backward(dq_out, dk_out, cos, sin, unsqueeze_dim=1, interleaved=False):
+    from liger_kernel.ops.rope import rope_backward
+
+    if interleaved or cos.shape[-1] != dq_out.shape[-1]:
+        raise NotImplementedError("Liger's RoPE is NeoX-style over the whole head only")
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if unsqueeze_dim == 2:
+        dq, dk = rope_backward(dq_out.transpose(1, 2), dk_out.transpose(1, 2), cos, sin)
+        return dq.transpose(1, 2), dk.transpose(1, 2)
+    return rope_backward(dq_out, dk_out, cos, sin)
+
+
+def _rotary_cache_eager(positions, q, k, cos_sin_cache, interleaved=False):
+    """vLLM's RotaryEmbedding.forward_native: rows of [cos | sin] picked by position."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)
+    rot = cos_sin_cache.shape[-1]
+
+    def apply(x):
+        x_rot = x[..., :rot]
+        if interleaved:
+            x1, x2 = x_rot[..., ::2], x_rot[..., 1::2]
+            y = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = x_rot.chunk(2, dim=-1)
+            y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((y.to(x.dtype), x[..., rot:]), dim=-1)
+
+    return apply(q), apply(k)
+
+
+def _rotary_cache_compiled(positions, q, k, cos_sin_cache, interleaved=False):
+    return _compiled(_rotary_cache_eager)(positions, q, k, cos_sin_cache, interleaved)
+
+
+_flashinfer_inputs: dict[tuple, torch.Tensor] = {}
+
+
+def _rotary_cache_flashinfer(positions, q, k, cos_sin_cache, interleaved=False):
+    from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
+
+    key = (cos_sin_cache.data_ptr(), cos_sin_cache.shape, cos_sin_cache.dtype)
+    if key not in _flashinfer_inputs:  # FlashInfer takes a float32 table: converted once
+        _flashinfer_inputs[key] = cos_sin_cache.float()
+    # FlashInfer does not bound-check positions; the benchmark's random ones may be negative
+    # (torch's indexing wraps them): wrapped once per input set, outside the timed calls
+    pos_key = (positions.data_ptr(), positions.shape, cos_sin_cache.shape[0])
+    if pos_key not in _flashinfer_inputs:
+        _flashinfer_inputs[pos_key] = positions.remainder(cos_sin_cache.shape[0])
+    tokens, heads, head_dim = q.shape
+    apply_rope_with_cos_sin_cache_inplace(
+        _flashinfer_inputs[pos_key], q.view(tokens, heads * head_dim), k.view(tokens, -1),
+        head_dim, _flashinfer_inputs[key], is_neox=not interleaved)
+    return q, k
+
+
+def _rotary_baselines(op_name: str, libs: dict[str, bool]) -> dict[str, Baseline]:
+    if op_name == "RotaryFwdOp":
+        table = {"torch-eager": _rotary_eager, "torch-compile": _rotary_compiled}
+        if libs["liger_kernel"]:
+            table["liger"] = _rotary_liger
+        return table
+    if op_name == "RotaryBwdOp":  # torch autograd of the forward formula
+        table = {"torch-eager": _rotary_backward(_rotary_eager),
+                 "torch-compile": _rotary_backward(_rotary_compiled)}
+        if libs["liger_kernel"]:
+            table["liger"] = _rotary_liger_backward
+        return table
+    table = {"torch-eager": _rotary_cache_eager, "torch-compile": _rotary_cache_compiled}
+    if libs["flashinfer"]:
+        table["flashinfer"] = _rotary_cache_flashinfer
+    return table
+
+
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
@@ -141,6 +404,23 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         if libs["liger_kernel"]:
             table["liger"] = _rms_norm_liger
         return table
+    if op_name == "RMSNormBwdOp":  # (grad_output, input, weight)
+        return _norm_backward_baselines(libs, _rms_norm_eager, _rms_norm_liger, (0, 1))
+    if op_name == "FusedAddRMSNormFwdOp":
+        return _norm_baselines(libs, _fused_add_rms_norm_eager, _fused_add_rms_norm_liger)
+    if op_name == "FusedAddRMSNormBwdOp":  # (grad_output, grad_residual_out, residual_out, w)
+        # torch's graph of the unfused pair, from x = residual_out and a zero residual
+        def eager(h, w, eps=None):
+            return _fused_add_rms_norm_eager(h, torch.zeros_like(h), w, eps)
+
+        def liger(h, w, eps=None):
+            return _fused_add_rms_norm_liger(h, torch.zeros_like(h), w, eps)
+
+        return _norm_backward_baselines(libs, eager, liger, (0, 1), n_grads=2)
+    if op_name == "LayerNormFwdOp":
+        return _norm_baselines(libs, _layer_norm_eager, _layer_norm_liger)
+    if op_name == "LayerNormBwdOp":  # (grad_output, input, weight, bias)
+        return _norm_backward_baselines(libs, _layer_norm_eager, _layer_norm_liger, (0, 1, 2))
     if op_name == "GroupedQueryAttentionFwdOp":
         return _attention_baselines(libs)
     if op_name == "GroupedQueryAttentionBwdOp":
@@ -152,4 +432,8 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
     if op_name == "GroupedQueryAttentionVarlenFwdOp":
         # SDPA has no packed-sequence form; compare with the dense op's TFLOP/s as well.
         return {"flash-attn-varlen": _flash_attn_varlen} if libs["flash_attn"] else {}
+    if op_name[:-5] in _GATED_ACTIVATIONS:
+        return _gated_activation_baselines(op_name, libs)
+    if op_name in ("RotaryFwdOp", "RotaryBwdOp", "RotaryWithCacheFwdOp"):
+        return _rotary_baselines(op_name, libs)
     return {}

@@ -1,0 +1,3 @@
+from .gated_activation import ACTIVATIONS, GatedActivationConfig, GatedActivationKernel
+
+__all__ = ["ACTIVATIONS", "GatedActivationConfig", "GatedActivationKernel"]

@@ -1,0 +1,306 @@
+"""Row normalization backward: RMSNorm and LayerNorm over the last dimension.
+
+With h the forward's normalized input, xhat = (h - mean if centered) * rstd and
+g = dy * w (dy where there is no weight), per row:
+
+    dx = rstd * (g - xhat * mean(g * xhat) - (mean(g) if centered)) (+ dres)
+    dw = sum over rows of dy * xhat,   db = sum over rows of dy
+
+Two programs. The first runs a fixed grid of `ctas` CTAs that stride over the (symbolic)
+rows; each reads dy and h once, recomputes the row statistics (so the forward saves
+nothing), writes dx, and keeps its share of dw / db in fp32 registers, stored once per CTA
+as a partial row: no atomics. The second sums the partial rows column by column and casts
+to the weight's dtype. `dres` is the gradient arriving at the fused residual sum, added to
+dx in the same pass.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+from .rows import RowTile, row_configs, vector_map_ok
+
+FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials
+
+
+SMS = 132  # streaming multiprocessors of an H100 SXM / H200: one persistent wave
+
+
+@dataclass(frozen=True)
+class NormBwdConfig:
+    block_rows: int = 1
+    threads: int = 256
+    ctas: int = 2 * SMS
+    prefetch: bool = True  # load the next rows during this row's reductions
+
+
+def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
+                     has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
+                     prefetch: bool):
+    rows = T.dynamic("rows")
+    tile = RowTile(n, block_rows, threads)
+    load, store = tile.macros(rows)
+    n_tile = tile.n_tile
+    parts = ctas * block_rows
+    f32 = "float"
+
+    def hat(h_local, mean_local, rstd_local, i, j):  # xhat in fp32
+        h = T.cast(h_local[i, j], f32)
+        return (h - mean_local[i] if centered else h) * rstd_local[i]
+
+    def grad(dy_local, w_local, i, j):  # g = dy * w in fp32
+        dy = T.cast(dy_local[i, j], f32)
+        return dy * w_local[i, j] if has_weight else dy
+
+    @T.macro
+    def body(dy, h, w, dres, dx, dw_part, db_part, eps):
+        with T.Kernel(ctas, threads=threads) as bx:
+            dy_local = T.alloc_fragment(tile.shape, dtype)
+            h_local = T.alloc_fragment(tile.shape, dtype)
+            dy_next = T.alloc_fragment(tile.shape, dtype) if prefetch else None
+            h_next = T.alloc_fragment(tile.shape, dtype) if prefetch else None
+            dx_local = T.alloc_fragment(tile.shape, dtype)
+            tmp_local = T.alloc_fragment(tile.shape, f32)
+            rstd_local = T.alloc_fragment((block_rows,), f32)
+            dot_local = T.alloc_fragment((block_rows,), f32)
+            dres_local = T.alloc_fragment(tile.shape, dtype) if has_residual_grad else None
+            mean_local = T.alloc_fragment((block_rows,), f32) if centered else None
+            gsum_local = T.alloc_fragment((block_rows,), f32) if centered else None
+            dw_acc = T.alloc_fragment(tile.shape, f32) if has_weight else None
+            db_acc = T.alloc_fragment(tile.shape, f32) if has_bias else None
+            dw_row = T.alloc_fragment((n_tile,), f32) if has_weight else None
+            db_row = T.alloc_fragment((n_tile,), f32) if has_bias else None
+            w_local = T.alloc_fragment(tile.shape, f32) if has_weight else None
+            if has_weight:  # loaded once, in fp32, in the tile's own layout
+                T.clear(dw_acc)
+                for i, j in T.Parallel(block_rows, n_tile):
+                    w_local[i, j] = T.cast(w[T.min(j, n - 1)], f32)
+            if has_bias:
+                T.clear(db_acc)
+            # The next rows' dy and h are loaded before this row's reductions, so they are in
+            # flight while the CTA waits on its barriers (a register double buffer).
+            if prefetch:
+                load(dy, dy_next, bx * block_rows)
+                load(h, h_next, bx * block_rows)
+            for step in T.serial(T.ceildiv(rows, parts)):
+                row0 = (step * ctas + bx) * block_rows
+                if prefetch:
+                    for i, j in T.Parallel(block_rows, n_tile):
+                        dy_local[i, j] = dy_next[i, j]
+                        h_local[i, j] = h_next[i, j]
+                    load(dy, dy_next, row0 + parts)
+                    load(h, h_next, row0 + parts)
+                else:
+                    load(dy, dy_local, row0)
+                    load(h, h_local, row0)
+                if has_residual_grad:  # used last: in flight through the reductions
+                    load(dres, dres_local, row0)
+                if centered:
+                    for i, j in T.Parallel(block_rows, n_tile):
+                        tmp_local[i, j] = T.cast(h_local[i, j], f32)
+                    T.reduce_sum(tmp_local, mean_local, dim=1)
+                    for i in T.Parallel(block_rows):
+                        mean_local[i] = mean_local[i] / n
+                    for i, j in T.Parallel(block_rows, n_tile):
+                        tmp_local[i, j] = T.if_then_else(
+                            j < n, (T.cast(h_local[i, j], f32) - mean_local[i])
+                            * (T.cast(h_local[i, j], f32) - mean_local[i]), 0.0)
+                else:
+                    for i, j in T.Parallel(block_rows, n_tile):
+                        tmp_local[i, j] = T.cast(h_local[i, j], f32) * T.cast(h_local[i, j], f32)
+                T.reduce_sum(tmp_local, rstd_local, dim=1)
+                for i in T.Parallel(block_rows):
+                    rstd_local[i] = T.rsqrt(rstd_local[i] / n + eps)
+                for i, j in T.Parallel(block_rows, n_tile):
+                    tmp_local[i, j] = T.if_then_else(
+                        j < n, grad(dy_local, w_local, i, j)
+                        * hat(h_local, mean_local, rstd_local, i, j), 0.0)
+                T.reduce_sum(tmp_local, dot_local, dim=1)
+                if centered:
+                    for i, j in T.Parallel(block_rows, n_tile):
+                        tmp_local[i, j] = grad(dy_local, w_local, i, j)
+                    T.reduce_sum(tmp_local, gsum_local, dim=1)
+                for i, j in T.Parallel(block_rows, n_tile):
+                    v = grad(dy_local, w_local, i, j) - hat(h_local, mean_local, rstd_local, i, j) \
+                        * (dot_local[i] / n)
+                    if centered:
+                        v = v - gsum_local[i] / n
+                    v = v * rstd_local[i]
+                    if has_residual_grad:
+                        v = v + T.cast(dres_local[i, j], f32)
+                    dx_local[i, j] = T.cast(v, dtype)
+                store(dx_local, dx, row0)
+                # dy is zero past the last row and in the padding: nothing to mask
+                if has_weight:
+                    for i, j in T.Parallel(block_rows, n_tile):
+                        dw_acc[i, j] += T.cast(dy_local[i, j], f32) * hat(
+                            h_local, mean_local, rstd_local, i, j)
+                if has_bias:
+                    for i, j in T.Parallel(block_rows, n_tile):
+                        db_acc[i, j] += T.cast(dy_local[i, j], f32)
+            # one partial row per CTA: its rows' shares summed across the tile first
+            if has_weight:
+                T.reduce_sum(dw_acc, dw_row, dim=0)
+                for j in T.Parallel(n_tile):
+                    if j < n:
+                        dw_part[bx, j] = dw_row[j]
+            if has_bias:
+                T.reduce_sum(db_acc, db_row, dim=0)
+                for j in T.Parallel(n_tile):
+                    if j < n:
+                        db_part[bx, j] = db_row[j]
+
+    R, V, P = (rows, n), (n,), (ctas, n)
+    if has_residual_grad:  # the fused add's backward: RMSNorm with a weight
+        @T.prim_func
+        def fused_add_norm_bwd(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype),
+                               w: T.Tensor(V, dtype), dres: T.Tensor(R, dtype),
+                               dx: T.Tensor(R, dtype), dw_part: T.Tensor(P, f32),
+                               eps: T.float32):
+            body(dy, h, w, dres, dx, dw_part, None, eps)
+        return fused_add_norm_bwd
+    if has_weight and has_bias:
+        @T.prim_func
+        def norm_bwd_wb(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), w: T.Tensor(V, dtype),
+                        dx: T.Tensor(R, dtype), dw_part: T.Tensor(P, f32),
+                        db_part: T.Tensor(P, f32), eps: T.float32):
+            body(dy, h, w, None, dx, dw_part, db_part, eps)
+        return norm_bwd_wb
+    if has_weight:
+        @T.prim_func
+        def norm_bwd_w(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), w: T.Tensor(V, dtype),
+                       dx: T.Tensor(R, dtype), dw_part: T.Tensor(P, f32), eps: T.float32):
+            body(dy, h, w, None, dx, dw_part, None, eps)
+        return norm_bwd_w
+    if has_bias:
+        @T.prim_func
+        def norm_bwd_b(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), dx: T.Tensor(R, dtype),
+                       db_part: T.Tensor(P, f32), eps: T.float32):
+            body(dy, h, None, None, dx, None, db_part, eps)
+        return norm_bwd_b
+
+    @T.prim_func
+    def norm_bwd(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), dx: T.Tensor(R, dtype),
+                 eps: T.float32):
+        body(dy, h, None, None, dx, None, None, eps)
+    return norm_bwd
+
+
+def column_sum_program(parts: int, n: int, out_dtype: str, block_cols: int = 128,
+                       chunk: int = 32, threads: int = 256):
+    """out[j] = sum over the `parts` partial rows of part[:, j], cast to `out_dtype`."""
+    f32 = "float"
+
+    @T.prim_func
+    def column_sum(part: T.Tensor((parts, n), f32), out: T.Tensor((n,), out_dtype)):
+        with T.Kernel(T.ceildiv(n, block_cols), threads=threads) as bx:
+            tile_local = T.alloc_fragment((chunk, block_cols), f32)
+            acc_local = T.alloc_fragment((chunk, block_cols), f32)
+            sum_local = T.alloc_fragment((block_cols,), f32)
+            T.clear(acc_local)
+            for k in T.serial(T.ceildiv(parts, chunk)):
+                for i, j in T.Parallel(chunk, block_cols):
+                    tile_local[i, j] = T.if_then_else(
+                        (k * chunk + i < parts) & (bx * block_cols + j < n),
+                        part[k * chunk + i, bx * block_cols + j], 0.0)
+                for i, j in T.Parallel(chunk, block_cols):
+                    acc_local[i, j] += tile_local[i, j]
+            T.reduce_sum(acc_local, sum_local, dim=0)
+            for j in T.Parallel(block_cols):
+                if bx * block_cols + j < n:
+                    out[bx * block_cols + j] = T.cast(sum_local[j], out_dtype)
+
+    return column_sum
+
+
+class NormBwdKernel(Kernel):
+    """Base of the backward norm kernels; subclasses fix the flags from their key (which
+    always holds dtype and n). Buckets: up to FEW_ROWS rows, and more."""
+
+    Config = NormBwdConfig
+
+    def flags(self) -> dict[str, bool]:
+        raise NotImplementedError
+
+    def program(self, config: NormBwdConfig, bucket: str):
+        flags = self.flags()
+        n, dtype = self.key["n"], self.key["dtype"]
+        main = norm_bwd_program(n, dtype, block_rows=config.block_rows, threads=config.threads,
+                                ctas=config.ctas, prefetch=config.prefetch, **flags)
+        sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
+            "has_bias"] else ()
+        return (main, *sums)
+
+    def partial_rows(self, config: NormBwdConfig) -> int:
+        """Rows of the fp32 partial buffers the op allocates for dw and db: one per CTA."""
+        return config.ctas
+
+    def run(self, config: NormBwdConfig, compiled: tuple, dy, h, w, dres, dx, dw, db, dw_part,
+            db_part, eps: float) -> None:
+        compiled[0](*(t for t in (dy, h, w, dres, dx, dw_part, db_part) if t is not None),
+                    eps)
+        if dw is not None:
+            compiled[1](dw_part, dw)
+        if db is not None:
+            compiled[1](db_part, db)
+
+    def bucket_of(self, size: int) -> str:
+        return "few" if size <= FEW_ROWS else "many"
+
+    def heuristic_config(self, bucket: str, arch: str) -> NormBwdConfig:
+        n = self.key["n"]
+        # dy and h of two rows (the double buffer), the fp32 accumulators and the weight
+        # live in registers: at 16 elements per thread that is ~121 registers (ptxas), so
+        # 512 threads per SM fit; the persistent grid is that many CTAs per SM. Longer rows
+        # (32 per thread) have no registers left for the next row's loads.
+        block_rows = max(1, 4096 // n)
+        for threads in (256, 512, 128, 64):
+            if vector_map_ok(n, block_rows, threads) and block_rows * n // threads <= 16:
+                break
+        else:
+            wide = [t for t in (512, 256) if vector_map_ok(n, block_rows, t)]
+            threads = wide[0] if wide else (512 if n > 4096 else 256)  # else padded
+        elems = RowTile(n, block_rows, threads).n_tile * block_rows // threads
+        ctas = SMS * max(1, 512 // threads)
+        return NormBwdConfig(block_rows, threads, ctas if bucket == "many" else SMS,
+                             prefetch=elems <= 16)
+
+    def config_space(self, bucket: str) -> list[NormBwdConfig]:
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        for block_rows, threads in row_configs(self.key["n"], (8, 32), (128, 256, 512)):
+            for ctas in (SMS, 2 * SMS):
+                for prefetch in (True, False):
+                    if not prefetch or block_rows * self.key["n"] // threads <= 16:
+                        space.append(NormBwdConfig(block_rows, threads, ctas, prefetch))
+        return list(dict.fromkeys(space))
+
+
+class RMSNormBwdKernel(NormBwdKernel):
+    """key: dtype, n, has_weight."""
+
+    name = "rms_norm_bwd"
+
+    def flags(self) -> dict[str, bool]:
+        return {"centered": False, "has_weight": self.key["has_weight"], "has_bias": False,
+                "has_residual_grad": False}
+
+
+class FusedAddRMSNormBwdKernel(NormBwdKernel):
+    """key: dtype, n. RMSNorm's backward plus the gradient of the residual sum output."""
+
+    name = "fused_add_rms_norm_bwd"
+
+    def flags(self) -> dict[str, bool]:
+        return {"centered": False, "has_weight": True, "has_bias": False,
+                "has_residual_grad": True}
+
+
+class LayerNormBwdKernel(NormBwdKernel):
+    """key: dtype, n, has_weight, has_bias."""
+
+    name = "layer_norm_bwd"
+
+    def flags(self) -> dict[str, bool]:
+        return {"centered": True, "has_weight": self.key["has_weight"],
+                "has_bias": self.key["has_bias"], "has_residual_grad": False}

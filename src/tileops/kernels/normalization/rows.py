@@ -1,0 +1,86 @@
+"""Row tiles shared by the normalization kernels: the thread map and guarded row I/O.
+
+A CTA holds `block_rows` whole rows of `n` elements in registers. When 16-byte vectors of
+the tile split evenly over the threads the tile is exactly [block_rows, n] and moves by
+vectorized copies; otherwise it is padded to a multiple of the thread count and moves by
+guarded scalar accesses, the padding reading as zero (it adds nothing to any row sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+VEC = 8  # 16-byte accesses of fp16/bf16
+
+
+def vector_map_ok(n: int, block_rows: int, threads: int) -> bool:
+    """Whether 16-byte vectors of a [block_rows, n] tile split evenly over the threads.
+
+    Threads must tile a row's vectors evenly, or (short rows) cover whole rows; the row
+    reduction also needs a power-of-two thread count. Other shapes take the padded path.
+    """
+    if n % VEC or threads & (threads - 1):
+        return False
+    row_vecs = n // VEC
+    return row_vecs % threads == 0 or (threads % row_vecs == 0
+                                       and block_rows % (threads // row_vecs) == 0)
+
+
+@dataclass(frozen=True)
+class RowTile:
+    """The [block_rows, n_tile] register tile of `n`-element rows and how it moves."""
+
+    n: int
+    block_rows: int
+    threads: int
+
+    @property
+    def aligned(self) -> bool:
+        return vector_map_ok(self.n, self.block_rows, self.threads)
+
+    @property
+    def n_tile(self) -> int:
+        return self.n if self.aligned else -(-self.n // self.threads) * self.threads
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.block_rows, self.n_tile)
+
+    def macros(self, rows):
+        """(load, store) macros moving the tile at row `row0` of a [rows, n] tensor; rows
+        past `rows` load as zero and are not stored."""
+        n, block_rows, n_tile, aligned = self.n, self.block_rows, self.n_tile, self.aligned
+
+        @T.macro
+        def load(gmem, tile, first_row):
+            if aligned:
+                T.copy(gmem[first_row, 0], tile)
+            else:
+                for i, j in T.Parallel(block_rows, n_tile):
+                    tile[i, j] = T.if_then_else((j < n) & (first_row + i < rows),
+                                                gmem[first_row + i, j], T.cast(0, gmem.dtype))
+
+        @T.macro
+        def store(tile_out, gmem_out, row_out):
+            if aligned:
+                T.copy(tile_out, gmem_out[row_out, 0])
+            else:
+                for i, j in T.Parallel(block_rows, n_tile):
+                    if (j < n) & (row_out + i < rows):
+                        gmem_out[row_out + i, j] = tile_out[i, j]
+
+        return load, store
+
+
+def row_configs(n: int, elems_per_thread: tuple[int, int], threads_options=(64, 128, 256, 512)):
+    """(block_rows, threads) pairs whose tiles map onto 16-byte vectors and give each thread
+    a number of elements within `elems_per_thread` (the tuning spaces)."""
+    lo, hi = elems_per_thread
+    found = []
+    for block_rows in (1, 2, 4, 8, 16, 32):
+        for threads in threads_options:
+            if lo <= block_rows * n / threads <= hi and vector_map_ok(n, block_rows, threads):
+                found.append((block_rows, threads))
+    return found

@@ -1,0 +1,3 @@
+from .rotary import RotaryConfig, RotaryKernel
+
+__all__ = ["RotaryConfig", "RotaryKernel"]

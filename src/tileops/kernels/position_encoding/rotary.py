@@ -1,0 +1,343 @@
+"""Rotary position embedding: one program family for both the forward and its transpose.
+
+Two forms share the per-head body:
+
+- `hf`: Hugging Face's apply_rotary_pos_emb. cos/sin hold one value per rotated element
+  ([Bc, S, R], Bc = 1 broadcasts over the batch), y = x * cos + rotate(x) * sin on the first
+  R of D elements; the rest pass through. q/k are [B, S, H, D] or [B, H, S, D] with any strides
+  whose last one is 1. The backward is the exact transpose: dx = dy * cos - rotate(dy * sin).
+- `cache`: vLLM's rotary_embedding on packed tokens. One row of a [max_pos, R] table per token,
+  picked by `positions`, holds cos in its first R/2 entries and sin in the rest (one pair each).
+
+Memory-bound: every element is read once and written once, in 16-byte vectors. A thread owns
+one rotation unit (2 * vec elements: vec pairs) of `heads_per_thread` heads of one token. It
+loads the unit's cos/sin once, issues all its heads' loads before any math (so a thread has
+2 * heads_per_thread 16-byte loads in flight), rotates in fp32 and stores in the input dtype.
+NeoX style pairs element j with j + R/2 (a unit is a vector of each half); GPT-J style
+(`interleaved`) pairs 2i with 2i + 1 (a unit is two adjacent vectors). Token counts are
+symbolic; head counts, head_dim, rotary_dim, layout and flags are compiled in.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+
+VEC_BYTES = 16
+_ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def vector_width(dtype: str, rotary_dim: int, head_dim: int) -> int:
+    """Elements per vector: 16 bytes where the half-rotary and head sizes allow it."""
+    vec = VEC_BYTES // _ELEM_BYTES[dtype]
+    while vec > 1 and ((rotary_dim // 2) % vec or head_dim % vec):
+        vec //= 2
+    return vec
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    """heads_per_thread: heads a thread rotates (its loads in flight); block_tokens: tokens
+    per CTA. A CTA runs block_tokens * ceil(heads / heads_per_thread) * units threads."""
+
+    heads_per_thread: int = 4
+    block_tokens: int = 1
+
+
+def thread_layout(heads: int, units: int, config: RotaryConfig) -> tuple[int, int]:
+    """(head groups per token, threads per CTA, a multiple of the warp size)."""
+    groups = -(-heads // config.heads_per_thread)
+    used = config.block_tokens * groups * units
+    return groups, -(-used // 32) * 32
+
+
+def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_heads: int,
+                   head_dim: int, rotary_dim: int, interleaved: bool, backward: bool,
+                   bhsd: bool, inplace: bool, vec: int, heads_per_thread: int,
+                   block_tokens: int):
+    """The prim_func of one (form, shape, flags, config).
+
+    hf:    (q, k, cos, sin, q_out, k_out)
+    cache: (positions, q, k, cos_sin_cache[, q_out, k_out]); `inplace` writes q and k.
+    """
+    config = RotaryConfig(heads_per_thread, block_tokens)
+    heads = q_heads + k_heads
+    half = rotary_dim // 2
+    units = half // vec
+    groups, threads = thread_layout(heads, units, config)
+    used = block_tokens * groups * units
+    width = 2 * vec
+    pass_vecs = (head_dim - rotary_dim) // vec
+    pass_iters = -(-pass_vecs // units) if not inplace else 0
+    hpt = heads_per_thread
+    accum = "float"
+
+    def unit_offsets(u):
+        """Element offsets of the unit's two vectors within a head."""
+        if interleaved:
+            return u * width, u * width + vec
+        return u * vec, half + u * vec
+
+    @T.macro
+    def rotate(x_local, c_local, s_local, y_local, i):
+        """y = x * cos + rotate(x) * sin (forward) or its transpose; pairs (e, e + vec) or
+        (2m, 2m + 1) of the 2 * vec elements of head slot i."""
+        if interleaved:
+            for m in T.unroll(vec):
+                a = T.cast(x_local[i, 2 * m], accum)
+                b = T.cast(x_local[i, 2 * m + 1], accum)
+                if backward:
+                    y_local[2 * m] = T.cast(a * c_local[2 * m] + b * s_local[2 * m + 1], dtype)
+                    y_local[2 * m + 1] = T.cast(b * c_local[2 * m + 1] - a * s_local[2 * m],
+                                                dtype)
+                else:
+                    y_local[2 * m] = T.cast(a * c_local[2 * m] - b * s_local[2 * m], dtype)
+                    y_local[2 * m + 1] = T.cast(b * c_local[2 * m + 1] + a * s_local[2 * m + 1],
+                                                dtype)
+        else:
+            for e in T.vectorized(vec):
+                a = T.cast(x_local[i, e], accum)
+                b = T.cast(x_local[i, vec + e], accum)
+                if backward:
+                    y_local[e] = T.cast(a * c_local[e] + b * s_local[vec + e], dtype)
+                    y_local[vec + e] = T.cast(b * c_local[vec + e] - a * s_local[e], dtype)
+                else:
+                    y_local[e] = T.cast(a * c_local[e] - b * s_local[e], dtype)
+                    y_local[vec + e] = T.cast(b * c_local[vec + e] + a * s_local[vec + e], dtype)
+
+    @T.macro
+    def heads_body(q, k, q_out, k_out, token, u, g, c_local, s_local, index):
+        """A thread's heads of one token: `index(token, h, d)` is a head element's index."""
+        oa, ob = unit_offsets(u)
+        x_local = T.alloc_local((hpt, width), dtype)
+        y_local = T.alloc_local((width,), dtype)
+        for i in T.unroll(hpt):
+            h = g + i * groups
+            if h < q_heads:
+                for e in T.vectorized(vec):
+                    x_local[i, e] = q[index(token, h, oa + e)]
+                for e in T.vectorized(vec):
+                    x_local[i, vec + e] = q[index(token, h, ob + e)]
+            elif h < heads:
+                for e in T.vectorized(vec):
+                    x_local[i, e] = k[index(token, h - q_heads, oa + e)]
+                for e in T.vectorized(vec):
+                    x_local[i, vec + e] = k[index(token, h - q_heads, ob + e)]
+        for i in T.unroll(hpt):
+            h = g + i * groups
+            if h < heads:
+                rotate(x_local, c_local, s_local, y_local, i)
+                if h < q_heads:
+                    for e in T.vectorized(vec):
+                        q_out[index(token, h, oa + e)] = y_local[e]
+                    for e in T.vectorized(vec):
+                        q_out[index(token, h, ob + e)] = y_local[vec + e]
+                else:
+                    for e in T.vectorized(vec):
+                        k_out[index(token, h - q_heads, oa + e)] = y_local[e]
+                    for e in T.vectorized(vec):
+                        k_out[index(token, h - q_heads, ob + e)] = y_local[vec + e]
+        for j in T.unroll(pass_iters):
+            p = rotary_dim + (u + j * units) * vec
+            if p < head_dim:
+                for i in T.unroll(hpt):
+                    h = g + i * groups
+                    if h < q_heads:
+                        for e in T.vectorized(vec):
+                            x_local[i, e] = q[index(token, h, p + e)]
+                    elif h < heads:
+                        for e in T.vectorized(vec):
+                            x_local[i, e] = k[index(token, h - q_heads, p + e)]
+                for i in T.unroll(hpt):
+                    h = g + i * groups
+                    if h < q_heads:
+                        for e in T.vectorized(vec):
+                            q_out[index(token, h, p + e)] = x_local[i, e]
+                    elif h < heads:
+                        for e in T.vectorized(vec):
+                            k_out[index(token, h - q_heads, p + e)] = x_local[i, e]
+
+    shared = dict(units=units, groups=groups, threads=threads, used=used, width=width,
+                  unit_offsets=unit_offsets, heads_body=heads_body, accum=accum)
+    if form == "hf":
+        return _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec,
+                           block_tokens, **shared)
+    return _cache_program(dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim,
+                          interleaved, inplace, vec, block_tokens, **shared)
+
+
+def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_tokens, *,
+                units, groups, threads, used, width, unit_offsets, heads_body, accum):
+    batch, seq, table_batch = T.dynamic("batch, seq, table_batch")
+    q_sb, q_ss, q_sh, k_sb, k_ss, k_sh = T.dynamic("q_sb, q_ss, q_sh, k_sb, k_ss, k_sh",
+                                                   "int64")
+    c_sb, c_ss, s_sb, s_ss = T.dynamic("c_sb, c_ss, s_sb, s_ss", "int64")
+
+    def dims(heads):
+        return (batch, heads, seq, head_dim) if bhsd else (batch, seq, heads, head_dim)
+
+    def strides(sb, ss, sh):
+        return (sb, sh, ss, 1) if bhsd else (sb, ss, sh, 1)
+
+    def index(token, h, d):
+        return (token[0], h, token[1], d) if bhsd else (token[0], token[1], h, d)
+
+    @T.prim_func
+    def rotary_hf(
+            q: T.StridedTensor(dims(q_heads), strides(q_sb, q_ss, q_sh), dtype),
+            k: T.StridedTensor(dims(k_heads), strides(k_sb, k_ss, k_sh), dtype),
+            cos: T.StridedTensor((table_batch, seq, rotary_dim), (c_sb, c_ss, 1), dtype),
+            sin: T.StridedTensor((table_batch, seq, rotary_dim), (s_sb, s_ss, 1), dtype),
+            q_out: T.Tensor(dims(q_heads), dtype),
+            k_out: T.Tensor(dims(k_heads), dtype)):
+        with T.Kernel(T.ceildiv(batch * seq, block_tokens), threads=threads) as bx:
+            for stride in (q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, c_sb, c_ss, s_sb, s_ss):
+                T.assume(stride % vec == 0)
+            T.assume(seq > 0)
+            T.assume(table_batch > 0)
+            tx = T.get_thread_binding()
+            u = tx % units
+            g = (tx // units) % groups
+            token = bx * block_tokens + tx // (units * groups)
+            c_local = T.alloc_local((width,), accum)
+            s_local = T.alloc_local((width,), accum)
+            if tx < used and token < batch * seq:
+                b = token // seq
+                s = token % seq
+                bc = T.min(b, table_batch - 1)
+                oa, ob = unit_offsets(u)
+                for e in T.vectorized(vec):
+                    c_local[e] = cos[bc, s, oa + e]
+                for e in T.vectorized(vec):
+                    c_local[vec + e] = cos[bc, s, ob + e]
+                for e in T.vectorized(vec):
+                    s_local[e] = sin[bc, s, oa + e]
+                for e in T.vectorized(vec):
+                    s_local[vec + e] = sin[bc, s, ob + e]
+                heads_body(q, k, q_out, k_out, (b, s), u, g, c_local, s_local, index)
+
+    return rotary_hf
+
+
+def _cache_program(dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim, interleaved,
+                   inplace, vec, block_tokens, *, units, groups, threads, used, width,
+                   unit_offsets, heads_body, accum):
+    tokens, max_pos = T.dynamic("tokens, max_pos")
+    q_st, q_sh, k_st, k_sh = T.dynamic("q_st, q_sh, k_st, k_sh", "int64")
+    half = rotary_dim // 2
+
+    def index(token, h, d):
+        return (token[0], h, d)
+
+    @T.macro
+    def body(positions, q, k, cos_sin_cache, q_out, k_out):
+        with T.Kernel(T.ceildiv(tokens, block_tokens), threads=threads) as bx:
+            for stride in (q_st, q_sh, k_st, k_sh):
+                T.assume(stride % vec == 0)
+            T.assume(max_pos > 0)
+            tx = T.get_thread_binding()
+            u = tx % units
+            g = (tx // units) % groups
+            t = bx * block_tokens + tx // (units * groups)
+            c_local = T.alloc_local((width,), accum)
+            s_local = T.alloc_local((width,), accum)
+            pair_cos = T.alloc_local((vec,), accum)
+            pair_sin = T.alloc_local((vec,), accum)
+            if tx < used and t < tokens:
+                # out-of-range positions read the nearest row instead of faulting
+                row = T.max(T.min(positions[t], T.cast(max_pos - 1, "int64")),
+                            T.cast(0, "int64"))
+                # a unit's vec pairs use one vector of cos and one of sin in both styles
+                for e in T.vectorized(vec):
+                    pair_cos[e] = T.cast(cos_sin_cache[row, u * vec + e], accum)
+                for e in T.vectorized(vec):
+                    pair_sin[e] = T.cast(cos_sin_cache[row, half + u * vec + e], accum)
+                # element e of the unit belongs to pair e // 2 (GPT-J) or e % vec (NeoX)
+                for e in T.unroll(width):
+                    c_local[e] = pair_cos[e // 2 if interleaved else e % vec]
+                    s_local[e] = pair_sin[e // 2 if interleaved else e % vec]
+                heads_body(q, k, q_out, k_out, (t,), u, g, c_local, s_local, index)
+
+    if inplace:
+        @T.prim_func
+        def rotary_cache_inplace(
+                positions: T.Tensor((tokens,), "int64"),
+                q: T.StridedTensor((tokens, q_heads, head_dim), (q_st, q_sh, 1), dtype),
+                k: T.StridedTensor((tokens, k_heads, head_dim), (k_st, k_sh, 1), dtype),
+                cos_sin_cache: T.Tensor((max_pos, rotary_dim), table_dtype)):
+            body(positions, q, k, cos_sin_cache, q, k)
+
+        return rotary_cache_inplace
+
+    @T.prim_func
+    def rotary_cache(
+            positions: T.Tensor((tokens,), "int64"),
+            q: T.StridedTensor((tokens, q_heads, head_dim), (q_st, q_sh, 1), dtype),
+            k: T.StridedTensor((tokens, k_heads, head_dim), (k_st, k_sh, 1), dtype),
+            cos_sin_cache: T.Tensor((max_pos, rotary_dim), table_dtype),
+            q_out: T.Tensor((tokens, q_heads, head_dim), dtype),
+            k_out: T.Tensor((tokens, k_heads, head_dim), dtype)):
+        body(positions, q, k, cos_sin_cache, q_out, k_out)
+
+    return rotary_cache
+
+
+def heuristic_layout(heads: int, units: int, block_threads: int = 128) -> RotaryConfig:
+    """Heads per thread near 4 (eight 16-byte loads in flight, and the unit's cos/sin
+    loads shared by that many heads) with few idle lanes, and enough tokens per CTA for
+    ~block_threads threads."""
+    # past 8192 slots per token (e.g. 512 heads of 256), as many heads per thread as fit
+    best, best_score = RotaryConfig(-(-heads * units // 1024), 1), -1.0
+    for hpt in range(1, 9):
+        groups = -(-heads // hpt)
+        block_tokens = max(1, block_threads // (groups * units))
+        config = RotaryConfig(hpt, block_tokens)
+        _, threads = thread_layout(heads, units, config)
+        if threads > 1024:
+            continue
+        busy = block_tokens * heads * units / (threads * hpt)
+        score = busy - 0.05 * abs(hpt - 4)
+        if score > best_score:
+            best, best_score = config, score
+    return best
+
+
+class RotaryKernel(Kernel):
+    """key: form ('hf' | 'cache'), dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim,
+    interleaved, backward, bhsd, inplace. One bucket: the token count only sets the grid."""
+
+    name = "rotary"
+    Config = RotaryConfig
+
+    @property
+    def vec(self) -> int:
+        return vector_width(self.key["dtype"], self.key["rotary_dim"], self.key["head_dim"])
+
+    @property
+    def units(self) -> int:
+        return self.key["rotary_dim"] // 2 // self.vec
+
+    def program(self, config: RotaryConfig, bucket: str):
+        return rotary_program(**self.key, vec=self.vec,
+                              heads_per_thread=config.heads_per_thread,
+                              block_tokens=config.block_tokens)
+
+    def run(self, config: RotaryConfig, compiled: tuple, *tensors) -> None:
+        compiled[0](*tensors)
+
+    def heuristic_config(self, bucket: str, arch: str) -> RotaryConfig:
+        return heuristic_layout(self.key["q_heads"] + self.key["k_heads"], self.units)
+
+    def config_space(self, bucket: str) -> list[RotaryConfig]:
+        heads, units = self.key["q_heads"] + self.key["k_heads"], self.units
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        for hpt in (1, 2, 3, 4, 6, 8):
+            for block_tokens in (1, 2, 4, 8):
+                config = RotaryConfig(hpt, block_tokens)
+                groups, threads = thread_layout(heads, units, config)
+                if hpt > heads or threads > 1024 or (block_tokens > 1 and threads > 512):
+                    continue
+                if block_tokens * heads * units >= 0.75 * threads * hpt:
+                    space.append(config)
+        return list(dict.fromkeys(space))

@@ -1,0 +1,277 @@
+"""Activation family: gated MLP activations act(gate) * up, forward and backward.
+
+- `silu_and_mul(x)` / `gelu_and_mul(x, approximate)`: the fused layout of vLLM's
+  SiluAndMul / GeluAndMul and FlashInfer's silu_and_mul: x [..., 2N] -> act(x[..., :N]) *
+  x[..., N:], [..., N].
+- `swiglu(gate, up)`: silu(gate) * up on two tensors (the Hugging Face MLP form). When gate
+  and up are the two halves of one [..., 2N] tensor (`x.chunk(2, -1)`), the fused kernel
+  reads them in place instead of copying them contiguous.
+
+fp16, bf16 and fp32; math in fp32, results in the input dtype, so they can differ from
+torch eager's fp16/bf16 result, which rounds act(gate) before the product, by one rounding.
+Each forward is a torch custom op whose autograd runs the matching backward op; the
+backward saves only the inputs and recomputes the activation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import TileOpsUnsupportedError, TileOpsValueError, op_error
+from ..kernels.activation import GatedActivationKernel
+from ..kernels.activation.gated_activation import MAX_VECTORS, vector_width
+from ..kernels.base import Kernel
+from .base import Op
+from .layout import tma_ready
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_GELU = {"none": "gelu", "tanh": "gelu_tanh"}  # approximate -> kernel activation
+_KERNELS = {"gated_activation": GatedActivationKernel}
+_SAFE_ELEMENTS = 1 << 30  # below this many elements the int32 vector indices cannot overflow
+
+
+def _kernel_key(dtype: torch.dtype, n: int, activation: str, backward: bool,
+                fused: bool) -> dict[str, Any]:
+    return {"dtype": _DTYPE_NAMES[dtype], "n": n, "activation": activation,
+            "backward": backward, "fused": fused}
+
+
+def _launch(op: Op, activation: str, backward: bool, fused: bool, rows: int, n: int,
+            *tensors: torch.Tensor) -> None:
+    """Runs the kernel on [rows, n] / [rows, 2n] tensors (contiguous, 16-byte aligned)."""
+    dtype = tensors[0].dtype
+    if rows * n >= _SAFE_ELEMENTS and rows * (n // vector_width(n, _DTYPE_NAMES[dtype])) \
+            > MAX_VECTORS - 4096:
+        raise op_error(TileOpsUnsupportedError, op.spec.op_name, "shapes",
+                       f"fewer than 2^31 vectors of {vector_width(n, _DTYPE_NAMES[dtype])} "
+                       "elements per tensor (split the tokens into chunks)",
+                       f"{rows} rows of {n}")
+    kernel = op.get_kernel("gated_activation", tensors[0].device,
+                           **_kernel_key(dtype, n, activation, backward, fused))
+    kernel(rows, *tensors)
+
+
+def _rows(shape: torch.Size, n: int) -> int:
+    return shape.numel() // n if n else 0
+
+
+def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t as a contiguous, aligned [rows, width] tensor (a copy only when it is not one)."""
+    t = tma_ready(t)
+    return t if t.dim() == 2 else t.view(-1, width)
+
+
+def _halves_of_one_tensor(gate: torch.Tensor, up: torch.Tensor, rows: int,
+                          n: int) -> torch.Tensor | None:
+    """The [rows, 2n] tensor whose left and right halves gate and up are, else None."""
+    if gate.stride() != up.stride() or gate.stride(-1) != 1 or \
+            up.data_ptr() != gate.data_ptr() + n * gate.element_size() or \
+            gate.data_ptr() % 16:
+        return None
+    pitch = 2 * n
+    for size, stride in zip(reversed(gate.shape[:-1]), reversed(gate.stride()[:-1]),
+                            strict=True):
+        if size != 1 and stride != pitch:
+            return None
+        pitch *= size
+    return gate.as_strided((rows, 2 * n), (2 * n, 1))
+
+
+def _fused_forward(op: Op, activation: str, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    rows = _rows(out.shape, n)
+    if rows:
+        _launch(op, activation, False, True, rows, n, _as_rows(x, 2 * n),
+                out if out.dim() == 2 else out.view(rows, n))
+    return out
+
+
+def _fused_backward(op: Op, activation: str, grad_out: torch.Tensor,
+                    x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = _rows(grad_out.shape, n)
+    if rows:
+        _launch(op, activation, True, True, rows, n, _as_rows(grad_out, n),
+                _as_rows(x, 2 * n), grad_x if grad_x.dim() == 2 else grad_x.view(rows, 2 * n))
+    return grad_x
+
+
+def _fused_kernels(activation: str, backward: bool,
+                   ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+    key = _kernel_key(ns["x"].dtype, ns["N"], activation, backward, True)
+    return [("gated_activation", key, ns["rows"])]
+
+
+def _check_approximate(op: Op, approximate: str) -> None:
+    if approximate not in _GELU:
+        raise op_error(TileOpsValueError, op.spec.op_name, "approximate",
+                       "'none' or 'tanh' (as torch.nn.functional.gelu)", repr(approximate))
+
+
+class SiluAndMulFwdOp(Op):
+    """silu(x[..., :N]) * x[..., N:] for x [..., 2N] (vLLM SiluAndMul)."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
+        super().__init__(kernel_map=kernel_map, tune=tune)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _fused_forward(self, "silu", x)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return _fused_kernels("silu", False, ns)
+
+
+class SiluAndMulBwdOp(Op):
+    """grad_x [..., 2N] of silu_and_mul from grad_out [..., N] and x (recomputes silu)."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
+        super().__init__(kernel_map=kernel_map, tune=tune)
+
+    def forward(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return _fused_backward(self, "silu", grad_out, x)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return _fused_kernels("silu", True, ns)
+
+
+class GeluAndMulFwdOp(Op):
+    """gelu(x[..., :N], approximate) * x[..., N:] for x [..., 2N] (vLLM GeluAndMul)."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, approximate: str = "none",
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
+        _check_approximate(self, approximate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _fused_forward(self, _GELU[self.approximate], x)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return _fused_kernels(_GELU[self.approximate], False, ns)
+
+
+class GeluAndMulBwdOp(Op):
+    """grad_x [..., 2N] of gelu_and_mul from grad_out [..., N] and x (recomputes gelu)."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, approximate: str = "none",
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
+        _check_approximate(self, approximate)
+
+    def forward(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return _fused_backward(self, _GELU[self.approximate], grad_out, x)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return _fused_kernels(_GELU[self.approximate], True, ns)
+
+
+class SwigluFwdOp(Op):
+    """silu(gate) * up for gate, up [..., N] (the Hugging Face gated MLP)."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
+        super().__init__(kernel_map=kernel_map, tune=tune)
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        n = gate.shape[-1]
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        rows = _rows(gate.shape, n)
+        if not rows:
+            return out
+        out2 = out if out.dim() == 2 else out.view(rows, n)
+        x = None if gate.is_contiguous() else _halves_of_one_tensor(gate, up, rows, n)
+        if x is not None:
+            _launch(self, "silu", False, True, rows, n, x, out2)
+        else:
+            _launch(self, "silu", False, False, rows, n, _as_rows(gate, n), _as_rows(up, n),
+                    out2)
+        return out
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = _kernel_key(ns["gate"].dtype, ns["N"], "silu", False, False)
+        return [("gated_activation", key, ns["rows"])]
+
+
+class SwigluBwdOp(Op):
+    """grad_gate, grad_up of swiglu from grad_out, gate and up (recomputes silu)."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
+        super().__init__(kernel_map=kernel_map, tune=tune)
+
+    def forward(self, grad_out: torch.Tensor, gate: torch.Tensor,
+                up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = gate.shape[-1]
+        grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        grad_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        rows = _rows(gate.shape, n)
+        if rows:
+            _launch(self, "silu", True, False, rows, n, _as_rows(grad_out, n),
+                    _as_rows(gate, n), _as_rows(up, n), grad_gate.view(rows, n),
+                    grad_up.view(rows, n))
+        return grad_gate, grad_up
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        key = _kernel_key(ns["gate"].dtype, ns["N"], "silu", True, False)
+        return [("gated_activation", key, ns["rows"])]
+
+
+# -- autograd: each forward custom op runs its backward op -------------------------------
+def _save_inputs(ctx: Any, inputs: tuple, output: Any) -> None:
+    n_tensors = sum(isinstance(t, torch.Tensor) for t in inputs)
+    ctx.save_for_backward(*inputs[:n_tensors])
+    ctx.params = inputs[n_tensors:]
+
+
+def _silu_and_mul_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    (x,) = ctx.saved_tensors
+    return (SiluAndMulBwdOp.torch_op(grad, x),)
+
+
+def _gelu_and_mul_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    (x,) = ctx.saved_tensors
+    return GeluAndMulBwdOp.torch_op(grad, x, *ctx.params), None
+
+
+def _swiglu_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    gate, up = ctx.saved_tensors
+    return tuple(SwigluBwdOp.torch_op(grad, gate, up))
+
+
+for _fwd, _bwd in ((SiluAndMulFwdOp, _silu_and_mul_backward),
+                   (GeluAndMulFwdOp, _gelu_and_mul_backward),
+                   (SwigluFwdOp, _swiglu_backward)):
+    torch.library.register_autograd(_fwd.torch_op, _bwd, setup_context=_save_inputs)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :N]) * x[..., N:] for x [..., 2N]; returns [..., N]."""
+    return SiluAndMulFwdOp.apply(x)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(x[..., :N], approximate=approximate) * x[..., N:] for x [..., 2N]."""
+    return GeluAndMulFwdOp.apply(x, approximate=approximate)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return SwigluFwdOp.apply(gate, up)

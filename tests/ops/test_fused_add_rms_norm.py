@@ -1,0 +1,149 @@
+"""FusedAddRMSNormFwdOp / BwdOp on the GPU against the unfused fp32 composition."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tileops
+from tileops import FusedAddRMSNormBwdOp, TileOpsError
+
+from ..helpers import assert_close, randn
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def reference(x, residual, weight, eps=None):
+    """The unfused pair a Llama layer runs: the add rounds to the input dtype, the norm
+    runs in fp32 on the rounded sum."""
+    h = x + residual
+    return F.rms_norm(h.float(), [h.shape[-1]], weight.float(), eps), h
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4099, 4096), (1, 8192), (2, 1000, 7168), (777, 1000),
+                                   (64, 5120)])
+def test_matches_the_unfused_pair(shape, dtype):
+    x, r = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    w = randn(shape[-1], dtype=dtype)
+    y, h = tileops.fused_add_rms_norm(x, r, w, 1e-6)
+    y_ref, h_ref = reference(x, r, w, 1e-6)
+    assert torch.equal(h, h_ref)  # the same rounded add, bit for bit
+    assert_close(y, y_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_place_writes_both_results_into_the_inputs(dtype):
+    x, r = randn(300, 4096, dtype=dtype), randn(300, 4096, dtype=dtype)
+    w = randn(4096, dtype=dtype)
+    y_ref, h_ref = reference(x, r, w)
+    x_ptr, r_ptr = x.data_ptr(), r.data_ptr()
+    out, res = tileops.fused_add_rms_norm_(x, r, w)
+    assert out is x and res is r and x.data_ptr() == x_ptr and r.data_ptr() == r_ptr
+    assert torch.equal(r, h_ref)
+    assert_close(x, y_ref)
+
+
+def test_in_place_refuses_non_contiguous_input():
+    x = randn(4096, 64, dtype=torch.bfloat16).t()
+    with pytest.raises(TileOpsError, match="argument 'input'.*contiguous"):
+        tileops.fused_add_rms_norm_(x, randn(64, 4096, dtype=torch.bfloat16),
+                                    randn(4096, dtype=torch.bfloat16))
+
+
+def test_non_contiguous_inputs_out_of_place():
+    x = randn(4096, 300, dtype=torch.bfloat16).t()
+    r = randn(300, 8192, dtype=torch.bfloat16)[:, ::2]
+    w = randn(4096, dtype=torch.bfloat16)
+    y, h = tileops.fused_add_rms_norm(x, r, w)
+    y_ref, h_ref = reference(x, r, w)
+    assert torch.equal(h, h_ref)
+    assert_close(y, y_ref)
+
+
+def grads(x, r, w, eps, dy, dh, fn):
+    xt, rt, wt = (t.detach().clone().requires_grad_() for t in (x, r, w))
+    y, h = fn(xt, rt, wt, eps)
+    torch.autograd.backward([y, h], [dy, dh])
+    return xt.grad, rt.grad, wt.grad
+
+
+def reference_grads(x, r, w, eps, dy, dh):
+    return grads(x.float(), r.float(), w.float(), eps, dy.float(), dh.float(),
+                 lambda a, b, c, e: (F.rms_norm(a + b, [a.shape[-1]], c, e), a + b))
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden", [(4099, 4096), (1, 8192), (777, 1000), (9000, 5120)])
+def test_gradients_match_autograd(rows, hidden, dtype):
+    x, r, dy, dh = (randn(rows, hidden, dtype=dtype) for _ in range(4))
+    w = randn(hidden, dtype=dtype)
+    dx, dr, dw = grads(x, r, w, 1e-5, dy, dh, tileops.fused_add_rms_norm)
+    dx_ref, dr_ref, dw_ref = reference_grads(x, r, w, 1e-5, dy, dh)
+    assert_close(dx, dx_ref, what="dx")
+    assert_close(dr, dr_ref, what="dresidual")
+    assert_close(dw, dw_ref, scale=rows ** 0.5, what="dw")
+
+
+def test_gradient_when_only_the_normed_output_is_used():
+    x, r, dy = (randn(300, 4096, dtype=torch.bfloat16) for _ in range(3))
+    w = randn(4096, dtype=torch.bfloat16)
+    xt = x.clone().requires_grad_()
+    y, _ = tileops.fused_add_rms_norm(xt, r, w)
+    y.backward(dy)
+    dx_ref = reference_grads(x, r, w, None, dy, torch.zeros_like(dy))[0]
+    assert_close(xt.grad, dx_ref)
+
+
+def test_backward_op_every_row_count_on_one_kernel():
+    op = FusedAddRMSNormBwdOp(eps=1e-6)
+    w = randn(7168, dtype=torch.bfloat16)
+    for rows in (1, 263, 264, 4096, 5000):
+        h, dy, dh = (randn(rows, 7168, dtype=torch.bfloat16) for _ in range(3))
+        dx, dw = op(dy, dh, h, w)
+        hf = h.float().requires_grad_()
+        wf = w.float().requires_grad_()
+        F.rms_norm(hf, [7168], wf, 1e-6).backward(dy.float())
+        assert_close(dx, hf.grad + dh.float(), what=f"dx rows={rows}")
+        assert_close(dw, wf.grad, scale=rows ** 0.5, what=f"dw rows={rows}")
+
+
+def test_torch_compile_forward_and_backward():
+    x, r, dy, dh = (randn(256, 4096, dtype=torch.bfloat16) for _ in range(4))
+    w = randn(4096, dtype=torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def step(a, res, weight, e):
+        return tileops.fused_add_rms_norm(a, res, weight, e)
+
+    dx, dr, dw = grads(x, r, w, 1e-5, dy, dh, step)
+    dx_ref, dr_ref, dw_ref = reference_grads(x, r, w, 1e-5, dy, dh)
+    assert_close(dx, dx_ref, what="dx")
+    assert_close(dr, dr_ref, what="dresidual")
+    assert_close(dw, dw_ref, scale=256 ** 0.5, what="dw")
+
+
+def test_cuda_graph_capture_in_place():
+    x, r = randn(64, 4096, dtype=torch.float16), randn(64, 4096, dtype=torch.float16)
+    w = randn(4096, dtype=torch.float16)
+    tileops.fused_add_rms_norm_(x.clone(), r.clone(), w)
+    graph = torch.cuda.CUDAGraph()
+    xs, rs = x.clone(), r.clone()
+    with torch.cuda.graph(graph):
+        tileops.fused_add_rms_norm_(xs, rs, w)
+    xs.copy_(x), rs.copy_(r)
+    graph.replay()
+    torch.cuda.synchronize()
+    y_ref, h_ref = reference(x, r, w)
+    assert torch.equal(rs, h_ref)
+    assert_close(xs, y_ref)
+
+
+def test_residual_of_another_shape_is_rejected():
+    x = randn(4, 256, dtype=torch.bfloat16)
+    with pytest.raises(TileOpsError, match="residual"):
+        tileops.fused_add_rms_norm(x, randn(4, 128, dtype=torch.bfloat16),
+                                   randn(256, dtype=torch.bfloat16))
