@@ -261,8 +261,11 @@ def test_torch_compile_forward_and_backward():
     ref = [t.float().requires_grad_() for t in (q, k)]
     ref_q, ref_k = hf_reference(ref[0] * 2, ref[1], cos, sin)
     ((ref_q * w_q).sum() + (ref_k * w_k).sum()).backward()
-    assert_close(leaves[0].grad, ref[0].grad, what="dq")
-    assert_close(leaves[1].grad, ref[1].grad, what="dk")
+    # The upstream gradient reaches the kernel rounded to bf16 (q_out is bf16): an element
+    # where dy*cos and rotate(dy*sin) nearly cancel keeps that rounding of both terms
+    # (~2^-8 of |2 * w| each), so the absolute tolerance scales with them.
+    assert_close(leaves[0].grad, ref[0].grad, scale=4.0, what="dq")
+    assert_close(leaves[1].grad, ref[1].grad, scale=2.0, what="dk")
 
 
 @pytest.mark.gpu
