@@ -123,10 +123,17 @@ class Op:
     def run(self, *inputs: Any) -> Any:
         """Validate, then launch through `forward` (the eager body of the custom op).
 
+        Meta inputs get meta outputs (see `validate`), so they never reach `forward`.
+        """
+        meta = self.validate(inputs)
+        return meta if meta is not None else self.forward(*inputs)
+
+    def validate(self, inputs: Sequence[Any]) -> Any:
+        """Checks `inputs` for a launch; returns meta outputs for meta inputs, else None.
+
         Validation depends only on shapes, dtypes and devices, so a signature seen before
         skips it: host time per call is what decode-size ops are bound by. Meta inputs
-        are checked on every call (their signatures are never cached) and get meta
-        outputs, so they never reach `forward`.
+        are checked on every call (their signatures are never cached).
         """
         try:
             signature = tuple(None if t is None else (t.shape, t.dtype, t.device)
@@ -144,7 +151,7 @@ class Op:
                     self._validated.clear()
                 self._validated.add(signature)
         self._last_signature = signature
-        return self.forward(*inputs)
+        return None
 
     def forward(self, *inputs: Any) -> Any:
         raise NotImplementedError

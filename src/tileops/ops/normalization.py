@@ -344,7 +344,9 @@ def fused_add_rms_norm_(input: torch.Tensor, residual: torch.Tensor, weight: tor
             input.requires_grad or residual.requires_grad or weight.requires_grad):
         y, h = FusedAddRMSNormFwdOp.apply(input, residual, weight, eps=eps)
         return input.copy_(y), residual.copy_(h)
-    op.check((input, residual, weight), require_cuda=True)
+    meta = op.validate((input, residual, weight))
+    if meta is not None:  # a shape check: the results are the inputs themselves
+        return input, residual
     for name, t in (("input", input), ("residual", residual)):
         if not t.is_contiguous():
             raise op_error(TileOpsValueError, op.spec.op_name, name,
