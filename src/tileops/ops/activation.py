@@ -24,10 +24,10 @@ from ..errors import TileOpsUnsupportedError, TileOpsValueError, op_error
 from ..kernels.activation import GatedActivationKernel
 from ..kernels.activation.gated_activation import MAX_VECTORS, vector_width
 from ..kernels.base import Kernel
+from ..manifest.spec import DTYPE_NAMES
 from .base import Op
 from .layout import tma_ready
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _GELU = {"none": "gelu", "tanh": "gelu_tanh"}  # approximate -> kernel activation
 _KERNELS = {"gated_activation": GatedActivationKernel}
 _SAFE_ELEMENTS = 1 << 30  # below this many elements the int32 vector indices cannot overflow
@@ -35,7 +35,7 @@ _SAFE_ELEMENTS = 1 << 30  # below this many elements the int32 vector indices ca
 
 def _kernel_key(dtype: torch.dtype, n: int, activation: str, backward: bool,
                 fused: bool) -> dict[str, Any]:
-    return {"dtype": _DTYPE_NAMES[dtype], "n": n, "activation": activation,
+    return {"dtype": DTYPE_NAMES[dtype], "n": n, "activation": activation,
             "backward": backward, "fused": fused}
 
 
@@ -43,10 +43,10 @@ def _launch(op: Op, activation: str, backward: bool, fused: bool, rows: int, n: 
             *tensors: torch.Tensor) -> None:
     """Runs the kernel on [rows, n] / [rows, 2n] tensors (contiguous, 16-byte aligned)."""
     dtype = tensors[0].dtype
-    if rows * n >= _SAFE_ELEMENTS and rows * (n // vector_width(n, _DTYPE_NAMES[dtype])) \
+    if rows * n >= _SAFE_ELEMENTS and rows * (n // vector_width(n, DTYPE_NAMES[dtype])) \
             > MAX_VECTORS - 4096:
         raise op_error(TileOpsUnsupportedError, op.spec.op_name, "shapes",
-                       f"fewer than 2^31 vectors of {vector_width(n, _DTYPE_NAMES[dtype])} "
+                       f"fewer than 2^31 vectors of {vector_width(n, DTYPE_NAMES[dtype])} "
                        "elements per tensor (split the tokens into chunks)",
                        f"{rows} rows of {n}")
     kernel = op.get_kernel("gated_activation", tensors[0].device,

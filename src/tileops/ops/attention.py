@@ -11,12 +11,11 @@ import torch
 from ..errors import TileOpsValueError, op_error
 from ..kernels.attention import AttentionBwdKernel, AttentionFwdKernel, AttentionVarlenFwdKernel
 from ..kernels.base import Kernel
+from ..manifest.spec import DTYPE_NAMES
 from ..perf.formulas import effective_window
 from .base import Op
 from .layout import tma_ready
 from .varlen_backward import varlen_backward
-
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class GroupedQueryAttentionFwdOp(Op):
@@ -53,7 +52,7 @@ class GroupedQueryAttentionFwdOp(Op):
     def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int,
                     head_dim: int) -> dict[str, Any]:
         left, right = effective_window(self.is_causal, self.window_size)
-        return {"dtype": _DTYPE_NAMES[dtype], "heads": heads, "kv_heads": kv_heads,
+        return {"dtype": DTYPE_NAMES[dtype], "heads": heads, "kv_heads": kv_heads,
                 "head_dim": head_dim, "window_left": left, "window_right": right,
                 "softcap": self.softcap}
 

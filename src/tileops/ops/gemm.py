@@ -9,10 +9,9 @@ import torch
 
 from ..kernels.base import Kernel
 from ..kernels.gemm import GemmKernel
+from ..manifest.spec import DTYPE_NAMES
 from .base import Op
 from .layout import tma_ready
-
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class GemmFwdOp(Op):
@@ -50,7 +49,7 @@ class GemmFwdOp(Op):
     @staticmethod
     def _kernel_key(dtype: torch.dtype, n: int, k: int, trans_a: bool,
                     trans_b: bool) -> dict[str, Any]:
-        return {"dtype": _DTYPE_NAMES[dtype], "n": n, "k": k, "trans_a": trans_a,
+        return {"dtype": DTYPE_NAMES[dtype], "n": n, "k": k, "trans_a": trans_a,
                 "trans_b": trans_b}
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:

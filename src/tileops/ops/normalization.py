@@ -25,10 +25,10 @@ from ..kernels.normalization import (
     RMSNormBwdKernel,
     RMSNormKernel,
 )
+from ..manifest.spec import DTYPE_NAMES
 from .base import Op
 from .layout import tma_ready
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
 
@@ -62,7 +62,7 @@ class _RowNorm:
 
     @staticmethod
     def _kernel_key(dtype: torch.dtype, n: int, **flags: bool) -> dict[str, Any]:
-        return {"dtype": _DTYPE_NAMES[dtype], "n": n, **flags}
+        return {"dtype": DTYPE_NAMES[dtype], "n": n, **flags}
 
 
 class RMSNormFwdOp(_RowNorm, Op):

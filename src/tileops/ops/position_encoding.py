@@ -29,9 +29,8 @@ import torch
 from ..errors import TileOpsUnsupportedError, op_error
 from ..kernels.base import Kernel
 from ..kernels.position_encoding import RotaryKernel
+from ..manifest.spec import DTYPE_NAMES
 from .base import LIBRARY, Op
-
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def _vector_ready(t: torch.Tensor, vec: int) -> torch.Tensor:
@@ -81,7 +80,7 @@ class RotaryFwdOp(Op):
 
     def _kernel_key(self, dtype: torch.dtype, q_heads: int, k_heads: int, head_dim: int,
                     rotary_dim: int) -> dict[str, Any]:
-        name = _DTYPE_NAMES[dtype]
+        name = DTYPE_NAMES[dtype]
         return {"form": "hf", "dtype": name, "table_dtype": name, "q_heads": q_heads,
                 "k_heads": k_heads, "head_dim": head_dim, "rotary_dim": rotary_dim,
                 "interleaved": self.interleaved, "backward": self.backward,
@@ -172,8 +171,8 @@ class RotaryWithCacheFwdOp(Op):
 
     def _kernel_key(self, dtype: torch.dtype, table_dtype: torch.dtype, q_heads: int,
                     k_heads: int, head_dim: int, rotary_dim: int) -> dict[str, Any]:
-        return {"form": "cache", "dtype": _DTYPE_NAMES[dtype],
-                "table_dtype": _DTYPE_NAMES[table_dtype], "q_heads": q_heads,
+        return {"form": "cache", "dtype": DTYPE_NAMES[dtype],
+                "table_dtype": DTYPE_NAMES[table_dtype], "q_heads": q_heads,
                 "k_heads": k_heads, "head_dim": head_dim, "rotary_dim": rotary_dim,
                 "interleaved": self.interleaved, "backward": False, "bhsd": False,
                 "inplace": self.inplace}
