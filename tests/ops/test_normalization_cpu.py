@@ -1,0 +1,116 @@
+"""The normalization ops on the CPU: output metadata from meta tensors, the errors of bad
+input, rooflines against hand counts, and the kernels' choices (no GPU, no compile)."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import (
+    FusedAddRMSNormBwdOp,
+    FusedAddRMSNormFwdOp,
+    LayerNormBwdOp,
+    LayerNormFwdOp,
+    RMSNormBwdOp,
+    RMSNormFwdOp,
+    TileOpsTypeError,
+    TileOpsValueError,
+)
+from tileops.kernels.normalization import LayerNormBwdKernel, RMSNormBwdKernel, RMSNormKernel
+from tileops.kernels.normalization.rows import RowTile
+
+pytestmark = pytest.mark.smoke
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_meta_outputs_of_every_norm_op():
+    y = tileops.rms_norm(meta(2, 7, 4096), [4096], meta(4096))
+    assert y.shape == (2, 7, 4096) and y.device.type == "meta"
+    y, h = tileops.fused_add_rms_norm(meta(3, 5120), meta(3, 5120), meta(5120))
+    assert y.shape == h.shape == (3, 5120)
+    assert tileops.layer_norm(meta(9, 1280), [1280]).shape == (9, 1280)
+    dx, dw = RMSNormBwdOp(normalized_shape=[8, 128])(meta(4, 8, 128), meta(4, 8, 128),
+                                                      meta(8, 128))
+    assert dx.shape == (4, 8, 128) and dw.shape == (8, 128)
+    dx, dw = RMSNormBwdOp(normalized_shape=[128])(meta(4, 128), meta(4, 128), None)
+    assert dw.shape == (0,)  # no weight: no gradient to give
+    dx, dw, db = LayerNormBwdOp(normalized_shape=[64])(meta(4, 64), meta(4, 64), None,
+                                                      meta(64))
+    assert (dw.shape, db.shape) == ((0,), (64,))
+    dx, dw = FusedAddRMSNormBwdOp()(meta(6, 256), meta(6, 256), meta(6, 256), meta(256))
+    assert dx.shape == (6, 256) and dw.shape == (256,)
+
+
+def test_in_place_form_checks_shapes_on_meta_tensors():
+    x, r = meta(4, 256), meta(4, 256)
+    assert tileops.fused_add_rms_norm_(x, r, meta(256)) == (x, r)
+    with pytest.raises(TileOpsValueError, match="FusedAddRMSNormFwdOp: argument 'weight'"):
+        tileops.fused_add_rms_norm_(x, r, meta(128))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: tileops.rms_norm(meta(4, 256), [256], meta(128)),
+     r"RMSNormFwdOp: argument 'weight'"),
+    (lambda: tileops.rms_norm(meta(4, 256), [256], meta(256, dtype=torch.float16)),
+     r"RMSNormFwdOp: argument 'weight': expected dtype torch.bfloat16"),
+    (lambda: tileops.rms_norm(meta(4, 256, dtype=torch.float32), [256]),
+     r"RMSNormFwdOp: argument 'input': expected dtype"),
+    (lambda: tileops.fused_add_rms_norm(meta(4, 256), meta(4, 128), meta(256)),
+     r"FusedAddRMSNormFwdOp: argument 'residual'"),
+    (lambda: tileops.layer_norm(meta(4, 256), [256], None, meta(255)),
+     r"LayerNormFwdOp: argument 'bias'"),
+    (lambda: tileops.layer_norm(meta(4, 256), [128]),
+     r"LayerNormFwdOp: argument 'input'"),
+    (lambda: RMSNormBwdOp(normalized_shape=[256])(meta(4, 256), meta(5, 256)),
+     r"RMSNormBwdOp: argument"),
+])
+def test_bad_input_names_the_op_and_the_argument(call, message):
+    with pytest.raises((TileOpsValueError, TileOpsTypeError), match=message):
+        call()
+
+
+def test_eps_default_is_torchs_fp32_epsilon():
+    """F.rms_norm(eps=None) on fp16/bf16 rows uses the epsilon of its fp32 math."""
+    from tileops.ops.normalization import FP32_EPS
+
+    assert FP32_EPS == torch.finfo(torch.float32).eps
+    assert RMSNormFwdOp(normalized_shape=[8])._eps() == FP32_EPS
+    assert FusedAddRMSNormFwdOp()._eps() == FP32_EPS
+    assert LayerNormFwdOp(normalized_shape=[8]).eps == 1e-5  # F.layer_norm's
+
+
+def test_rooflines_count_each_tensor_once():
+    rows, n, b = 8192, 4096, 2  # bf16
+    assert RMSNormBwdOp(normalized_shape=[n]).eval_roofline(
+        meta(rows, n), meta(rows, n), meta(n))[1] == (3 * rows * n + 2 * n) * b
+    assert FusedAddRMSNormFwdOp().eval_roofline(
+        meta(rows, n), meta(rows, n), meta(n))[1] == (4 * rows * n + n) * b
+    assert FusedAddRMSNormBwdOp().eval_roofline(
+        meta(rows, n), meta(rows, n), meta(rows, n), meta(n))[1] == (4 * rows * n + 2 * n) * b
+    assert LayerNormFwdOp(normalized_shape=[n]).eval_roofline(
+        meta(rows, n), meta(n), meta(n))[1] == (2 * rows * n + 2 * n) * b
+    assert LayerNormBwdOp(normalized_shape=[n]).eval_roofline(
+        meta(rows, n), meta(rows, n), meta(n), None)[1] == (3 * rows * n + 2 * n) * b
+
+
+@pytest.mark.parametrize("n", [128, 199, 1000, 1280, 2560, 4096, 5120, 7168, 8192, 16384])
+def test_default_configs_keep_registers_in_bounds(n):
+    """Forward tiles hold at most 64 elements per thread (more spilled); the backward's
+    double buffer only where a thread holds at most 16; its grid is whole waves."""
+    fwd = RMSNormKernel(dtype="bfloat16", n=n, has_weight=True)
+    for bucket in ("few", "all"):
+        config = fwd.heuristic_config(bucket, "sm_90a")
+        tile = RowTile(n, config.block_rows, config.threads)
+        assert tile.n_tile * config.block_rows <= 64 * config.threads, (bucket, config)
+    for cls, key in ((RMSNormBwdKernel, {"has_weight": True}),
+                     (LayerNormBwdKernel, {"has_weight": True, "has_bias": True})):
+        bwd = cls(dtype="bfloat16", n=n, **key)
+        for bucket in ("few", "many"):
+            config = bwd.heuristic_config(bucket, "sm_90a")
+            per_thread = RowTile(n, config.block_rows, config.threads).n_tile \
+                * config.block_rows // config.threads
+            assert per_thread <= 32 and (not config.prefetch or per_thread <= 16), config
+            assert config.ctas % 132 == 0 and config in bwd.config_space(bucket)
+    assert bwd.bucket_of(4096) == "few" and bwd.bucket_of(4097) == "many"
