@@ -229,29 +229,20 @@ def _norm_backward(op: Any, dispatch_key: str, n: int, grad_output: torch.Tensor
     per CTA, then a column sum of the partials (see kernels/normalization/row_norm_bwd.py)."""
     device, dtype = h.device, h.dtype
     dx = torch.empty(h.shape, dtype=dtype, device=device)
-    param_shape = weight.shape if weight is not None else bias.shape if bias is not None else 0
-    dw = torch.empty(param_shape if weight is not None else 0, dtype=dtype, device=device)
-    db = torch.empty(param_shape if bias is not None else 0, dtype=dtype, device=device)
+    dw = torch.empty(weight.shape if weight is not None else 0, dtype=dtype, device=device)
+    db = torch.empty(bias.shape if bias is not None else 0, dtype=dtype, device=device)
     outputs = (dx, dw, db) if with_bias else (dx, dw)
     flags = {} if dispatch_key == "fused_add_rms_norm_bwd" else {"has_weight": weight is not None}
     if with_bias:
         flags["has_bias"] = bias is not None
-    kernel = op.get_kernel(dispatch_key, device, **op._kernel_key(dtype, n, **flags))
     dy = op._rows(grad_output, n)
-    rows = dy.shape[0]
-    if rows == 0:
+    if dy.shape[0] == 0:  # no rows: zero gradients for the parameters
         dw.zero_(), db.zero_()
         return outputs
-    config, _ = kernel.select(rows)
-    parts = kernel.partial_rows(config)
-
-    def partials(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.empty((parts, n), dtype=torch.float32, device=device)
-
-    kernel(rows, dy, op._rows(h, n), op._vec(weight, n), op._rows(grad_residual, n),
+    kernel = op.get_kernel(dispatch_key, device, **op._kernel_key(dtype, n, **flags))
+    kernel(dy.shape[0], dy, op._rows(h, n), op._vec(weight, n), op._rows(grad_residual, n),
            dx.view(dy.shape), dw.view(n) if weight is not None else None,
-           db.view(n) if bias is not None else None, partials(weight), partials(bias),
-           op._eps())
+           db.view(n) if bias is not None else None, op._eps())
     return outputs
 
 

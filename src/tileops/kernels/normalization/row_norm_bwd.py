@@ -232,12 +232,17 @@ class NormBwdKernel(Kernel):
             "has_bias"] else ()
         return (main, *sums)
 
-    def partial_rows(self, config: NormBwdConfig) -> int:
-        """Rows of the fp32 partial buffers the op allocates for dw and db: one per CTA."""
-        return config.ctas
+    def run(self, config: NormBwdConfig, compiled: tuple, dy, h, w, dres, dx, dw, db,
+            eps: float) -> None:
+        """dw / db (None when absent) receive the column sums of per-CTA fp32 partial rows,
+        allocated here since their count is the config's grid."""
+        import torch
 
-    def run(self, config: NormBwdConfig, compiled: tuple, dy, h, w, dres, dx, dw, db, dw_part,
-            db_part, eps: float) -> None:
+        def partials(grad):
+            return None if grad is None else torch.empty(
+                (config.ctas, self.key["n"]), dtype=torch.float32, device=dy.device)
+
+        dw_part, db_part = partials(dw), partials(db)
         compiled[0](*(t for t in (dy, h, w, dres, dx, dw_part, db_part) if t is not None),
                     eps)
         if dw is not None:
