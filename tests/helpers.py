@@ -64,3 +64,8 @@ def randn(*shape: int, dtype: torch.dtype, device: str = "cuda", std: float = 1.
 def poison(t: torch.Tensor) -> torch.Tensor:
     """Fills with NaN so that any element a kernel forgets to write fails the comparison."""
     return t.fill_(float("nan"))
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A tensor with only a shape and dtype: op-layer checks without a GPU."""
+    return torch.empty(*shape, dtype=dtype, device="meta")

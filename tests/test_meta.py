@@ -18,11 +18,9 @@ from tileops import (
 from tileops.manifest import get_spec
 from tileops.manifest.spec import CompiledSpec
 
+from .helpers import meta
+
 pytestmark = pytest.mark.smoke
-
-
-def meta(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, dtype=dtype, device="meta")
 
 
 def fake_cuda(*shape, dtype=torch.bfloat16):

@@ -18,11 +18,9 @@ from tileops import (
 from tileops.kernels.normalization import LayerNormBwdKernel, RMSNormBwdKernel, RMSNormKernel
 from tileops.kernels.normalization.rows import RowTile
 
+from ..helpers import meta
+
 pytestmark = pytest.mark.smoke
-
-
-def meta(*shape, dtype=torch.bfloat16):
-    return torch.empty(*shape, dtype=dtype, device="meta")
 
 
 def test_meta_outputs_of_every_norm_op():
