@@ -29,18 +29,21 @@ def test_list_shows_every_op(capsys):
 
 
 def test_manifest_commands_start_without_torch_or_tilelang():
-    """`--help`, `list`, `import tileops` and `tileops.list_ops()` read no more than the
-    manifest: torch and TileLang (seconds of imports) stay unloaded. A fresh interpreter,
-    since this one has them loaded already."""
+    """`--help`, `list`, `validate --manifest-only`, `import tileops` and
+    `tileops.list_ops()` read no more than the manifest: torch and TileLang (seconds of
+    imports) stay unloaded. A fresh interpreter, since this one has them loaded already."""
     code = (
         "import contextlib, io, sys\n"
         "from tileops import cli\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
         "    try:\n"
         "        cli.main(['--help'])\n"
         "    except SystemExit:\n"
         "        pass\n"
         "    assert cli.main(['list']) == 0\n"
+        "    cli.main(['validate', '--manifest-only'])\n"
+        "assert 'manifest level: ' in out.getvalue(), out.getvalue()\n"
         "import tileops, tileops.manifest\n"
         "assert tileops.list_ops()\n"
         "print(sorted(m for m in ('torch', 'tilelang', 'tileops.ops') if m in sys.modules))\n")
@@ -84,14 +87,62 @@ def test_validate_passes_on_the_shipped_manifest(capsys):
 def test_validate_reports_errors(monkeypatch, capsys):
     from tileops import ManifestError, validate
 
-    def broken(manifest=None):
-        return validate.ValidationResult([ManifestError("GemmFwdOp: field 'x': broken")])
+    def broken(field):
+        return lambda self, *args: validate.ValidationResult(
+            [ManifestError(f"GemmFwdOp: field '{field}': broken")])
 
-    monkeypatch.setattr(validate, "validate", broken)
+    monkeypatch.setattr(validate.Validation, "manifest_level", broken("x"))
+    monkeypatch.setattr(validate.Validation, "code_level", broken("y"))
     assert cli.main(["validate"]) == 1
-    out = capsys.readouterr().out
-    assert "error: GemmFwdOp: field 'x': broken" in out
-    assert out.strip().endswith("1 error")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["error: GemmFwdOp: field 'x': broken", lines[1],
+                     "error: GemmFwdOp: field 'y': broken", lines[3], "2 errors"]
+    assert lines[1].startswith("manifest level: ") and ": 1 error (schema" in lines[1]
+    assert lines[3].startswith("code level: 1 error (")
+
+
+def test_validate_prints_the_manifest_verdict_before_the_code_level_runs(monkeypatch, capsys):
+    from tileops import validate
+
+    seen_before = []
+
+    def code_level(self, op_classes=None):
+        seen_before.append(capsys.readouterr().out)
+        return validate.ValidationResult()
+
+    monkeypatch.setattr(validate.Validation, "manifest_level",
+                        lambda self: validate.ValidationResult())
+    monkeypatch.setattr(validate.Validation, "code_level", code_level)
+    assert cli.main(["validate"]) == 0
+    assert seen_before[0].startswith("manifest level: ")
+    assert ": OK (schema, shape rules, rooflines, labels, source paths; " in seen_before[0]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("code level: OK (")
+    assert out[1].endswith(" workloads: OK")
+
+
+def test_validate_manifest_only_stops_there_and_says_so(monkeypatch, capsys):
+    from tileops import validate
+
+    def code_level(self, op_classes=None):
+        raise AssertionError("--manifest-only ran the code level")
+
+    monkeypatch.setattr(validate.Validation, "manifest_level",
+                        lambda self: validate.ValidationResult())
+    monkeypatch.setattr(validate.Validation, "code_level", code_level)
+    assert cli.main(["validate", "--manifest-only"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("code level: not checked (--manifest-only")
+    assert out[2].endswith(" workloads: OK (manifest level only)")
+
+
+def test_validate_manifest_only_fails_on_a_manifest_error(monkeypatch, capsys):
+    from tileops import ManifestError, validate
+
+    monkeypatch.setattr(validate.Validation, "manifest_level", lambda self: (
+        validate.ValidationResult([ManifestError("GemmFwdOp: field 'x': broken")])))
+    assert cli.main(["validate", "--manifest-only"]) == 1
+    assert capsys.readouterr().out.strip().endswith("1 error")
 
 
 def test_doctor_always_succeeds(capsys):
@@ -104,6 +155,19 @@ def test_doctor_always_succeeds(capsys):
     assert "meta-tensor shape checks: yes" in out
     if not torch.cuda.is_available():
         assert "run kernels: no (" in out
+
+
+def test_doctor_reports_an_op_layer_that_does_not_load(monkeypatch, capsys):
+    import tileops
+
+    monkeypatch.setitem(sys.modules, "tileops.ops", None)  # an import of it fails
+    monkeypatch.delattr(tileops, "ops", raising=False)
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "op layer:             does not load: ModuleNotFoundError" in out
+    assert ("validate: `--manifest-only` only (the op layer does not load: "
+            "ModuleNotFoundError)") in out
+    assert "run kernels: no (the op layer does not load: ModuleNotFoundError)" in out
 
 
 def test_compile_without_nvcc_is_a_clear_error(monkeypatch, capsys):

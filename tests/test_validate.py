@@ -7,6 +7,9 @@ tests do not depend on which test and bench files exist in the checkout.
 """
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -15,7 +18,8 @@ from tileops import ManifestError, TileOpsValueError
 from tileops.kernels.gemm import GemmKernel
 from tileops.manifest import load_manifest
 from tileops.ops import OP_CLASSES
-from tileops.validate import validate
+from tileops.perf import formulas
+from tileops.validate import Validation, validate
 
 pytestmark = pytest.mark.smoke
 
@@ -77,6 +81,46 @@ def test_source_check_is_skipped_with_a_note_outside_a_checkout(monkeypatch, man
     result = validate(manifest)
     assert list(result) == []
     assert len(result.notes) == 1 and "source paths not checked" in result.notes[0]
+
+
+# -- the two levels ---------------------------------------------------------------------------
+def test_manifest_level_needs_neither_torch_nor_tilelang():
+    """In a fresh interpreter (this one has them loaded): the manifest level still finds a
+    broken shape rule and a broken roofline on a damaged copy, with no torch loaded."""
+    code = textwrap.dedent("""\
+        import copy, sys
+        from tileops.manifest import load_manifest
+        from tileops.validate import Validation, validate
+        manifest = copy.deepcopy(load_manifest())
+        Validation(manifest).manifest_level()
+        manifest["GemmFwdOp"]["workloads"][2]["inputs"]["b"] = [8192, 4096]
+        manifest["RMSNormFwdOp"]["roofline"]["flops"] = "-rows"
+        errors = [str(e) for e in validate(manifest, code_level=False)]
+        assert any(e.startswith("GemmFwdOp: field 'workloads[2]'") and
+                   "violates the signature: argument 'b'" in e for e in errors), errors
+        assert any(e.startswith("RMSNormFwdOp: field 'roofline.flops': on workloads[0]")
+                   for e in errors), errors
+        print(sorted(m for m in ("torch", "tilelang", "tileops.ops") if m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_manifest_level_alone_reports_what_the_full_run_reports(manifest, stub_root):
+    manifest["GemmFwdOp"]["workloads"][2]["inputs"]["b"] = [8192, 4096]
+    manifest["GemmFwdOp"]["workloads"][3]["label"] = manifest["GemmFwdOp"]["workloads"][1][
+        "label"]
+    alone = validate(manifest, repo_root=stub_root, code_level=False)
+    assert len(alone) == 2
+    assert [str(e) for e in alone] == [str(e) for e in validate(manifest, OP_CLASSES,
+                                                                 stub_root)]
+
+
+def test_code_level_only_after_the_manifest_level(manifest):
+    with pytest.raises(RuntimeError, match="after manifest_level"):
+        Validation(manifest).code_level(OP_CLASSES)
 
 
 # -- L0: schema and spec compilation --------------------------------------------------------
@@ -345,6 +389,39 @@ def test_roofline_that_is_infinite(manifest, check):
     messages = check()
     assert messages and messages[0].endswith("expected a finite non-negative integer, found inf")
     assert messages[0].startswith("GemmFwdOp: field 'roofline.bytes': on workloads[0]")
+
+
+def test_roofline_that_reads_no_dtype_runs_once_per_element_size(manifest, check,
+                                                                   monkeypatch):
+    calls = []
+
+    def counted(M, N, K, elem_bytes, **_):
+        calls.append(elem_bytes)
+        return 2 * M * N * K, (M * K + N * K + M * N) * elem_bytes
+
+    monkeypatch.setattr(formulas, "counted", counted, raising=False)
+    gemm = manifest["GemmFwdOp"]
+    gemm["roofline"] = {"func": "tileops.perf.formulas.counted"}
+    for workload in gemm["workloads"]:
+        workload["dtypes"] = ["bfloat16", "float16"]  # one element size, one evaluation
+    assert check() == []
+    assert calls == [2] * len(gemm["workloads"])
+
+
+def test_roofline_that_reads_the_dtype_runs_per_dtype(manifest, check, monkeypatch):
+    def by_dtype(a, **_):
+        return (0, -1) if str(a.dtype) == "torch.float16" else (0, 0)
+
+    monkeypatch.setattr(formulas, "by_dtype", by_dtype, raising=False)
+    gemm = manifest["GemmFwdOp"]
+    gemm["roofline"] = {"func": "tileops.perf.formulas.by_dtype"}
+    for workload in gemm["workloads"]:
+        workload["dtypes"] = ["bfloat16", "float16"]
+    messages = check()
+    assert len(messages) == len(gemm["workloads"]), messages
+    assert all(m.startswith("GemmFwdOp: field 'roofline.func': on workloads[") and
+               m.endswith(", float16): expected a finite non-negative integer, found -1")
+               for m in messages), messages
 
 
 def test_roofline_name_unknown(manifest, check):

@@ -12,6 +12,13 @@ Levels, per manifest entry:
 - L4: the roofline evaluates to finite non-negative integers on every workload and dtype.
 - Plus: source paths exist, workload labels are unique, >= 2 workloads per implemented op.
 
+The checks run in two stages. The manifest level (L0, L2 on the manifest's shape rules, L4,
+labels, source paths) reads the manifest alone and imports neither torch nor TileLang: the
+workloads' tensors are `ShapeTensor` stand-ins. The code level (L1, L2 through the Op's own
+`check`, L3) needs the Op classes, and with them torch and TileLang (seconds to import).
+`validate` runs both; `Validation` runs them one at a time, so that `tileops validate`
+reports the first verdict before it pays for the imports.
+
 `validate` compares the manifest dict it is *given* against the code, so a damaged copy of
 the manifest or a stand-in class shows what the validator catches. Stand-ins only need the
 attributes L1 reads (`__init__`, `forward`, `kernel_map`); the code-level L2/L3 checks run
@@ -26,12 +33,10 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from .errors import ManifestError, TileOpsError, TileOpsTypeError
 from .manifest import load_manifest
 from .manifest.schema import schema_errors
-from .manifest.spec import DTYPE_NAMES, DTYPES, CompiledSpec
+from .manifest.spec import CompiledSpec, ShapeTensor
 
 # The dtypes L3 probes: the ones TileOPs kernels use plus an integer type no float op accepts.
 L3_PROBE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "int32")
@@ -63,7 +68,8 @@ def default_repo_root() -> pathlib.Path | None:
 
 def validate(manifest: Mapping[str, Mapping[str, Any]] | None = None,
              op_classes: Mapping[str, type] | None = None,
-             repo_root: pathlib.Path | None = None) -> ValidationResult:
+             repo_root: pathlib.Path | None = None, *,
+             code_level: bool = True) -> ValidationResult:
     """Checks every manifest entry against the schema, the code and itself.
 
     Args:
@@ -72,62 +78,102 @@ def validate(manifest: Mapping[str, Mapping[str, Any]] | None = None,
         repo_root: where `source` paths are resolved; defaults to the checkout this package
             runs from. When the package is not running from a checkout, the source-path
             check is skipped and a note says so.
+        code_level: False stops after the manifest level (no torch, no TileLang, no Op
+            classes: `op_classes` is not read).
 
     Returns:
         The errors (a list of `ManifestError`, empty when all is well), with `.notes`.
     """
-    if manifest is None:
-        manifest = load_manifest()
-    if op_classes is None:
-        from .ops import OP_CLASSES
-
-        op_classes = OP_CLASSES
-    result = ValidationResult()
-    if repo_root is None:
-        repo_root = default_repo_root()
-        if repo_root is None:
-            result.notes.append(
-                f"source paths not checked: tileops runs from {_PACKAGE_DIR}, not from a "
-                "source checkout (install with `pip install -e .` to check them)")
-    for name, entry in manifest.items():
-        result.extend(_EntryValidator(name, entry, op_classes.get(name), repo_root).run())
-    for name in op_classes:
-        if name not in manifest:
-            result.append(ManifestError(
-                f"{name}: field '<entry>': expected a manifest entry for this Op class, "
-                "found none"))
+    run = Validation(manifest, repo_root)
+    result = run.manifest_level()
+    if code_level:
+        result.extend(run.code_level(op_classes))
     return result
 
 
-class _EntryValidator:
-    """All checks of one manifest entry; `run` returns its errors."""
+class Validation:
+    """One validation in its two stages: `manifest_level()`, then `code_level()`."""
 
-    def __init__(self, name: str, entry: Any, cls: type | None, repo_root: pathlib.Path | None):
+    def __init__(self, manifest: Mapping[str, Mapping[str, Any]] | None = None,
+                 repo_root: pathlib.Path | None = None):
+        self.manifest = load_manifest() if manifest is None else manifest
+        self.notes: list[str] = []
+        if repo_root is None:
+            repo_root = default_repo_root()
+            if repo_root is None:
+                self.notes.append(
+                    f"source paths not checked: tileops runs from {_PACKAGE_DIR}, not from a "
+                    "source checkout (install with `pip install -e .` to check them)")
+        self._entries = [_EntryValidator(name, entry, repo_root)
+                         for name, entry in self.manifest.items()]
+        self._manifest_checked = False
+
+    def manifest_level(self) -> ValidationResult:
+        """L0, the shape rules on the manifest's own workloads, L4, labels, source paths;
+        imports neither torch nor TileLang. Its result carries the notes."""
+        self._manifest_checked = True
+        return ValidationResult([e for v in self._entries for e in v.run_manifest_level()],
+                                self.notes)
+
+    def code_level(self, op_classes: Mapping[str, type] | None = None) -> ValidationResult:
+        """L1, the Op's own `check` on the workloads, L3; loads the op layer (torch and
+        TileLang) unless given `op_classes`. Runs after `manifest_level`, whose compiled
+        specs and accepted workloads it uses."""
+        if not self._manifest_checked:
+            raise RuntimeError("Validation.code_level() runs after manifest_level()")
+        if op_classes is None:
+            from .ops import OP_CLASSES
+
+            op_classes = OP_CLASSES
+        errors = [e for v in self._entries for e in v.run_code_level(op_classes.get(v.name))]
+        for name in op_classes:
+            if name not in self.manifest:
+                errors.append(ManifestError(
+                    f"{name}: field '<entry>': expected a manifest entry for this Op class, "
+                    "found none"))
+        return ValidationResult(errors)
+
+
+class _EntryValidator:
+    """All checks of one manifest entry, in the two stages; each returns its errors."""
+
+    def __init__(self, name: str, entry: Any, repo_root: pathlib.Path | None):
         self.name = name
         self.entry = entry
-        self.cls = cls
         self.repo_root = repo_root
+        self.cls: Any = None
         self.errors: list[ManifestError] = []
+        self.spec: CompiledSpec | None = None
+        # (index, workload) of the workloads the manifest level accepted
+        self.good: list[tuple[int, dict[str, Any]]] = []
 
     def error(self, field: str, message: str) -> None:
         self.errors.append(ManifestError(f"{self.name}: field '{field}': {message}"))
 
-    def run(self) -> list[ManifestError]:
-        spec = self.check_schema()
-        if spec is None:
+    def run_manifest_level(self) -> list[ManifestError]:
+        self.errors = []
+        self.spec = self.check_schema()
+        if self.spec is None:
             return self.errors  # nothing further can be read reliably from a broken entry
         implemented = self.entry["status"] == "implemented"
-        code_ok = False
-        if implemented:
-            n_before = len(self.errors)
-            self.check_class()
-            code_ok = len(self.errors) == n_before and callable(getattr(self.cls, "check", None))
         self.check_workload_list(implemented)
-        good = self.check_workloads(spec, code_ok)
-        if code_ok and good:
-            self.check_dtypes_accepted(spec, good[0])
+        self.good = self.check_workloads(self.spec)
         if implemented:
             self.check_source_paths()
+        return self.errors
+
+    def run_code_level(self, cls: type | None) -> list[ManifestError]:
+        self.errors = []
+        if self.spec is None or self.entry["status"] != "implemented":
+            return self.errors  # a broken entry, or one with no code to compare
+        self.cls = cls
+        self.check_class()
+        if self.errors or not callable(getattr(cls, "check", None)):
+            return self.errors  # a stand-in class, or one L1 already found wrong
+        accepted = [w for i, w in self.good if self.check_op_accepts(self.spec, w,
+                                                                     f"workloads[{i}]")]
+        if accepted:
+            self.check_dtypes_accepted(self.spec, accepted[0])
         return self.errors
 
     # -- L0 -------------------------------------------------------------------------------
@@ -256,8 +302,9 @@ class _EntryValidator:
             seen.setdefault(w["label"], i)
 
     # -- L2 and L4 ------------------------------------------------------------------------
-    def check_workloads(self, spec: CompiledSpec, code_ok: bool) -> list[dict[str, Any]]:
-        """Checks every workload; returns those that passed L2, in order."""
+    def check_workloads(self, spec: CompiledSpec) -> list[tuple[int, dict[str, Any]]]:
+        """Checks every workload on the manifest; returns (index, workload) of those that
+        passed L2, in order."""
         good = []
         for i, w in enumerate(self.entry["workloads"]):
             where = f"workloads[{i}]"
@@ -268,11 +315,10 @@ class _EntryValidator:
             namespaces = self.check_shape_rules(spec, w, where)
             if namespaces is None:
                 continue
-            if code_ok and not self.check_op_accepts(spec, w, where):
-                continue
+            rooflines: dict[tuple, Any] = {}
             for dtype, ns in namespaces.items():
-                self.check_roofline(spec, ns, f"{where} ({w['label']!r}, {dtype})")
-            good.append(w)
+                self.check_roofline(spec, ns, f"{where} ({w['label']!r}, {dtype})", rooflines)
+            good.append((i, w))
         return good
 
     def check_workload_names(self, spec: CompiledSpec, w: Mapping[str, Any], where: str) -> None:
@@ -304,7 +350,7 @@ class _EntryValidator:
                 except TileOpsError as e:
                     self.error(f"{where}.params.{p.name}", f"({label!r}) {_strip(self.name, e)}")
         for dtype in w["dtypes"]:
-            if not any(DTYPES[dtype] in t.dtype.allowed for t in spec.inputs):
+            if not any(dtype in t.dtype.names for t in spec.inputs):
                 self.error(f"{where}.dtypes",
                            f"({label!r}) expected declared dtypes ({_declared_dtypes(spec)}), "
                            f"found {dtype}")
@@ -315,8 +361,8 @@ class _EntryValidator:
         params = spec.workload_params(w)
         namespaces = {}
         for dtype in w["dtypes"]:
-            tensors = spec.workload_tensors(w, dtype)
             try:
+                tensors = spec.workload_tensors(w, dtype, stand_ins=True)
                 spec.check_dtypes(tensors)
                 ns = spec.namespace(tensors, params)
                 spec.check_shapes(ns)
@@ -349,14 +395,14 @@ class _EntryValidator:
                 return False
         return True
 
-    def check_roofline(self, spec: CompiledSpec, ns: Mapping[str, Any], where: str) -> None:
+    def check_roofline(self, spec: CompiledSpec, ns: Mapping[str, Any], where: str,
+                       seen: dict[tuple, Any]) -> None:
         field = "roofline.func" if "func" in self.entry["roofline"] else "roofline"
-        try:
-            values = spec.roofline_values(ns)
-        except Exception as e:  # noqa: BLE001 - inf/nan and expression errors land here
+        values = _roofline_of(spec, ns, seen)
+        if isinstance(values, Exception):  # inf/nan and expression errors land here
             self.error(_failing_roofline_field(spec, ns) or field,
                        f"on {where}: expected finite non-negative integers, found "
-                       f"{type(e).__name__}: {e}")
+                       f"{type(values).__name__}: {values}")
             return
         for what, value in zip(("flops", "bytes"), values, strict=True):
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -368,6 +414,10 @@ class _EntryValidator:
     # -- L3 -------------------------------------------------------------------------------
     def check_dtypes_accepted(self, spec: CompiledSpec, w: Mapping[str, Any]) -> None:
         """Probes the Op's `check` with every probe dtype on the first good workload."""
+        import torch
+
+        from .manifest.spec import DTYPES
+
         field = _dtype_field(spec)
         op = self.cls(**spec.workload_params(w))  # constructed fine in L2 already
         for dtype_name in L3_PROBE_DTYPES:
@@ -416,6 +466,28 @@ class _EntryValidator:
                                   f"{self.repo_root}), found none")
 
 
+def _roofline_of(spec: CompiledSpec, ns: Mapping[str, Any], seen: dict[tuple, Any]) -> Any:
+    """The roofline's (flops, bytes) on one dtype's namespace of a workload, or what it raised.
+
+    The namespaces of one workload's dtypes differ only in the stand-ins' dtypes and in dims
+    computed from them. So when the roofline read no dtype, its result holds for every
+    dtype of the same element sizes and dims; the attention formulas, which loop over the
+    sequence, are evaluated once instead of once per dtype.
+    """
+    tensors = [ns[t.name] for t in spec.inputs if ns.get(t.name) is not None]
+    key = (tuple(t.element_size() for t in tensors), repr([ns[d] for d in spec.dims]))
+    if key in seen:
+        return seen[key]
+    reads = ShapeTensor.dtype_reads
+    try:
+        values: Any = spec.roofline_values(ns)
+    except Exception as e:  # noqa: BLE001 - the caller reports it
+        values = e
+    if ShapeTensor.dtype_reads == reads and all(isinstance(t, ShapeTensor) for t in tensors):
+        seen[key] = values
+    return values
+
+
 def _failing_roofline_field(spec: CompiledSpec, ns: Mapping[str, Any]) -> str | None:
     """Which of flops/bytes raises or is not finite, to name it in the error (None: unknown)."""
     if spec.roofline is None:
@@ -446,7 +518,7 @@ def _strip(op_name: str, error: BaseException) -> str:
 
 
 def _declared_dtypes(spec: CompiledSpec) -> str:
-    names = dict.fromkeys(DTYPE_NAMES[d] for t in spec.inputs for d in t.dtype.allowed)
+    names = dict.fromkeys(d for t in spec.inputs for d in t.dtype.names)
     return " | ".join(names) or "none"
 
 
@@ -456,4 +528,5 @@ def _dtype_field(spec: CompiledSpec) -> str:
     return f"signature.inputs.{first}.dtype"
 
 
-__all__ = ["validate", "ValidationResult", "default_repo_root", "L3_PROBE_DTYPES"]
+__all__ = ["validate", "Validation", "ValidationResult", "default_repo_root",
+           "L3_PROBE_DTYPES"]

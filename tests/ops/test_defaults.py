@@ -156,6 +156,56 @@ def _apply_rotary_with_cache(dtype):  # vLLM's rotary_embedding, is_neox=True (i
     return torch.cat([q.flatten(), k.flatten()]), torch.cat(ref).to(dtype)
 
 
+def _row_fn(ours, ref):
+    def case(dtype):
+        x = randn(64, 1000, dtype=dtype, std=3.0)
+        return ours(x), ref(x, -1)
+    return case
+
+
+def _row_grad(ours, ref):
+    def case(dtype):
+        x = randn(64, 1000, dtype=dtype, std=3.0)
+        leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out = ours(leaf)
+        dy = randn(*out.shape, dtype=dtype)
+        out.backward(dy)
+        ref(ref_leaf, -1).backward(dy)
+        return leaf.grad, ref_leaf.grad
+    return case
+
+
+def _cross_entropy(dtype):  # F.cross_entropy's defaults: mean, ignore_index -100, no smoothing
+    x = randn(64, 1000, dtype=dtype, std=3.0)
+    target = torch.randint(0, 1000, (64,), device="cuda")
+    target[::5] = -100
+    return tileops.cross_entropy(x, target), F.cross_entropy(x, target)
+
+
+def _cross_entropy_grad(dtype):
+    x = randn(64, 1000, dtype=dtype, std=3.0)
+    target = torch.randint(0, 1000, (64,), device="cuda")
+    target[::5] = -100
+    leaf, ref_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    tileops.cross_entropy(leaf, target).backward()
+    F.cross_entropy(ref_leaf, target).backward()
+    return leaf.grad, ref_leaf.grad
+
+
+def _argmax(dtype):  # torch's default dim=None: the index into the flattened tensor
+    x = randn(64, 1000, dtype=dtype)
+    ours, ref = tileops.argmax(x), torch.argmax(x)
+    assert ours.shape == ref.shape and torch.equal(ours, ref), (ours, ref)
+    return x.flatten()[ours], x.flatten()[ref]
+
+
+def _topk(dtype):  # k has no default; values sorted, indices point at them
+    x = randn(64, 1000, dtype=dtype)
+    (values, indices), ref = tileops.topk(x, 50), torch.topk(x, 50)
+    assert torch.equal(x.gather(-1, indices), values)
+    return values, ref.values
+
+
 # op name -> a function of the dtype returning (ours, reference), both with defaults only
 DEFAULT_CASES = {
     "RMSNormFwdOp": _rms_norm,
@@ -178,6 +228,16 @@ DEFAULT_CASES = {
     "RotaryFwdOp": _apply_rotary,
     "RotaryBwdOp": _apply_rotary_grad,
     "RotaryWithCacheFwdOp": _apply_rotary_with_cache,
+    "ArgmaxFwdOp": _argmax,
+    "TopkFwdOp": _topk,
+    "SoftmaxFwdOp": _row_fn(tileops.softmax, torch.softmax),
+    "SoftmaxBwdOp": _row_grad(tileops.softmax, torch.softmax),
+    "LogSoftmaxFwdOp": _row_fn(tileops.log_softmax, torch.log_softmax),
+    "LogSoftmaxBwdOp": _row_grad(tileops.log_softmax, torch.log_softmax),
+    "LogsumexpFwdOp": _row_fn(tileops.logsumexp, torch.logsumexp),
+    "LogsumexpBwdOp": _row_grad(tileops.logsumexp, torch.logsumexp),
+    "CrossEntropyFwdOp": _cross_entropy,
+    "CrossEntropyBwdOp": _cross_entropy_grad,
 }
 
 

@@ -2,8 +2,8 @@
 
 Nothing else in the package parses the YAML; use `load_manifest`, `get_spec`,
 `load_workloads` and `list_ops`. This package needs neither torch nor TileLang (the `tileops`
-command's `list` reads it in a fraction of a second); `spec.py`, which compiles an entry into
-checks on tensors, does.
+command's `list` reads it in a fraction of a second); nor does `spec.py`, which compiles an
+entry into checks on tensors: torch's or its own light stand-ins (`ShapeTensor`).
 """
 
 from __future__ import annotations

@@ -2,31 +2,137 @@
 
 The expressions of an entry (dims, shape rules, output shapes, roofline) are compiled once
 and evaluated per call over a namespace of the call's tensors, params and dims.
+
+This module does not import torch: the manifest-level checks of `tileops validate` run on
+`ShapeTensor` stand-ins in a fraction of a second. Dtypes are compared by name, so the same
+checks take torch tensors (from the op layer, which has torch loaded) or stand-ins.
+`DTYPES` and `DTYPE_NAMES`, the tables between names and torch's dtypes, import torch on
+their first lookup.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import math
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..errors import ManifestError, TileOpsTypeError, TileOpsValueError, op_error
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int32": torch.int32,
-    "int64": torch.int64,
+# The dtypes a manifest may name, with their element sizes in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int32": 4, "int64": 8,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, Any]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_SIZES}
+
+
+def __getattr__(name: str) -> Any:
+    """`DTYPES` (name -> torch.dtype) and `DTYPE_NAMES` (torch.dtype -> name), built, and
+    torch imported, on first lookup (`from ..manifest.spec import DTYPE_NAMES` included)."""
+    if name == "DTYPES":
+        value: Any = dict(_torch_dtypes())
+    elif name == "DTYPE_NAMES":
+        value = {v: k for k, v in _torch_dtypes().items()}
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def dtype_name(dtype: Any) -> str:
+    """'bfloat16' for torch.bfloat16 or a stand-in's dtype (both print as 'torch.bfloat16')."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ShapeDtype:
+    """A dtype by name, printing as torch's does, so error messages read the same."""
+
+    name: str
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.name]
+
+    @property
+    def is_floating_point(self) -> bool:
+        return not self.name.startswith("int")
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class _Device:
+    type: str
+
+    def __str__(self) -> str:
+        return self.type
+
+
+class ShapeTensor:
+    """A light stand-in for a meta tensor (or, with `values`, a small CPU tensor): what the
+    manifest's expressions and roofline functions read of a workload's tensors, no torch."""
+
+    # Reads of any stand-in's dtype, counted: a roofline that reads none gives the same
+    # values for every dtype of one element size, so the validator evaluates it once.
+    dtype_reads = 0
+
+    def __init__(self, shape: Sequence[int], dtype: str, values: list[int] | None = None):
+        self.shape = tuple(int(s) for s in shape)
+        self._dtype = ShapeDtype(dtype)
+        self.device = _Device("meta" if values is None else "cpu")
+        self._values = values
+
+    @property
+    def dtype(self) -> ShapeDtype:
+        ShapeTensor.dtype_reads += 1
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self._dtype.name]
+
+    def tolist(self) -> list[int]:
+        if self._values is None:
+            raise ValueError("a ShapeTensor without values (a meta tensor's stand-in) has no "
+                         "data")
+        return list(self._values)
+
+    def __repr__(self) -> str:
+        return f"ShapeTensor(shape={self.shape}, dtype={self._dtype})"
+
+
+def _is_tensor(value: Any) -> bool:
+    if isinstance(value, ShapeTensor):
+        return True
+    torch = sys.modules.get("torch")  # not loaded: then `value` is no torch tensor either
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def numel(t: Any) -> int:
@@ -70,8 +176,13 @@ class Expr:
 
 @dataclass(frozen=True)
 class DtypeRule:
-    allowed: tuple[torch.dtype, ...] = ()
+    names: tuple[str, ...] = ()  # the dtypes allowed, by name ('bfloat16')
     same_as: str | None = None
+
+    @property
+    def allowed(self) -> tuple[Any, ...]:
+        """The allowed torch dtypes (imports torch)."""
+        return tuple(_torch_dtypes()[n] for n in self.names)
 
     @classmethod
     def parse(cls, op: str, where: str, text: str) -> DtypeRule:
@@ -79,16 +190,16 @@ class DtypeRule:
         if text.startswith("same_as(") and text.endswith(")"):
             return cls(same_as=text[len("same_as("):-1].strip())
         names = [t.strip() for t in text.split("|")]
-        unknown = [n for n in names if n not in DTYPES]
+        unknown = [n for n in names if n not in DTYPE_SIZES]
         if unknown:
             raise ManifestError(f"{op}: field '{where}': unknown dtype(s) {unknown}; "
-                                f"known: {sorted(DTYPES)}")
-        return cls(allowed=tuple(DTYPES[n] for n in names))
+                                f"known: {sorted(DTYPE_SIZES)}")
+        return cls(names=tuple(names))
 
     def describe(self) -> str:
         if self.same_as:
             return f"same_as({self.same_as})"
-        return " | ".join(DTYPE_NAMES[d] for d in self.allowed)
+        return " | ".join(self.names)
 
 
 @dataclass(frozen=True)
@@ -185,9 +296,8 @@ class CompiledSpec:
         self.call_order = self._call_order(sig.get("call_order"))
         # rule -> (the input it blames, or None; whether it reads a tensor at all)
         self._blame = {rule.where: self._rule_subject(rule) for rule in self.shape_rules}
-        self.dtype_combos = [
-            {n: DTYPES[d] for n, d in combo.items()} for combo in sig.get("dtype_combos") or []
-        ]
+        self.dtype_combos: list[dict[str, str]] = [  # input name -> dtype name
+            dict(combo) for combo in sig.get("dtype_combos") or []]
         roof = entry["roofline"]
         if "func" in roof:
             module, _, fn = roof["func"].rpartition(".")
@@ -269,15 +379,16 @@ class CompiledSpec:
                     raise op_error(TileOpsValueError, self.op_name, spec.dtype.same_as,
                                    f"a tensor (input '{spec.name}' takes its dtype)", "None")
                 want = ref.dtype
-                if t.dtype != want:
+                if dtype_name(t.dtype) != dtype_name(want):
                     raise op_error(TileOpsTypeError, self.op_name, spec.name,
                                    f"dtype {want} (same as '{spec.dtype.same_as}')", t.dtype)
-            elif t.dtype not in spec.dtype.allowed:
+            elif dtype_name(t.dtype) not in spec.dtype.names:
                 raise op_error(TileOpsTypeError, self.op_name, spec.name,
                                f"dtype {spec.dtype.describe()}", t.dtype)
         if self.dtype_combos:
             got = {n: t.dtype for n, t in tensors.items() if t is not None}
-            if not any(all(got.get(n) == d for n, d in c.items()) for c in self.dtype_combos):
+            names = {n: dtype_name(d) for n, d in got.items()}
+            if not any(all(names.get(n) == d for n, d in c.items()) for c in self.dtype_combos):
                 raise op_error(TileOpsTypeError, self.op_name, "dtypes",
                                f"one of {self.entry['signature']['dtype_combos']}", got)
 
@@ -350,16 +461,18 @@ class CompiledSpec:
     @staticmethod
     def _describe(name: str, ns: Mapping[str, Any]) -> str:
         v = ns.get(name)
-        if isinstance(v, torch.Tensor):
+        if _is_tensor(v):
             return f"{name}.shape={tuple(v.shape)}"
         return f"{name}={v!r}"
 
     # -- derivations ----------------------------------------------------------------------
-    def output_meta(self, ns: Mapping[str, Any]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def output_meta(self, ns: Mapping[str, Any]) -> list[tuple[tuple[int, ...], Any]]:
+        """(shape, torch dtype) of each output; imports torch."""
         metas = []
         for spec in self.outputs:
             shape = tuple(int(s) for s in spec.shape(ns))
-            dtype = ns[spec.dtype.same_as].dtype if spec.dtype.same_as else spec.dtype.allowed[0]
+            dtype = (ns[spec.dtype.same_as].dtype if spec.dtype.same_as
+                     else _torch_dtypes()[spec.dtype.names[0]])
             metas.append((shape, dtype))
         return metas
 
@@ -379,28 +492,41 @@ class CompiledSpec:
                                     f"finite non-negative integer, got {value!r}")
         return int(flops), int(nbytes)
 
-    def workload_tensors(self, workload: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-        """Meta tensors of a workload's shapes (inputs in `dtype` unless a combo says else).
+    def workload_tensors(self, workload: Mapping[str, Any], dtype: str,
+                         stand_ins: bool = False) -> dict[str, Any]:
+        """A workload's tensors (inputs in `dtype` unless an input's dtype rule says else).
 
-        Inputs whose values the workload gives (`data`, e.g. cu_seqlens) are real CPU tensors.
+        Meta tensors, and real CPU tensors for the inputs whose values the workload gives
+        (`data`, e.g. cu_seqlens); with `stand_ins`, `ShapeTensor`s in their place (no torch).
         """
         tensors: dict[str, Any] = {}
         for spec in self.inputs:
             shape = workload["inputs"].get(spec.name)
-            allowed = spec.dtype.allowed
-            torch_dtype = DTYPES[dtype]
-            if allowed and torch_dtype not in allowed:
+            name = dtype
+            allowed = spec.dtype.names
+            if allowed and name not in allowed:
                 if len(allowed) > 1:  # the workload names a dtype this input cannot take
                     raise ManifestError(
                         f"{self.op_name}: workload '{workload['label']}': dtype {dtype} is not "
                         f"one of input '{spec.name}' dtypes {spec.dtype.describe()}")
-                torch_dtype = allowed[0]  # a fixed-dtype input (an index, a scale)
+                name = allowed[0]  # a fixed-dtype input (an index, a scale)
             values = (workload.get("data") or {}).get(spec.name)
-            if values is not None:
-                tensors[spec.name] = torch.tensor(values, dtype=torch_dtype).reshape(shape)
+            if values is not None and shape is not None and len(values) != math.prod(shape):
+                raise ManifestError(
+                    f"{self.op_name}: workload '{workload['label']}': input '{spec.name}' has "
+                    f"{len(values)} values in `data`, its shape {shape} holds "
+                    f"{math.prod(shape)}")
+            if shape is None and values is None:
+                tensors[spec.name] = None
+            elif stand_ins:
+                tensors[spec.name] = ShapeTensor(shape, name, values)
             else:
-                tensors[spec.name] = None if shape is None else torch.empty(
-                    shape, dtype=torch_dtype, device="meta")
+                import torch
+
+                torch_dtype = _torch_dtypes()[name]
+                tensors[spec.name] = (
+                    torch.empty(shape, dtype=torch_dtype, device="meta") if values is None
+                    else torch.tensor(values, dtype=torch_dtype).reshape(shape))
         return tensors
 
     def workload_params(self, workload: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,12 @@ from .attention import (
     attention_varlen,
 )
 from .base import Op
+from .cross_entropy import (
+    CrossEntropyBwdOp,
+    CrossEntropyFwdOp,
+    CrossEntropyWithGradFwdOp,
+    cross_entropy,
+)
 from .gemm import GemmFwdOp, gemm
 from .normalization import (
     FusedAddRMSNormBwdOp,
@@ -45,6 +51,18 @@ from .rope_tables import (
     rope_inv_freq,
     rope_inv_freq_from_config,
 )
+from .selection import ArgmaxFwdOp, TopkFwdOp, argmax, topk
+from .softmax import (
+    LogSoftmaxBwdOp,
+    LogSoftmaxFwdOp,
+    LogsumexpBwdOp,
+    LogsumexpFwdOp,
+    SoftmaxBwdOp,
+    SoftmaxFwdOp,
+    log_softmax,
+    logsumexp,
+    softmax,
+)
 
 OP_CLASSES: dict[str, type[Op]] = {
     cls.__name__: cls for cls in (GemmFwdOp, RMSNormFwdOp, GroupedQueryAttentionFwdOp,
@@ -53,7 +71,11 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   LayerNormFwdOp, LayerNormBwdOp, SiluAndMulFwdOp,
                                   SiluAndMulBwdOp, GeluAndMulFwdOp, GeluAndMulBwdOp,
                                   SwigluFwdOp, SwigluBwdOp,
-                                  RotaryFwdOp, RotaryBwdOp, RotaryWithCacheFwdOp)}
+                                  RotaryFwdOp, RotaryBwdOp, RotaryWithCacheFwdOp,
+                                  SoftmaxFwdOp, SoftmaxBwdOp, LogSoftmaxFwdOp, LogSoftmaxBwdOp,
+                                  LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
+                                  CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
+                                  ArgmaxFwdOp, TopkFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -64,4 +86,8 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "gelu_and_mul", "swiglu",
            "RotaryFwdOp", "RotaryBwdOp", "RotaryWithCacheFwdOp", "apply_rotary",
            "apply_rotary_with_cache", "rope_inv_freq",
-           "rope_inv_freq_from_config", "rope_cos_sin", "rope_cos_sin_cache"]
+           "rope_inv_freq_from_config", "rope_cos_sin", "rope_cos_sin_cache",
+           "SoftmaxFwdOp", "SoftmaxBwdOp", "LogSoftmaxFwdOp", "LogSoftmaxBwdOp", "LogsumexpFwdOp",
+           "LogsumexpBwdOp", "softmax", "log_softmax", "logsumexp", "CrossEntropyFwdOp",
+           "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp", "cross_entropy",
+           "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk"]

@@ -193,6 +193,13 @@ class Op:
         spec.check_shapes(ns)
         return ns
 
+    @classmethod
+    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+        """{input name: n} for integer inputs that index something (class ids, positions):
+        random test and benchmark inputs draw them from [0, n). `inputs` maps names to
+        tensors (meta ones too)."""
+        return {}
+
     # -- derivations ----------------------------------------------------------------------
     def empty_outputs(self, ns: Mapping[str, Any], device: torch.device) -> list[torch.Tensor]:
         return [torch.empty(shape, dtype=dtype, device=device)

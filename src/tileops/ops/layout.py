@@ -16,3 +16,11 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous() and t.data_ptr() % TMA_ALIGN_BYTES == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def as_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """`t` as a [rows, n] tensor row kernels can read: a view where possible, else an
+    aligned contiguous copy."""
+    if t is None:
+        return None
+    return tma_ready(t if t.dim() == 2 and t.shape[1] == n else t.reshape(-1, n))

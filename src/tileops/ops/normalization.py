@@ -27,7 +27,7 @@ from ..kernels.normalization import (
 )
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import tma_ready
+from .layout import as_rows, tma_ready
 
 FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
@@ -46,9 +46,7 @@ class _RowNorm:
     @staticmethod
     def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """`t` as a [rows, n] tensor the kernels can read (a view where possible)."""
-        if t is None:
-            return None
-        return tma_ready(t if t.dim() == 2 and t.shape[1] == n else t.reshape(-1, n))
+        return as_rows(t, n)
 
     @staticmethod
     def _vec(t: torch.Tensor | None, n: int) -> torch.Tensor | None:

@@ -142,6 +142,10 @@ class RotaryWithCacheFwdOp(Op):
         super().__init__(interleaved=interleaved, kernel_map=kernel_map, tune=tune)
         self.inplace = False
 
+    @classmethod
+    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+        return {"positions": inputs["cos_sin_cache"].shape[0]}  # rows of the cache
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, q_heads, head_dim = q.shape

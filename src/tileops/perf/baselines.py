@@ -394,6 +394,133 @@ def _rotary_baselines(op_name: str, libs: dict[str, bool]) -> dict[str, Baseline
     return table
 
 
+# -- softmax family and cross-entropy -------------------------------------------------------
+def _softmax_eager(x, dim=-1):
+    return torch.softmax(x, dim)
+
+
+def _log_softmax_eager(x, dim=-1):
+    return torch.log_softmax(x, dim)
+
+
+def _logsumexp_eager(x, dim=-1, keepdim=False):
+    return torch.logsumexp(x, dim, keepdim)
+
+
+def _softmax_liger(x, dim=-1):
+    if dim not in (-1, x.dim() - 1):
+        raise NotImplementedError("Liger's softmax is over the last dim")
+    return _liger_function("softmax", "LigerSoftmaxFunction").apply(x)
+
+
+def _softmax_backward_eager(grad_output, output, dim=-1):  # what autograd runs
+    return torch._softmax_backward_data(grad_output, output, dim, output.dtype)
+
+
+def _log_softmax_backward_eager(grad_output, output, dim=-1):
+    return torch._log_softmax_backward_data(grad_output, output, dim, output.dtype)
+
+
+def _logsumexp_backward_eager(grad_output, input, output, dim=-1, keepdim=False):
+    if not keepdim:  # autograd's logsumexp_backward
+        grad_output, output = grad_output.unsqueeze(-1), output.unsqueeze(-1)
+    return grad_output * (input - output).exp()
+
+
+def _softmax_family_baselines(op_name: str, libs: dict[str, bool]) -> dict[str, Baseline]:
+    eager = {"SoftmaxFwdOp": _softmax_eager, "LogSoftmaxFwdOp": _log_softmax_eager,
+             "LogsumexpFwdOp": _logsumexp_eager, "SoftmaxBwdOp": _softmax_backward_eager,
+             "LogSoftmaxBwdOp": _log_softmax_backward_eager,
+             "LogsumexpBwdOp": _logsumexp_backward_eager}[op_name]
+    table = {"torch-eager": eager,
+             "torch-compile": lambda *a, **k: _compiled(eager)(*a, **k)}
+    if libs["liger_kernel"] and op_name == "SoftmaxFwdOp":
+        table["liger"] = _softmax_liger
+    return table
+
+
+def _cross_entropy_rows(x, target, ignore_index=-100, label_smoothing=0.0, softcap=None,
+                        lse_square_scale=0.0):
+    """Per-row loss as torch computes it (fp32 math), plus the z-loss and the soft-capping
+    torch has no argument for."""
+    z = x.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    if lse_square_scale:
+        lse = torch.logsumexp(z, -1)
+        loss = loss + lse_square_scale * lse.square() * (target != ignore_index)
+    return loss
+
+
+def _cross_entropy_eager(x, target, ignore_index=-100, label_smoothing=0.0, softcap=None,
+                         lse_square_scale=0.0):
+    if softcap is None and not lse_square_scale:  # torch's own kernels, on the input dtype
+        return F.cross_entropy(x, target, ignore_index=ignore_index, reduction="none",
+                               label_smoothing=label_smoothing)
+    return _cross_entropy_rows(x, target, ignore_index, label_smoothing, softcap,
+                               lse_square_scale)
+
+
+def _cross_entropy_liger(x, target, ignore_index=-100, label_smoothing=0.0, softcap=None,
+                         lse_square_scale=0.0):
+    """Liger's loss pass; when x requires grad it also writes the gradient over x (its
+    forward is the loss-and-gradient pass)."""
+    fn = _liger_function("cross_entropy", "LigerCrossEntropyFunction")
+    return fn.apply(x, target, None, ignore_index, lse_square_scale, label_smoothing,
+                    "sum", softcap)
+
+
+def _with_grad(loss_fn: Baseline) -> Baseline:
+    """The loss and the gradient of its sum w.r.t. the logits, as one call."""
+    def run(x, target, **params):
+        leaf = x.detach().requires_grad_()
+        loss = loss_fn(leaf, target, **params)
+        grad, = torch.autograd.grad(loss.sum(), leaf)
+        return loss, grad
+    return run
+
+
+def _liger_with_grad(x, target, **params):
+    # Liger computes the gradient inside its forward when the input requires grad
+    return _cross_entropy_liger(x.detach().requires_grad_(), target, **params)
+
+
+def _cross_entropy_baselines(op_name: str, libs: dict[str, bool]) -> dict[str, Baseline]:
+    compiled = lambda *a, **k: _compiled(_cross_entropy_eager)(*a, **k)  # noqa: E731
+    if op_name == "CrossEntropyFwdOp":
+        table = {"torch-eager": _cross_entropy_eager, "torch-compile": compiled}
+        if libs["liger_kernel"]:
+            table["liger"] = _cross_entropy_liger
+        return table
+    if op_name == "CrossEntropyWithGradFwdOp":
+        table = {"torch-eager": _with_grad(_cross_entropy_eager),
+                 "torch-compile": _with_grad(compiled)}
+        if libs["liger_kernel"]:
+            table["liger"] = _liger_with_grad
+        return table
+    # CrossEntropyBwdOp (grad_loss, input, target, lse): torch's backward of the summed loss
+    def backward_of(loss_fn: Baseline) -> Baseline:
+        backward = _graph_backward(lambda x, target, **p: loss_fn(x, target, **p).sum(), (0,))
+        return lambda grad_loss, x, target, lse, **params: backward(grad_loss[0], x, target,
+                                                                    **params)
+    return {"torch-eager": backward_of(_cross_entropy_eager),
+            "torch-compile": backward_of(compiled)}
+
+# -- selection: torch's own argmax / topk, eager and compiled ----------------------------------
+def _argmax_eager(x, dim=None, keepdim=False):
+    return torch.argmax(x, dim=dim, keepdim=keepdim)
+
+
+def _topk_eager(x, k, dim=-1, largest=True, sorted=True):
+    return torch.topk(x, k, dim=dim, largest=largest, sorted=sorted)
+
+
+def _selection_baselines(eager: Baseline) -> dict[str, Baseline]:
+    return {"torch-eager": eager, "torch-compile": lambda *a, **k: _compiled(eager)(*a, **k)}
+
+
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
@@ -436,4 +563,13 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return _gated_activation_baselines(op_name, libs)
     if op_name in ("RotaryFwdOp", "RotaryBwdOp", "RotaryWithCacheFwdOp"):
         return _rotary_baselines(op_name, libs)
+    if op_name == "ArgmaxFwdOp":
+        return _selection_baselines(_argmax_eager)
+    if op_name == "TopkFwdOp":
+        return _selection_baselines(_topk_eager)
+    if op_name in ("SoftmaxFwdOp", "SoftmaxBwdOp", "LogSoftmaxFwdOp", "LogSoftmaxBwdOp",
+                   "LogsumexpFwdOp", "LogsumexpBwdOp"):
+        return _softmax_family_baselines(op_name, libs)
+    if op_name in ("CrossEntropyFwdOp", "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp"):
+        return _cross_entropy_baselines(op_name, libs)
     return {}

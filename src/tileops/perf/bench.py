@@ -59,8 +59,11 @@ def random_inputs(op_cls: Any, workload: dict, dtype: str,
     """A workload's inputs on `device`: fresh random values (never zeros) where the workload
     gives only a shape, its own values where it gives them (a varlen batch's cu_seqlens)."""
     tensors = op_cls.spec.workload_tensors(workload, dtype)
+    bounds = op_cls.index_bounds(tensors)
     return [None if t is None else t.to(device) if t.device.type == "cpu"
-            else torch.randn(t.shape, device=device).to(t.dtype) for t in tensors.values()]
+            else torch.randint(0, bounds[name], t.shape, device=device, dtype=t.dtype)
+            if name in bounds else torch.randn(t.shape, device=device).to(t.dtype)
+            for name, t in tensors.items()]
 
 
 def _rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Callable[[], Any]]:

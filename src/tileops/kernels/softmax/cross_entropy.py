@@ -1,0 +1,200 @@
+"""Cross-entropy over vocabulary rows: the per-row loss, and its gradient in the same pass.
+
+Per row, with z = softcap * tanh(x / softcap) (Gemma-2's final logit soft-capping; z = x
+without it), lse = logsumexp(z), p = softmax(z), eps = label_smoothing, V = the row length:
+
+    loss = lse - (1 - eps) * z[t] - eps / V * sum(z) + zloss * lse^2
+    dloss/dz = p - (1 - eps) * onehot(t) - eps / V + 2 * zloss * lse * p
+    dloss/dx = dloss/dz * (1 - (z / softcap)^2)
+
+A row whose target is `ignore_index` has loss 0 and gradient 0. A target outside [0, V)
+(and not ignore_index) gives a NaN loss and a NaN gradient row: loud, not silent; the op
+offers a checked mode that raises instead.
+
+Modes: `loss` (one pass: loss and lse per row, fp32), `loss_and_grad` (two passes: also the
+unscaled gradient; it may be written over the logits, each element being read before it is
+written), `grad` (one pass from the saved lse, scaled by dloss per row or one dloss for all).
+"""
+
+
+import tilelang.language as T
+
+from ..base import Kernel
+from .row_map import NEG_INF, RowMap, exp, tanh
+from .softmax import SM_COUNT, RowConfig, default_row_config
+
+MODES = ("loss", "loss_and_grad", "grad")
+
+
+def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothing: bool,
+                          dloss_per_row: bool, config: RowConfig):
+    rows = T.dynamic("rows")
+    rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs,
+                SM_COUNT * config.ctas_per_sm)
+    load, store, reduce_sum, reduce_max_sum, chunk_max_sum = rm.macros(rows)
+    vecs, vec, rpc, rt, ctas, chunk = rm.vecs, rm.vec, rm.rows_per_cta, rm.row_threads, \
+        rm.ctas, rm.chunk
+    warps = max(rm.row_warps, 1)
+    reload = rm.chunks > 1  # a one-chunk row stays in registers between the passes
+
+    @T.macro
+    def capped(xl, c, lane, cap, zsum, add_sum):
+        """xl <- z = cap * tanh(xl / cap) (the soft-capped logits) on the row's columns, the
+        padding past the row left as loaded; zsum += the row's z (label smoothing)."""
+        for i in T.unroll(vecs):
+            if c * chunk + (i * rt + lane) * vec < n:
+                for j in T.unroll(vec):
+                    if softcap:
+                        xl[i, j] = cap * tanh(xl[i, j] / cap)
+                    if add_sum:
+                        zsum[0] = zsum[0] + xl[i, j]
+
+    @T.macro
+    def gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss):
+        """xl (soft-capped logits of chunk c) <- d(loss * scale)/dx."""
+        for i in T.unroll(vecs):
+            for j in T.unroll(vec):
+                col = c * chunk + (i * rt + lane) * vec + j
+                p = exp(xl[i, j] - lse)
+                g = p * (1.0 + 2.0 * zloss * lse) - eps / n \
+                    - T.if_then_else(col == t, 1.0 - eps, 0.0)
+                if softcap:
+                    g = g * (1.0 - (xl[i, j] / cap) * (xl[i, j] / cap))
+                xl[i, j] = g * scale
+
+    @T.macro
+    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
+        with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            tx = T.get_thread_binding()
+            r, lane = tx // rt, tx % rt
+            xl = T.alloc_local((vecs, vec), "float")
+            m = T.alloc_local((1,), "float")
+            s = T.alloc_local((1,), "float")
+            zsum = T.alloc_local((1,), "float")
+            zt = T.alloc_local((1,), "float")
+            red_m = T.alloc_shared((rpc, warps), "float")
+            red_s = T.alloc_shared((rpc, warps), "float")
+            red_z = T.alloc_shared((rpc, warps), "float")
+            for step in T.serial(rm.row_loop_bounds(rows)):
+                row = (step * ctas + bx) * rpc + r
+                if row < rows:
+                    m[0] = NEG_INF
+                    s[0] = 0.0
+                    zsum[0] = 0.0
+                    for c in T.serial(rm.chunks):
+                        load(x, row, c, xl, lane, NEG_INF)  # padding: exp(-inf) = 0
+                        capped(xl, c, lane, cap, zsum, smoothing)
+                        chunk_max_sum(xl, m, s)
+                    t = target[row]
+                    ignored = t == ignore_index
+                    bad = (t != ignore_index) & ((t < 0) | (t >= n))
+                    # z[t] is read before the reductions: their barrier (shuffles within a
+                    # warp) orders it before any gradient store of the row, which may
+                    # overwrite x in place
+                    zt[0] = 0.0
+                    if (lane == 0) & (t != ignore_index) & (t >= 0) & (t < n):
+                        zt[0] = T.cast(x[row, t], "float")
+                        if softcap:
+                            zt[0] = cap * tanh(zt[0] / cap)
+                    reduce_max_sum(m, s, red_m, red_s, r, lane)
+                    if smoothing:
+                        reduce_sum(zsum, red_z, r, lane)
+                    lse = m[0] + T.log(s[0])
+                    if lane == 0:
+                        row_loss = lse - (1.0 - eps) * zt[0] - eps / n * zsum[0] \
+                            + zloss * lse * lse
+                        loss[row] = T.if_then_else(
+                            ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")),
+                                                         row_loss))
+                        lse_out[row] = lse
+                    if mode == "loss_and_grad":
+                        scale = T.if_then_else(
+                            ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), 1.0))
+                        for c in T.serial(rm.chunks):
+                            if reload:  # else the one chunk's z is still in registers
+                                load(x, row, c, xl, lane, 0.0)
+                                capped(xl, c, lane, cap, None, False)
+                            gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss)
+                            store(xl, grad, row, c, lane)
+                if rm.row_warps > 1:
+                    T.sync_threads()
+
+    @T.macro
+    def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
+        with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            tx = T.get_thread_binding()
+            r, lane = tx // rt, tx % rt
+            xl = T.alloc_local((vecs, vec), "float")
+            for step in T.serial(rm.row_loop_bounds(rows)):
+                row = (step * ctas + bx) * rpc + r
+                if row < rows:
+                    t = target[row]
+                    ignored = t == ignore_index
+                    bad = (t != ignore_index) & ((t < 0) | (t >= n))
+                    d = dloss[row] if dloss_per_row else dloss[0]
+                    scale = T.if_then_else(
+                        ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), d))
+                    lse = lse_in[row]
+                    for c in T.serial(rm.chunks):
+                        load(x, row, c, xl, lane, 0.0)
+                        capped(xl, c, lane, cap, None, False)
+                        gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss)
+                        store(xl, grad, row, c, lane)
+
+    R, V = (rows, n), (rows,)
+    if mode == "grad":
+        D = (rows,) if dloss_per_row else (1,)
+
+        @T.prim_func
+        def cross_entropy_bwd(dloss: T.Tensor(D, "float"), x: T.Tensor(R, dtype),
+                              target: T.Tensor(V, "int64"), lse: T.Tensor(V, "float"),
+                              grad: T.Tensor(R, dtype), ignore_index: T.int64,
+                              cap: T.float32, eps: T.float32, zloss: T.float32):
+            backward(dloss, x, target, lse, grad, ignore_index, cap, eps, zloss)
+        return cross_entropy_bwd
+    if mode == "loss_and_grad":
+        @T.prim_func
+        def cross_entropy_loss_grad(x: T.Tensor(R, dtype), target: T.Tensor(V, "int64"),
+                                    loss: T.Tensor(V, "float"), lse: T.Tensor(V, "float"),
+                                    grad: T.Tensor(R, dtype), ignore_index: T.int64,
+                                    cap: T.float32, eps: T.float32, zloss: T.float32):
+            forward(x, target, loss, lse, grad, ignore_index, cap, eps, zloss)
+        return cross_entropy_loss_grad
+
+    @T.prim_func
+    def cross_entropy_fwd(x: T.Tensor(R, dtype), target: T.Tensor(V, "int64"),
+                          loss: T.Tensor(V, "float"), lse: T.Tensor(V, "float"),
+                          ignore_index: T.int64, cap: T.float32, eps: T.float32,
+                          zloss: T.float32):
+        forward(x, target, loss, lse, None, ignore_index, cap, eps, zloss)
+    return cross_entropy_fwd
+
+
+class CrossEntropyKernel(Kernel):
+    """key: mode (see MODES), dtype, n (vocab), softcap and smoothing (whether those terms
+    are compiled in), dloss_per_row (`grad` mode: reduction 'none')."""
+
+    name = "cross_entropy"
+    Config = RowConfig
+
+    def program(self, config: RowConfig, bucket: str):
+        k = self.key
+        return cross_entropy_program(k["mode"], k["n"], k["dtype"], k["softcap"],
+                                     k["smoothing"], k["dloss_per_row"], config)
+
+    def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
+        compiled[0](*tensors)
+
+    def bucket_of(self, rows: int) -> str:
+        return "few" if rows <= 256 else "many"
+
+    def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
+        return default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
+
+    def config_space(self, bucket: str) -> list[RowConfig]:
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        for threads, row_threads in ((256, 256), (512, 512), (1024, 1024), (1024, 512)):
+            for vecs in (1, 2, 4):
+                for ctas_per_sm in (1, 2, 4):
+                    space.append(RowConfig(threads, row_threads, vecs, ctas_per_sm))
+        return list(dict.fromkeys(space))

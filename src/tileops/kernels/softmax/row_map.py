@@ -1,0 +1,188 @@
+"""How the softmax-family kernels spread rows of any length (128 to 256K columns) over a
+CTA, and the per-row reductions they share.
+
+A CTA runs `threads` threads; `row_threads` of them (a power of two, at least a warp) share
+one row, so a CTA holds `threads // row_threads` rows at a time. A row is walked in chunks
+of `row_threads * vecs` vectors: thread `lane` of the row loads vectors `i * row_threads +
+lane` of the chunk (i < vecs), so a warp's accesses are contiguous. A vector is the widest
+power of two <= 16 bytes that divides the row length, so it never crosses a row; only
+vectors past the row's end (last chunk) are guarded. Row sums and maxima run per thread
+across chunks and are combined once per row: warp shuffles, then shared memory across the
+row's warps.
+
+The grid is persistent: at most `ctas` CTAs (a config value, a multiple of the SM count)
+each take every `ctas`-th group of rows. The two-pass kernels (statistics, then outputs)
+read a row twice; bounding the rows in flight keeps the second read in L2 for vocab-size
+rows. Row count is symbolic; the row length is compiled in.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+NEG_INF = -math.inf
+LOG2E = 1.4426950408889634
+
+
+def exp(v):
+    """e^v as 2^(v log2 e): a multiply and exp2f (the SFU's ex2 plus a fix-up, 2 ulp). expf
+    costs several more instructions per element, which made these kernels compute-bound."""
+    return T.exp2(v * LOG2E)
+
+
+def tanh(v):
+    """tanh(v) = 1 - 2 / (e^2v + 1) from exp2 and an approximate reciprocal; exact at +-inf,
+    absolute error ~1e-7 (tanhf was the slowest part of the soft-capped loss)."""
+    return 1.0 - 2.0 * T.fast_rcp(exp(2.0 * v) + 1.0)
+
+
+def vector_width(n: int, dtype: str) -> int:
+    """Elements per access: the widest power of two <= 16 bytes that divides n."""
+    vec = 16 // ELEM_BYTES[dtype]
+    while n % vec:
+        vec //= 2
+    return vec
+
+
+@dataclass(frozen=True)
+class RowMap:
+    n: int
+    dtype: str
+    threads: int
+    row_threads: int
+    vecs: int
+    ctas: int
+
+    def __post_init__(self):
+        if self.row_threads < 32 or self.row_threads & (self.row_threads - 1) \
+                or self.threads % self.row_threads:
+            raise ValueError(f"row_threads={self.row_threads} must be a power of two >= 32 "
+                             f"dividing threads={self.threads}")
+
+    @property
+    def vec(self) -> int:
+        return vector_width(self.n, self.dtype)
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.threads // self.row_threads
+
+    @property
+    def chunk(self) -> int:
+        return self.row_threads * self.vecs * self.vec
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.n // self.chunk)
+
+    @property
+    def row_warps(self) -> int:
+        return self.row_threads // 32
+
+    def grid(self, rows):
+        return T.min(T.ceildiv(rows, self.rows_per_cta), self.ctas)
+
+    def macros(self, rows):
+        """(rows_of_cta, load, store, reduce_sum, reduce_max_sum) macros for a [rows, n]
+        problem; see each one's comment."""
+        n, vec, vecs, rt = self.n, self.vec, self.vecs, self.row_threads
+        chunk, warps = self.chunk, self.row_warps
+        shuffles = int(math.log2(min(rt, 32)))
+
+        @T.macro
+        def load(buf, row, c, local, lane, fill):
+            """local[vecs, vec] (float) <- chunk c of buf's row; `fill` past the row."""
+            for i in T.unroll(vecs):
+                col = c * chunk + (i * rt + lane) * vec
+                if col < n:
+                    for j in T.vectorized(vec):
+                        local[i, j] = T.cast(buf[row, col + j], "float")
+                else:
+                    for j in T.unroll(vec):
+                        local[i, j] = fill
+
+        @T.macro
+        def store(local, buf, row, c, lane):
+            """chunk c of buf's row <- local[vecs, vec] (in buf's dtype)."""
+            for i in T.unroll(vecs):
+                col = c * chunk + (i * rt + lane) * vec
+                if col < n:
+                    for j in T.vectorized(vec):
+                        buf[row, col + j] = T.cast(local[i, j], buf.dtype)
+
+        @T.macro
+        def reduce_sum(v, red, r, lane):
+            """v[0] <- the sum of v[0] over the row's threads (every thread gets it).
+            `red` is a shared [rows_per_cta, row_warps] float buffer of this reduction."""
+            for k in T.unroll(shuffles):
+                v[0] = v[0] + T.shfl_xor(v[0], 1 << k)
+            if warps > 1:
+                if lane % 32 == 0:
+                    red[r, lane // 32] = v[0]
+                T.sync_threads()
+                v[0] = red[r, 0]
+                for w in T.unroll(warps - 1):
+                    v[0] = v[0] + red[r, w + 1]
+
+        def safe_shift(hi):
+            return T.if_then_else(hi == NEG_INF, T.float32(0), hi)
+
+        @T.macro
+        def merge(m, s, m_o, s_o):
+            # (m, s) <- the max and rescaled exp-sum of two partials. The shift is 0 while
+            # the max is -inf (all masked so far): exp(-inf) = 0 instead of NaN. A +inf
+            # entry makes s NaN, as in torch's softmax (see `logsumexp_of` for lse).
+            hi = T.max(m[0], m_o)
+            shift = safe_shift(hi)
+            s[0] = s[0] * exp(m[0] - shift) + s_o * exp(m_o - shift)
+            m[0] = hi
+
+        @T.macro
+        def reduce_max_sum(m, s, red_m, red_s, r, lane):
+            """(m[0], s[0]) <- the row's max and its sum of exp(x - max) from each thread's
+            partial pair (every thread gets them)."""
+            for k in T.unroll(shuffles):
+                merge(m, s, T.shfl_xor(m[0], 1 << k), T.shfl_xor(s[0], 1 << k))
+            if warps > 1:
+                if lane % 32 == 0:
+                    red_m[r, lane // 32] = m[0]
+                    red_s[r, lane // 32] = s[0]
+                T.sync_threads()
+                m[0] = red_m[r, 0]
+                s[0] = red_s[r, 0]
+                for w in T.unroll(warps - 1):
+                    merge(m, s, red_m[r, w + 1], red_s[r, w + 1])
+
+        @T.macro
+        def chunk_max_sum(local, m, s):
+            """Folds one loaded chunk into the thread's running (max, exp-sum) pair."""
+            hi = T.alloc_local((1,), "float")
+            hi[0] = m[0]
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    hi[0] = T.max(hi[0], local[i, j])
+            shift = safe_shift(hi[0])
+            s[0] = s[0] * exp(m[0] - shift)
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    s[0] = s[0] + exp(local[i, j] - shift)
+            m[0] = hi[0]
+
+        return load, store, reduce_sum, reduce_max_sum, chunk_max_sum
+
+    @staticmethod
+    def logsumexp_of(m, s):
+        """m + log(s), and +inf when the max is +inf (torch.logsumexp's answer; s is NaN)."""
+        return T.if_then_else(m == -NEG_INF, T.float32(-NEG_INF), m + T.log(s))
+
+    @staticmethod
+    def shift_of(m):
+        """The exponent shift of a row with max m: 0 for a fully masked row (-inf), so its
+        softmax is 0 / 0 = NaN as torch's, not exp(NaN)."""
+        return T.if_then_else(m == NEG_INF, T.float32(0), m)
+
+    def row_loop_bounds(self, rows):
+        """(number of row-group steps per CTA) for the persistent loop."""
+        return T.ceildiv(rows, self.rows_per_cta * self.ctas)

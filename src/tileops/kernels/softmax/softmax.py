@@ -1,0 +1,212 @@
+"""softmax, log_softmax and logsumexp over the last dim, forward and backward.
+
+    forward:  m, s = max(x), sum(exp(x - m))      (one pass, online)
+              softmax = exp(x - m) / s;  log_softmax = x - (m + log s);  logsumexp = m + log s
+    backward: softmax:     dx = y * (dy - sum(dy * y))
+              log_softmax: dx = dy - exp(y) * sum(dy)
+              logsumexp:   dx = g * exp(x - lse)   (one pass: the row statistic is an input)
+
+Math in fp32, outputs in the input dtype (as torch). The two-pass kinds read their rows
+twice; see row_map.py for the thread map and why the grid is persistent.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+from .row_map import NEG_INF, RowMap, exp, vector_width
+
+KINDS = ("softmax", "log_softmax", "logsumexp", "softmax_bwd", "log_softmax_bwd",
+         "logsumexp_bwd")
+SM_COUNT = 132  # H200
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    threads: int = 256
+    row_threads: int = 256
+    vecs: int = 2
+    ctas_per_sm: int = 2
+
+
+def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
+    return RowMap(n, dtype, config.threads, config.row_threads, config.vecs,
+                  SM_COUNT * config.ctas_per_sm)
+
+
+def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
+    rows = T.dynamic("rows")
+    rm = row_map(n, dtype, config)
+    load, store, reduce_sum, reduce_max_sum, chunk_max_sum = rm.macros(rows)
+    vecs, vec, rpc, rt, ctas = rm.vecs, rm.vec, rm.rows_per_cta, rm.row_threads, rm.ctas
+    warps = max(rm.row_warps, 1)
+    # a row that fits one chunk stays in registers between the passes: read once
+    reload = rm.chunks > 1
+
+    @T.macro
+    def forward(x, y, lse_out):
+        with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            tx = T.get_thread_binding()
+            r, lane = tx // rt, tx % rt
+            xl = T.alloc_local((vecs, vec), "float")
+            m = T.alloc_local((1,), "float")
+            s = T.alloc_local((1,), "float")
+            red_m = T.alloc_shared((rpc, warps), "float")
+            red_s = T.alloc_shared((rpc, warps), "float")
+            for step in T.serial(rm.row_loop_bounds(rows)):
+                row = (step * ctas + bx) * rpc + r
+                if row < rows:
+                    m[0] = NEG_INF
+                    s[0] = 0.0
+                    for c in T.serial(rm.chunks):
+                        load(x, row, c, xl, lane, NEG_INF)
+                        chunk_max_sum(xl, m, s)
+                    reduce_max_sum(m, s, red_m, red_s, r, lane)
+                    if kind == "logsumexp":
+                        if lane == 0:
+                            lse_out[row] = T.cast(rm.logsumexp_of(m[0], s[0]), lse_out.dtype)
+                    else:
+                        # softmax: exp(x - m) / s; log_softmax: x - (m + log s)
+                        shift = rm.shift_of(m[0])
+                        scale = 1.0 / s[0]
+                        lse = m[0] + T.log(s[0])
+                        for c in T.serial(rm.chunks):
+                            if reload:  # else the one chunk is still in registers
+                                load(x, row, c, xl, lane, 0.0)
+                            for i in T.unroll(vecs):
+                                for j in T.unroll(vec):
+                                    if kind == "softmax":
+                                        xl[i, j] = exp(xl[i, j] - shift) * scale
+                                    else:
+                                        xl[i, j] = xl[i, j] - lse
+                            store(xl, y, row, c, lane)
+                # the shared partials are reused by the next row group
+                if rm.row_warps > 1:
+                    T.sync_threads()
+
+    @T.macro
+    def backward(dy, y, dx):
+        with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            tx = T.get_thread_binding()
+            r, lane = tx // rt, tx % rt
+            dyl = T.alloc_local((vecs, vec), "float")
+            yl = T.alloc_local((vecs, vec), "float")
+            total = T.alloc_local((1,), "float")
+            red = T.alloc_shared((rpc, warps), "float")
+            for step in T.serial(rm.row_loop_bounds(rows)):
+                row = (step * ctas + bx) * rpc + r
+                if row < rows:
+                    total[0] = 0.0
+                    for c in T.serial(rm.chunks):
+                        load(dy, row, c, dyl, lane, 0.0)
+                        if kind == "softmax_bwd" or not reload:
+                            load(y, row, c, yl, lane, 0.0)
+                        for i in T.unroll(vecs):
+                            for j in T.unroll(vec):
+                                if kind == "softmax_bwd":
+                                    total[0] = total[0] + dyl[i, j] * yl[i, j]
+                                else:
+                                    total[0] = total[0] + dyl[i, j]
+                    reduce_sum(total, red, r, lane)
+                    for c in T.serial(rm.chunks):
+                        if reload:
+                            load(dy, row, c, dyl, lane, 0.0)
+                            load(y, row, c, yl, lane, 0.0)
+                        for i in T.unroll(vecs):
+                            for j in T.unroll(vec):
+                                if kind == "softmax_bwd":
+                                    dyl[i, j] = yl[i, j] * (dyl[i, j] - total[0])
+                                else:
+                                    dyl[i, j] = dyl[i, j] - exp(yl[i, j]) * total[0]
+                        store(dyl, dx, row, c, lane)
+                if rm.row_warps > 1:
+                    T.sync_threads()
+
+    @T.macro
+    def lse_backward(g, x, lse, dx):
+        with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            tx = T.get_thread_binding()
+            r, lane = tx // rt, tx % rt
+            xl = T.alloc_local((vecs, vec), "float")
+            for step in T.serial(rm.row_loop_bounds(rows)):
+                row = (step * ctas + bx) * rpc + r
+                if row < rows:
+                    gr = T.cast(g[row], "float")
+                    lr = T.cast(lse[row], "float")
+                    for c in T.serial(rm.chunks):
+                        load(x, row, c, xl, lane, 0.0)
+                        for i in T.unroll(vecs):
+                            for j in T.unroll(vec):
+                                xl[i, j] = gr * exp(xl[i, j] - lr)
+                        store(xl, dx, row, c, lane)
+
+    R, V = (rows, n), (rows,)
+    if kind == "logsumexp":
+        @T.prim_func
+        def logsumexp_fwd(x: T.Tensor(R, dtype), out: T.Tensor(V, dtype)):
+            forward(x, None, out)
+        return logsumexp_fwd
+    if kind in ("softmax", "log_softmax"):
+        @T.prim_func
+        def softmax_fwd(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype)):
+            forward(x, y, None)
+        return softmax_fwd
+    if kind == "logsumexp_bwd":
+        @T.prim_func
+        def logsumexp_bwd(g: T.Tensor(V, dtype), x: T.Tensor(R, dtype),
+                          lse: T.Tensor(V, dtype), dx: T.Tensor(R, dtype)):
+            lse_backward(g, x, lse, dx)
+        return logsumexp_bwd
+
+    @T.prim_func
+    def softmax_bwd(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype), dx: T.Tensor(R, dtype)):
+        backward(dy, y, dx)
+    return softmax_bwd
+
+
+def default_row_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
+    """Rows up to 1024 vectors (8K bf16 columns at 16 bytes each) fit one chunk of at most 4 vectors
+    per thread and stay in registers between the passes (read once); a warp per row for
+    short rows, so a CTA holds several. Longer rows stream in chunks of 512 threads x 4
+    vectors, read twice, with at most 2 CTAs per SM so the second read hits L2."""
+    vectors = n // vector_width(n, dtype)
+    if vectors <= 1024:
+        row_threads = 32
+        while row_threads * 4 < vectors:
+            row_threads *= 2
+        vecs = -(-vectors // row_threads)
+        threads = max(256, row_threads)
+        return RowConfig(threads=threads, row_threads=row_threads, vecs=vecs,
+                         ctas_per_sm=max(1, 2048 // threads))
+    return RowConfig(threads=512, row_threads=512, vecs=4, ctas_per_sm=1 if few_rows else 2)
+
+
+class SoftmaxKernel(Kernel):
+    """key: kind (see KINDS), dtype, n (row length). Buckets: `few` rows (decode batches)
+    and `many`."""
+
+    name = "softmax"
+    Config = RowConfig
+
+    def program(self, config: RowConfig, bucket: str):
+        return softmax_program(self.key["kind"], self.key["n"], self.key["dtype"], config)
+
+    def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
+        compiled[0](*tensors)
+
+    def bucket_of(self, rows: int) -> str:
+        return "few" if rows <= 256 else "many"
+
+    def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
+        return default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
+
+    def config_space(self, bucket: str) -> list[RowConfig]:
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        for threads in (256, 512, 1024):
+            for row_threads in (32, 128, 256, 512, 1024):
+                for vecs in (1, 2, 4):
+                    for ctas_per_sm in (1, 2, 4):
+                        if row_threads <= threads:
+                            space.append(RowConfig(threads, row_threads, vecs, ctas_per_sm))
+        return list(dict.fromkeys(space))

@@ -1,0 +1,175 @@
+"""softmax, log_softmax and logsumexp on the GPU (forward and backward) against float64
+torch references: every dtype, rows from 1 to 256K columns, odd lengths, masked and
+infinite entries, non-contiguous inputs, every element written, torch.compile."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import (
+    LogSoftmaxFwdOp,
+    LogsumexpFwdOp,
+    SoftmaxBwdOp,
+    SoftmaxFwdOp,
+)
+from tileops.kernels.softmax import RowConfig
+
+from ..helpers import assert_close, poison, randn
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+FUNCS = {"softmax": (tileops.softmax, torch.softmax),
+         "log_softmax": (tileops.log_softmax, torch.log_softmax),
+         "logsumexp": (tileops.logsumexp, torch.logsumexp)}
+OPS = {"softmax": SoftmaxFwdOp, "log_softmax": LogSoftmaxFwdOp, "logsumexp": LogsumexpFwdOp}
+# (shape, dtype): each a thread map of the default configs or a size boundary
+SHAPES = [
+    ((257, 128256), BF16),    # llama-3 vocab rows: 512 threads per row, 4 vectors each
+    ((3, 256000), FP16),      # gemma-2 vocab, decode-size batch (few-rows bucket)
+    ((1000, 4099), FP32),     # odd length: scalar accesses, a partial chunk
+    ((4096, 512), BF16),      # attention-weight rows: a warp per row, 8 rows per CTA
+    ((33, 1001), FP16),       # odd short rows, rows not a multiple of the CTA's
+    ((2, 5, 2048), BF16),     # leading dims flattened
+    ((7, 1), FP32),           # one column
+]
+
+
+def _ids(cases):
+    return [f"{'x'.join(map(str, s))}-{str(d).removeprefix('torch.')}" for s, d in cases]
+
+
+def _reference(name, x, **kw):
+    return FUNCS[name][1](x.double(), -1, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(FUNCS))
+@pytest.mark.parametrize("shape, dtype", SHAPES, ids=_ids(SHAPES))
+def test_forward_matches_float64(name, shape, dtype):
+    x = randn(*shape, dtype=dtype, std=3.0)
+    out = FUNCS[name][0](x)
+    ref = _reference(name, x)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close(out, ref, what=name)
+
+
+@pytest.mark.parametrize("name", sorted(FUNCS))
+def test_every_output_element_is_written(name):
+    """The kernel writes into a NaN-poisoned output: a skipped element stays NaN."""
+    x = randn(300, 5000, dtype=BF16)
+    op = OPS[name]()
+    out = poison(torch.empty(300 if name == "logsumexp" else (300, 5000), dtype=BF16,
+                             device="cuda"))
+    op._launch(x, x, out)
+    assert_close(out, _reference(name, x), what=name)
+
+
+@pytest.mark.parametrize("name", sorted(FUNCS))
+@pytest.mark.parametrize("shape, dtype", [((129, 128256), BF16), ((64, 1000), FP16),
+                                          ((5, 3000), FP32)], ids=_ids([((129, 128256), BF16),
+                                                                        ((64, 1000), FP16),
+                                                                        ((5, 3000), FP32)]))
+def test_backward_matches_float64(name, shape, dtype):
+    """Autograd's formulas in float64 on the forward's own (rounded) output, which is what
+    the backward is given, as torch's: in bf16 the rounding of log_softmax's output alone
+    moves exp(output) by up to 3%."""
+    x = randn(*shape, dtype=dtype, std=2.0)
+    leaf = x.clone().requires_grad_()
+    out = FUNCS[name][0](leaf)
+    dy = randn(*out.shape, dtype=dtype)
+    out.backward(dy)
+    y, g = out.detach().double(), dy.double()
+    if name == "softmax":
+        ref = y * (g - (g * y).sum(-1, keepdim=True))
+    elif name == "log_softmax":
+        ref = g - y.exp() * g.sum(-1, keepdim=True)
+    else:
+        ref = g[..., None] * (x.double() - y[..., None]).exp()
+    assert leaf.grad.dtype == dtype
+    assert_close(leaf.grad, ref, what=f"{name} grad")
+
+
+def test_keepdim_and_its_gradient():
+    x = randn(4, 7, 3000, dtype=BF16)
+    leaf = x.clone().requires_grad_()
+    out = tileops.logsumexp(leaf, -1, keepdim=True)
+    ref = torch.logsumexp(x.double(), -1, keepdim=True)
+    assert out.shape == (4, 7, 1)
+    assert_close(out, ref)
+    out.sum().backward()
+    assert_close(leaf.grad, torch.softmax(x.double(), -1), what="grad")
+
+
+@pytest.mark.parametrize("name", sorted(FUNCS))
+def test_non_contiguous_input(name):
+    base = randn(64, 2 * 4096, dtype=BF16)
+    x = base[:, ::2]  # a strided view: copied contiguous, never read wrong
+    assert not x.is_contiguous()
+    assert_close(FUNCS[name][0](x), _reference(name, x), what=name)
+    t = randn(3000, 64, dtype=FP16).t()  # a transposed view, dim -1 still the rows
+    assert_close(FUNCS[name][0](t), _reference(name, t), what=name)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+def test_masked_and_infinite_entries_behave_as_torch(dtype):
+    """-inf entries (masked scores) count as exp(-inf) = 0; a fully masked row gives what
+    torch gives (NaN for softmax, -inf for logsumexp); +inf gives logsumexp = inf; huge
+    logits never overflow. Compared with torch on the same values in float32."""
+    x = randn(6, 40000, dtype=FP32, std=2.0)
+    x[0, ::3] = -torch.inf            # partly masked
+    x[1] = -torch.inf                 # fully masked
+    x[2, 17] = torch.inf              # one +inf
+    x[3] = x[3] * 1e4                 # huge logits
+    x[4, 100:] = -torch.inf           # only a prefix unmasked (most threads see only -inf)
+    x[5, :-1] = -torch.inf            # the last element alone
+    x = x.to(dtype)
+    for name, (ours, ref_fn) in FUNCS.items():
+        got = ours(x).float()
+        want = ref_fn(x.float(), -1)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), name
+        finite = torch.isfinite(want)
+        assert_close(got[finite].to(dtype), want[finite], what=name)
+
+
+def test_softmax_backward_op_every_element_written():
+    y = torch.softmax(randn(100, 7000, dtype=FP32), -1)
+    dy = randn(100, 7000, dtype=FP32)
+    dx = poison(torch.empty_like(y))
+    SoftmaxBwdOp()._launch(y, dy, y, dx)
+    ref = y.double() * (dy.double() - (dy.double() * y.double()).sum(-1, keepdim=True))
+    assert_close(dx, ref)
+
+
+@pytest.mark.parametrize("config", [RowConfig(256, 32, 1, 1), RowConfig(256, 64, 2, 8),
+                                    RowConfig(1024, 1024, 1, 1), RowConfig(512, 128, 4, 4),
+                                    RowConfig(1024, 256, 2, 2)],
+                         ids=lambda c: f"t{c.threads}-r{c.row_threads}-v{c.vecs}-c{c.ctas_per_sm}")
+def test_other_configs_agree(config):
+    """Configs the tuner may pick: thread maps other than the defaults' (rows per CTA,
+    threads per row, vectors in flight, grid) give the same results."""
+    x = randn(777, 33000, dtype=BF16, std=2.0)
+    for cls, name in ((SoftmaxFwdOp, "softmax"), (LogsumexpFwdOp, "logsumexp")):
+        op = cls()
+        op.pin_config(config, x)
+        assert_close(op(x), _reference(name, x), what=f"{name} {config}")
+
+
+def test_zero_rows():
+    x = torch.empty(0, 1000, dtype=BF16, device="cuda")
+    assert tileops.softmax(x).shape == (0, 1000)
+    assert tileops.logsumexp(x).shape == (0,)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    def fn(x):
+        return (tileops.softmax(x) * 2 + tileops.log_softmax(x)).sum() + tileops.logsumexp(x).sum()
+
+    x = randn(64, 32000, dtype=FP32)  # fp32: the reference need not model bf16 rounding
+    leaf = x.clone().requires_grad_()
+    compiled = torch.compile(fn, fullgraph=True)
+    compiled(leaf).backward()
+    ref_leaf = x.double().requires_grad_()
+    (torch.softmax(ref_leaf, -1) * 2 + torch.log_softmax(ref_leaf, -1)).sum().add(
+        torch.logsumexp(ref_leaf, -1).sum()).backward()
+    assert_close(leaf.grad, ref_leaf.grad, scale=100.0, what="compiled grad")

@@ -1,0 +1,85 @@
+"""The softmax family and cross-entropy without a GPU: meta outputs through the functional
+API, errors that name the op and argument, rooflines, the default thread maps."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import CrossEntropyBwdOp, CrossEntropyFwdOp, LogsumexpFwdOp, SoftmaxFwdOp
+from tileops.errors import TileOpsError
+from tileops.kernels.softmax.row_map import RowMap, vector_width
+from tileops.kernels.softmax.softmax import default_row_config
+
+from ..helpers import meta
+
+
+def test_meta_outputs_have_torch_shapes_and_dtypes():
+    x = meta(4, 7, 1000, dtype=torch.float16)
+    assert tileops.softmax(x).shape == (4, 7, 1000)
+    assert tileops.log_softmax(x, dim=2).dtype == torch.float16
+    assert tileops.logsumexp(x).shape == (4, 7)
+    assert tileops.logsumexp(x, keepdim=True).shape == (4, 7, 1)
+    logits, target = meta(8, 32000), meta(8, dtype=torch.int64)
+    assert tileops.cross_entropy(logits, target).shape == ()
+    assert tileops.cross_entropy(logits, target).dtype == torch.bfloat16
+    assert tileops.cross_entropy(logits, target, reduction="none").shape == (8,)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: tileops.softmax(meta(4, 100), dim=0), "SoftmaxFwdOp.*dim"),
+    (lambda: tileops.softmax(meta(4, 100, dtype=torch.int32)), "SoftmaxFwdOp.*'input'.*dtype"),
+    (lambda: tileops.cross_entropy(meta(8, 100), meta(4, dtype=torch.int64)),
+     "CrossEntropyFwdOp.*'target'.*M = 8"),
+    (lambda: tileops.cross_entropy(meta(8, 100), meta(8, dtype=torch.int32)),
+     "CrossEntropyFwdOp.*'target'.*int64"),
+    (lambda: tileops.cross_entropy(meta(2, 8, 100), meta(2, 8, dtype=torch.int64)),
+     "CrossEntropyFwdOp.*'input'.*\\[M, V\\]"),
+    (lambda: tileops.cross_entropy(meta(8, 100), meta(8, dtype=torch.int64),
+                                   label_smoothing=1.5), "label_smoothing"),
+    (lambda: tileops.cross_entropy(meta(8, 100), meta(8, dtype=torch.int64), softcap=0.0),
+     "softcap"),
+    (lambda: tileops.cross_entropy(meta(8, 100), meta(8, dtype=torch.int64), reduction="avg"),
+     "reduction"),
+    (lambda: tileops.cross_entropy(meta(8, 100), meta(8, dtype=torch.int64),
+                                   weight=meta(100)), "weight"),
+])
+def test_bad_input_names_the_op_and_argument(call, match):
+    with pytest.raises(TileOpsError, match=match):
+        call()
+
+
+def test_backward_op_accepts_one_or_per_row_loss_gradients():
+    op = CrossEntropyBwdOp()
+    logits, target, lse = meta(8, 100), meta(8, dtype=torch.int64), meta(8, dtype=torch.float32)
+    for grad_loss in (meta(1, dtype=torch.float32), meta(8, dtype=torch.float32)):
+        assert op(grad_loss, logits, target, lse).shape == (8, 100)
+    with pytest.raises(TileOpsError, match="grad_loss"):
+        op(meta(3, dtype=torch.float32), logits, target, lse)
+
+
+def test_rooflines_count_each_tensor_once():
+    x = meta(4096, 128256)
+    flops, nbytes = SoftmaxFwdOp().eval_roofline(x)
+    assert nbytes == 2 * 4096 * 128256 * 2 and flops == 5 * 4096 * 128256
+    _, nbytes = LogsumexpFwdOp().eval_roofline(x)
+    assert nbytes == (4096 * 128256 + 4096) * 2
+    _, nbytes = CrossEntropyFwdOp().eval_roofline(x, meta(4096, dtype=torch.int64))
+    assert nbytes == 4096 * 128256 * 2 + 16 * 4096
+
+
+def test_index_bounds_draw_valid_class_ids():
+    assert CrossEntropyFwdOp.index_bounds({"input": meta(8, 321)}) == {"target": 321}
+
+
+@pytest.mark.parametrize("n", [1, 7, 128, 512, 1000, 1001, 2048, 4096, 4099, 8192, 32000,
+                               50257, 128256, 151936, 256000])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_default_thread_maps(n, dtype):
+    """Rows up to 1024 vectors are one chunk (read once, kept in registers); at most 4
+    vectors per thread; a row's threads are a power of two >= a warp."""
+    config = default_row_config(n, dtype, few_rows=False)
+    rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs, 132)
+    assert config.vecs <= 4 and rm.rows_per_cta >= 1
+    if n // vector_width(n, dtype) <= 1024:
+        assert rm.chunks == 1
+    assert rm.chunk * rm.chunks >= n
