@@ -1,11 +1,17 @@
-"""Cross-entropy (loss pass, loss-and-gradient pass, gradient pass) against torch eager,
-torch.compile and Liger-Kernel."""
+"""Cross-entropy (loss pass, loss-and-gradient pass, gradient pass) and fused linear
+cross-entropy against torch eager, torch.compile and Liger-Kernel."""
 
 import pytest
 
-from tileops import CrossEntropyBwdOp, CrossEntropyFwdOp, CrossEntropyWithGradFwdOp
+from tileops import (
+    CrossEntropyBwdOp,
+    CrossEntropyFwdOp,
+    CrossEntropyWithGradFwdOp,
+    FusedLinearCrossEntropyFwdOp,
+)
 
-OPS = [CrossEntropyFwdOp, CrossEntropyWithGradFwdOp, CrossEntropyBwdOp]
+OPS = [CrossEntropyFwdOp, CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
+       FusedLinearCrossEntropyFwdOp]
 
 
 @pytest.mark.gpu

@@ -25,6 +25,10 @@ from .cross_entropy import (
     CrossEntropyWithGradFwdOp,
     cross_entropy,
 )
+from .fused_linear_cross_entropy import (
+    FusedLinearCrossEntropyFwdOp,
+    fused_linear_cross_entropy,
+)
 from .gemm import GemmFwdOp, gemm
 from .normalization import (
     FusedAddRMSNormBwdOp,
@@ -75,6 +79,7 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   SoftmaxFwdOp, SoftmaxBwdOp, LogSoftmaxFwdOp, LogSoftmaxBwdOp,
                                   LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
                                   CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
+                                  FusedLinearCrossEntropyFwdOp,
                                   ArgmaxFwdOp, TopkFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
@@ -90,4 +95,5 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "SoftmaxFwdOp", "SoftmaxBwdOp", "LogSoftmaxFwdOp", "LogSoftmaxBwdOp", "LogsumexpFwdOp",
            "LogsumexpBwdOp", "softmax", "log_softmax", "logsumexp", "CrossEntropyFwdOp",
            "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp", "cross_entropy",
+           "FusedLinearCrossEntropyFwdOp", "fused_linear_cross_entropy",
            "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk"]

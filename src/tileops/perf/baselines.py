@@ -521,6 +521,40 @@ def _selection_baselines(eager: Baseline) -> dict[str, Baseline]:
     return {"torch-eager": eager, "torch-compile": lambda *a, **k: _compiled(eager)(*a, **k)}
 
 
+def _linear_cross_entropy_eager(hidden, weight, target, bias=None, ignore_index=-100,
+                                label_smoothing=0.0, softcap=None, lse_square_scale=0.0,
+                                reduction="mean", with_grad=True):
+    """What a user writes: the full logits, the loss, and (with_grad) autograd's backward."""
+    leaves = [t.detach().requires_grad_(with_grad) if t is not None else None
+              for t in (hidden, weight, bias)]
+    logits = F.linear(leaves[0], leaves[1], leaves[2])
+    rows = _cross_entropy_eager(logits, target, ignore_index, label_smoothing, softcap,
+                                lse_square_scale)
+    loss = rows.sum() / (target != ignore_index).sum() if reduction == "mean" else rows.sum()
+    if with_grad:
+        return loss, torch.autograd.grad(loss, [t for t in leaves if t is not None])
+    return loss
+
+
+def _linear_cross_entropy_liger(hidden, weight, target, bias=None, ignore_index=-100,
+                                label_smoothing=0.0, softcap=None, lse_square_scale=0.0,
+                                reduction="mean", with_grad=True):
+    """Liger's fused linear cross-entropy: its forward computes the gradients too."""
+    fn = _liger_function("fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction")
+    leaves = [t.detach().requires_grad_(with_grad) if t is not None else None
+              for t in (hidden, weight, bias)]
+    return fn.apply(leaves[0], leaves[1], target, leaves[2], None, ignore_index,
+                    lse_square_scale, label_smoothing, reduction, softcap)
+
+
+def _linear_cross_entropy_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
+    table = {"torch-eager": _linear_cross_entropy_eager,
+             "torch-compile": lambda *a, **k: _compiled(_linear_cross_entropy_eager)(*a, **k)}
+    if libs["liger_kernel"]:
+        table["liger"] = _linear_cross_entropy_liger
+    return table
+
+
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
@@ -572,4 +606,6 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return _softmax_family_baselines(op_name, libs)
     if op_name in ("CrossEntropyFwdOp", "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp"):
         return _cross_entropy_baselines(op_name, libs)
+    if op_name == "FusedLinearCrossEntropyFwdOp":
+        return _linear_cross_entropy_baselines(libs)
     return {}

@@ -50,8 +50,10 @@ def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
 
 def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block_m: int,
                  block_n: int, block_k: int, stages: int, threads: int, split_k: int,
-                 raster: int, stage_out: bool = True):
-    """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]."""
+                 raster: int, stage_out: bool = True, accumulate: bool = False):
+    """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]. With
+    `accumulate` it adds to d instead (d += op(a) @ op(b), one rounding per call): the
+    weight gradient of a chunked loss sums into its output without a temporary."""
     m = T.dynamic("m")
     a_shape = (k, m) if trans_a else (m, k)
     b_shape = (n, k) if trans_b else (k, n)
@@ -73,7 +75,10 @@ def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block
                 d_shared = T.alloc_shared((block_m, block_n), out_dtype)
             if raster > 0:
                 T.use_swizzle(raster)
-            T.clear(acc_local)
+            if accumulate:
+                T.copy(d[by * block_m, bx * block_n], acc_local)
+            else:
+                T.clear(acc_local)
             for ko in T.Pipelined(tiles, num_stages=stages):
                 kt = bz * tiles + ko
                 if trans_a:
@@ -117,7 +122,8 @@ def split_k_reduce_program(n: int, split_k: int, dtype: str, block_m: int = 4,
 
 
 class GemmKernel(Kernel):
-    """key: dtype, n, k, trans_a, trans_b. Bucketed on M."""
+    """key: dtype, n, k, trans_a, trans_b, and accumulate=True for d += op(a) @ op(b) (the
+    key of a plain GEMM leaves it out, so tuned entries keep their keys). Bucketed on M."""
 
     name = "gemm"
     Config = GemmConfig
@@ -136,9 +142,13 @@ class GemmKernel(Kernel):
         k = self.key
         main = gemm_program(k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"],
                             config.block_m, config.block_n, config.block_k, config.stages,
-                            config.threads, config.split_k, config.raster, config.stage_out)
+                            config.threads, config.split_k, config.raster, config.stage_out,
+                            k.get("accumulate", False))
         if config.split_k == 1:
             return main
+        if k.get("accumulate", False):
+            raise ValueError("an accumulating GEMM takes split_k = 1 (its partials would "
+                             "each add d)")
         return main, split_k_reduce_program(k["n"], config.split_k, k["dtype"])
 
     def run(self, config: GemmConfig, compiled: tuple, a, b, d) -> None:
@@ -166,7 +176,8 @@ class GemmKernel(Kernel):
             cfg = dict(block_m=128, block_n=128, block_k=64, stages=4, threads=256)
         else:
             cfg = dict(block_m=128, block_n=256, block_k=64, stages=3, threads=256)
-        split = self.split_for(rows, cfg["block_m"], cfg["block_n"], cfg["block_k"])
+        split = 1 if self.key.get("accumulate", False) else self.split_for(
+            rows, cfg["block_m"], cfg["block_n"], cfg["block_k"])
         return GemmConfig(**cfg, split_k=split)
 
     def config_space(self, bucket: str) -> list[GemmConfig]:
@@ -185,4 +196,6 @@ class GemmKernel(Kernel):
                     space.append(GemmConfig(bm, bn, 64, st, 256, 1, raster))
             for bm, bn in ((128, 256), (256, 128)):  # a 4th stage in the epilogue's space
                 space.append(GemmConfig(bm, bn, 64, 4, 256, 1, 8, stage_out=False))
+        if self.key.get("accumulate", False):
+            space = [c for c in space if c.split_k == 1]
         return [c for c in dict.fromkeys(space) if c.valid()]
