@@ -1,6 +1,7 @@
 """Benchmark harness for pytest: one parametrized test per (workload, dtype).
 
-    python -m pytest benchmarks -m gpu [--bench-tier smoke] [--junitxml out.xml]
+    python -m pytest benchmarks -m gpu [--bench-tier smoke|models] [--bench-models llama]
+        [--junitxml out.xml]
 
 Each case records its numbers as JUnit properties; `tileops bench` runs the same cases with
 a progress bar and writes the JSON / Markdown / PNG reports.
@@ -13,8 +14,11 @@ import torch
 
 
 def pytest_addoption(parser):
-    parser.addoption("--bench-tier", choices=["smoke", "full"], default="full",
-                     help="which manifest workloads to benchmark")
+    parser.addoption("--bench-tier", choices=["smoke", "full", "models"], default="full",
+                     help="which workloads to benchmark: the manifest's (smoke, full) or the "
+                          "shapes of public models (models, see tileops/perf/models.yaml)")
+    parser.addoption("--bench-models", action="append", metavar="TEXT",
+                     help="with --bench-tier models: only models whose name contains TEXT")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,7 +55,8 @@ def pytest_generate_tests(metafunc):
 
     tier = metafunc.config.getoption("--bench-tier")
     ops = getattr(metafunc.module, "OPS", None) or [metafunc.module.OP]
-    found = list(bench_cases(ops, None if tier == "full" else tier))
+    found = list(bench_cases(ops, None if tier == "full" else tier,
+                             models=metafunc.config.getoption("--bench-models")))
     if "op_cls" in metafunc.fixturenames:
         metafunc.parametrize("op_cls, workload, dtype", found,
                              ids=[f"{c.__name__} {w['label']} [{d}]" for c, w, d in found])

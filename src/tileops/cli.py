@@ -130,11 +130,16 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark ops on their manifest workloads (needs a GPU)")
     p.add_argument("--op", nargs="+", metavar="NAME", help="only these ops")
     p.add_argument("--family", nargs="+", metavar="F", help="only these families")
-    p.add_argument("--tier", choices=("smoke", "full"), default="full",
-                   help="smoke: the workloads marked smoke; full: every workload (default)")
+    p.add_argument("--tier", choices=("smoke", "full", "models"), default="full",
+                   help="smoke: the workloads marked smoke; full: every workload (default); "
+                        "models: the GEMM and attention shapes of public models "
+                        "(perf/models.yaml), bfloat16 unless --dtype says otherwise")
     p.add_argument("--dtype", nargs="+", metavar="D", help="only these dtypes")
     p.add_argument("--workload", metavar="TEXT", action="append",
                    help="only workloads whose label contains TEXT (repeatable)")
+    p.add_argument("--models", metavar="TEXT", action="append",
+                   help="with --tier models: only shapes of models whose name contains TEXT "
+                        "(repeatable)")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="report folder (default: %(default)s)")
     p.add_argument("--history", metavar="FILE",
@@ -432,6 +437,8 @@ def _write_reports(rows: list[dict], out: Any, meta: dict[str, Any]) -> str:
     report.write_json(rows, out / "bench.json", meta)
     report.write_junit(rows, out / "bench.junit.xml")
     table = report.markdown_table(rows)
+    if meta.get("tier") == "models":  # per op: worst and geomean speed-up, refused shapes
+        table += "\n" + report.speedup_summary_markdown(rows, meta.get("refused", []))
     note = f"partial: {meta['partial']}\n\n" if "partial" in meta else ""
     (out / "bench.md").write_text(f"{meta['gpu']}\n\n{note}{table}\n")
     return table
@@ -554,7 +561,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
     import pathlib
 
-    from .manifest import load_workloads, select_workloads
+    from .manifest import select_workloads
 
     _check_op_names(args.op)
     names = [name for name, entry in sorted(_implemented_ops().items())
@@ -565,9 +572,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"no implemented op matches {_filters(op=args.op, family=args.family)}"
                          f"; families: {', '.join(families)}")
     tier = None if args.tier == "full" else args.tier
-    if not any(select_workloads(load_workloads(n, tier), args.workload, args.dtype)
-               for n in names):
-        dtypes = sorted({d for n in names for w in load_workloads(n, tier) for d in w["dtypes"]})
+    names = _check_models_tier(args, names)
+    if not any(select_workloads(_tier_workloads(n, tier, args.models), args.workload,
+                                args.dtype) for n in names):
+        dtypes = sorted({d for n in names for w in _tier_workloads(n, tier, args.models)
+                         for d in w["dtypes"]})
         which = ", ".join(names) if args.op or args.family else "any op"
         raise UsageError(f"no workload of {which} matches "
                          f"{_filters(tier=args.tier, dtype=args.dtype, workload=args.workload)}"
@@ -585,13 +594,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .perf.profiles import load_profile
 
     _quiet_tilelang(args.verbose)
-    cases = list(bench_cases([OP_CLASSES[n] for n in names], tier, args.dtype, args.workload))
+    cases = list(bench_cases([OP_CLASSES[n] for n in names], tier, args.dtype, args.workload,
+                             args.models))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     meta = {"gpu": gpu, "torch": torch.__version__, "tilelang": _tilelang_version(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": _git_commit(),
             "libraries": available_libraries()}
+    if tier == "models":
+        meta.update(tier="models", refused=_refused_model_shapes(names, args))
+        print(f"{len(cases)} cases; {len(meta['refused'])} model workloads refused by the "
+              "current ops (not timed; listed at the end of bench.md)")
     failed: set[tuple] = set()
     runs = []
     for run in range(max(1, args.repeat)):
@@ -636,6 +650,54 @@ def cmd_bench(args: argparse.Namespace) -> int:
             status = EXIT_FAILED
     print(f"reports in {out}/: bench.json, bench.junit.xml, bench.md, roofline.png, speedup.png")
     return status
+
+
+def _tier_workloads(name: str, tier: str | None,
+                    models: list[str] | None) -> list[dict[str, Any]]:
+    """The workloads a bench tier offers for op `name` (reads YAML only, no torch)."""
+    from .manifest import load_workloads
+
+    if tier != "models":
+        return load_workloads(name, tier)
+    from .perf import models as model_shapes
+
+    if name not in model_shapes.MODEL_OPS:
+        return []
+    return model_shapes.model_workloads(name, models)
+
+
+def _check_models_tier(args: argparse.Namespace, names: list[str]) -> list[str]:
+    """The ops a run covers: for --tier models, those of `names` with model shapes; a
+    --models filter that cannot apply is a usage error."""
+    from .perf import models as model_shapes
+
+    if args.models and args.tier != "models":
+        raise UsageError("--models selects model shapes: it needs --tier models")
+    if args.tier != "models":
+        return names
+    if args.models and not model_shapes.select_models(args.models):
+        raise UsageError(f"no model matches {_filters(models=args.models)}; models: "
+                         f"{', '.join(model_shapes.load_models())}")
+    covered = [n for n in names if n in model_shapes.MODEL_OPS]
+    if not covered:
+        raise UsageError(f"the models tier covers {', '.join(model_shapes.MODEL_OPS)}; "
+                         f"none matches {_filters(op=args.op, family=args.family)}")
+    return covered
+
+
+def _refused_model_shapes(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The model workloads (of the run's ops, models and --workload filter) that the ops
+    refuse: what the report lists instead of timing them."""
+    from .manifest import select_workloads
+    from .ops import OP_CLASSES
+    from .perf import models as model_shapes
+
+    refused = []
+    for name in names:
+        chosen = [w for w, _ in select_workloads(model_shapes.model_workloads(name, args.models),
+                                                 args.workload)]
+        refused += model_shapes.split_refused(OP_CLASSES[name], chosen)[1]
+    return refused
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -11,26 +11,17 @@ from tileops.errors import TileOpsError
 from tileops.ops.fused_linear_cross_entropy import chunk_rows
 
 from ..helpers import assert_close, randn
+from .test_cross_entropy import reference as loss_reference
 
 pytestmark = pytest.mark.gpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
-def reference(hidden, weight, target, bias=None, reduction="mean", ignore_index=-100,
-              label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
+def reference(hidden, weight, target, bias=None, reduction="mean", **params):
     """float64 linear + cross-entropy (+ softcap, z-loss)."""
-    z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    rows = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none",
-                           label_smoothing=label_smoothing)
-    if lse_square_scale:
-        rows = rows + lse_square_scale * torch.logsumexp(z, -1).square() * (
-            target != ignore_index)
-    if reduction == "none":
-        return rows
-    return rows.sum() / (target != ignore_index).sum() if reduction == "mean" else rows.sum()
+    logits = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    return loss_reference(logits, target, reduction, **params)
 
 
 # (tokens, hidden, vocab, dtype, bias, params)

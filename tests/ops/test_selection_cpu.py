@@ -175,9 +175,13 @@ def _ptxas_report(compiled, tmp_path):
                           capture_output=True, text=True, check=True).stderr
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("item", PLAN, ids=[i.describe() for i in PLAN])
-def test_smoke_programs_use_16_byte_loads_and_do_not_spill(item, tmp_path):
+# One dtype per smoke workload in `make test` (as tests/test_compile.py): a dtype changes
+# the vector width, not the code path; the other dtypes run under `make test-full`.
+FAST_PLAN = [i for i in PLAN if i.dtype == "bfloat16"]
+OTHER_DTYPES = [i for i in PLAN if i.dtype != "bfloat16"]
+
+
+def _check_loads_and_spills(item, tmp_path):
     compiled = item.kernel.compile(item.config, item.bucket)
     assert len(compiled) == 2  # every smoke shape splits its rows: pass 1 + merge
     source = compiled[0].get_kernel_source()
@@ -185,6 +189,19 @@ def test_smoke_programs_use_16_byte_loads_and_do_not_spill(item, tmp_path):
     for program in compiled:
         report = _ptxas_report(program, tmp_path)
         assert "0 bytes spill stores" in report, report
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("item", FAST_PLAN, ids=[i.describe() for i in FAST_PLAN])
+def test_smoke_programs_use_16_byte_loads_and_do_not_spill(item, tmp_path):
+    _check_loads_and_spills(item, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("item", OTHER_DTYPES, ids=[i.describe() for i in OTHER_DTYPES])
+def test_other_dtypes_use_16_byte_loads_and_do_not_spill(item, tmp_path):
+    _check_loads_and_spills(item, tmp_path)
 
 
 @pytest.mark.compile

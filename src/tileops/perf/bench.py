@@ -130,15 +130,26 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
 
 
 def bench_cases(op_classes: list[Any], tier: str | None = None,
-                dtypes: list[str] | None = None,
-                texts: list[str] | None = None) -> Iterator[tuple[Any, dict, str]]:
+                dtypes: list[str] | None = None, texts: list[str] | None = None,
+                models: list[str] | None = None) -> Iterator[tuple[Any, dict, str]]:
     """Every (op class, workload, dtype) a benchmark run covers; `texts` keeps the workloads
-    whose label contains one of them."""
+    whose label contains one of them. Tier 'models' takes the workloads derived from public
+    model configs (`perf.models`; `models` filters by model name) that the op accepts, in
+    bfloat16 unless `dtypes` says otherwise."""
     from ..manifest import load_workloads, select_workloads
+    from . import models as model_shapes
 
+    if tier == "models":
+        dtypes = dtypes or model_shapes.DEFAULT_DTYPES
     for op_cls in op_classes:
-        for workload, kept in select_workloads(load_workloads(op_cls.__name__, tier), texts,
-                                               dtypes):
+        if tier == "models":
+            if op_cls.__name__ not in model_shapes.MODEL_OPS:
+                continue
+            workloads, _ = model_shapes.split_refused(
+                op_cls, model_shapes.model_workloads(op_cls.__name__, models))
+        else:
+            workloads = load_workloads(op_cls.__name__, tier)
+        for workload, kept in select_workloads(workloads, texts, dtypes):
             for dtype in kept:
                 yield op_cls, workload, dtype
 

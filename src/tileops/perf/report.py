@@ -608,3 +608,93 @@ def comparison_summary(comparisons: Sequence[Comparison]) -> str:
     plural = {REGRESSION: "regressions", IMPROVEMENT: "improvements"}
     parts = [f"{n} {plural.get(s, s) if n != 1 else s}" for s, n in counts.items()]
     return f"{', '.join(parts)} ({len(comparisons)} rows)"
+
+
+# -- speed-up summary (the models tier) -------------------------------------------------------
+
+@dataclass
+class OpSpeedups:
+    """One op's speed-ups over its best baseline across a run's rows.
+
+    Attributes:
+        op: the op.
+        cases: rows with a baseline (the others have no speed-up and are only counted).
+        geomean: geometric mean of their speed-ups (1.0 = as fast as the best baseline).
+        worst: the lowest speed-up.
+        worst_rows: the slowest rows, lowest first: label, dtype, speedup, best_baseline.
+        no_baseline: rows without a baseline.
+    """
+
+    op: str
+    cases: int
+    geomean: float
+    worst: float
+    worst_rows: list[dict[str, Any]]
+    no_baseline: int = 0
+
+
+def speedup_summary(rows: Iterable[Any], worst_n: int = 3) -> list[OpSpeedups]:
+    """Per op (in order of first appearance): the geometric-mean and the worst speed-up over
+    the best baseline, naming the `worst_n` slowest rows. Reads only the rows' op, label,
+    dtype, speedup and best_baseline, so a stored bench.json gives the same summary.
+
+    An op whose rows all lack a baseline gets cases 0 and nan for its speed-ups.
+    """
+    rows = _as_dicts(rows)
+    out = []
+    for op in _ops(rows):
+        op_rows = [r for r in rows if r["op"] == op]
+        timed = sorted((r for r in op_rows if r.get("best_baseline") and r["speedup"] > 0),
+                       key=lambda r: r["speedup"])
+        speedups = [r["speedup"] for r in timed]
+        geomean = (math.exp(sum(map(math.log, speedups)) / len(speedups)) if speedups
+                   else math.nan)
+        out.append(OpSpeedups(
+            op, len(timed), geomean, speedups[0] if speedups else math.nan,
+            [{k: r[k] for k in ("label", "dtype", "speedup", "best_baseline")}
+             for r in timed[:worst_n]], len(op_rows) - len(timed)))
+    return out
+
+
+def group_refused(refused: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Refused workloads (`models.split_refused` records) grouped per (op, configuration):
+    the models it comes from, how many workloads, and the first workload's reason."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in refused:
+        g = groups.setdefault((r["op"], r["config"]), {
+            "op": r["op"], "config": r["config"], "models": [], "workloads": 0,
+            "reason": r["reason"]})
+        g["workloads"] += 1
+        g["models"] += [m for m in r["models"] if m not in g["models"]]
+    return list(groups.values())
+
+
+def _times(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}x"
+
+
+def speedup_summary_markdown(rows: Iterable[Any], refused: Iterable[Mapping[str, Any]] = (),
+                             worst_n: int = 3) -> str:
+    """The summary as Markdown: a table of `speedup_summary` and one of `group_refused`.
+
+    Returns:
+        Markdown text ending in a newline.
+    """
+    lines = ["### Speed-up over the best baseline, per op", "",
+             "| op | cases | geomean | worst | slowest shapes |", "|---|--:|--:|--:|---|"]
+    for s in speedup_summary(rows, worst_n):
+        worst = "; ".join(f"{_cell(w['label'])} [{w['dtype']}] {w['speedup']:.2f}x vs "
+                          f"{_cell(w['best_baseline'])}" for w in s.worst_rows) or "-"
+        if s.no_baseline:
+            worst += f" ({s.no_baseline} rows without a baseline)"
+        lines.append(f"| {s.op} | {s.cases} | {_times(s.geomean)} | {_times(s.worst)} | "
+                     f"{worst} |")
+    groups = group_refused(refused)
+    if groups:
+        total = sum(g["workloads"] for g in groups)
+        lines += ["", f"### Refused by the current ops ({total} workloads, not timed)", "",
+                  "| op | configuration | models | workloads | reason (first workload) |",
+                  "|---|---|---|--:|---|"]
+        lines += [f"| {g['op']} | {_cell(g['config'])} | {', '.join(g['models'])} | "
+                  f"{g['workloads']} | {_cell(g['reason'])} |" for g in groups]
+    return "\n".join(lines) + "\n"

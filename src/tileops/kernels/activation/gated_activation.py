@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
+from ..vectors import vector_width
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 SMALL_ELEMENTS = 1 << 21  # at most this many output elements: the decode-size bucket
 MAX_VECTORS = (1 << 31) - 1  # vector indices are int32
 
@@ -34,14 +34,6 @@ _SQRT1_2 = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _TANH_K0 = 2.0 * math.sqrt(2.0 / math.pi)  # 0.5 * (1 + tanh(u)) == sigmoid(2u)
 _TANH_K1 = 0.044715
-
-
-def vector_width(n: int, dtype: str) -> int:
-    """Elements per access: the widest power of two <= 16 bytes that divides n."""
-    vec = 16 // ELEM_BYTES[dtype]
-    while n % vec:
-        vec //= 2
-    return vec
 
 
 @dataclass(frozen=True)

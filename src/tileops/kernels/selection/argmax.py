@@ -15,18 +15,10 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
+from ..vectors import vector_width
 from .order import best_key, index_of, larger, track_best
 
-ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MERGE_THREADS = 128
-
-
-def vector_width(n: int, dtype: str) -> int:
-    """Elements per access: the widest power of two <= 16 bytes that divides n."""
-    vec = 16 // ELEM_BYTES[dtype]
-    while n % vec:
-        vec //= 2
-    return vec
 
 
 def split_count(vocab: int, dtype: str, threads: int, vecs: int) -> int:

@@ -19,9 +19,8 @@ written), `grad` (one pass from the saved lse, scaled by dloss per row or one dl
 
 import tilelang.language as T
 
-from ..base import Kernel
 from .row_map import NEG_INF, RowMap, exp, tanh
-from .softmax import SM_COUNT, RowConfig, default_row_config
+from .softmax import SM_COUNT, RowConfig, RowKernel
 
 MODES = ("loss", "loss_and_grad", "grad")
 
@@ -170,31 +169,13 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
     return cross_entropy_fwd
 
 
-class CrossEntropyKernel(Kernel):
+class CrossEntropyKernel(RowKernel):
     """key: mode (see MODES), dtype, n (vocab), softcap and smoothing (whether those terms
     are compiled in), dloss_per_row (`grad` mode: reduction 'none')."""
 
     name = "cross_entropy"
-    Config = RowConfig
 
     def program(self, config: RowConfig, bucket: str):
         k = self.key
         return cross_entropy_program(k["mode"], k["n"], k["dtype"], k["softcap"],
                                      k["smoothing"], k["dloss_per_row"], config)
-
-    def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
-        compiled[0](*tensors)
-
-    def bucket_of(self, rows: int) -> str:
-        return "few" if rows <= 256 else "many"
-
-    def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
-        return default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
-
-    def config_space(self, bucket: str) -> list[RowConfig]:
-        space = [self.heuristic_config(bucket, "sm_90a")]
-        for threads, row_threads in ((256, 256), (512, 512), (1024, 1024), (1024, 512)):
-            for vecs in (1, 2, 4):
-                for ctas_per_sm in (1, 2, 4):
-                    space.append(RowConfig(threads, row_threads, vecs, ctas_per_sm))
-        return list(dict.fromkeys(space))

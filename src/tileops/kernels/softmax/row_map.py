@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+from ..vectors import vector_width
+
 NEG_INF = -math.inf
 LOG2E = 1.4426950408889634
 
@@ -36,14 +37,6 @@ def tanh(v):
     """tanh(v) = 1 - 2 / (e^2v + 1) from exp2 and an approximate reciprocal; exact at +-inf,
     absolute error ~1e-7 (tanhf was the slowest part of the soft-capped loss)."""
     return 1.0 - 2.0 * T.fast_rcp(exp(2.0 * v) + 1.0)
-
-
-def vector_width(n: int, dtype: str) -> int:
-    """Elements per access: the widest power of two <= 16 bytes that divides n."""
-    vec = 16 // ELEM_BYTES[dtype]
-    while n % vec:
-        vec //= 2
-    return vec
 
 
 @dataclass(frozen=True)

@@ -182,15 +182,11 @@ def default_row_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
     return RowConfig(threads=512, row_threads=512, vecs=4, ctas_per_sm=1 if few_rows else 2)
 
 
-class SoftmaxKernel(Kernel):
-    """key: kind (see KINDS), dtype, n (row length). Buckets: `few` rows (decode batches)
-    and `many`."""
+class RowKernel(Kernel):
+    """Base of the row kernels (this module's and cross-entropy's): one program per key,
+    launched with every buffer; buckets `few` rows (decode batches) and `many`."""
 
-    name = "softmax"
     Config = RowConfig
-
-    def program(self, config: RowConfig, bucket: str):
-        return softmax_program(self.key["kind"], self.key["n"], self.key["dtype"], config)
 
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*tensors)
@@ -210,3 +206,12 @@ class SoftmaxKernel(Kernel):
                         if row_threads <= threads:
                             space.append(RowConfig(threads, row_threads, vecs, ctas_per_sm))
         return list(dict.fromkeys(space))
+
+
+class SoftmaxKernel(RowKernel):
+    """key: kind (see KINDS), dtype, n (row length)."""
+
+    name = "softmax"
+
+    def program(self, config: RowConfig, bucket: str):
+        return softmax_program(self.key["kind"], self.key["n"], self.key["dtype"], config)
