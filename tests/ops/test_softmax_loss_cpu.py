@@ -1,14 +1,22 @@
-"""The softmax family and cross-entropy without a GPU: meta outputs through the functional
-API, errors that name the op and argument, rooflines, the default thread maps."""
+"""The softmax family, cross-entropy and fused linear cross-entropy without a GPU: meta
+outputs through the functional API, errors that name the op and argument, rooflines, the
+default thread maps, the fused loss's chunking."""
 
 import pytest
 import torch
 
 import tileops
-from tileops import CrossEntropyBwdOp, CrossEntropyFwdOp, LogsumexpFwdOp, SoftmaxFwdOp
+from tileops import (
+    CrossEntropyBwdOp,
+    CrossEntropyFwdOp,
+    FusedLinearCrossEntropyFwdOp,
+    LogsumexpFwdOp,
+    SoftmaxFwdOp,
+)
 from tileops.errors import TileOpsError
 from tileops.kernels.softmax.row_map import RowMap, vector_width
 from tileops.kernels.softmax.softmax import default_row_config
+from tileops.ops.fused_linear_cross_entropy import chunk_rows
 
 from ..helpers import meta
 
@@ -83,3 +91,53 @@ def test_default_thread_maps(n, dtype):
     if n // vector_width(n, dtype) <= 1024:
         assert rm.chunks == 1
     assert rm.chunk * rm.chunks >= n
+
+
+def test_fused_linear_cross_entropy_on_meta_tensors():
+    hidden, weight = meta(4096, 4096), meta(128256, 4096)
+    target = meta(4096, dtype=torch.int64)
+    assert tileops.fused_linear_cross_entropy(hidden, weight, target).shape == ()
+    op = FusedLinearCrossEntropyFwdOp()
+    loss, grad_hidden, grad_weight, grad_bias = op(hidden, weight, target, meta(128256))
+    assert grad_hidden.shape == (4096, 4096) and grad_weight.shape == (128256, 4096)
+    assert grad_bias.shape == (128256,) and loss.dtype == torch.float32
+    rows, *grads = FusedLinearCrossEntropyFwdOp(reduction="none", with_grad=False)(
+        hidden, weight, target)
+    assert rows.shape == (4096,) and all(g.numel() == 0 for g in grads)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: FusedLinearCrossEntropyFwdOp()(meta(8, 64), meta(50257, 64),
+                                            meta(8, dtype=torch.int64)), "V % 8"),
+    (lambda: FusedLinearCrossEntropyFwdOp(reduction="none")(
+        meta(8, 64), meta(1024, 64), meta(8, dtype=torch.int64)), "with_grad"),
+    (lambda: FusedLinearCrossEntropyFwdOp()(meta(8, 64), meta(1024, 32),
+                                            meta(8, dtype=torch.int64)), "'weight'.*H = 64"),
+    (lambda: FusedLinearCrossEntropyFwdOp()(meta(8, 64, dtype=torch.float32),
+                                            meta(1024, 64, dtype=torch.float32),
+                                            meta(8, dtype=torch.int64)), "'hidden'.*dtype"),
+    (lambda: tileops.fused_linear_cross_entropy(meta(8, 64), meta(1024, 64),
+                                                meta(8, dtype=torch.int64), reduction="avg"),
+     "reduction"),
+])
+def test_fused_linear_cross_entropy_errors(call, match):
+    with pytest.raises(TileOpsError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("tokens", [1, 100, 1000, 4096, 8192, 16384, 100000])
+def test_fused_linear_chunks_bound_the_memory(tokens):
+    """A chunk's 2-byte logits take at most 1/12 of the tokens' fp32 logits once the token
+    count leaves room for the 256-row minimum; chunks are multiples of 128 rows."""
+    rows = chunk_rows(tokens, 128256)
+    assert 1 <= rows <= min(tokens, 2048)
+    if tokens >= 256 * 6:
+        assert rows % 128 == 0 and rows * 2 * 12 <= tokens * 4
+
+
+def test_fused_linear_kernels_cover_the_chunk_tail():
+    op = FusedLinearCrossEntropyFwdOp()
+    ns = op.check([meta(3000, 256), meta(16000, 256), meta(3000, dtype=torch.int64), None])
+    accumulating = [key["k"] for name, key, _ in op.kernels_for(ns) if key.get("accumulate")]
+    rows = chunk_rows(3000, 16000)
+    assert sorted(accumulating) == sorted({rows, 3000 % rows})
