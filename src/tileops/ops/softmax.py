@@ -19,7 +19,7 @@ from ..kernels.base import Kernel
 from ..kernels.softmax import SoftmaxKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import as_rows
+from .layout import as_rows, output_rows
 
 _KERNELS = {"softmax": SoftmaxKernel}
 
@@ -66,9 +66,9 @@ class _ElementwiseRowFwd(_RowOp):
         super().__init__(dim=dim, kernel_map=kernel_map, tune=tune)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(input.shape, dtype=input.dtype, device=input.device)
         x = _rows(input)
-        self._launch(input, x, y.view(x.shape) if x.numel() else y)
+        y_rows, y = output_rows(x, input)
+        self._launch(input, x, y_rows)
         return y
 
 
@@ -80,9 +80,9 @@ class _ElementwiseRowBwd(_RowOp):
         super().__init__(dim=dim, kernel_map=kernel_map, tune=tune)
 
     def forward(self, grad_output: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        dx = torch.empty(output.shape, dtype=output.dtype, device=output.device)
         y = _rows(output)
-        self._launch(output, _rows(grad_output), y, dx.view(y.shape) if y.numel() else dx)
+        dx_rows, dx = output_rows(y, output)
+        self._launch(output, _rows(grad_output), y, dx_rows)
         return dx
 
 
@@ -137,10 +137,10 @@ class LogsumexpBwdOp(_RowOp, Op):
 
     def forward(self, grad_output: torch.Tensor, input: torch.Tensor,
                 output: torch.Tensor) -> torch.Tensor:
-        dx = torch.empty(input.shape, dtype=input.dtype, device=input.device)
         x = _rows(input)
+        dx_rows, dx = output_rows(x, input)
         self._launch(input, _flat(grad_output.contiguous()), x, _flat(output.contiguous()),
-                     dx.view(x.shape) if x.numel() else dx)
+                     dx_rows)
         return dx
 
 
