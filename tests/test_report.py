@@ -161,20 +161,26 @@ def test_markdown_has_a_heading_per_op_and_a_line_per_row():
     assert len(headers) == 2
     assert headers[0].split(" | ")[1:] == ["dtype", "TileOPs us", "TFLOP/s", "TB/s",
                                            "SOL % (bound)", "best baseline (us)", "speed-up",
-                                           "spread: trials / runs |"]
+                                           "spread: trials / runs",
+                                           "host us/call (baseline's) |"]
     body = [line for line in lines if line.startswith("| llama")]
     assert len(body) == len(ROWS)
     assert body[0] == ("| llama3.1-8b prefill 4k tokens qkv_proj | bfloat16 | 272.4 | 757 | "
-                       "0.49 | 96% (compute) | cublas (260.1) | 0.95x | - |")
+                       "0.49 | 96% (compute) | cublas (260.1) | 0.95x | - | - |")
     assert body[2] == ("| llama3.1-8b prefill 8k tokens | bfloat16 | 37.8 | 3.55 | 3.55 | "
-                       "83% (memory) | torch-compile (41.9) | 1.11x | 1.2% |")
+                       "83% (memory) | torch-compile (41.9) | 1.11x | 1.2% | - |")
     assert text.index("### RMSNormFwdOp") > text.index(body[1])
+
+
+def test_markdown_shows_host_time_per_call_when_measured():
+    row = {**ROWS[2], "host_us": 21.04, "baseline_host_us": 14.9}
+    assert report.markdown_table([row]).splitlines()[-1].endswith("| 1.2% | 21.0 (14.9) |")
 
 
 def test_repeated_runs_show_trial_and_run_to_run_spreads():
     row = {**ROWS[2], "spread_pct": 2.0, "run_to_run_pct": 0.5}
     (line,) = [ln for ln in report.markdown_table([row]).splitlines() if ln.startswith("| llama")]
-    assert line.endswith("| 2.0% / 0.5% |")
+    assert line.endswith("| 2.0% / 0.5% | - |")
     props = dict(report._row_properties(row))
     assert props["spread_pct"] == "2.00" and props["run_to_run_pct"] == "0.50"
 

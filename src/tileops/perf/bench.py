@@ -10,7 +10,7 @@ import torch
 
 from .baselines import Baseline, baselines_for
 from .profiles import load_profile
-from .timing import WARM_SECONDS, measure_together
+from .timing import WARM_SECONDS, host_us_per_call, measure_together
 
 POOL_BYTES_LIMIT = 1 << 30  # inputs larger than this are not cloned into a pool
 TRIALS = 5  # per candidate, interleaved; the median trial is the result
@@ -41,6 +41,10 @@ class BenchRow:
     # them: whether a run-to-run gap is a drift within the run or a constant offset
     trials_us: list = field(default_factory=list)
     baseline_trials_us: list = field(default_factory=list)
+    # CPU time per eager call (launch included, device work overlapped): ours and the best
+    # baseline's; 0 when not measured
+    host_us: float = 0.0
+    baseline_host_us: float = 0.0
 
 
 def device_state() -> dict[str, int]:
@@ -122,11 +126,17 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
         else:
             base[name] = result.median_ms * 1e3
     best = min(base, key=base.get) if base else ""
+    # Host time only matters where the device time is short; long kernels get few calls so
+    # the launch queue never fills (see host_us_per_call).
+    calls = max(5, min(100, int(2e4 / max(latency, 1.0))))
+    host = host_us_per_call(candidates[OP_KEY], calls)
+    base_host = host_us_per_call(candidates[best], calls) if best else 0.0
     return BenchRow(op_cls.__name__, workload["label"], dtype, latency, flops / latency / 1e6,
                     nbytes / latency / 1e6, sol_s * 1e6, 100 * sol_s * 1e6 / latency, bound,
                     base, best, base[best] / latency if best else 0.0, timing.spread_pct,
                     timing.method, pool, gpu, state, [t * 1e3 for t in timing.trials_ms],
-                    [t * 1e3 for t in timings[best].trials_ms] if best else [])
+                    [t * 1e3 for t in timings[best].trials_ms] if best else [], host,
+                    base_host)
 
 
 def bench_cases(op_classes: list[Any], tier: str | None = None,
@@ -179,6 +189,8 @@ def merge_repeats(runs: list[list[dict]]) -> list[dict]:
             sol_pct=first["sol_pct"] * scale, runs_us=latencies,
             spread_pct=max(r.get("spread_pct") or 0.0 for r in case),
             run_to_run_pct=spread_pct(latencies),
+            host_us=statistics.median(r.get("host_us") or 0.0 for r in case),
+            baseline_host_us=statistics.median(r.get("baseline_host_us") or 0.0 for r in case),
             device_state_runs=[r.get("device_state") or {} for r in case],
             trials_us_runs=[r.get("trials_us") or [] for r in case],
             baseline_trials_us_runs=[r.get("baseline_trials_us") or [] for r in case],

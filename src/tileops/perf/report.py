@@ -239,8 +239,9 @@ def write_junit(rows: Iterable[Any], path: PathLike,
 # -- Markdown ---------------------------------------------------------------------------------
 
 MARKDOWN_HEADER = ("| workload | dtype | TileOPs us | TFLOP/s | TB/s | SOL % (bound) | "
-                   "best baseline (us) | speed-up | spread: trials / runs |\n"
-                   "|---|---|--:|--:|--:|--:|---|--:|--:|")
+                   "best baseline (us) | speed-up | spread: trials / runs | "
+                   "host us/call (baseline's) |\n"
+                   "|---|---|--:|--:|--:|--:|---|--:|--:|--:|")
 
 
 def _cell(text: str) -> str:
@@ -265,9 +266,14 @@ def _markdown_row(row: Row) -> str:
     spread = "-" if trials is None else f"{trials:.1f}%"
     if runs is not None:  # a --repeat run: the run-to-run spread after the trials'
         spread += f" / {runs:.1f}%"
+    host = "-"
+    if row.get("host_us"):  # rows from before host time was measured have none
+        host = f"{row['host_us']:.1f}"
+        if row.get("baseline_host_us"):
+            host += f" ({row['baseline_host_us']:.1f})"
     cells = [_cell(row["label"]), row["dtype"], f"{row['latency_us']:.1f}", _sig(row["tflops"]),
              f"{row['tbps']:.2f}", f"{row['sol_pct']:.0f}% ({row['bound']})", base, speedup,
-             spread]
+             spread, host]
     return "| " + " | ".join(cells) + " |"
 
 

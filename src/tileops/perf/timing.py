@@ -350,3 +350,22 @@ def call_latency_us(fn: Callable[[], object], calls: int = 200, graph: bool = Fa
         step()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 100) -> float:
+    """CPU microseconds one call takes to return: host work and launches, not device work.
+
+    The device is synchronized before and after the loop, never inside it, so kernels run
+    behind the host; `calls` times the launches per call must stay below the CUDA launch
+    queue (about 1000 entries), or the host waits for the device and the figure becomes
+    device time. Callers lower `calls` for long kernels.
+    """
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
