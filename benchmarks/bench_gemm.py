@@ -1,12 +1,12 @@
-"""GemmFwdOp against cuBLAS (torch.matmul) on the manifest workloads."""
+"""GemmFwdOp and tileops.linear (forward and backward) against cuBLAS through torch."""
 
 import pytest
 
-from tileops import GemmFwdOp
+from tileops import GemmFwdOp, LinearBwdOp, LinearFwdOp
 
-OP = GemmFwdOp
+OPS = [GemmFwdOp, LinearFwdOp, LinearBwdOp]
 
 
 @pytest.mark.gpu
-def test_gemm(bench, workload, dtype):
-    bench(OP, workload, dtype)
+def test_gemm(bench, op_cls, workload, dtype):
+    bench(op_cls, workload, dtype)

@@ -206,6 +206,20 @@ def _topk(dtype):  # k has no default; values sorted, indices point at them
     return values, ref.values
 
 
+def _linear(dtype):  # F.linear's defaults: no bias
+    x, w = randn(64, 512, dtype=dtype), randn(384, 512, dtype=dtype, std=512 ** -0.5)
+    return tileops.linear(x, w), F.linear(x, w)
+
+
+def _linear_grad(dtype):
+    x, w = randn(64, 512, dtype=dtype), randn(384, 512, dtype=dtype, std=512 ** -0.5)
+    ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = randn(64, 384, dtype=dtype)
+    tileops.linear(ours, w).backward(dy)
+    F.linear(ref, w).backward(dy)
+    return ours.grad, ref.grad
+
+
 # op name -> a function of the dtype returning (ours, reference), both with defaults only
 DEFAULT_CASES = {
     "RMSNormFwdOp": _rms_norm,
@@ -238,6 +252,8 @@ DEFAULT_CASES = {
     "LogsumexpBwdOp": _row_grad(tileops.logsumexp, torch.logsumexp),
     "CrossEntropyFwdOp": _cross_entropy,
     "CrossEntropyBwdOp": _cross_entropy_grad,
+    "LinearFwdOp": _linear,
+    "LinearBwdOp": _linear_grad,
 }
 
 

@@ -30,6 +30,7 @@ from .fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
 )
 from .gemm import GemmFwdOp, gemm
+from .linear import LinearBwdOp, LinearFwdOp, linear
 from .normalization import (
     FusedAddRMSNormBwdOp,
     FusedAddRMSNormFwdOp,
@@ -79,7 +80,7 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   SoftmaxFwdOp, SoftmaxBwdOp, LogSoftmaxFwdOp, LogSoftmaxBwdOp,
                                   LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
                                   CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
-                                  FusedLinearCrossEntropyFwdOp,
+                                  FusedLinearCrossEntropyFwdOp, LinearFwdOp, LinearBwdOp,
                                   ArgmaxFwdOp, TopkFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
@@ -95,5 +96,6 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "SoftmaxFwdOp", "SoftmaxBwdOp", "LogSoftmaxFwdOp", "LogSoftmaxBwdOp", "LogsumexpFwdOp",
            "LogsumexpBwdOp", "softmax", "log_softmax", "logsumexp", "CrossEntropyFwdOp",
            "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp", "cross_entropy",
-           "FusedLinearCrossEntropyFwdOp", "fused_linear_cross_entropy",
+           "FusedLinearCrossEntropyFwdOp", "fused_linear_cross_entropy", "LinearFwdOp",
+           "LinearBwdOp", "linear",
            "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk"]

@@ -560,6 +560,21 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
     libs = available_libraries()
     if op_name == "GemmFwdOp":
         return {"cublas": _cublas}
+    if op_name == "LinearFwdOp":  # F.linear: cuBLAS with the bias in its epilogue
+        return {"cublas": F.linear}
+    if op_name == "LinearBwdOp":  # (grad_output, input, weight): autograd's cuBLAS GEMMs
+        plain, biased = _graph_backward(F.linear, (0, 1)), _graph_backward(F.linear, (0, 1, 2))
+        biases: dict[int, torch.Tensor] = {}  # one bias per weight: the graphs stay cached
+
+        def linear_backward(grad_output, x, w, has_bias=False):
+            if not has_bias:
+                return plain(grad_output, x, w)
+            b = biases.get(w.data_ptr())
+            if b is None:  # made once, outside the timed calls that follow
+                b = biases[w.data_ptr()] = torch.zeros(w.shape[0], dtype=w.dtype,
+                                                       device=w.device)
+            return biased(grad_output, x, w, b)
+        return {"cublas": linear_backward}
     if op_name == "RMSNormFwdOp":
         table = {"torch-eager": _rms_norm_eager, "torch-compile": _rms_norm_compiled}
         if libs["liger_kernel"]:

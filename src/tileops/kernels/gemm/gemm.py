@@ -48,24 +48,31 @@ def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
     return -(-k_tiles // split_k)
 
 
-def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block_m: int,
-                 block_n: int, block_k: int, stages: int, threads: int, split_k: int,
-                 raster: int, stage_out: bool = True, accumulate: bool = False):
+def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool,
+                 block_m: int, block_n: int, block_k: int, stages: int, threads: int,
+                 split_k: int, raster: int, stage_out: bool = True, accumulate: bool = False,
+                 has_bias: bool = False):
     """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]. With
     `accumulate` it adds to d instead (d += op(a) @ op(b), one rounding per call): the
-    weight gradient of a chunked loss sums into its output without a temporary."""
+    weight gradient of a chunked loss sums into its output without a temporary. With
+    `has_bias` it adds bias[N] in the epilogue (split_k 1; the split-K reduce adds it
+    otherwise). k=None makes K symbolic, like M (a weight gradient reduces over tokens)."""
     m = T.dynamic("m")
+    if k is None:
+        k = T.dynamic("k")
+        tiles = T.ceildiv(k, block_k)  # split_k is 1 (the kernel forces it)
+    else:
+        tiles = k_tiles_per_split(k, block_k, split_k)
     a_shape = (k, m) if trans_a else (m, k)
     b_shape = (n, k) if trans_b else (k, n)
     a_tile = (block_k, block_m) if trans_a else (block_m, block_k)
     b_tile = (block_n, block_k) if trans_b else (block_k, block_n)
-    tiles = k_tiles_per_split(k, block_k, split_k)
     out_shape = (split_k, m, n) if split_k > 1 else (m, n)
     out_dtype = "float" if split_k > 1 else dtype
+    epilogue_bias = has_bias and split_k == 1
 
-    @T.prim_func
-    def gemm(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
-             d: T.Tensor(out_shape, out_dtype)):
+    @T.macro
+    def body(a, b, d, bias):
         with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), split_k,
                       threads=threads) as (bx, by, bz):
             a_shared = T.alloc_shared(a_tile, dtype)
@@ -92,22 +99,38 @@ def gemm_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool, block
                 T.gemm(a_shared, b_shared, acc_local, transpose_A=trans_a, transpose_B=trans_b)
             out = d[bz, by * block_m, bx * block_n] if split_k > 1 else d[
                 by * block_m, bx * block_n]
+            if epilogue_bias:
+                for i, j in T.Parallel(block_m, block_n):
+                    # columns past N read a valid bias entry; they are never stored
+                    acc_local[i, j] += T.cast(bias[T.min(bx * block_n + j, n - 1)], "float")
             if stage_out:
                 T.copy(acc_local, d_shared)
                 T.copy(d_shared, out)
             else:
                 T.copy(acc_local, out)
 
+    # Each parameter its own annotation object (a shared one would alias the buffers).
+    if epilogue_bias:
+        @T.prim_func
+        def gemm_bias(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
+                      bias: T.Tensor((n,), dtype), d: T.Tensor(out_shape, out_dtype)):
+            body(a, b, d, bias)
+        return gemm_bias
+
+    @T.prim_func
+    def gemm(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
+             d: T.Tensor(out_shape, out_dtype)):
+        body(a, b, d, None)
     return gemm
 
 
 def split_k_reduce_program(n: int, split_k: int, dtype: str, block_m: int = 4,
-                           block_n: int = 512, threads: int = 128):
-    """Sums the fp32 partials [split_k, M, N] into d[M, N] in the output dtype."""
+                           block_n: int = 512, threads: int = 128, has_bias: bool = False):
+    """Sums the fp32 partials [split_k, M, N] into d[M, N] in the output dtype (+ bias)."""
     m = T.dynamic("m")
 
-    @T.prim_func
-    def reduce(w: T.Tensor((split_k, m, n), "float"), d: T.Tensor((m, n), dtype)):
+    @T.macro
+    def body(w, bias, d):
         with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), threads=threads) as (bx, by):
             acc_local = T.alloc_fragment((block_m, block_n), "float")
             part_local = T.alloc_fragment((block_m, block_n), "float")
@@ -116,14 +139,29 @@ def split_k_reduce_program(n: int, split_k: int, dtype: str, block_m: int = 4,
                 T.copy(w[s, by * block_m, bx * block_n], part_local)
                 for i, j in T.Parallel(block_m, block_n):
                     acc_local[i, j] += part_local[i, j]
+            if has_bias:
+                for i, j in T.Parallel(block_m, block_n):
+                    acc_local[i, j] += T.cast(bias[T.min(bx * block_n + j, n - 1)], "float")
             T.copy(acc_local, d[by * block_m, bx * block_n])
 
+    if has_bias:
+        @T.prim_func
+        def reduce_bias(w: T.Tensor((split_k, m, n), "float"), bias: T.Tensor((n,), dtype),
+                        d: T.Tensor((m, n), dtype)):
+            body(w, bias, d)
+        return reduce_bias
+
+    @T.prim_func
+    def reduce(w: T.Tensor((split_k, m, n), "float"), d: T.Tensor((m, n), dtype)):
+        body(w, None, d)
     return reduce
 
 
 class GemmKernel(Kernel):
-    """key: dtype, n, k, trans_a, trans_b, and accumulate=True for d += op(a) @ op(b) (the
-    key of a plain GEMM leaves it out, so tuned entries keep their keys). Bucketed on M."""
+    """key: dtype, n, k, trans_a, trans_b; optional flags that a plain GEMM's key leaves out
+    (so tuned entries keep their keys): accumulate=True (d += op(a) @ op(b)), has_bias=True
+    (+ bias[N]), and k=None for a symbolic K (a weight gradient's token count). Bucketed on M.
+    Launch with (a, b, d), or (a, b, bias, d) with has_bias."""
 
     name = "gemm"
     Config = GemmConfig
@@ -143,24 +181,31 @@ class GemmKernel(Kernel):
         main = gemm_program(k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"],
                             config.block_m, config.block_n, config.block_k, config.stages,
                             config.threads, config.split_k, config.raster, config.stage_out,
-                            k.get("accumulate", False))
+                            k.get("accumulate", False), k.get("has_bias", False))
         if config.split_k == 1:
             return main
-        if k.get("accumulate", False):
-            raise ValueError("an accumulating GEMM takes split_k = 1 (its partials would "
-                             "each add d)")
-        return main, split_k_reduce_program(k["n"], config.split_k, k["dtype"])
+        if not self._splittable():
+            raise ValueError("an accumulating or symbolic-K GEMM takes split_k = 1")
+        return main, split_k_reduce_program(k["n"], config.split_k, k["dtype"],
+                                            has_bias=k.get("has_bias", False))
 
-    def run(self, config: GemmConfig, compiled: tuple, a, b, d) -> None:
+    def _splittable(self) -> bool:
+        # split-K partials would each add d; a symbolic K has no static split
+        return not self.key.get("accumulate", False) and self.key["k"] is not None
+
+    def run(self, config: GemmConfig, compiled: tuple, a, b, *rest) -> None:
+        *bias, d = rest  # (d) or (bias, d)
         if config.split_k == 1:
-            compiled[0](a, b, d)
+            compiled[0](a, b, *bias, d)
             return
         partial = d.new_empty((config.split_k, d.shape[0], d.shape[1]), dtype=torch.float32)
         compiled[0](a, b, partial)
-        compiled[1](partial, d)
+        compiled[1](partial, *bias, d)  # the reduce adds the bias, once
 
     def split_for(self, m: int, block_m: int, block_n: int, block_k: int) -> int:
         """Enough K splits for the grid to cover the SMs, each split keeping >= 4 K tiles."""
+        if not self._splittable():
+            return 1
         ctas = -(-self.key["n"] // block_n) * -(-m // block_m)
         k_tiles = -(-self.key["k"] // block_k)
         split = 1
@@ -176,7 +221,7 @@ class GemmKernel(Kernel):
             cfg = dict(block_m=128, block_n=128, block_k=64, stages=4, threads=256)
         else:
             cfg = dict(block_m=128, block_n=256, block_k=64, stages=3, threads=256)
-        split = 1 if self.key.get("accumulate", False) else self.split_for(
+        split = 1 if not self._splittable() else self.split_for(
             rows, cfg["block_m"], cfg["block_n"], cfg["block_k"])
         return GemmConfig(**cfg, split_k=split)
 
@@ -196,6 +241,6 @@ class GemmKernel(Kernel):
                     space.append(GemmConfig(bm, bn, 64, st, 256, 1, raster))
             for bm, bn in ((128, 256), (256, 128)):  # a 4th stage in the epilogue's space
                 space.append(GemmConfig(bm, bn, 64, 4, 256, 1, 8, stage_out=False))
-        if self.key.get("accumulate", False):
+        if not self._splittable():
             space = [c for c in space if c.split_k == 1]
         return [c for c in dict.fromkeys(space) if c.valid()]

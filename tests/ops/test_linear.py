@@ -1,0 +1,95 @@
+"""tileops.linear on the GPU against float32 references: forward with and without bias
+(epilogue and split-K reduce), leading dims, decode and odd token counts, both dtypes,
+gradients of input, weight and bias, torch.compile, and the backward's refusals."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tileops
+from tileops.errors import TileOpsError
+
+from ..helpers import assert_close, randn
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# (input shape, out features, bias, dtype): each a kernel path or a size boundary
+CASES = [
+    ((4096, 3584), 4608, True, BF16),      # Qwen2.5-7B qkv: bias in the epilogue
+    ((16, 3584), 4608, True, FP16),        # decode: split-K, the bias in the reduce
+    ((1, 4096), 4096, False, BF16),        # one token
+    ((2, 1000, 512), 1536, True, BF16),    # leading dims, a token count off the tiles
+    ((777, 256), 264, False, FP16),        # N not a multiple of the tile
+]
+
+
+def _ids(cases):
+    return [f"{'x'.join(map(str, s))}-N{n}-{'bias' if b else 'nobias'}-{str(d)[6:]}"
+            for s, n, b, d in cases]
+
+
+@pytest.mark.parametrize("shape, n, with_bias, dtype", CASES, ids=_ids(CASES))
+def test_forward_matches_float32(shape, n, with_bias, dtype):
+    x = randn(*shape, dtype=dtype)
+    w = randn(n, shape[-1], dtype=dtype, std=shape[-1] ** -0.5)
+    b = randn(n, dtype=dtype) if with_bias else None
+    y = tileops.linear(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert_close(y, ref, scale=2.0, what="linear")
+
+
+@pytest.mark.parametrize("shape, n, with_bias, dtype", CASES, ids=_ids(CASES))
+def test_gradients_match_float32(shape, n, with_bias, dtype):
+    x = randn(*shape, dtype=dtype)
+    w = randn(n, shape[-1], dtype=dtype, std=shape[-1] ** -0.5)
+    b = randn(n, dtype=dtype) if with_bias else None
+    dy = randn(*shape[:-1], n, dtype=dtype)
+    ours = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    refs = [t.float().requires_grad_() if t is not None else None for t in (x, w, b)]
+    tileops.linear(*ours).backward(dy)
+    F.linear(*refs).backward(dy.float())
+    tokens = x.numel() // shape[-1]
+    for name, got, want, terms in (("input", ours[0], refs[0], n),
+                                   ("weight", ours[1], refs[1], tokens),
+                                   ("bias", ours[2], refs[2], tokens)):
+        if got is not None:
+            # a gradient sums `terms` products: widen the absolute tolerance with sqrt(terms)
+            assert got.grad.dtype == dtype
+            assert_close(got.grad, want.grad, scale=max(1.0, terms ** 0.5 / 8),
+                         what=f"grad {name}")
+
+
+def test_token_counts_share_one_weight_gradient_program():
+    """dW's reduction runs over the tokens, a symbolic K: new token counts compile nothing."""
+    from tileops.kernels.base import Kernel
+
+    w = randn(1024, 512, dtype=BF16, std=512 ** -0.5).requires_grad_()
+    for tokens in (64, 100, 1000):
+        x = randn(tokens, 512, dtype=BF16).requires_grad_()
+        tileops.linear(x, w).sum().backward()
+        if tokens == 64:
+            before = Kernel.compile_count
+    assert Kernel.compile_count == before
+
+
+def test_backward_refuses_unaligned_sizes():
+    x = randn(64, 256, dtype=BF16).requires_grad_()
+    w = randn(264 + 3, 256, dtype=BF16).requires_grad_()
+    y = tileops.linear(x, w)  # the forward takes any N
+    with pytest.raises(TileOpsError, match="N % 8"):
+        y.sum().backward()
+
+
+def test_torch_compile_fullgraph():
+    x = randn(256, 512, dtype=BF16)
+    w = randn(768, 512, dtype=BF16, std=512 ** -0.5)
+    b = randn(768, dtype=BF16)
+    ours = [t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [t.float().requires_grad_() for t in (x, w, b)]
+    fn = torch.compile(lambda x, w, b: tileops.linear(x, w, b).square().sum(), fullgraph=True)
+    fn(*ours).backward()
+    F.linear(*refs).square().sum().backward()
+    for got, want in zip(ours, refs, strict=True):
+        assert_close(got.grad, want.grad, scale=8.0, what="compiled grad")
