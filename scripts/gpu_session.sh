@@ -4,8 +4,8 @@
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh [tests|all]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh bench [--family F ...] [--op OP] [--dtype D] [--workload TEXT] [--tier smoke]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh bench --tier models [--models NAME]... [--op OP] [--workload TEXT]
-#     (public models' GEMM and attention shapes; bench.md ends with the per-op summary and
-#     the shapes the ops refuse)
+#     (public models' GEMM, attention, norm, activation and loss shapes; bench.md ends with
+#     the per-op summary and the shapes the ops refuse)
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh breakdown OP [--workload TEXT ...] [--dtype D]

@@ -132,8 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--family", nargs="+", metavar="F", help="only these families")
     p.add_argument("--tier", choices=("smoke", "full", "models"), default="full",
                    help="smoke: the workloads marked smoke; full: every workload (default); "
-                        "models: the GEMM and attention shapes of public models "
-                        "(perf/models.yaml), bfloat16 unless --dtype says otherwise")
+                        "models: the GEMM, attention, norm, activation and loss shapes of "
+                        "public models (perf/models.yaml), bfloat16 unless --dtype says "
+                        "otherwise")
     p.add_argument("--dtype", nargs="+", metavar="D", help="only these dtypes")
     p.add_argument("--workload", metavar="TEXT", action="append",
                    help="only workloads whose label contains TEXT (repeatable)")

@@ -1,4 +1,5 @@
-"""The models tier: public model configs -> GEMM and attention workloads, and its summary
+"""The models tier: public model configs -> GEMM, attention, norm, activation and loss
+workloads, and its summary
 (CPU only: derivation, the Ops' meta-tensor checks, the report, the command line)."""
 
 import json
@@ -183,7 +184,7 @@ def test_bench_cases_of_the_models_tier_skip_refused_shapes_and_default_to_bf16(
     from tileops.ops import OP_CLASSES
     from tileops.perf.bench import bench_cases
 
-    ops = [OP_CLASSES[n] for n in (ATTENTION_FWD_OP, "RMSNormFwdOp")]
+    ops = [OP_CLASSES[n] for n in (ATTENTION_FWD_OP, "SoftmaxFwdOp")]  # softmax: no shapes
     cases = list(bench_cases(ops, "models", models=["phi", "llama3.2-1b"]))
     assert {c.__name__ for c, _, _ in cases} == {ATTENTION_FWD_OP}
     assert {d for _, _, d in cases} == {"bfloat16"}
@@ -265,7 +266,7 @@ def test_models_tier_parses_and_needs_a_gpu_in_one_line(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--models", "llama"], "--models selects model shapes: it needs --tier models"),
     (["--tier", "models", "--models", "gpt-5"], "no model matches --models gpt-5; models: "),
-    (["--tier", "models", "--op", "RMSNormFwdOp"], "the models tier covers GemmFwdOp, "),
+    (["--tier", "models", "--op", "SoftmaxFwdOp"], "the models tier covers GemmFwdOp, "),
     (["--tier", "models", "--dtype", "float8_e4m3fn"], "no workload of any op matches "),
 ])
 def test_models_tier_usage_errors(capsys, argv, message):
@@ -301,3 +302,29 @@ def test_models_tier_run_reports_summary_and_refusals(tmp_path, capsys, monkeypa
     assert "| GemmFwdOp |" in md and "0.50x | phi-2 qkv_proj 512 tokens" in md
     assert "| GroupedQueryAttentionFwdOp | 32/32 heads, head_dim 80, causal | phi-2 | 1 |" in md
     assert "model workloads refused by the current ops" in capsys.readouterr().out
+
+
+def test_layer_and_loss_ops_follow_each_models_norm_activation_and_vocab():
+    """Norms by each model's type and sizes (q/k norms for Qwen3 and Gemma-3, DeepSeek-V3's
+    latent norms), gated activations by its hidden_act, the loss by its vocabulary."""
+    rms = by_source("RMSNormFwdOp", "llama3.1-8b norm 4096 tokens")
+    assert rms["inputs"] == {"input": [4096, 4096], "weight": [4096]}
+    assert rms["params"] == {"normalized_shape": [4096]}
+    assert by_source("RMSNormFwdOp", "qwen3-8b k_norm 4096 tokens")["inputs"]["input"] == [
+        4096 * 8, 128]
+    assert by_source("RMSNormBwdOp", "deepseek-v3 kv_a_layernorm 16384 tokens")[
+        "inputs"]["input"] == [16384, 512]
+    assert not [w for w in models.model_workloads("RMSNormFwdOp") if "phi-2" in w["models"]]
+    assert by_source("LayerNormFwdOp", "phi-2 norm 4096 tokens")["inputs"]["bias"] == [2560]
+    silu = by_source("SiluAndMulFwdOp", "llama3.1-8b mlp 512 tokens")
+    assert silu["inputs"] == {"x": [512, 28672]} and silu["params"] == {}
+    gelu = by_source("GeluAndMulBwdOp", "gemma-2-9b mlp 4096 tokens")
+    assert gelu["params"] == {"approximate": "tanh"}
+    assert gelu["inputs"] == {"grad_out": [4096, 14336], "x": [4096, 28672]}
+    ce = {w["inputs"]["input"][1] for w in models.model_workloads("CrossEntropyFwdOp")}
+    assert {32000, 128256, 151936, 256000, 129280} <= ce
+    assert all(w["tokens"] in models.TRAINING_TOKENS
+               for op in ("CrossEntropyBwdOp", "RMSNormBwdOp")
+               for w in models.model_workloads(op))
+    head = by_source("FusedLinearCrossEntropyFwdOp", "llama3.1-8b lm head loss 4096 tokens")
+    assert head["inputs"]["weight"] == [128256, 4096]

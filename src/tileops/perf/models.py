@@ -1,8 +1,12 @@
-"""Model-shape coverage as data: the GEMM and attention workloads of public models.
+"""Model-shape coverage as data: the GEMM, attention, norm, activation and loss workloads of
+public models.
 
 `models.yaml` holds public model configs. From them this module derives every Linear layer
-(as GemmFwdOp workloads at several token counts) and every attention configuration (as
-GroupedQueryAttentionFwdOp / BwdOp workloads at several sequence lengths), deduplicated
+(as GemmFwdOp workloads at several token counts), every attention configuration (as
+GroupedQueryAttentionFwdOp / BwdOp workloads at several sequence lengths), every norm (by
+the model's norm type: the residual stream's, Qwen3 / Gemma-3 q/k norms, DeepSeek-V3's latent
+norms), the gated activation (by hidden_act) and the LM head's loss (by vocabulary),
+deduplicated
 across models, in the manifest's workload form, so `bench_workload` times them like
 manifest rows. A workload also carries `sources` (every "model layer" it stands for),
 `models` and `config` (what it is, without the token count).
@@ -30,7 +34,15 @@ MODELS_FILE = pathlib.Path(__file__).with_name("models.yaml")
 GEMM_OP = "GemmFwdOp"
 ATTENTION_FWD_OP = "GroupedQueryAttentionFwdOp"
 ATTENTION_BWD_OP = "GroupedQueryAttentionBwdOp"
-MODEL_OPS = (GEMM_OP, ATTENTION_FWD_OP, ATTENTION_BWD_OP)
+# the layer and loss ops, derived from hidden / intermediate / vocab sizes (see _layer_rows)
+NORM_OPS = ("RMSNormFwdOp", "RMSNormBwdOp", "FusedAddRMSNormFwdOp", "LayerNormFwdOp",
+            "LayerNormBwdOp")
+ACTIVATION_OPS = ("SiluAndMulFwdOp", "SiluAndMulBwdOp", "GeluAndMulFwdOp", "GeluAndMulBwdOp")
+LOSS_OPS = ("CrossEntropyFwdOp", "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp",
+            "FusedLinearCrossEntropyFwdOp")
+MODEL_OPS = (GEMM_OP, ATTENTION_FWD_OP, ATTENTION_BWD_OP, *NORM_OPS, *ACTIVATION_OPS,
+             *LOSS_OPS)
+TRAINING_TOKENS = (4096, 16384)  # backward and loss workloads: training steps only
 
 # GEMM M: one decode token up to a long prefill or a training micro-batch.
 TOKEN_COUNTS = (1, 8, 64, 512, 4096, 16384)
@@ -44,8 +56,8 @@ LONG_SEQ = 131072
 DTYPES = ["bfloat16", "float16"]  # what a workload may run in (`--dtype` picks)
 DEFAULT_DTYPES = ["bfloat16"]  # what the tier runs unless told: fp16 takes the same kernels
 
-_REQUIRED = ("source", "kind", "hidden", "mlp", "heads", "kv_heads", "head_dim", "layers",
-             "qkv", "gate_up")
+_REQUIRED = ("source", "kind", "hidden", "mlp", "norm", "act", "heads", "kv_heads",
+             "head_dim", "layers", "qkv", "gate_up")
 
 
 # -- configs ----------------------------------------------------------------------------------
@@ -244,12 +256,80 @@ def _attention_workloads(name: str, cfg: dict[str, Any],
                 "tokens": batch * seq}
 
 
+def _norm_rows(cfg: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(what, rows per token, normalized size) of every norm of one model's layers."""
+    rows = [("norm", 1, cfg["hidden"])]
+    if cfg.get("qk_norm"):
+        rows += [("q_norm", cfg["heads"], cfg["head_dim"]),
+                 ("k_norm", cfg["kv_heads"], cfg["head_dim"])]
+    mla = cfg.get("mla")
+    if mla:  # the low-rank latents are RMS-normalized too
+        rows += [("q_a_layernorm", 1, mla["q_lora_rank"]),
+                 ("kv_a_layernorm", 1, mla["kv_lora_rank"])]
+    return rows
+
+
+def _layer_workloads(op_name: str, name: str,
+                     cfg: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any]]]:
+    """Norms, gated activations and the loss, from the sizes of one model."""
+    training = op_name.endswith("BwdOp") or op_name in LOSS_OPS
+    tokens = [t for t in token_counts(cfg) if not training or t in TRAINING_TOKENS]
+    if op_name in NORM_OPS:
+        if (cfg["norm"] == "rms") != op_name.startswith(("RMSNorm", "FusedAddRMSNorm")):
+            return
+        for what, per_token, n in _norm_rows(cfg):
+            if op_name.startswith("FusedAdd") and what != "norm":
+                continue  # only the residual stream's norms take the fused add
+            for t in tokens:
+                x, label = [t * per_token, n], f"{name} {what} {t} tokens"
+                if op_name.startswith("FusedAdd"):
+                    inputs = {"input": x, "residual": x, "weight": [n]}
+                    yield label, {"inputs": inputs, "config": f"hidden {n}", "tokens": t}
+                    continue
+                inputs = {"input": x, "weight": [n]}
+                if op_name.startswith("LayerNorm"):
+                    inputs["bias"] = [n]
+                if op_name.endswith("BwdOp"):
+                    inputs = {"grad_output": x, **inputs}
+                yield label, {"inputs": inputs, "params": {"normalized_shape": [n]},
+                              "config": f"normalized {n}", "tokens": t}
+        return
+    if op_name in ACTIVATION_OPS:
+        act = "silu" if op_name.startswith("Silu") else "gelu_tanh"
+        inter = cfg.get("intermediate")
+        if cfg["mlp"] != "gated" or cfg["act"] != act or not inter:
+            return
+        params = {} if act == "silu" else {"approximate": "tanh"}
+        for t in tokens:
+            inputs = {"x": [t, 2 * inter]}
+            if op_name.endswith("BwdOp"):
+                inputs = {"grad_out": [t, inter], **inputs}
+            yield f"{name} mlp {t} tokens", {"inputs": inputs, "params": params,
+                                             "config": f"intermediate {inter}", "tokens": t}
+        return
+    vocab = cfg.get("vocab")
+    if not vocab or cfg["kind"] != "decoder":
+        return
+    for t in tokens:
+        if op_name == "FusedLinearCrossEntropyFwdOp":
+            inputs = {"hidden": [t, cfg["hidden"]], "weight": [vocab, cfg["hidden"]],
+                      "target": [t]}
+        else:
+            inputs = {"input": [t, vocab], "target": [t]}
+            if op_name == "CrossEntropyBwdOp":
+                inputs = {"grad_loss": [1], **inputs, "lse": [t]}
+        yield f"{name} lm head loss {t} tokens", {"inputs": inputs, "config": f"vocab {vocab}",
+                                                 "tokens": t}
+
+
 def _derive(op_name: str, name: str,
             cfg: dict[str, Any]) -> Iterable[tuple[str, dict[str, Any]]]:
     if op_name == GEMM_OP:
         return _gemm_workloads(name, cfg)
     if op_name in (ATTENTION_FWD_OP, ATTENTION_BWD_OP):
         return _attention_workloads(name, cfg, backward=op_name == ATTENTION_BWD_OP)
+    if op_name in NORM_OPS + ACTIVATION_OPS + LOSS_OPS:
+        return _layer_workloads(op_name, name, cfg)
     raise TileOpsValueError(f"the models tier has no workloads for {op_name}; it covers "
                             f"{', '.join(MODEL_OPS)}")
 
