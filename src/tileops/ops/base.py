@@ -109,7 +109,7 @@ class Op:
     def __call__(self, *inputs: Any) -> Any:
         """Runs the op on `inputs`, given in the manifest's input order."""
         if torch.compiler.is_compiling() or _needs_autograd(inputs):
-            return type(self).torch_op(*self._torch_op_args(inputs, self.params))
+            return self.through_custom_op(*inputs, **self.params)
         return self.run(*inputs)
 
     @classmethod
@@ -117,8 +117,21 @@ class Op:
         """The functional API's body: plain eager calls skip the dispatcher; traced calls
         and calls that autograd must record go through the custom op."""
         if torch.compiler.is_compiling() or _needs_autograd(inputs):
-            return cls.torch_op(*cls._torch_op_args(inputs, params))
+            return cls.through_custom_op(*inputs, **params)
         return cls.cached(**params).run(*inputs)
+
+    @classmethod
+    def through_custom_op(cls, *inputs: Any, **params: Any) -> Any:
+        """`torch.ops.tileops.<name>` on inputs (input order) and params. Backward formulas
+        call their backward op this way: under torch.compile's tracing of a backward only
+        the custom op is opaque (`apply` would take the eager path, grad being off)."""
+        return cls.torch_op(*cls._torch_op_args(inputs, params))
+
+    @classmethod
+    def grads_in_call_order(cls, **grads: Any) -> tuple:
+        """A backward formula's result: the gradients by input name, in the custom op's
+        argument order, None for params and for inputs not named."""
+        return tuple(grads.get(name) for name in cls.spec.call_order)
 
     @classmethod
     def _torch_op_args(cls, inputs: Sequence[Any], params: Mapping[str, Any]) -> list[Any]:

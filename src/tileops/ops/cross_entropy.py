@@ -154,9 +154,8 @@ def _backward(ctx, grad_loss, _grad_lse):
     x, target, lse = ctx.saved_tensors
     if grad_loss.dim() == 1 and grad_loss.shape[0] > 1 and grad_loss.stride(0) == 0:
         grad_loss = grad_loss[:1]  # a reduction's expanded scalar: the kernel broadcasts it
-    op = CrossEntropyBwdOp
-    grad = op.torch_op(*op._torch_op_args((grad_loss, x, target, lse), ctx.params))
-    return (grad,) + (None,) * (len(CrossEntropyFwdOp.spec.call_order) - 1)
+    grad = CrossEntropyBwdOp.through_custom_op(grad_loss, x, target, lse, **ctx.params)
+    return CrossEntropyFwdOp.grads_in_call_order(input=grad)
 
 
 torch.library.register_autograd(CrossEntropyFwdOp.torch_op, _backward, setup_context=_setup)

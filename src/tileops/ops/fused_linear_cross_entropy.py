@@ -157,7 +157,7 @@ def _backward(ctx, grad_loss, *_unused_output_grads):
     # allocates nothing the size of the weight
     grads = {"hidden": grad_hidden.mul_(scale), "weight": grad_weight.mul_(scale),
              "bias": grad_bias.mul_(scale) if ctx.has_bias else None}
-    return tuple(grads.get(name) for name in _OP.spec.call_order)
+    return _OP.grads_in_call_order(**grads)
 
 
 torch.library.register_autograd(_OP.torch_op, _backward, setup_context=_setup)

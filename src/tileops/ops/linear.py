@@ -110,10 +110,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_output):
     x, weight = ctx.saved_tensors
-    op = LinearBwdOp
-    dx, dw, db = op.torch_op(*op._torch_op_args((grad_output, x, weight),
-                                                {"has_bias": ctx.has_bias}))
-    return dx, dw, db if ctx.has_bias else None
+    dx, dw, db = LinearBwdOp.through_custom_op(grad_output, x, weight, has_bias=ctx.has_bias)
+    return LinearFwdOp.grads_in_call_order(input=dx, weight=dw,
+                                           bias=db if ctx.has_bias else None)
 
 
 torch.library.register_autograd(LinearFwdOp.torch_op, _backward, setup_context=_setup)

@@ -262,16 +262,16 @@ def _save_inputs(cls: type[Op], names: Sequence[str]):
 def _rms_norm_backward(ctx, grad_output):
     x, weight = ctx.saved_tensors
     shape, eps = ctx.args["normalized_shape"], ctx.args["eps"]
-    dx, dw = _dispatch(RMSNormBwdOp, grad_output, x, weight, normalized_shape=list(shape),
+    dx, dw = RMSNormBwdOp.through_custom_op(grad_output, x, weight, normalized_shape=list(shape),
                        eps=eps)
-    return _grads(RMSNormFwdOp, input=dx, weight=dw if weight is not None else None)
+    return RMSNormFwdOp.grads_in_call_order(input=dx, weight=dw if weight is not None else None)
 
 
 def _fused_add_backward(ctx, grad_output, grad_residual_out):
     h, weight = ctx.saved_tensors
-    dx, dw = _dispatch(FusedAddRMSNormBwdOp, grad_output, grad_residual_out, h, weight,
+    dx, dw = FusedAddRMSNormBwdOp.through_custom_op(grad_output, grad_residual_out, h, weight,
                        eps=ctx.args["eps"])
-    return _grads(FusedAddRMSNormFwdOp, input=dx, residual=dx, weight=dw)
+    return FusedAddRMSNormFwdOp.grads_in_call_order(input=dx, residual=dx, weight=dw)
 
 
 def _fused_add_setup(ctx, inputs, output):
@@ -282,22 +282,13 @@ def _fused_add_setup(ctx, inputs, output):
 
 def _layer_norm_backward(ctx, grad_output):
     x, weight, bias = ctx.saved_tensors
-    dx, dw, db = _dispatch(LayerNormBwdOp, grad_output, x, weight, bias,
+    dx, dw, db = LayerNormBwdOp.through_custom_op(grad_output, x, weight, bias,
                            normalized_shape=list(ctx.args["normalized_shape"]),
                            eps=ctx.args["eps"])
-    return _grads(LayerNormFwdOp, input=dx, weight=dw if weight is not None else None,
+    return LayerNormFwdOp.grads_in_call_order(input=dx, weight=dw if weight is not None else None,
                   bias=db if bias is not None else None)
 
 
-def _dispatch(cls: type[Op], *inputs: Any, **params: Any) -> Any:
-    """Calls `cls` through its custom op: a backward runs under autograd's tracing too
-    (torch.compile), where only the custom op is opaque."""
-    return cls.torch_op(*cls._torch_op_args(inputs, params))
-
-
-def _grads(cls: type[Op], **grads: Any) -> tuple:
-    """Gradients in the custom op's argument order; None for params and absent tensors."""
-    return tuple(grads.get(name) for name in cls.spec.call_order)
 
 
 torch.library.register_autograd(RMSNormFwdOp.torch_op, _rms_norm_backward,

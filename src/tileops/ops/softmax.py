@@ -156,12 +156,12 @@ def _save_output(ctx, inputs, output):
 
 def _softmax_backward(ctx, grad_output):
     (y,) = ctx.saved_tensors
-    return _call(SoftmaxBwdOp, grad_output, y, dim=ctx.dim), None
+    return SoftmaxBwdOp.through_custom_op(grad_output, y, dim=ctx.dim), None
 
 
 def _log_softmax_backward(ctx, grad_output):
     (y,) = ctx.saved_tensors
-    return _call(LogSoftmaxBwdOp, grad_output, y, dim=ctx.dim), None
+    return LogSoftmaxBwdOp.through_custom_op(grad_output, y, dim=ctx.dim), None
 
 
 def _save_lse(ctx, inputs, output):
@@ -172,12 +172,7 @@ def _save_lse(ctx, inputs, output):
 
 def _logsumexp_backward(ctx, grad_output):
     x, out = ctx.saved_tensors
-    return _call(LogsumexpBwdOp, grad_output, x, out, **ctx.params), None, None
-
-
-def _call(cls: type[Op], *inputs: Any, **params: Any) -> Any:
-    """Through the custom op: backward runs under autograd's tracing too (torch.compile)."""
-    return cls.torch_op(*cls._torch_op_args(inputs, params))
+    return LogsumexpBwdOp.through_custom_op(grad_output, x, out, **ctx.params), None, None
 
 
 torch.library.register_autograd(SoftmaxFwdOp.torch_op, _softmax_backward,
