@@ -62,14 +62,16 @@ def test_gradients_match_float32(shape, n, with_bias, dtype):
 
 
 def test_token_counts_share_one_weight_gradient_program():
-    """dW's reduction runs over the tokens, a symbolic K: new token counts compile nothing."""
+    """dW's reduction runs over the tokens, a symbolic K: new token counts compile nothing.
+    (The forward and dX GEMMs have one program per token bucket; these counts share the top
+    bucket, so any new program would be a dW recompile.)"""
     from tileops.kernels.base import Kernel
 
     w = randn(1024, 512, dtype=BF16, std=512 ** -0.5).requires_grad_()
-    for tokens in (64, 100, 1000):
+    for tokens in (1100, 1537, 3000):
         x = randn(tokens, 512, dtype=BF16).requires_grad_()
         tileops.linear(x, w).sum().backward()
-        if tokens == 64:
+        if tokens == 1100:
             before = Kernel.compile_count
     assert Kernel.compile_count == before
 
@@ -88,8 +90,14 @@ def test_torch_compile_fullgraph():
     b = randn(768, dtype=BF16)
     ours = [t.clone().requires_grad_() for t in (x, w, b)]
     refs = [t.float().requires_grad_() for t in (x, w, b)]
+    eager = [t.clone().requires_grad_() for t in (x, w, b)]
     fn = torch.compile(lambda x, w, b: tileops.linear(x, w, b).square().sum(), fullgraph=True)
     fn(*ours).backward()
+    tileops.linear(*eager).square().sum().backward()
     F.linear(*refs).square().sum().backward()
-    for got, want in zip(ours, refs, strict=True):
-        assert_close(got.grad, want.grad, scale=8.0, what="compiled grad")
+    for got, same, want in zip(ours, eager, refs, strict=True):
+        # The compiled graph runs the same kernels as eager: equal up to summation order.
+        assert_close(got.grad, same.grad, what="compiled grad vs eager")
+        # Against fp32, the upstream 2*y carries y's bf16 rounding (2^-9 relative) into
+        # sums over 256-768 terms: ~0.1 absolute at these magnitudes, hence the scale.
+        assert_close(got.grad, want.grad, scale=32.0, what="compiled grad vs fp32")
