@@ -25,6 +25,7 @@ from .cross_entropy import (
     CrossEntropyWithGradFwdOp,
     cross_entropy,
 )
+from .fp8 import GemmFp8FwdOp, QuantizeFp8FwdOp, gemm_fp8, quantize_fp8
 from .fused_linear_cross_entropy import (
     FusedLinearCrossEntropyFwdOp,
     fused_linear_cross_entropy,
@@ -81,7 +82,8 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
                                   CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
                                   FusedLinearCrossEntropyFwdOp, LinearFwdOp, LinearBwdOp,
-                                  ArgmaxFwdOp, TopkFwdOp)}
+                                  ArgmaxFwdOp, TopkFwdOp, QuantizeFp8FwdOp,
+                                  GemmFp8FwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -98,4 +100,5 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp", "cross_entropy",
            "FusedLinearCrossEntropyFwdOp", "fused_linear_cross_entropy", "LinearFwdOp",
            "LinearBwdOp", "linear",
-           "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk"]
+           "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk",
+           "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8"]

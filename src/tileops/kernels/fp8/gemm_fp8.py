@@ -1,0 +1,210 @@
+"""fp8 (e4m3) GEMM on Hopper: d[M, N] = (a[M, K] @ b[N, K]^T) * scales (+ bias), fp32
+accumulation, TMA loads, wgmma, warp-specialized pipeline, split-K for small M.
+
+Scalings (torch._scaled_mm's, with b given as the [N, K] weight):
+- "tensor": one scale each for a and b, applied in the epilogue;
+- "row": a per row of a (scale_a[M]), b per row of b (scale_b[N]), in the epilogue;
+- "block": DeepSeek-V3's: a in 1x128 groups, read M-major as scale_a[K/128, M]; b in 128x128
+  blocks, scale_b[ceil(N/128), K/128]. Each 128-wide K tile is accumulated by wgmma into a
+  fresh fragment, then promoted into the fp32 main accumulator multiplied by
+  scale_a[m, kt] * scale_b[n // 128, kt] (so the fp32 sum never sees an unscaled block).
+
+M (tokens) is symbolic and picks a bucket (the bf16 GEMM's buckets and split-K rule); N, K
+are compiled in. With split-K each split writes scaled fp32 partials and the bf16 GEMM's
+reduce kernel sums them (and adds the bias).
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+import torch
+
+from ..gemm.gemm import (
+    SMEM_LIMIT,
+    GemmConfig,
+    GemmKernel,
+    k_tiles_per_split,
+    split_k_reduce_program,
+)
+
+FP8 = "float8_e4m3fn"
+SCALE_BLOCK = 128  # DeepSeek-V3's quantization block (1x128 for a, 128x128 for b)
+SCALINGS = ("tensor", "row", "block")
+# Warpgroups split the tile by rows: each issues m64 x block_n wgmmas (the widest), and a
+# thread's rows, hence its per-row scales, are few.
+ROWS = T.GemmWarpPolicy.FullRow
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig(GemmConfig):
+    block_k: int = 128
+
+    def smem_bytes(self, elem_bytes: int = 1) -> int:
+        pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
+        out_bytes = 4 if self.split_k > 1 else 2
+        return pipeline + (self.block_m * self.block_n * out_bytes if self.stage_out else 0)
+
+    def valid(self) -> bool:
+        warps = self.threads // 32
+        return (self.smem_bytes() <= SMEM_LIMIT and warps % 4 == 0 and self.block_m >= 64
+                and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
+                and self.block_n % 64 == 0 and self.block_k % 32 == 0)
+
+
+def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: bool,
+                     block_m: int, block_n: int, block_k: int, stages: int, threads: int,
+                     split_k: int, raster: int, stage_out: bool, scale_a_m_major: bool = True):
+    """The main program: (a, b, scale_a, scale_b[, bias], d); with split_k > 1 d is the fp32
+    partials [split_k, M, N] (scaled; the reduce adds the bias). Block scaling reads scale_a
+    as [K/128, M] (M-major: a warp's rows are adjacent) or, without `scale_a_m_major`, as the
+    row-major [M, K/128]."""
+    m = T.dynamic("m")
+    block = scaling == "block"
+    if block:
+        assert block_k == SCALE_BLOCK and k % SCALE_BLOCK == 0
+    tiles = k_tiles_per_split(k, block_k, split_k)
+    k_blocks = k // SCALE_BLOCK
+    n_blocks = -(-n // SCALE_BLOCK)
+    sa_block = (k_blocks, m) if scale_a_m_major else (m, k_blocks)
+    sa_shape = {"tensor": (1,), "row": (m,), "block": sa_block}[scaling]
+    sb_shape = {"tensor": (1,), "row": (n,), "block": (n_blocks, k_blocks)}[scaling]
+    acc_dtype = "float"
+    d_dtype = "float" if split_k > 1 else out_dtype
+    d_shape = (split_k, m, n) if split_k > 1 else (m, n)
+    epilogue_bias = has_bias and split_k == 1
+
+    def row_of(by, i):  # rows and columns past the edges read valid entries, never stored
+        return T.min(by * block_m + i, m - 1)
+
+    def col_of(bx, j):
+        return T.min(bx * block_n + j, n - 1)
+
+    def a_scale(scale_a, kt, row):
+        return scale_a[kt, row] if scale_a_m_major else scale_a[row, kt]
+
+    @T.macro
+    def body(a, b, scale_a, scale_b, bias, d):
+        with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), split_k,
+                      threads=threads) as (bx, by, bz):
+            a_shared = T.alloc_shared((block_m, block_k), FP8)
+            b_shared = T.alloc_shared((block_n, block_k), FP8)
+            acc = T.alloc_fragment((block_m, block_n), acc_dtype)
+            if block:
+                part = T.alloc_fragment((block_m, block_n), acc_dtype)
+            if stage_out:
+                d_shared = T.alloc_shared((block_m, block_n), d_dtype)
+            if raster > 0:
+                T.use_swizzle(raster)
+            T.clear(acc)
+            for ko in T.Pipelined(tiles, num_stages=stages):
+                kt = bz * tiles + ko
+                T.copy(a[by * block_m, kt * block_k], a_shared)
+                T.copy(b[bx * block_n, kt * block_k], b_shared)
+                if block:
+                    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True,
+                           policy=ROWS)
+                    for i, j in T.Parallel(block_m, block_n):
+                        acc[i, j] += part[i, j] * (
+                            a_scale(scale_a, kt, row_of(by, i))
+                            * scale_b[col_of(bx, j) // SCALE_BLOCK, kt])
+                else:
+                    T.gemm(a_shared, b_shared, acc, transpose_B=True, policy=ROWS)
+            if scaling == "tensor":
+                for i, j in T.Parallel(block_m, block_n):
+                    acc[i, j] *= scale_a[0] * scale_b[0]
+            elif scaling == "row":
+                for i, j in T.Parallel(block_m, block_n):
+                    acc[i, j] *= scale_a[row_of(by, i)] * scale_b[col_of(bx, j)]
+            if epilogue_bias:
+                for i, j in T.Parallel(block_m, block_n):
+                    acc[i, j] += T.cast(bias[col_of(bx, j)], acc_dtype)
+            out = d[bz, by * block_m, bx * block_n] if split_k > 1 else d[
+                by * block_m, bx * block_n]
+            if stage_out:
+                T.copy(acc, d_shared)
+                T.copy(d_shared, out)
+            else:
+                T.copy(acc, out)
+
+    # Each parameter its own annotation object (a shared one would alias the buffers).
+    if epilogue_bias:
+        @T.prim_func
+        def gemm_fp8_bias(a: T.Tensor((m, k), FP8), b: T.Tensor((n, k), FP8),
+                          scale_a: T.Tensor(sa_shape, "float"),
+                          scale_b: T.Tensor(sb_shape, "float"),
+                          bias: T.Tensor((n,), out_dtype), d: T.Tensor(d_shape, d_dtype)):
+            body(a, b, scale_a, scale_b, bias, d)
+        return gemm_fp8_bias
+
+    @T.prim_func
+    def gemm_fp8(a: T.Tensor((m, k), FP8), b: T.Tensor((n, k), FP8),
+                 scale_a: T.Tensor(sa_shape, "float"), scale_b: T.Tensor(sb_shape, "float"),
+                 d: T.Tensor(d_shape, d_dtype)):
+        body(a, b, scale_a, scale_b, None, d)
+    return gemm_fp8
+
+
+class Fp8GemmKernel(GemmKernel):
+    """key: n, k, scaling, out_dtype, has_bias, scale_a_m_major. Buckets and the split-K
+    rule are the bf16 GEMM's (on M). Launch with (a, b, scale_a, scale_b[, bias], d)."""
+
+    name = "gemm_fp8"
+    Config = Fp8GemmConfig
+
+    def program(self, config: Fp8GemmConfig, bucket: str):
+        key = self.key
+        main = gemm_fp8_program(key["n"], key["k"], key["scaling"], key["out_dtype"],
+                                key["has_bias"], config.block_m, config.block_n,
+                                config.block_k, config.stages, config.threads, config.split_k,
+                                config.raster, config.stage_out, key["scale_a_m_major"])
+        if config.split_k == 1:
+            return main
+        return main, split_k_reduce_program(key["n"], config.split_k, key["out_dtype"],
+                                            has_bias=key["has_bias"])
+
+    def run(self, config: Fp8GemmConfig, compiled: tuple, a, b, scale_a, scale_b,
+            *rest) -> None:
+        *bias, d = rest  # (d) or (bias, d)
+        if config.split_k == 1:
+            compiled[0](a, b, scale_a, scale_b, *bias, d)
+            return
+        partial = d.new_empty((config.split_k, d.shape[0], d.shape[1]), dtype=torch.float32)
+        compiled[0](a, b, scale_a, scale_b, partial)
+        compiled[1](partial, *bias, d)
+
+    def _splittable(self) -> bool:
+        return True
+
+    def heuristic_config(self, bucket: str, arch: str) -> Fp8GemmConfig:
+        rows = self.bucket_rows(bucket)
+        block = self.key["scaling"] == "block"
+        if rows <= 64:
+            cfg = dict(block_m=64, block_n=128, block_k=128, stages=6, threads=128)
+        elif rows <= 256 or block:
+            # block scaling holds two fp32 accumulators: 128x128 is what fits the registers
+            cfg = dict(block_m=128, block_n=128, block_k=128, stages=5, threads=256)
+        else:
+            cfg = dict(block_m=128, block_n=256, block_k=128, stages=3, threads=256)
+        split = self.split_for(rows, cfg["block_m"], cfg["block_n"], cfg["block_k"])
+        return Fp8GemmConfig(**cfg, split_k=split)
+
+    def config_space(self, bucket: str) -> list[Fp8GemmConfig]:
+        rows = self.bucket_rows(bucket)
+        block = self.key["scaling"] == "block"
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        if rows <= 128:
+            block_m, threads = (64, 128) if rows <= 64 else (128, 256)
+            for bn in (64, 128, 256):
+                for st in (4, 6, 8):
+                    split = self.split_for(rows, block_m, bn, 128)
+                    for s in sorted({1, split, max(1, split // 2), split * 2}):
+                        space.append(Fp8GemmConfig(block_m, bn, 128, st, threads, s, 0))
+        else:
+            shapes = ((128, 128, 5), (128, 128, 6)) if block else (
+                (128, 256, 3), (256, 128, 3), (128, 128, 5))
+            for bm, bn, st in shapes:
+                for raster in (0, 8, 16):
+                    space.append(Fp8GemmConfig(bm, bn, 128, st, 256, 1, raster))
+                space.append(Fp8GemmConfig(bm, bn, 128, st + 1, 256, 1, 8, stage_out=False))
+        return [c for c in dict.fromkeys(space) if c.valid()]
+

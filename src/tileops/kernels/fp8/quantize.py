@@ -1,0 +1,239 @@
+"""fp8 (e4m3) quantization: x_fp8 = saturate(x / scale), scales in fp32.
+
+Granularities (x is [M, K]; M symbolic, K compiled in):
+- "group": one scale per row and `group` consecutive columns (DeepSeek-V3's 1x128 activation
+  groups). Scales are stored M-major, a [K / group, M] buffer, which the op returns as the
+  [M, K / group] view with strides (1, M): the layout torch._scaled_mm's blockwise path takes
+  and the one the block-scaled GEMM reads with coalesced loads.
+- "row": one scale per row ([M, 1]).
+- "tensor": one scale. Dynamic: a first kernel writes the absmax of each of `PARTIALS`
+  row slices, the quantizing kernel reduces those in every CTA (no atomics, no memset, no
+  host sync; deterministic).
+
+Dynamic scales are amax / 448 (torch's recipe), floored at AMAX_FLOOR / 448 so an all-zero
+group quantizes to zeros rather than 0 / 0. Static scales (given) are used as they come.
+Values are divided by the scale in fp32 (IEEE division, as torch) and rounded to nearest
+even by the `satfinite` conversion, which is the saturation: finite values and +-inf past
+448 become +-448, NaN stays NaN. (An explicit clamp would lose NaN: fminf(NaN, 448) = 448,
+and TileLang folds a `v != v` guard away.) So the result equals torch's
+`(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)` bit for bit, NaN included.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-12
+PARTIALS = 256  # row slices of the per-tensor absmax pass (~2 CTAs per H200 SM)
+FP8 = "float8_e4m3fn"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    block_m: int = 32
+    block_k: int = 128
+    threads: int = 128
+
+
+def _scale_of(amax):
+    return T.max(amax, AMAX_FLOOR) / E4M3_MAX
+
+
+def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: bool,
+                     block_m: int, block_k: int, threads: int):
+    """The quantizing kernel. Parameters by granularity and mode:
+    group/row dynamic: (x, y, scale_out[K/group or 1, M]); static: (x, scale, y, scale_out)
+    with the given scale in scale_out's layout, copied to it (so the op's scales output is
+    always its own tensor); tensor: (x, src, y, scale_out[1]) where src is the absmax
+    partials [PARTIALS] (dynamic) or the given scale [1] (static)."""
+    m = T.dynamic("m")
+    if granularity == "group":
+        block_k = group
+    n_groups = k // group if granularity == "group" else 1
+    k_tiles = k // block_k
+    # group: a CTA per (group, row block); row: a CTA per row block, looping over K;
+    # tensor: a CTA per (K tile, row block)
+    grid_k = 1 if granularity == "row" else k_tiles
+    tile = (block_m, block_k)
+
+    @T.macro
+    def store_quantized(x_local, y, row0, kt, scale_local):
+        y_local = T.alloc_fragment(tile, FP8)
+        for i, j in T.Parallel(block_m, block_k):
+            # the cast saturates (satfinite) and keeps NaN: see the module docstring
+            y_local[i, j] = T.cast(x_local[i, j], "float") / scale_local[i]
+        T.copy(y_local, y[row0, kt * block_k])
+
+    @T.macro
+    def row_absmax(x_local, amax_local, clear):
+        abs_local = T.alloc_fragment(tile, "float")
+        for i, j in T.Parallel(block_m, block_k):
+            abs_local[i, j] = T.abs(T.cast(x_local[i, j], "float"))
+        T.reduce_max(abs_local, amax_local, dim=1, clear=clear)
+
+    @T.macro
+    def per_row(x, y, scale_in, scale_out):
+        """group and row granularity: a scale per row of the tile."""
+        with T.Kernel(grid_k, T.ceildiv(m, block_m), threads=threads) as (bx, by):
+            row0 = by * block_m
+            scale_local = T.alloc_fragment((block_m,), "float")
+            x_local = T.alloc_fragment(tile, dtype)
+            if granularity == "group":  # the tile is the group: x is read once
+                T.copy(x[row0, bx * block_k], x_local)  # rows past M load as zero
+            if dynamic:
+                if granularity == "group":
+                    row_absmax(x_local, scale_local, True)
+                else:  # row: a first pass over K for the amax, the second re-reads (L2)
+                    T.clear(scale_local)
+                    for kt in T.serial(k_tiles):
+                        T.copy(x[row0, kt * block_k], x_local)
+                        row_absmax(x_local, scale_local, False)
+                for i in T.Parallel(block_m):
+                    scale_local[i] = _scale_of(scale_local[i])
+                    if row0 + i < m:
+                        scale_out[bx, row0 + i] = scale_local[i]
+            else:
+                for i in T.Parallel(block_m):
+                    scale_local[i] = scale_in[bx, T.min(row0 + i, m - 1)]
+                    if row0 + i < m:
+                        scale_out[bx, row0 + i] = scale_local[i]
+            if granularity == "group":
+                store_quantized(x_local, y, row0, bx, scale_local)
+            else:
+                for kt in T.serial(k_tiles):
+                    T.copy(x[row0, kt * block_k], x_local)
+                    store_quantized(x_local, y, row0, kt, scale_local)
+
+    @T.macro
+    def per_tensor(x, src, y, scale_out):
+        with T.Kernel(grid_k, T.ceildiv(m, block_m), threads=threads) as (bx, by):
+            scale_local = T.alloc_fragment((block_m,), "float")
+            if dynamic:
+                part_local = T.alloc_fragment((PARTIALS,), "float")
+                amax_local = T.alloc_fragment((1,), "float")
+                T.copy(src, part_local)
+                T.reduce_max(part_local, amax_local, dim=0)
+                for i in T.Parallel(block_m):
+                    scale_local[i] = _scale_of(amax_local[0])
+                if bx == 0 and by == 0:
+                    scale_out[0] = _scale_of(amax_local[0])
+            else:
+                for i in T.Parallel(block_m):
+                    scale_local[i] = src[0]
+                if bx == 0 and by == 0:
+                    scale_out[0] = src[0]
+            x_local = T.alloc_fragment(tile, dtype)
+            T.copy(x[by * block_m, bx * block_k], x_local)
+            store_quantized(x_local, y, by * block_m, bx, scale_local)
+
+    X, Y = (m, k), (m, k)
+    if granularity == "tensor":
+        src_shape = (PARTIALS,) if dynamic else (1,)
+
+        @T.prim_func
+        def quantize_tensor(x: T.Tensor(X, dtype), src: T.Tensor(src_shape, "float"),
+                            y: T.Tensor(Y, FP8), scale_out: T.Tensor((1,), "float")):
+            per_tensor(x, src, y, scale_out)
+        return quantize_tensor
+    S = (n_groups, m)
+    if dynamic:
+        @T.prim_func
+        def quantize_dynamic(x: T.Tensor(X, dtype), y: T.Tensor(Y, FP8),
+                             scale_out: T.Tensor(S, "float")):
+            per_row(x, y, None, scale_out)
+        return quantize_dynamic
+
+    @T.prim_func
+    def quantize_static(x: T.Tensor(X, dtype), scale: T.Tensor(S, "float"),
+                        y: T.Tensor(Y, FP8), scale_out: T.Tensor(S, "float")):
+        per_row(x, y, scale, scale_out)
+    return quantize_static
+
+
+def absmax_program(k: int, dtype: str, block_m: int, block_k: int, threads: int):
+    """Per-tensor amax, first pass: partial[p] = max |x| over the row blocks p, p + PARTIALS,
+    ... (a fixed grid, so any M runs without a recompile)."""
+    m = T.dynamic("m")
+    tile = (block_m, block_k)
+
+    @T.prim_func
+    def absmax(x: T.Tensor((m, k), dtype), partial: T.Tensor((PARTIALS,), "float")):
+        with T.Kernel(PARTIALS, threads=threads) as bx:
+            x_local = T.alloc_fragment(tile, dtype)
+            abs_local = T.alloc_fragment(tile, "float")
+            row_local = T.alloc_fragment((block_m,), "float")
+            all_local = T.alloc_fragment((1,), "float")
+            T.clear(row_local)
+            for t in T.serial(T.ceildiv(m, block_m * PARTIALS)):
+                row0 = (t * PARTIALS + bx) * block_m
+                for kt in T.serial(k // block_k):
+                    T.copy(x[row0, kt * block_k], x_local)
+                    for i, j in T.Parallel(block_m, block_k):
+                        abs_local[i, j] = T.abs(T.cast(x_local[i, j], "float"))
+                    T.reduce_max(abs_local, row_local, dim=1, clear=False)
+            T.reduce_max(row_local, all_local, dim=0)
+            partial[bx] = all_local[0]
+    return absmax
+
+
+def _block_k(k: int, widest: int = 512) -> int:
+    """The widest power-of-two chunk (16..widest) dividing K (K % 16 == 0)."""
+    bk = widest
+    while k % bk:
+        bk //= 2
+    return bk
+
+
+class QuantizeFp8Kernel(Kernel):
+    """key: dtype, k, granularity ('tensor' | 'row' | 'group'), group (the group size, 0
+    unless 'group'), dynamic. One bucket: rows are symbolic and every size fills the GPU
+    alike. Launch with (x, scale or None, y, scale_out)."""
+
+    name = "quantize_fp8"
+    Config = QuantConfig
+
+    def program(self, config: QuantConfig, bucket: str):
+        key = self.key
+        main = quantize_program(key["k"], key["dtype"], key["granularity"], key["group"],
+                                key["dynamic"], config.block_m, config.block_k, config.threads)
+        if key["granularity"] == "tensor" and key["dynamic"]:
+            return absmax_program(key["k"], key["dtype"], config.block_m, config.block_k,
+                                  config.threads), main
+        return main
+
+    def run(self, config: QuantConfig, compiled: tuple, x, scale, y, scale_out) -> None:
+        key = self.key
+        if key["granularity"] != "tensor":
+            if key["dynamic"]:
+                compiled[0](x, y, scale_out)
+            else:
+                compiled[0](x, scale, y, scale_out)
+            return
+        if key["dynamic"]:
+            partial = scale_out.new_empty(PARTIALS)
+            compiled[0](x, partial)
+            compiled[1](x, partial, y, scale_out)
+        else:
+            compiled[0](x, scale, y, scale_out)
+
+    def heuristic_config(self, bucket: str, arch: str) -> QuantConfig:
+        granularity, k = self.key["granularity"], self.key["k"]
+        if granularity == "group":  # a [32, group] tile per CTA
+            return QuantConfig(block_m=32, block_k=self.key["group"], threads=128)
+        if granularity == "row":  # 4 rows per CTA, K in chunks of up to 512
+            return QuantConfig(block_m=4, block_k=_block_k(k), threads=128)
+        return QuantConfig(block_m=16, block_k=_block_k(k), threads=128)
+
+    def config_space(self, bucket: str) -> list[QuantConfig]:
+        granularity, k = self.key["granularity"], self.key["k"]
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        if granularity == "group":
+            space += [QuantConfig(bm, self.key["group"], t)
+                      for bm in (8, 16, 32, 64) for t in (64, 128, 256)]
+        else:
+            space += [QuantConfig(bm, _block_k(k, bk), t) for bm in (1, 2, 4, 8, 16)
+                      for bk in (256, 512, 1024) for t in (64, 128, 256)]
+        return list(dict.fromkeys(space))
