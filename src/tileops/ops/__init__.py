@@ -25,6 +25,12 @@ from .cross_entropy import (
     CrossEntropyWithGradFwdOp,
     cross_entropy,
 )
+from .decode_attention import (
+    DecodeAttentionFwdOp,
+    KVCacheAppendFwdOp,
+    decode_attention,
+    kv_cache_append,
+)
 from .fp8 import GemmFp8FwdOp, QuantizeFp8FwdOp, gemm_fp8, quantize_fp8
 from .fused_linear_cross_entropy import (
     FusedLinearCrossEntropyFwdOp,
@@ -82,8 +88,8 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
                                   CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
                                   FusedLinearCrossEntropyFwdOp, LinearFwdOp, LinearBwdOp,
-                                  ArgmaxFwdOp, TopkFwdOp, QuantizeFp8FwdOp,
-                                  GemmFp8FwdOp)}
+                                  ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
+                                  KVCacheAppendFwdOp, QuantizeFp8FwdOp, GemmFp8FwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -101,4 +107,5 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "FusedLinearCrossEntropyFwdOp", "fused_linear_cross_entropy", "LinearFwdOp",
            "LinearBwdOp", "linear",
            "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk",
+           "DecodeAttentionFwdOp", "KVCacheAppendFwdOp", "decode_attention", "kv_cache_append",
            "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8"]

@@ -623,4 +623,10 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return _cross_entropy_baselines(op_name, libs)
     if op_name == "FusedLinearCrossEntropyFwdOp":
         return _linear_cross_entropy_baselines(libs)
+    if op_name in ("DecodeAttentionFwdOp", "KVCacheAppendFwdOp"):
+        from . import serving_baselines
+
+        return (serving_baselines.decode_attention_baselines(libs)
+                if op_name == "DecodeAttentionFwdOp"
+                else serving_baselines.kv_cache_append_baselines(libs))
     return {}

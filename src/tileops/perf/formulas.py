@@ -71,3 +71,28 @@ def attention_bwd(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: 
     nbytes = ((do.numel() + 2 * q.numel() + o.numel() + 2 * (k.numel() + v.numel()))
               * elem_bytes + lse.numel() * 4)
     return flops * 5 // 2, nbytes
+
+
+def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
+                     window_left: int, elem_bytes: int, **_: Any) -> tuple[int, int]:
+    """Decode over a KV cache: the K/V rows each request's queries can see are read once
+    (the window's span when one is set), q read and o written once, the lse, the lengths
+    and the block-table entries of the pages read. Lengths come from cache_seqlens' values;
+    on meta tensors every request is taken as full (the cache's capacity per request)."""
+    batch, seq_q, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if cache_seqlens.device.type == "meta":
+        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                    else k_cache.shape[1])
+        lengths = [capacity] * batch
+    else:
+        lengths = [int(n) for n in cache_seqlens.tolist()]
+    keys = [min(n, window_left + seq_q) if window_left >= 0 else n for n in lengths]
+    pairs = sum(visible_pairs(seq_q, n, window_left, 0) for n in lengths)
+    flops = 4 * heads * head_dim * pairs
+    nbytes = (2 * sum(keys) * kv_heads * head_dim + 2 * q.numel()) * elem_bytes
+    nbytes += q.numel() // head_dim * 4 + batch * 4
+    if block_table is not None:
+        page = k_cache.shape[1]
+        nbytes += sum(-(-n // page) for n in keys) * 4
+    return flops, nbytes

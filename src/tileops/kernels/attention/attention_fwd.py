@@ -336,8 +336,8 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                 -T.infinity("float"))
 
     return SimpleNamespace(alloc_state=alloc_state, state=state, share_sm=share_sm,
-                           tile_range=tile_range,
-                           init=init, key_loop=key_loop, finish=finish)
+                           tile_range=tile_range, init=init, key_loop=key_loop, finish=finish,
+                           online_softmax=online_softmax, rescale_output=rescale_output)
 
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,

@@ -1,0 +1,351 @@
+"""Decode attention over a KV cache: split-KV flash decoding with a combine step.
+
+q [B, Sq, H, D] (Sq = q_len, 1 for plain decoding, 2-8 for speculative decoding), the cache
+either paged, k/v [num_pages, page_size, Hkv, D] with block_table [B, max_pages], or
+contiguous, k/v [B, S_max, Hkv, D]; cache_seqlens [B] counts the keys of each request,
+its new tokens included. Query i of a request sits at position seqlen - Sq + i and sees the
+keys at or before it (bottom-right causal), and with a left window only those at most
+`window_left` positions behind it.
+
+One CTA owns one KV head of one request and one split of its keys; its rows are the query
+heads of the GQA group times the query tokens (row = token * group + head), padded to one
+64-row wgmma tile, so K and V are read once per KV head. A TMA producer streams K/V tiles
+(page by page when pages are shorter than a tile), the consumer warpgroup runs the forward's
+online softmax (`attention_fwd._attention_macros`). Each request's key tiles are divided
+evenly over the splits, so a short request's CTAs finish early and every split of a long one
+does the same work; nothing on the host reads cache_seqlens. A CTA with no tile in its split
+still walks one fully masked tile and writes a neutral partial (o = 0, lse = -inf).
+
+With one split the CTA writes o and lse directly; otherwise it writes fp32 partials and a
+second program merges them by their log-sum-exp.
+"""
+
+import math
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+from .attention_fwd import LOG2E, AttentionFwdConfig, _attention_macros
+
+ROWS = 64  # query rows per CTA: one wgmma warpgroup tile
+SMS = 132  # H200 SMs; the split rule aims at whole waves of them
+MAX_SPLITS = 64
+SWIZZLE_COLS = 64  # bf16/fp16 columns per 128-byte swizzle atom
+MAX_PIECES = 16  # TMA copies per paged tile: (pages per tile) x (head_dim / 64)
+MIN_TILES_PER_SPLIT = 2  # fewer and the combine and per-CTA setup outweigh the split
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 128  # keys per tile
+    stages: int = 2  # K/V tiles in flight per CTA
+
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        return (ROWS + 2 * self.stages * self.block_n) * head_dim * elem_bytes
+
+
+def row_blocks(heads: int, kv_heads: int, q_len: int) -> int:
+    """CTAs per (request, KV head) along the query rows."""
+    return -(-(heads // kv_heads) * q_len // ROWS)
+
+
+def choose_splits(batch: int, kv_heads: int, blocks: int, max_keys: int, block_n: int,
+                  sms: int = SMS) -> int:
+    """Splits per (request, KV head) from shapes only (no lengths read on the host).
+
+    The fewest splits whose CTAs fill the SMs in whole waves to within 85% of the best
+    fill, with at least MIN_TILES_PER_SPLIT key tiles per split at the longest length the
+    cache can hold: batch 1 at 128K keys with 8 KV heads gets 16 splits (128 CTAs, one
+    per SM), a batch that already fills the GPU gets 1 (no combine).
+    """
+    base = batch * kv_heads * blocks
+    most = max(1, min(MAX_SPLITS, -(-max_keys // block_n) // MIN_TILES_PER_SPLIT))
+    if base >= sms or most == 1:
+        return 1
+    fill = {s: base * s / (sms * math.ceil(base * s / sms)) for s in range(1, most + 1)}
+    # fill counts partial waves; a split count below one wave leaves SMs idle outright
+    score = {s: f * min(1.0, base * s / sms) for s, f in fill.items()}
+    best = max(score.values())
+    return min(s for s, f in score.items() if f >= 0.85 * best)
+
+
+def tile_keys(head_dim: int) -> int:
+    """Keys per tile of the default config (the split rule counts tiles of this size)."""
+    return 64 if head_dim >= 256 else 128
+
+
+def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_size: int,
+                   dtype: str, window_left: int, softcap: float, causal: bool, split: bool,
+                   config: DecodeConfig):
+    """The split kernel; `page_size` 0 means the contiguous cache. With `split`, writes
+    partials o_part [B, Sq, H, splits, D] and lse_part [B, Sq, H, splits] (fp32, natural
+    log); without, o [B, Sq, H, D] and lse [B, H, Sq]."""
+    group = heads // kv_heads
+    rows = group * q_len
+    blocks = row_blocks(heads, kv_heads, q_len)
+    block_n, stages = config.block_n, config.stages
+    paged = page_size > 0
+    batch, n_splits = T.dynamic("batch, n_splits")
+    if paged:
+        n_pages, max_pages = T.dynamic("n_pages, max_pages")
+        cache_shape = (n_pages, page_size, kv_heads, head_dim)
+    else:
+        max_pages = None
+        s_max = T.dynamic("s_max")
+        cache_shape = (batch, s_max, kv_heads, head_dim)
+    table_shape = (batch, max_pages) if paged else (1, 1)
+    q_shape = (batch, q_len, heads, head_dim)
+    fwd_config = AttentionFwdConfig(block_m=ROWS, block_n=block_n, stages=stages, threads=128)
+    step = _attention_macros(head_dim, dtype, -1, -1, softcap, fwd_config)
+
+    def key_range(seqlen):
+        """(first key tile, tiles) the request's queries can see."""
+        first_key = 0
+        if window_left >= 0:
+            first_key = T.max(seqlen - q_len - window_left, 0)
+        first = first_key // block_n
+        return first, T.max(T.ceildiv(seqlen, block_n) - first, 0)
+
+    def sees(i, key, seqlen, live):
+        """Whether row i's query sees `key` (and the tile is live)."""
+        position = seqlen - q_len + i // group
+        seen = live & (key <= position if causal else key < seqlen)
+        if window_left >= 0:
+            seen = seen & (key >= position - window_left)
+        return seen
+
+    def fully_visible(kv_start, seqlen):
+        """Every real row sees every key of the tile: the tile needs no mask."""
+        seen = kv_start + block_n <= (seqlen - q_len + 1 if causal else seqlen)
+        if window_left >= 0:
+            seen = seen & (kv_start >= seqlen - 1 - window_left)
+        return seen
+
+    chunks = 1 if not paged or page_size >= block_n else block_n // page_size
+    parts = head_dim // SWIZZLE_COLS
+    assert chunks == 1 or chunks * parts <= MAX_PIECES, (block_n, page_size, head_dim)
+
+    def tile_region(cache, table, b, tile, h):
+        """The cache rows of key tile `tile` when it lies in one page (or contiguous)."""
+        if not paged:
+            return cache[b, tile * block_n:(tile + 1) * block_n, h, :]
+        key0 = tile * block_n
+        # entries past the request's pages may be anything: TMA zero-fills a page index
+        # out of range, and such keys are masked
+        page = table[b, T.min(key0 // page_size, max_pages - 1)]
+        return cache[page, key0 % page_size:key0 % page_size + block_n, h, :]
+
+    def page_of(table, b, tile, c):
+        """Page `c` of key tile `tile` when pages are shorter than tiles."""
+        return table[b, T.min(tile * chunks + c, max_pages - 1)]
+
+    @T.macro
+    def load_piece(cache, table, b, tile, h, dst, piece):
+        if piece < chunks * parts:
+            c, part = piece // parts, piece % parts
+            cols = slice(part * SWIZZLE_COLS, (part + 1) * SWIZZLE_COLS)
+            T.copy(cache[page_of(table, b, tile, c), 0:page_size, h, cols],
+                   dst[c * page_size:(c + 1) * page_size, cols])
+
+    # A loop of copies would keep the key loop out of TileLang's warp specialization (no
+    # TMA, no pipelining), so a tile's page copies are written out, MAX_PIECES at most; each
+    # covers one page and 64 columns, a contiguous block of the 128-byte swizzled tile.
+    @T.macro
+    def load_tile(cache, table, b, tile, h, dst):
+        if chunks == 1:
+            T.copy(tile_region(cache, table, b, tile, h), dst)
+        else:
+            load_piece(cache, table, b, tile, h, dst, 0)
+            load_piece(cache, table, b, tile, h, dst, 1)
+            load_piece(cache, table, b, tile, h, dst, 2)
+            load_piece(cache, table, b, tile, h, dst, 3)
+            load_piece(cache, table, b, tile, h, dst, 4)
+            load_piece(cache, table, b, tile, h, dst, 5)
+            load_piece(cache, table, b, tile, h, dst, 6)
+            load_piece(cache, table, b, tile, h, dst, 7)
+            load_piece(cache, table, b, tile, h, dst, 8)
+            load_piece(cache, table, b, tile, h, dst, 9)
+            load_piece(cache, table, b, tile, h, dst, 10)
+            load_piece(cache, table, b, tile, h, dst, 11)
+            load_piece(cache, table, b, tile, h, dst, 12)
+            load_piece(cache, table, b, tile, h, dst, 13)
+            load_piece(cache, table, b, tile, h, dst, 14)
+            load_piece(cache, table, b, tile, h, dst, 15)
+
+    @T.macro
+    def scores(st, q_shared, k_shared, kv_start, seqlen, live, scale):
+        T.gemm(q_shared, k_shared, st.s, transpose_B=True, clear_accum=True,
+               policy=T.GemmWarpPolicy.FullRow)
+        if softcap > 0:
+            for i, j in T.Parallel(ROWS, block_n):
+                st.s[i, j] = T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E)
+        if T.Not(live & fully_visible(kv_start, seqlen)):
+            for i, j in T.Parallel(ROWS, block_n):
+                st.s[i, j] = T.if_then_else(sees(i, kv_start + j, seqlen, live), st.s[i, j],
+                                            -T.infinity("float"))
+
+    @T.macro
+    def attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st, b, h,
+               row0, split_index, n_split, scale):
+        """Q rows of this CTA, then the online softmax over its split's key tiles."""
+        for i, d in T.Parallel(ROWS, head_dim):
+            r = T.min(row0 + i, rows - 1)  # padding rows repeat the last row (never stored)
+            q_shared[i, d] = q[b, r // group, h * group + r % group, d]
+        seqlen = cache_seqlens[b]
+        first, n_tiles = key_range(seqlen)
+        per_split = T.ceildiv(n_tiles, n_split)
+        begin = first + split_index * per_split
+        mine = T.max(T.min(per_split, first + n_tiles - begin), 0)
+        step.init(st)
+        # an empty split walks one masked tile (its loads stay inside the table's row)
+        for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
+            tile = T.min(begin + t, T.max(first + n_tiles - 1, 0))
+            load_tile(k, block_table, b, tile, h, k_shared)
+            scores(st, q_shared, k_shared, (begin + t) * block_n, seqlen, t < mine, scale)
+            step.online_softmax(st, scale)
+            T.copy(st.s, st.p)
+            step.rescale_output(st)
+            load_tile(v, block_table, b, tile, h, v_shared)
+            T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+        step.finish(st, scale)
+
+    def head_of(r, h):
+        return h * group + r % group
+
+    if split:
+        @T.prim_func
+        def decode_split(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, dtype),
+                         v: T.Tensor(cache_shape, dtype),
+                         block_table: T.Tensor(table_shape, "int32"),
+                         cache_seqlens: T.Tensor((batch,), "int32"),
+                         o_part: T.Tensor((batch, q_len, heads, n_splits, head_dim), "float"),
+                         lse_part: T.Tensor((batch, q_len, heads, n_splits), "float"),
+                         scale: T.float32):
+            with T.Kernel(n_splits, kv_heads * blocks, batch, threads=128) as (sx, hy, b):
+                h = hy // blocks
+                row0 = hy % blocks * ROWS
+                q_shared = T.alloc_shared((ROWS, head_dim), dtype)
+                k_shared = T.alloc_shared((block_n, head_dim), dtype)
+                v_shared = T.alloc_shared((block_n, head_dim), dtype)
+                (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
+                 l_local, lse_local, hold, stale) = step.alloc_state()
+                st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
+                                row_sum, l_local, lse_local, hold, stale)
+                attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st,
+                       b, h, row0, sx, n_splits, scale)
+                for i, d in T.Parallel(ROWS, head_dim):
+                    if row0 + i < rows:
+                        o_part[b, (row0 + i) // group, head_of(row0 + i, h), sx, d] = st.o[i, d]
+                for i in T.Parallel(ROWS):
+                    if row0 + i < rows:
+                        lse_part[b, (row0 + i) // group, head_of(row0 + i, h), sx] = st.lse[i]
+
+        return decode_split
+
+    @T.prim_func
+    def decode_direct(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, dtype),
+                      v: T.Tensor(cache_shape, dtype),
+                      block_table: T.Tensor(table_shape, "int32"),
+                      cache_seqlens: T.Tensor((batch,), "int32"),
+                      o: T.Tensor(q_shape, dtype),
+                      lse: T.Tensor((batch, heads, q_len), "float"), scale: T.float32):
+        with T.Kernel(1, kv_heads * blocks, batch, threads=128) as (sx, hy, b):
+            h = hy // blocks
+            row0 = hy % blocks * ROWS
+            q_shared = T.alloc_shared((ROWS, head_dim), dtype)
+            k_shared = T.alloc_shared((block_n, head_dim), dtype)
+            v_shared = T.alloc_shared((block_n, head_dim), dtype)
+            (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
+             l_local, lse_local, hold, stale) = step.alloc_state()
+            st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
+                            row_sum, l_local, lse_local, hold, stale)
+            attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st, b,
+                   h, row0, sx, 1, scale)
+            for i, d in T.Parallel(ROWS, head_dim):
+                if row0 + i < rows:
+                    o[b, (row0 + i) // group, head_of(row0 + i, h), d] = st.o[i, d]
+            for i in T.Parallel(ROWS):
+                if row0 + i < rows:
+                    lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
+
+    return decode_direct
+
+
+def combine_program(heads: int, head_dim: int, q_len: int, dtype: str):
+    """o [B, Sq, H, D] and lse [B, H, Sq] from the splits' partials: weights
+    exp(lse_s - lse), lse the log-sum-exp of the splits'; no split saw a key -> 0, -inf."""
+    batch, n_splits = T.dynamic("batch, n_splits")
+    threads = max(32, head_dim // 2)
+
+    @T.prim_func
+    def decode_combine(o_part: T.Tensor((batch, q_len, heads, n_splits, head_dim), "float"),
+                       lse_part: T.Tensor((batch, q_len, heads, n_splits), "float"),
+                       o: T.Tensor((batch, q_len, heads, head_dim), dtype),
+                       lse: T.Tensor((batch, heads, q_len), "float")):
+        with T.Kernel(heads, q_len, batch, threads=threads) as (h, i, b):
+            acc = T.alloc_fragment((head_dim,), "float")
+            top = T.alloc_var("float")
+            total = T.alloc_var("float")
+            weight = T.alloc_var("float")
+            top = -T.infinity("float")
+            for s in T.serial(n_splits):
+                top = T.max(top, lse_part[b, i, h, s])
+            total = 0.0
+            T.clear(acc)
+            for s in T.serial(n_splits):
+                # -inf partials (empty splits) weigh 0; all -inf: top is -inf, skip them all
+                weight = T.if_then_else(top == -T.infinity("float"), 0.0,
+                                        T.exp2((lse_part[b, i, h, s] - top) * LOG2E))
+                total += weight
+                for d in T.Parallel(head_dim):
+                    acc[d] += weight * o_part[b, i, h, s, d]
+            for d in T.Parallel(head_dim):
+                o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
+            lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
+
+    return decode_combine
+
+
+class DecodeAttentionKernel(Kernel):
+    """key: dtype, heads, kv_heads, head_dim, q_len, page_size (0: contiguous), window_left
+    (-1: none), softcap (0: none), causal. Bucket: "direct" (one split) or "split"."""
+
+    name = "decode_attention"
+    Config = DecodeConfig
+
+    def program(self, config: DecodeConfig, bucket: str):
+        k = self.key
+        split = bucket == "split"
+        main = decode_program(k["heads"], k["kv_heads"], k["head_dim"], k["q_len"],
+                              k["page_size"], k["dtype"], k["window_left"], k["softcap"],
+                              k["causal"], split, config)
+        if not split:
+            return main
+        return main, combine_program(k["heads"], k["head_dim"], k["q_len"], k["dtype"])
+
+    def bucket_of(self, n_splits: int) -> str:
+        return "split" if n_splits > 1 else "direct"
+
+    def heuristic_config(self, bucket: str, arch: str) -> DecodeConfig:
+        # 64 KiB of K and V per stage at head_dim 128 (one CTA per SM, two stages in
+        # flight); head_dim 256 halves the tile to stay within shared memory
+        return DecodeConfig(block_n=tile_keys(self.key["head_dim"]), stages=2)
+
+    def config_space(self, bucket: str) -> list[DecodeConfig]:
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        for block_n in (64, 128):
+            for stages in (2, 3, 4):
+                space.append(DecodeConfig(block_n, stages))
+        return [c for c in dict.fromkeys(space)
+                if c.smem_bytes(self.key["head_dim"]) <= 227 * 1024
+                and (self.key["page_size"] == 0 or self.key["page_size"] >= c.block_n
+                     or c.block_n % self.key["page_size"] == 0)]
+
+    def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
+            o, lse, o_part, lse_part, scale: float) -> None:
+        if len(compiled) == 1:
+            compiled[0](q, k, v, block_table, cache_seqlens, o, lse, scale)
+        else:
+            compiled[0](q, k, v, block_table, cache_seqlens, o_part, lse_part, scale)
+            compiled[1](o_part, lse_part, o, lse)

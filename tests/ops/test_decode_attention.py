@@ -1,0 +1,298 @@
+"""DecodeAttentionFwdOp and KVCacheAppendFwdOp on the GPU, against an fp32 reference that
+gathers each request's pages and attends over its own length."""
+
+import math
+
+import pytest
+import torch
+
+import tileops
+from tileops import DecodeAttentionFwdOp, TileOpsError
+from tileops.kernels.attention.decode import DecodeAttentionKernel
+from tileops.kernels.base import Kernel
+
+from ..helpers import assert_close, poison, randn
+
+pytestmark = pytest.mark.gpu
+
+
+def make_cache(lengths, kv_heads, head_dim, dtype, page_size=None, spare_pages=3,
+               s_max=None):
+    """(k, v, cache_seqlens, block_table): a paged pool whose pages are handed out in a
+    shuffled order, the table's entries past each request's pages set to junk (-1 and out of
+    range), or a contiguous [B, S_max] cache (page_size None). Every row holds random data,
+    the rows past each length too."""
+    batch = len(lengths)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    if page_size is None:
+        s_max = s_max or max(max(lengths), 1)
+        k = randn(batch, s_max, kv_heads, head_dim, dtype=dtype)
+        v = randn(batch, s_max, kv_heads, head_dim, dtype=dtype)
+        return k, v, seqlens, None
+    need = [math.ceil(n / page_size) for n in lengths]
+    max_pages = max(max(need), 1) + 1
+    n_pages = sum(need) + spare_pages
+    k = randn(n_pages, page_size, kv_heads, head_dim, dtype=dtype)
+    v = randn(n_pages, page_size, kv_heads, head_dim, dtype=dtype)
+    order = torch.randperm(n_pages, device="cuda").to(torch.int32)
+    table = torch.full((batch, max_pages), -1, dtype=torch.int32, device="cuda")
+    table[:, -1] = n_pages + 7  # junk past the used pages: never read as data
+    used = 0
+    for b, count in enumerate(need):
+        table[b, :count] = order[used:used + count]
+        used += count
+    return k, v, seqlens, table
+
+
+def gathered(cache, table, b, n):
+    if table is None:
+        return cache[b, :n]
+    pages = table[b, :math.ceil(n / cache.shape[1])].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:n]
+
+
+def reference(q, k, v, seqlens, table, sm_scale=None, softcap=0.0, window_left=-1,
+              is_causal=True):
+    """o [B, Sq, H, D] (fp32) and lse [B, H, Sq], request by request."""
+    batch, seq_q, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    scale = sm_scale if sm_scale is not None else head_dim ** -0.5
+    o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, seq_q), -math.inf, device=q.device)
+    for b in range(batch):
+        n = int(seqlens[b])
+        if n == 0:
+            continue
+        kb = gathered(k, table, b, n).float().repeat_interleave(group, dim=1)  # [n, H, D]
+        vb = gathered(v, table, b, n).float().repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[b].float(), kb) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        keys = torch.arange(n, device=q.device)[None, :]
+        position = n - seq_q + torch.arange(seq_q, device=q.device)[:, None]
+        seen = torch.ones(seq_q, n, dtype=torch.bool, device=q.device)
+        if is_causal:
+            seen &= keys <= position
+        if window_left >= 0:
+            seen &= keys >= position - window_left
+        s = s.masked_fill(~seen, -math.inf)
+        row_lse = torch.logsumexp(s, dim=-1)  # [H, Sq]
+        p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)
+        o[b] = torch.einsum("hqk,khd->qhd", p, vb)
+        lse[b] = row_lse
+    return o, lse
+
+
+def check(lengths, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16, page_size=16,
+          seq_q=1, op=None, **params):
+    k, v, seqlens, table = make_cache(lengths, kv_heads, head_dim, dtype, page_size)
+    q = randn(len(lengths), seq_q, heads, head_dim, dtype=dtype)
+    op = op or DecodeAttentionFwdOp(**params)
+    o, lse = op(q, k, v, seqlens, table)
+    o_ref, lse_ref = reference(q, k, v, seqlens, table, **params)
+    assert_close(o, o_ref, scale=2.0, what="o")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "lse -inf rows"
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
+    return op
+
+
+MIXED = [1, 17, 300, 0, 1000, 2049, 64]  # a length of 1, 0, page multiples and not
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+def test_paged_mixed_lengths_every_page_size(page_size):
+    check(MIXED, page_size=page_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_head_dims_and_dtypes(head_dim, dtype):
+    check(MIXED, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (64, 8)])
+def test_gqa_ratios(heads, kv_heads):
+    check([5, 700, 4100], heads=heads, kv_heads=kv_heads, page_size=64)
+
+
+def test_direct_path_when_the_batch_fills_the_gpu():
+    """Enough (request, KV head) pairs for one split: no partials, no combine."""
+    lengths = [(37 * i) % 900 for i in range(80)]  # includes 0
+    op = check(lengths, page_size=32)
+    assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 1, 32), 80, 900) == 1
+
+
+def test_long_single_request_splits():
+    op = check([20000], page_size=64)
+    assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 1, 64), 1, 20032) > 8
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_contiguous_and_paged_agree_on_contiguous_cache(page_size):
+    check(MIXED, page_size=page_size)
+
+
+def test_softcap_and_sliding_window():
+    check([1, 90, 300, 2500], head_dim=256, heads=16, kv_heads=8, softcap=30.0,
+          sm_scale=0.0625, window_left=127)
+    check([1, 90, 300, 2500], window_left=0)  # only the query's own key
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("seq_q, heads", [(4, 32), (8, 128)])  # rows 32; 128 = two row blocks
+def test_speculative_query_tokens(seq_q, heads, is_causal):
+    check([4, 9, 300, 1500], heads=heads, kv_heads=8, seq_q=seq_q, is_causal=is_causal,
+          window_left=200 if is_causal else -1)
+
+
+def test_every_request_empty():
+    k, v, seqlens, table = make_cache([0, 0, 0], 2, 128, torch.bfloat16, 16)
+    q = randn(3, 1, 8, 128, dtype=torch.bfloat16)
+    o, lse = DecodeAttentionFwdOp()(q, k, v, seqlens, table)
+    assert torch.equal(o, torch.zeros_like(o))
+    assert torch.isinf(lse).all() and (lse < 0).all()
+
+
+def test_functional_api_single_token_and_lse():
+    k, v, seqlens, table = make_cache([33, 700], 2, 128, torch.float16, 16)
+    q = randn(2, 8, 128, dtype=torch.float16)
+    o, lse = tileops.decode_attention(q, k, v, seqlens, table, return_lse=True)
+    o_ref, lse_ref = reference(q[:, None], k, v, seqlens, table)
+    assert o.shape == q.shape and lse.shape == (2, 8)
+    assert_close(o, o_ref[:, 0], scale=2.0)
+    torch.testing.assert_close(lse, lse_ref[..., 0], atol=2e-3, rtol=1e-4)
+
+
+def test_outputs_are_fully_written():
+    """Poisoned buffers from the caching allocator must not leak into o or lse."""
+    for _ in range(2):
+        poison(torch.empty(1 << 22, device="cuda"))
+        torch.cuda.empty_cache()
+    check(MIXED)
+
+
+def test_cuda_graph_replay_with_new_lengths_and_tables():
+    lengths = [100, 2000, 5, 900]
+    k, v, seqlens, table = make_cache(lengths, 2, 128, torch.bfloat16, 16, spare_pages=200)
+    q = randn(4, 1, 8, 128, dtype=torch.bfloat16)
+    op = DecodeAttentionFwdOp()
+    op(q, k, v, seqlens, table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = op(q, k, v, seqlens, table)
+    for new_lengths in ([101, 2001, 6, 901], [0, 17, 2010, 1]):  # capacity 126 x 16
+        seqlens.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        table.copy_(torch.randint(0, k.shape[0], table.shape, dtype=torch.int32))
+        q.copy_(randn(*q.shape, dtype=q.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, lse_ref = reference(q, k, v, seqlens, table)
+        assert_close(o, o_ref, scale=2.0, what=f"o after replay with {new_lengths}")
+
+
+def test_runtime_sizes_do_not_recompile():
+    op = DecodeAttentionFwdOp()
+    check([3000], op=op, page_size=16)  # split program
+    check([50] * 80, op=op, page_size=16)  # direct program
+    before = Kernel.compile_count
+    for batch in (1, 2, 7, 33, 80, 130):
+        check([(97 * i + 13) % 3000 for i in range(batch)], op=op, page_size=16)
+    assert Kernel.compile_count == before
+
+
+def test_torch_compile_fullgraph():
+    k, v, seqlens, table = make_cache([40, 900], 2, 128, torch.bfloat16, 16)
+    q = randn(2, 8, 128, dtype=torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def f(q):
+        return tileops.decode_attention(q * 1, k, v, seqlens, table) * 2
+
+    assert_close(f(q), reference(q[:, None], k, v, seqlens, table)[0][:, 0] * 2, scale=4.0)
+
+
+def test_checked_mode_catches_bad_indices():
+    k, v, seqlens, table = make_cache([40, 900], 2, 128, torch.bfloat16, 16)
+    q = randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    op = DecodeAttentionFwdOp()
+    op.checked = True
+    op(q, k, v, seqlens, table)  # valid: passes
+    bad = table.clone()
+    bad[1, 0] = k.shape[0]
+    with pytest.raises(TileOpsError, match="block_table"):
+        op(q, k, v, seqlens, bad)
+    with pytest.raises(TileOpsError, match="cache_seqlens"):
+        op(q, k, v, torch.tensor([40, 10**6], dtype=torch.int32, device="cuda"), table)
+
+
+def test_non_contiguous_cache_is_refused():
+    k, v, seqlens, table = make_cache([40, 900], 2, 128, torch.bfloat16, 16)
+    pool = torch.stack([k, v], dim=1)  # [N, 2, page, Hkv, D]: k and v as strided views
+    q = randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(TileOpsError, match="k_cache"):
+        DecodeAttentionFwdOp()(q, pool[:, 0], pool[:, 1], seqlens, table)
+
+
+@pytest.mark.parametrize("config", DecodeAttentionKernel(
+    dtype="bfloat16", heads=8, kv_heads=2, head_dim=128, q_len=1, page_size=16,
+    window_left=-1, softcap=0.0, causal=True).config_space("split"), ids=str)
+def test_every_config_of_the_space(config):
+    k, v, seqlens, table = make_cache(MIXED, 2, 128, torch.bfloat16, 16)
+    q = randn(len(MIXED), 1, 8, 128, dtype=torch.bfloat16)
+    op = DecodeAttentionFwdOp()
+    op.pin_config(config, q, k, v, seqlens, table)
+    check(MIXED, op=op)
+
+
+# -- kv_cache_append ----------------------------------------------------------------------
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_kv_cache_append_writes_slots_in_place(dtype, slot_dtype):
+    n_pages, page, kv_heads, head_dim, tokens = 40, 16, 4, 128, 37
+    k_pages = randn(n_pages, page, kv_heads, head_dim, dtype=dtype)
+    v_pages = randn(n_pages, page, kv_heads, head_dim, dtype=dtype)
+    k_new = randn(tokens, kv_heads, head_dim, dtype=dtype)
+    v_new = randn(tokens, kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(n_pages * page, device="cuda")[:tokens]
+    slots[::5] = -1  # padding tokens: skipped
+    k_ref, v_ref = k_pages.clone(), v_pages.clone()
+    keep = slots >= 0
+    k_ref.view(-1, kv_heads, head_dim)[slots[keep]] = k_new[keep]
+    v_ref.view(-1, kv_heads, head_dim)[slots[keep]] = v_new[keep]
+    k_ptr = k_pages.data_ptr()
+    assert tileops.kv_cache_append(k_new, v_new, k_pages, v_pages, slots.to(slot_dtype)) is None
+    assert k_pages.data_ptr() == k_ptr
+    assert torch.equal(k_pages, k_ref) and torch.equal(v_pages, v_ref)
+
+
+def test_kv_cache_append_then_decode():
+    """The engine's step: append the new token at slot cache_seqlens - 1, then attend."""
+    lengths = [9, 300, 1]
+    k, v, seqlens, table = make_cache(lengths, 2, 64, torch.bfloat16, 32)
+    k_new, v_new = (randn(3, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    last = seqlens.long() - 1
+    slots = table.long().gather(1, (last // 32)[:, None])[:, 0] * 32 + last % 32
+    tileops.kv_cache_append(k_new, v_new, k, v, slots)
+    for b, n in enumerate(lengths):
+        assert torch.equal(gathered(k, table, b, n)[-1], k_new[b])
+    check_q = randn(3, 1, 8, 64, dtype=torch.bfloat16)
+    o, _ = DecodeAttentionFwdOp()(check_q, k, v, seqlens, table)
+    assert_close(o, reference(check_q, k, v, seqlens, table)[0], scale=2.0)
+
+
+def test_kv_cache_append_torch_compile():
+    k_pages = randn(8, 16, 2, 128, dtype=torch.bfloat16)
+    v_pages = randn(8, 16, 2, 128, dtype=torch.bfloat16)
+    k_new, v_new = (randn(3, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([5, -1, 100], device="cuda")
+
+    @torch.compile(fullgraph=True)
+    def f(k_new, v_new):
+        tileops.kv_cache_append(k_new, v_new, k_pages, v_pages, slots)
+
+    f(k_new, v_new)
+    assert torch.equal(k_pages.view(-1, 2, 128)[5], k_new[0])
+    assert torch.equal(v_pages.view(-1, 2, 128)[100], v_new[2])

@@ -1,0 +1,137 @@
+"""Serving attention without a GPU: op-layer errors, meta outputs, torch.compile tracing,
+the roofline against a hand count, the split rule, and (marker `compile`) the generated CUDA
+of the paged program."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import DecodeAttentionFwdOp, KVCacheAppendFwdOp, TileOpsTypeError, TileOpsValueError
+from tileops.kernels.attention.decode import SMS, DecodeAttentionKernel, choose_splits
+
+from ..helpers import meta
+
+BF16 = torch.bfloat16
+
+
+def paged(batch=4, heads=32, kv_heads=8, head_dim=128, page=16, n_pages=64, max_pages=16,
+          seq_q=1):
+    return (meta(batch, seq_q, heads, head_dim), meta(n_pages, page, kv_heads, head_dim),
+            meta(n_pages, page, kv_heads, head_dim), meta(batch, dtype=torch.int32),
+            meta(batch, max_pages, dtype=torch.int32))
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("inputs, pattern", [
+    (paged(heads=30), r"DecodeAttentionFwdOp: argument 'k_cache': expected shapes "
+                      r"satisfying `H % Hkv == 0`"),
+    (paged(head_dim=96), r"argument 'q': expected shapes satisfying "
+                         r"`D in \(64, 128, 256\)`"),
+    (paged(page=24), r"argument 'block_table': expected shapes satisfying "
+                     r"`block_table is None or S in \(16, 32, 64, 128, 256\)`"),
+    (paged(seq_q=17), r"argument 'q': expected shapes satisfying `1 <= Sq <= 16`"),
+    (paged()[:3] + (meta(5, dtype=torch.int32), paged()[4]),
+     r"argument 'cache_seqlens': expected shapes satisfying `Bs == B`"),
+    (paged()[:4] + (meta(3, 16, dtype=torch.int32),),
+     r"argument 'block_table': expected shapes satisfying `block_table is None or "
+     r"\(block_table.ndim == 2 and block_table.shape\[0\] == B\)`"),
+    (paged()[:4] + (None,), r"argument 'block_table': expected shapes satisfying "
+                            r"`block_table is not None or N == B`, got block_table=None, N=64"),
+])
+def test_bad_shapes_name_the_argument(inputs, pattern):
+    with pytest.raises(TileOpsValueError, match=pattern):
+        DecodeAttentionFwdOp()(*inputs)
+
+
+@pytest.mark.smoke
+def test_bad_dtypes_and_params():
+    q, k, v, lens, table = paged()
+    with pytest.raises(TileOpsTypeError, match="argument 'cache_seqlens': expected dtype int32"):
+        DecodeAttentionFwdOp()(q, k, v, meta(4, dtype=torch.int64), table)
+    with pytest.raises(TileOpsTypeError, match="argument 'k_cache'"):
+        DecodeAttentionFwdOp()(q, meta(64, 16, 8, 128, dtype=torch.float16), v, lens, table)
+    with pytest.raises(TileOpsValueError, match="argument 'softcap'"):
+        DecodeAttentionFwdOp(softcap=-1.0)(q, k, v, lens, table)
+    with pytest.raises(TileOpsValueError, match="argument 'window_left'"):
+        DecodeAttentionFwdOp(window_left=-2)(q, k, v, lens, table)
+
+
+@pytest.mark.smoke
+def test_meta_outputs_and_functional_shapes():
+    q, k, v, lens, table = paged(seq_q=4)
+    o, lse = DecodeAttentionFwdOp()(q, k, v, lens, table)
+    assert o.shape == (4, 4, 32, 128) and o.dtype == BF16
+    assert lse.shape == (4, 32, 4) and lse.dtype == torch.float32
+    o, lse = tileops.decode_attention(meta(4, 32, 128), meta(4, 4096, 8, 128),
+                                      meta(4, 4096, 8, 128), lens, return_lse=True)
+    assert o.shape == (4, 32, 128) and lse.shape == (4, 32)
+
+
+@pytest.mark.smoke
+def test_torch_compile_traces_through_the_custom_ops():
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, k, v, lens, table, k_new):
+        tileops.kv_cache_append(k_new, k_new, k, v, meta(4, dtype=torch.int64))
+        return tileops.decode_attention(q * 2, k, v, lens, table, window_left=255) + 1
+
+    q, k, v, lens, table = paged()
+    out = step(q[:, 0], k, v, lens, table, meta(4, 8, 128))
+    assert out.shape == (4, 32, 128)
+
+
+@pytest.mark.smoke
+def test_roofline_counts_the_rows_each_length_reads():
+    q, k, v, _, table = paged(batch=3, page=16, n_pages=64, max_pages=20)
+    lens = torch.tensor([1, 100, 300], dtype=torch.int32)  # values on the CPU
+    op = DecodeAttentionFwdOp()
+    flops, nbytes = op.eval_roofline(q, k, v, lens, table)
+    kv = 2 * (1 + 100 + 300) * 8 * 128 * 2
+    pages = (1 + 7 + 19) * 4
+    assert nbytes == kv + 2 * 3 * 32 * 128 * 2 + 3 * 32 * 4 + 3 * 4 + pages
+    assert flops == 4 * 32 * 128 * 401
+    windowed = DecodeAttentionFwdOp(window_left=63).eval_roofline(q, k, v, lens, table)[1]
+    assert windowed == nbytes - 2 * (300 - 64 + 100 - 64) * 8 * 128 * 2 - (19 - 4 + 7 - 4) * 4
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("batch, kv_heads, max_keys, low, high", [
+    (1, 8, 131072, SMS, 4 * SMS),  # batch 1 at 128K: (nearly) whole waves of CTAs
+    (8, 8, 32768, SMS, 4 * SMS),
+    (64, 8, 4096, 1, 1),  # 512 CTAs already: no split
+    (256, 8, 1024, 1, 1),
+    (1, 8, 256, 1, 8),  # two tiles: few splits however empty the GPU
+])
+def test_split_rule_fills_the_gpu(batch, kv_heads, max_keys, low, high):
+    splits = choose_splits(batch, kv_heads, 1, max_keys, 128)
+    if low == high == 1:
+        assert splits == 1
+    elif high <= 8:
+        assert splits <= 1
+    else:
+        assert low * 0.9 <= batch * kv_heads * splits <= high
+
+
+@pytest.mark.smoke
+def test_kv_cache_append_checks():
+    k_new, pages = meta(4, 8, 128), meta(64, 16, 8, 128)
+    k_out, v_out = KVCacheAppendFwdOp()(k_new, k_new, pages, pages,
+                                        meta(4, dtype=torch.int64))
+    assert k_out.shape == pages.shape
+    with pytest.raises(TileOpsValueError, match="argument 'slot_mapping'"):
+        KVCacheAppendFwdOp()(k_new, k_new, pages, pages, meta(5, dtype=torch.int64))
+    with pytest.raises(TileOpsValueError, match="argument 'k_pages'"):
+        KVCacheAppendFwdOp()(k_new, k_new, meta(64, 16, 4, 128), pages,
+                             meta(4, dtype=torch.int64))
+
+
+@pytest.mark.compile
+@pytest.mark.full
+def test_paged_program_uses_tma_and_wgmma():
+    """Pages of 16 keys: eight page copies per 128-key tile, still by TMA, warp-specialized."""
+    kernel = DecodeAttentionKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                   q_len=1, page_size=16, window_left=-1, softcap=0.0,
+                                   causal=True)
+    compiled = kernel.compile(kernel.heuristic_config("split", "sm_90a"), "split")
+    source = compiled[0].get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source, source
+    assert "warpgroup_reg_alloc" in source  # a producer warpgroup feeds the consumers
