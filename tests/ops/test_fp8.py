@@ -1,0 +1,298 @@
+"""quantize_fp8 and gemm_fp8 on the GPU.
+
+quantize_fp8 is compared with torch's recipe bit for bit (amax / 448, x / scale, clamp,
+cast), NaN and saturation included. gemm_fp8 is compared with an fp32 GEMM of the
+dequantized inputs (a.float() * scale_a, b.float() * scale_b): the kernel's only errors are
+fp32 summation order and the final rounding, so the bf16/fp16 tolerances of
+tests/helpers.py hold for every scaling (module docstring of tileops.ops.fp8).
+"""
+
+import pytest
+import torch
+
+import tileops
+from tileops import GemmFp8FwdOp, QuantizeFp8FwdOp
+from tileops.kernels.base import Kernel
+
+from ..helpers import assert_close, randn
+
+pytestmark = pytest.mark.gpu
+
+E4M3 = torch.float8_e4m3fn
+FLOOR = 1e-12 / 448.0
+
+
+# -- references ---------------------------------------------------------------------------
+def ref_scales(x, granularity, group=128):
+    """torch's dynamic scales (NaN left out of the amax, as the kernel's fmaxf does)."""
+    a = torch.where(torch.isnan(x), 0.0, x.float().abs())
+    if granularity == "tensor":
+        amax = a.amax()
+    elif granularity == "row":
+        amax = a.amax(-1, keepdim=True)
+    else:
+        amax = a.unflatten(-1, (-1, group)).amax(-1)
+    return amax.clamp(min=1e-12) / 448.0
+
+
+def expand(scale, x, granularity, group=128):
+    if granularity == "group":
+        return scale.repeat_interleave(group, -1)
+    return scale
+
+
+def ref_quantize(x, granularity, group=128, scale=None):
+    s = ref_scales(x, granularity, group) if scale is None else scale.float()
+    y = (x.float() / expand(s, x, granularity, group)).clamp(-448.0, 448.0).to(E4M3)
+    return y, s
+
+
+def assert_same_fp8(got, want):
+    g, w = got.float(), want.float()
+    assert torch.equal(torch.isnan(g), torch.isnan(w)), "NaN positions differ"
+    ok = ~torch.isnan(w)
+    bad = (g[ok] != w[ok]).sum().item()
+    assert bad == 0, f"{bad} of {w.numel()} fp8 values differ"
+
+
+# -- quantize_fp8 -------------------------------------------------------------------------
+@pytest.mark.parametrize("granularity", ["tensor", "row", "group"])
+@pytest.mark.parametrize("rows", [1, 7, 100, 1001])
+def test_quantize_dynamic_matches_torch(granularity, rows):
+    # rows of very different magnitudes, so a scale taken from the wrong row shows
+    x = randn(rows, 1024, dtype=torch.bfloat16) * torch.logspace(
+        -3, 3, rows, device="cuda")[:, None].to(torch.bfloat16)
+    y, s = tileops.quantize_fp8(x, granularity)
+    want_y, want_s = ref_quantize(x, granularity)
+    assert s.shape == want_s.shape
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert_same_fp8(y, want_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quantize_input_dtypes(dtype):
+    x = randn(300, 2048, dtype=dtype, std=10.0)
+    y, s = tileops.quantize_fp8(x, "group")
+    want_y, want_s = ref_quantize(x, "group")
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert_same_fp8(y, want_y)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "group"])
+def test_quantize_static(granularity):
+    x = randn(2, 150, 1024, dtype=torch.bfloat16)
+    shape = {"tensor": (), "row": (2, 150, 1), "group": (2, 150, 8)}[granularity]
+    # small scales: many values saturate at +-448
+    scale = torch.rand(shape, device="cuda") * 0.01 + 1e-3
+    y, s = tileops.quantize_fp8(x, granularity, scale=scale)
+    want_y, _ = ref_quantize(x, granularity, scale=scale)
+    assert (want_y.float().abs() == 448).any()
+    assert_same_fp8(y, want_y)
+    assert torch.equal(s, scale) and s.data_ptr() != scale.data_ptr()
+
+
+def test_quantize_special_values():
+    """NaN stays in its element, +-inf and huge values saturate (static), an all-zero
+    group gets the floor scale and zeros."""
+    x = randn(64, 512, dtype=torch.bfloat16)
+    x[3, 5] = float("nan")
+    x[4, 0:128] = 0.0
+    y, s = tileops.quantize_fp8(x, "group")
+    want_y, want_s = ref_quantize(x, "group")
+    assert torch.isnan(y[3, 5].float()) and s[4, 0].item() == pytest.approx(FLOOR)
+    assert not torch.isnan(y[3, 6].float()) and bool((y[4, :128].float() == 0).all())
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert_same_fp8(y, want_y)
+    x[5, 7], x[6, 8], x[7, 9] = float("inf"), float("-inf"), 3e38
+    scale = torch.tensor(0.01, device="cuda")
+    y, _ = tileops.quantize_fp8(x, "tensor", scale=scale)
+    assert y[5, 7].float().item() == 448 and y[6, 8].float().item() == -448
+    assert torch.isnan(y[3, 5].float())
+    assert_same_fp8(y, ref_quantize(x, "tensor", scale=scale)[0])
+
+
+def test_quantize_every_element_written():
+    """Kernel-level launch into NaN-poisoned outputs (0x7f is e4m3's NaN)."""
+    op = QuantizeFp8FwdOp(granularity="group")
+    for rows in (1001, 5):
+        x = randn(rows, 1024, dtype=torch.bfloat16)
+        y = torch.full((rows, 1024), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
+        s = torch.full((8, rows), float("nan"), device="cuda")
+        kernel = op.get_kernel("quantize", x.device, **op._kernel_key(x.dtype, 1024, True))
+        kernel(rows, x, None, y, s)
+        want_y, want_s = ref_quantize(x, "group")
+        torch.testing.assert_close(s.t(), want_s, rtol=0, atol=0)
+        assert_same_fp8(y, want_y)
+
+
+def test_quantize_non_contiguous_and_leading_dims():
+    base = randn(3, 40, 2048, dtype=torch.bfloat16)
+    x = base[:, :, ::2]  # strided: copied
+    y, s = tileops.quantize_fp8(x, "row")
+    want_y, want_s = ref_quantize(x, "row")
+    assert y.shape == x.shape and s.shape == (3, 40, 1)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert_same_fp8(y, want_y)
+
+
+def test_quantize_empty():
+    y, s = tileops.quantize_fp8(randn(0, 256, dtype=torch.bfloat16))
+    assert y.shape == (0, 256) and s.item() == pytest.approx(FLOOR)
+
+
+# -- gemm_fp8 -----------------------------------------------------------------------------
+def quantized(rows, k, kind, std=1.0, loud=True):
+    """(fp8 tensor, scales, dequantized fp32) via torch's recipe. Rows (and K blocks) of
+    very different magnitudes, so a wrong scale index fails loudly."""
+    x = torch.randn(rows, k, device="cuda") * std
+    if loud:
+        x *= torch.exp(torch.randn(rows, 1, device="cuda"))
+        x *= torch.exp(torch.randn(1, k // 128, device="cuda")).repeat_interleave(128, 1)
+    if kind == "weight_block":  # 128x128 blocks, scale [ceil(rows / 128), k / 128]
+        nb = -(-rows // 128)
+        padded = torch.zeros(nb * 128, k, device="cuda")
+        padded[:rows] = x
+        blocks = padded.view(nb, 128, k // 128, 128)
+        s = blocks.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+        q = (blocks / s[:, None, :, None]).clamp(-448, 448).to(E4M3).view(nb * 128, k)[:rows]
+        deq = (q.float().view(-1, k // 128, 128)
+               * s.repeat_interleave(128, 0)[:rows, :, None]).view(rows, k)
+        return q.contiguous(), s, deq
+    granularity = {"tensor": "tensor", "row": "row", "block": "group"}[kind]
+    q, s = ref_quantize(x, granularity)
+    return q, s, q.float() * expand(s, q, granularity)
+
+
+def make_gemm(m, n, k, scaling):
+    a, sa, da = quantized(m, k, {"tensor": "tensor", "row": "row", "block": "block"}[scaling])
+    b_kind = {"tensor": "tensor", "row": "row", "block": "weight_block"}[scaling]
+    b, sb, db = quantized(n, k, b_kind, std=k ** -0.5)
+    return a, b, sa, sb, da @ db.t()
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m", [1, 7, 100, 1001])  # decode split-K, m128 and prefill buckets
+def test_gemm_matches_dequantized_reference(scaling, m):
+    a, b, sa, sb, ref = make_gemm(m, 576, 1024, scaling)  # N: 4.5 blocks of 128
+    assert_close(tileops.gemm_fp8(a, b, sa, sb), ref)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m", [1, 1001])
+def test_gemm_fp16_output_and_bias(scaling, m):
+    a, b, sa, sb, ref = make_gemm(m, 576, 1024, scaling)
+    bias = randn(576, dtype=torch.float16)
+    out = tileops.gemm_fp8(a, b, sa, sb, torch.float16, bias)
+    assert out.dtype == torch.float16
+    assert_close(out, ref + bias.float())
+
+
+def test_gemm_block_m_major_scales_from_quantize_fp8():
+    """The serving path: activations quantized by quantize_fp8 (M-major 1x128 scales, read
+    in place) times a 128x128 block-scaled weight."""
+    for m in (7, 1001):
+        x = randn(m, 1024, dtype=torch.bfloat16)
+        a, sa = tileops.quantize_fp8(x, "group")
+        assert sa.stride() == (1, m)
+        b, sb, db = quantized(3000, 1024, "weight_block", std=1024 ** -0.5)
+        ref = (a.float() * sa.repeat_interleave(128, -1)) @ db.t()
+        assert_close(tileops.gemm_fp8(a, b, sa, sb), ref)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_gemm_every_element_written(scaling):
+    """Kernel-level launches into NaN-poisoned outputs, prefill and split-K buckets."""
+    n, k = 576, 1024
+    op = GemmFp8FwdOp()
+    for m in (1001, 7):
+        a, b, sa, sb, ref = make_gemm(m, n, k, scaling)
+        kernel = op.get_kernel("gemm_fp8", a.device,
+                               **op._kernel_key(n, k, scaling, False, False))
+        d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        sa_k = sa.reshape(-1).contiguous() if scaling != "block" else sa
+        sb_k = sb.reshape(-1).contiguous() if scaling != "block" else sb
+        kernel(m, a, b, sa_k, sb_k, d)
+        assert_close(d, ref)
+
+
+def test_gemm_matches_torch_scaled_mm():
+    """Where torch._scaled_mm takes the same scaling, the results agree."""
+    for scaling in ("tensor", "row"):
+        a, b, sa, sb, _ = make_gemm(1001, 1024, 2048, scaling)
+        want = torch._scaled_mm(a, b.t(), sa, sb.t() if scaling == "row" else sb,
+                                out_dtype=torch.bfloat16)
+        assert_close(tileops.gemm_fp8(a, b, sa, sb), want.float())
+
+
+def test_gemm_non_contiguous_inputs():
+    a, b, sa, sb, ref = make_gemm(300, 576, 1024, "row")
+    wide = torch.empty(300, 2048, dtype=E4M3, device="cuda")
+    wide[:, ::2] = a
+    a_strided = wide[:, ::2]  # copied
+    assert not a_strided.is_contiguous()
+    assert_close(tileops.gemm_fp8(a_strided, b, sa, sb), ref)
+    b_t = b.t().contiguous().t()  # a transposed view of [K, N] storage: copied
+    assert_close(tileops.gemm_fp8(a, b_t, sa, sb), ref)
+
+
+def test_gemm_empty_and_zero_k():
+    b = torch.zeros(256, 64, device="cuda").to(E4M3)
+    one = torch.ones((), device="cuda")
+    assert tileops.gemm_fp8(torch.zeros(0, 64, device="cuda").to(E4M3), b, one, one).shape == (
+        0, 256)
+
+
+def test_gemm_runtime_m_does_not_recompile():
+    """Every token count reuses its bucket's program (and split-K reduce)."""
+    n, k = 576, 1024
+    b, sb, db = quantized(n, k, "weight_block", std=k ** -0.5)
+    sizes = [300, 511, 777, 1000, 1500, 2048, 3001, 4096]
+    for m in (300, 777, 3001):  # one call per bucket first (m512, m1024, large)
+        a, sa, _ = quantized(m, k, "block")
+        tileops.gemm_fp8(a, b, sa, sb)
+    before = Kernel.compile_count
+    for m in sizes:
+        a, sa, da = quantized(m, k, "block")
+        assert_close(tileops.gemm_fp8(a, b, sa, sb), da @ db.t(), what=f"M={m}")
+    assert Kernel.compile_count == before
+
+
+def test_gemm_torch_compile_and_cuda_graph():
+    a, b, sa, sb, ref = make_gemm(16, 1024, 2048, "row")
+    f = torch.compile(lambda *t: tileops.gemm_fp8(*t) * 2, fullgraph=True)
+    assert_close(f(a, b, sa, sb), ref * 2)
+    tileops.gemm_fp8(a, b, sa, sb)  # load the modules before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tileops.gemm_fp8(a, b, sa, sb)
+    a2, _, da2 = quantized(16, 2048, "row", loud=False)
+    a.copy_(a2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, (a.float() * sa) @ (b.float() * sb).t())
+
+
+def test_quantize_torch_compile():
+    x = randn(64, 1024, dtype=torch.bfloat16)
+    y, s = torch.compile(lambda t: tileops.quantize_fp8(t, "group"), fullgraph=True)(x)
+    want_y, want_s = ref_quantize(x, "group")
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert_same_fp8(y, want_y)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("bucket", ["m16", "large"])
+def test_every_config_of_the_block_space(bucket):
+    """The tuner may ship any config of the space: each must be right on tails."""
+    n, k = 576, 1024
+    m = 7 if bucket == "m16" else 1001
+    a, b, sa, sb, ref = make_gemm(m, n, k, "block")
+    from tileops.kernels.fp8 import Fp8GemmKernel
+
+    space = Fp8GemmKernel(n=n, k=k, scaling="block", out_dtype="bfloat16", has_bias=False,
+                          scale_a_m_major=False).config_space(bucket)
+    for config in space:
+        op = GemmFp8FwdOp()
+        op.pin_config(config, a, b, sa, sb, None)
+        assert_close(op(a, b, sa, sb), ref, what=str(config))

@@ -1,0 +1,107 @@
+"""quantize_fp8 and gemm_fp8 without a GPU: meta outputs (shapes, dtypes, the M-major group
+scale layout), errors that name the op and argument, the kernels a call runs, rooflines."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import GemmFp8FwdOp, QuantizeFp8FwdOp
+from tileops.errors import TileOpsError
+
+from ..helpers import meta
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8(*shape):
+    return meta(*shape, dtype=E4M3)
+
+
+def f32(*shape):
+    return torch.empty(shape, dtype=torch.float32, device="meta")
+
+
+def test_quantize_meta_outputs():
+    x = meta(2, 100, 7168)
+    y, s = tileops.quantize_fp8(x)
+    assert y.shape == x.shape and y.dtype == E4M3 and s.shape == () and s.dtype == torch.float32
+    assert tileops.quantize_fp8(x, "row")[1].shape == (2, 100, 1)
+    y, s = tileops.quantize_fp8(x, "group")
+    assert s.shape == (2, 100, 56)
+    assert s.stride() == (100, 1, 200)  # M-major: what torch._scaled_mm's blockwise path takes
+    assert tileops.quantize_fp8(meta(64, 256), "group", 64)[1].stride() == (1, 64)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: tileops.quantize_fp8(meta(4, 100)), "QuantizeFp8FwdOp.*'x'.*multiple of 16"),
+    (lambda: tileops.quantize_fp8(meta(4, 192), "group"), "'x'.*group_size=128"),
+    (lambda: tileops.quantize_fp8(meta(4, 256), "block"), "'granularity'.*one of"),
+    (lambda: tileops.quantize_fp8(meta(4, 256), "group", 100), "'group_size'"),
+    (lambda: tileops.quantize_fp8(meta(4, 256, dtype=E4M3)), "'x'.*dtype"),
+    (lambda: tileops.quantize_fp8(meta(4, 256), "row", 128, f32(4, 2)),
+     "'scale'.*\\(4, 1\\).*got \\(4, 2\\)"),
+    (lambda: tileops.quantize_fp8(meta(4, 256), "tensor", 128, f32(2)), "'scale'"),
+    (lambda: tileops.quantize_fp8(meta(4, 256), "tensor", 128, meta(1)), "'scale'.*dtype"),
+])
+def test_quantize_errors(call, match):
+    with pytest.raises(TileOpsError, match=match):
+        call()
+
+
+def test_gemm_meta_output_and_scalings():
+    a, b = fp8(100, 7168), fp8(576, 7168)
+    out = tileops.gemm_fp8(a, b, f32(), f32())
+    assert out.shape == (100, 576) and out.dtype == torch.bfloat16
+    assert tileops.gemm_fp8(a, b, f32(100, 1), f32(576, 1), torch.float16).dtype == torch.float16
+    op = GemmFp8FwdOp()
+    for sa, sb, scaling in ((f32(1), f32(1), "tensor"), (f32(100, 1), f32(576, 1), "row"),
+                            (f32(100, 56), f32(5, 56), "block")):
+        ((_, key, m),) = op.kernels_for(op.check([a, b, sa, sb, None]))
+        assert (key["scaling"], key["n"], key["k"], m) == (scaling, 576, 7168, 100)
+    # quantize_fp8's group scales are M-major: read in place
+    m_major = f32(56, 100).t()
+    ((_, key, _),) = op.kernels_for(op.check([a, b, m_major, f32(5, 56), None]))
+    assert key["scale_a_m_major"]
+    ((_, key, _),) = op.kernels_for(op.check([a, b, f32(100, 56), f32(5, 56), meta(576)]))
+    assert not key["scale_a_m_major"] and key["has_bias"]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: tileops.gemm_fp8(meta(4, 256), fp8(128, 256), f32(), f32()), "'a'.*dtype"),
+    (lambda: tileops.gemm_fp8(fp8(4, 256), meta(128, 256, dtype=torch.float8_e5m2), f32(),
+                              f32()), "'b'.*dtype"),
+    (lambda: tileops.gemm_fp8(fp8(4, 256), fp8(128, 256), meta(1), f32()), "'scale_a'.*dtype"),
+    (lambda: tileops.gemm_fp8(fp8(4, 256), fp8(128, 128), f32(), f32()), "'b'"),
+    (lambda: tileops.gemm_fp8(fp8(4, 200), fp8(128, 200), f32(), f32()), "'a'.*multiple of 16"),
+    (lambda: tileops.gemm_fp8(fp8(4, 256), fp8(128, 256), f32(4, 1), f32(1, 128)),
+     "'scale_b'.*per row: scale_a \\(4, 1\\) and scale_b \\(128, 1\\)"),
+    (lambda: tileops.gemm_fp8(fp8(4, 256), fp8(128, 256), f32(4, 3), f32(1, 2)),
+     "'scale_a'.*block: scale_a \\(4, 2\\)"),
+    (lambda: tileops.gemm_fp8(fp8(4, 208), fp8(128, 208), f32(4, 2), f32(1, 2)),
+     "'a'.*multiple of 128 for block scaling"),
+    (lambda: tileops.gemm_fp8(fp8(4, 256), fp8(128, 256), f32(), f32(), torch.float32),
+     "out_dtype"),
+    (lambda: tileops.gemm_fp8(fp8(4, 256), fp8(128, 256), f32(), f32(), torch.bfloat16,
+                              meta(128, dtype=torch.float16)), "'bias'.*bfloat16"),
+])
+def test_gemm_errors(call, match):
+    with pytest.raises(TileOpsError, match=match):
+        call()
+
+
+def test_rooflines():
+    flops, nbytes = GemmFp8FwdOp().eval_roofline(fp8(4096, 7168), fp8(1536, 7168),
+                                                 f32(4096, 56), f32(12, 56))
+    assert flops == 2 * 4096 * 1536 * 7168
+    assert nbytes == 4096 * 7168 + 1536 * 7168 + 2 * 4096 * 1536 + 4 * (4096 * 56 + 12 * 56)
+    _, nbytes = QuantizeFp8FwdOp(granularity="group").eval_roofline(meta(4096, 7168))
+    assert nbytes == 4096 * 7168 * 3 + 4 * 4096 * 56
+    _, nbytes = QuantizeFp8FwdOp().eval_roofline(meta(4096, 7168), f32(1))
+    assert nbytes == 4096 * 7168 * 3 + 8
+
+
+def test_torch_ops_schema():
+    y, s = torch.ops.tileops.quantize_fp8_fwd(meta(8, 256), "row", 128, None)
+    assert y.dtype == E4M3 and s.shape == (8, 1)
+    d = torch.ops.tileops.gemm_fp8_fwd(fp8(8, 256), fp8(64, 256), f32(), f32(), "float16", None)
+    assert d.shape == (8, 64) and d.dtype == torch.float16
