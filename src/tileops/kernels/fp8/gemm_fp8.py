@@ -61,7 +61,7 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
     m = T.dynamic("m")
     block = scaling == "block"
     if block:
-        assert block_k == SCALE_BLOCK and k % SCALE_BLOCK == 0
+        assert block_k == SCALE_BLOCK == block_n and k % SCALE_BLOCK == 0
     tiles = k_tiles_per_split(k, block_k, split_k)
     k_blocks = k // SCALE_BLOCK
     n_blocks = -(-n // SCALE_BLOCK)
@@ -91,6 +91,7 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
             acc = T.alloc_fragment((block_m, block_n), acc_dtype)
             if block:
                 part = T.alloc_fragment((block_m, block_n), acc_dtype)
+                factor = T.alloc_fragment((block_m,), acc_dtype)
             if stage_out:
                 d_shared = T.alloc_shared((block_m, block_n), d_dtype)
             if raster > 0:
@@ -101,12 +102,15 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
                 T.copy(a[by * block_m, kt * block_k], a_shared)
                 T.copy(b[bx * block_n, kt * block_k], b_shared)
                 if block:
+                    # this K tile's row factors, loaded before the wgmma so their latency
+                    # hides under it (the tile's columns share one 128-wide b block)
+                    for i in T.Parallel(block_m):
+                        factor[i] = a_scale(scale_a, kt, row_of(by, i)) * scale_b[
+                            T.min(bx, n_blocks - 1), kt]
                     T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True,
                            policy=ROWS)
                     for i, j in T.Parallel(block_m, block_n):
-                        acc[i, j] += part[i, j] * (
-                            a_scale(scale_a, kt, row_of(by, i))
-                            * scale_b[col_of(bx, j) // SCALE_BLOCK, kt])
+                        acc[i, j] += part[i, j] * factor[i]
                 else:
                     T.gemm(a_shared, b_shared, acc, transpose_B=True, policy=ROWS)
             if scaling == "tensor":
@@ -194,7 +198,7 @@ class Fp8GemmKernel(GemmKernel):
         space = [self.heuristic_config(bucket, "sm_90a")]
         if rows <= 128:
             block_m, threads = (64, 128) if rows <= 64 else (128, 256)
-            for bn in (64, 128, 256):
+            for bn in (128,) if block else (64, 128, 256):  # block: one b block per tile
                 for st in (4, 6, 8):
                     split = self.split_for(rows, block_m, bn, 128)
                     for s in sorted({1, split, max(1, split // 2), split * 2}):
