@@ -115,6 +115,28 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("kind, n", [("rms", 128), ("rms", 4096), ("rms", 8192),
+                                     ("layer", 6144), ("layer", 8192), ("fused_add", 8192)])
+def test_norm_backward_staged_defaults_load_by_tma_and_spill_nothing(kind, n, tmp_path):
+    """Where the backward stages rows through shared memory, its producer warp group caps
+    registers at 168: the default must still keep the accumulators in registers."""
+    from tileops.kernels.normalization import (
+        FusedAddRMSNormBwdKernel,
+        LayerNormBwdKernel,
+        RMSNormBwdKernel,
+    )
+    kernel = {"rms": lambda: RMSNormBwdKernel(dtype="bfloat16", n=n, has_weight=True),
+              "layer": lambda: LayerNormBwdKernel(dtype="bfloat16", n=n, has_weight=True,
+                                                  has_bias=True),
+              "fused_add": lambda: FusedAddRMSNormBwdKernel(dtype="bfloat16", n=n)}[kind]()
+    config = kernel.heuristic_config("many", "sm_90a")
+    assert config.stages > 0, config
+    main = kernel.compile(config, "many")[0]
+    assert "tma_load" in main.get_kernel_source()
+    assert_no_spills_or_serialized_wgmma(main, tmp_path)
+
+
+@pytest.mark.full
 @pytest.mark.parametrize("head_dim, variant", [(64, None), (128, None), (256, None),
                                                (128, "overlap"), (256, "overlap"),
                                                (64, "two CTAs per SM"), (128, "two CTAs per SM"),

@@ -111,4 +111,7 @@ def test_default_configs_keep_registers_in_bounds(n):
                 * config.block_rows // config.threads
             assert per_thread <= 32 and (not config.prefetch or per_thread <= 16), config
             assert config.ctas % 132 == 0 and config in bwd.config_space(bucket)
+            if config.stages:  # a producer warp group: 256 consumers, one CTA per SM
+                assert config.threads == 256 and config.ctas == 132 and not config.prefetch
+                assert RowTile(n, config.block_rows, config.threads).aligned, config
     assert bwd.bucket_of(4096) == "few" and bwd.bucket_of(4097) == "many"
