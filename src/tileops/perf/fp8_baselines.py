@@ -34,31 +34,52 @@ def _quantize_compiled():
 
 class _ScaledMm:
     """torch._scaled_mm(a, b.t(), ...) with the scales in the layouts it takes, converted
-    once per scale tensor (outside the timed calls that follow)."""
+    once per scale tensor (outside the timed calls that follow). torch 2.11 has no
+    1x128 x 128x128 pairing: DeepSeek's 128x128 weight blocks are given to it as the
+    1x128 x 1x128 pairing with each block's scale repeated over its 128 columns (the same
+    numbers). `fast_accum` is torch's use_fast_accum (no promotion of wgmma's accumulator;
+    what gemm_fp8 does for per-tensor and per-row scaling)."""
 
-    def __init__(self):
+    def __init__(self, fast_accum: bool = False):
+        self.fast_accum = fast_accum
         self.converted: dict[tuple, tuple] = {}
 
     def __call__(self, a, b, scale_a, scale_b, bias=None, out_dtype="bfloat16"):
         key = (scale_a.data_ptr(), scale_b.data_ptr(), a.shape[0])
         scales = self.converted.get(key)
         if scales is None:
-            scales = self.converted[key] = self._scales(a, b, scale_a, scale_b)
-        return torch._scaled_mm(a, b.t(), *scales, bias=bias,
-                                out_dtype=getattr(torch, out_dtype))
+            scales = self.converted[key] = self._scales(a, b, scale_a, scale_b, bias,
+                                                        out_dtype)
+        return self._call(a, b, scales, bias, out_dtype)
 
-    @staticmethod
-    def _scales(a, b, scale_a, scale_b) -> tuple:
+    def _call(self, a, b, scales, bias, out_dtype):
+        return torch._scaled_mm(a, b.t(), *scales, bias=bias,
+                                out_dtype=getattr(torch, out_dtype),
+                                use_fast_accum=self.fast_accum)
+
+    def _scales(self, a, b, scale_a, scale_b, bias, out_dtype) -> tuple:
         if scale_a.numel() == 1 and scale_b.numel() == 1:
             return scale_a.reshape(()), scale_b.reshape(())
         if scale_a.shape[1] == 1:  # per row: scale_b as (1, N)
             return scale_a.contiguous(), scale_b.reshape(1, -1).contiguous()
-        # 1x128 x 128x128 blocks: scale_a M-major (strides (1, M)), scale_b (K/128, N/128)
-        return scale_a.t().contiguous().t(), scale_b.t().contiguous()
+        if self.fast_accum:
+            raise NotImplementedError("block scaling always promotes; see torch-scaled-mm")
+        n = b.shape[0]
+        sa = scale_a.t().contiguous().t()  # (M, K/128), M-major
+        sb_cols = scale_b.repeat_interleave(128, 0)[:n]  # (N, K/128)
+        last = None
+        for sb in (sb_cols.t().contiguous(), sb_cols.contiguous().t()):  # (K/128, N)
+            try:
+                self._call(a, b, (sa, sb), bias, out_dtype)
+                return sa, sb
+            except RuntimeError as e:  # the other layout of the scale tensor
+                last = e
+        raise last
 
 
 def fp8_baselines(op_name: str) -> dict[str, Any]:
     if op_name == "GemmFp8FwdOp":
-        return {"torch-scaled-mm": _ScaledMm()}
+        return {"torch-scaled-mm": _ScaledMm(),
+                "torch-scaled-mm-fast-accum": _ScaledMm(fast_accum=True)}
     return {"torch-eager": _quantize_eager,
             "torch-compile": lambda *a, **k: _quantize_compiled()(*a, **k)}

@@ -20,6 +20,7 @@ import tilelang.language as T
 import torch
 
 from ..gemm.gemm import (
+    NUM_SMS_H200,
     SMEM_LIMIT,
     GemmConfig,
     GemmKernel,
@@ -104,9 +105,12 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
                 if block:
                     # this K tile's row factors, loaded before the wgmma so their latency
                     # hides under it (the tile's columns share one 128-wide b block)
+                    # (a last split may run past K: its tiles load as zeros, and the
+                    # clamped scale index keeps the factor a finite number)
+                    kb = T.min(kt, k_blocks - 1)
                     for i in T.Parallel(block_m):
-                        factor[i] = a_scale(scale_a, kt, row_of(by, i)) * scale_b[
-                            T.min(bx, n_blocks - 1), kt]
+                        factor[i] = a_scale(scale_a, kb, row_of(by, i)) * scale_b[
+                            T.min(bx, n_blocks - 1), kb]
                     T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True,
                            policy=ROWS)
                     for i, j in T.Parallel(block_m, block_n):
@@ -178,6 +182,22 @@ class Fp8GemmKernel(GemmKernel):
 
     def _splittable(self) -> bool:
         return True
+
+    def split_for(self, m: int, block_m: int, block_n: int, block_k: int) -> int:
+        """Decode sizes (M <= 64) stream the weight once: the K split that fills the SMs'
+        waves best (each split keeping >= 4 K tiles). Larger M: the bf16 GEMM's rule."""
+        if m > 64:
+            return super().split_for(m, block_m, block_n, block_k)
+        ctas = -(-self.key["n"] // block_n) * -(-m // block_m)
+        k_tiles = -(-self.key["k"] // block_k)
+        best, best_fill = 1, 0.0
+        for split in range(1, 17):
+            if k_tiles // split < 4:
+                break
+            fill = ctas * split / (-(-ctas * split // NUM_SMS_H200) * NUM_SMS_H200)
+            if fill > best_fill + 0.02:  # a larger split only for a clearly fuller grid
+                best, best_fill = split, fill
+        return best
 
     def heuristic_config(self, bucket: str, arch: str) -> Fp8GemmConfig:
         rows = self.bucket_rows(bucket)

@@ -10,7 +10,8 @@ Granularities (x is [M, K]; M symbolic, K compiled in):
   row slices, the quantizing kernel reduces those in every CTA (no atomics, no memset, no
   host sync; deterministic).
 
-Dynamic scales are amax / 448 (torch's recipe), floored at AMAX_FLOOR / 448 so an all-zero
+Dynamic scales are amax / 448 (torch's recipe, computed as torch does on CUDA: amax times
+the fp32 reciprocal of 448), floored at AMAX_FLOOR / 448 so an all-zero
 group quantizes to zeros rather than 0 / 0. Static scales (given) are used as they come.
 Values are divided by the scale in fp32 (IEEE division, as torch) and rounded to nearest
 even by the `satfinite` conversion, which is the saturation: finite values and +-inf past
@@ -21,11 +22,13 @@ and TileLang folds a `v != v` guard away.) So the result equals torch's
 
 from dataclasses import dataclass
 
+import numpy as np
 import tilelang.language as T
 
 from ..base import Kernel
 
 E4M3_MAX = 448.0
+INV_E4M3_MAX = float(np.float32(1.0) / np.float32(E4M3_MAX))  # exactly representable in fp32
 AMAX_FLOOR = 1e-12
 PARTIALS = 256  # row slices of the per-tensor absmax pass (~2 CTAs per H200 SM)
 FP8 = "float8_e4m3fn"
@@ -39,7 +42,9 @@ class QuantConfig:
 
 
 def _scale_of(amax):
-    return T.max(amax, AMAX_FLOOR) / E4M3_MAX
+    # torch's `amax / 448` on CUDA multiplies by the fp32 reciprocal (a division by a Python
+    # scalar becomes a * (1 / b)); doing the same keeps the scales bit-identical to torch's
+    return T.max(amax, AMAX_FLOOR) * INV_E4M3_MAX
 
 
 def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: bool,
