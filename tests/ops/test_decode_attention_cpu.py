@@ -7,7 +7,16 @@ import torch
 
 import tileops
 from tileops import DecodeAttentionFwdOp, KVCacheAppendFwdOp, TileOpsTypeError, TileOpsValueError
-from tileops.kernels.attention.decode import SMS, DecodeAttentionKernel, choose_splits
+from tileops.kernels.attention.decode import (
+    SMS,
+    DecodeAttentionKernel,
+    choose_splits,
+    key_visible,
+    request_tiles,
+    split_tiles,
+    tile_visible,
+)
+from tileops.kernels.attention.mask import INT_OPS
 
 from ..helpers import meta
 
@@ -109,6 +118,34 @@ def test_split_rule_fills_the_gpu(batch, kv_heads, max_keys, low, high):
         assert splits <= 1
     else:
         assert low * 0.9 <= batch * kv_heads * splits <= high
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("q_len, window_left, causal", [
+    (1, -1, True), (4, -1, True), (4, -1, False), (1, 0, True), (3, 5, True), (2, 130, False),
+])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_splits_cover_every_visible_key_once(q_len, window_left, causal, block_n):
+    """The kernel's integer formulas on the CPU: the splits' tiles are disjoint and cover
+    every key some query sees; a tile called fully visible is, for every query token."""
+    for seqlen in [0, 1, 2, 5, 63, 64, 65, 127, 128, 129, 300, 1000]:
+        want = {j for t in range(q_len) for j in range(seqlen)
+                if key_visible(t, j, seqlen, q_len, window_left, causal)}
+        first, n_tiles = request_tiles(seqlen, q_len, block_n, window_left, INT_OPS)
+        for n_splits in (1, 2, 3, 7, 16):
+            walked = []
+            for split in range(n_splits):
+                begin, mine = split_tiles(first, n_tiles, split, n_splits, INT_OPS)
+                walked += range(begin, begin + mine)
+            assert len(walked) == len(set(walked)), (seqlen, n_splits)
+            covered = {j for tile in walked for j in range(tile * block_n, (tile + 1) * block_n)}
+            assert want <= covered and all(j < seqlen for j in want)
+            assert all(0 <= tile < max(1, -(-seqlen // block_n)) for tile in walked)
+        for tile in range(first, first + n_tiles):
+            if tile_visible(tile * block_n, seqlen, q_len, block_n, window_left, causal):
+                assert all(key_visible(t, j, seqlen, q_len, window_left, causal)
+                           for t in range(q_len)
+                           for j in range(tile * block_n, (tile + 1) * block_n))
 
 
 @pytest.mark.smoke

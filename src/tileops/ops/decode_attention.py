@@ -183,16 +183,34 @@ class DecodeAttentionFwdOp(Op):
 
 class KVCacheAppendFwdOp(Op):
     """vLLM's reshape_and_cache: k_new/v_new [T, Hkv, D] into the page pools at
-    slot_mapping [T] (page * page_size + offset; -1 skips the token). The op returns
-    updated copies (k_out, v_out); `kv_cache_append` is the in-place form engines call.
-    Slots past the pool are skipped by the kernel; slots must be distinct."""
+    slot_mapping [T] (page * page_size + offset; -1 skips the token). Slots past the pool
+    are skipped by the kernel; slots must be distinct.
+
+    An op object writes in place and returns the pools themselves (k_out is k_pages), as
+    engines want; under torch.compile it calls the mutating custom op
+    `torch.ops.tileops.kv_cache_append_inplace`. The manifest's custom op
+    `torch.ops.tileops.kv_cache_append_fwd` (and `cached()` instances behind it) returns
+    updated copies instead, as its pure schema promises.
+    """
 
     kernel_map = {"kv_cache_append": KVCacheAppendKernel}
 
     def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
                  tune: bool = False):
         super().__init__(kernel_map=kernel_map, tune=tune)
-        self.inplace = False
+        self.inplace = True
+
+    @classmethod
+    def cached(cls, **params: Any) -> Op:
+        op = super().cached(**params)
+        op.inplace = False  # behind the pure custom op: copies
+        return op
+
+    def __call__(self, *inputs: Any) -> Any:
+        if self.inplace and torch.compiler.is_compiling():
+            torch.ops.tileops.kv_cache_append_inplace(*inputs)
+            return inputs[2], inputs[3]
+        return super().__call__(*inputs)
 
     @classmethod
     def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
@@ -231,7 +249,6 @@ class KVCacheAppendFwdOp(Op):
 
 
 _append_inplace = KVCacheAppendFwdOp()
-_append_inplace.inplace = True
 
 
 @torch.library.custom_op(f"{LIBRARY}::kv_cache_append_inplace",

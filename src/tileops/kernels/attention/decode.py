@@ -27,6 +27,7 @@ import tilelang.language as T
 
 from ..base import Kernel
 from .attention_fwd import LOG2E, AttentionFwdConfig, _attention_macros
+from .mask import TIR_OPS
 
 ROWS = 64  # query rows per CTA: one wgmma warpgroup tile
 SMS = 132  # H200 SMs; the split rule aims at whole waves of them
@@ -70,6 +71,41 @@ def choose_splits(batch: int, kv_heads: int, blocks: int, max_keys: int, block_n
     return min(s for s, f in score.items() if f >= 0.85 * best)
 
 
+def request_tiles(seqlen, q_len: int, block_n: int, window_left: int, ops=TIR_OPS):
+    """(first key tile, number of tiles) a request's queries can see: its keys, less those
+    a left window leaves behind the first query (at position seqlen - q_len)."""
+    first = 0
+    if window_left >= 0:
+        first = ops.floordiv(ops.max(seqlen - q_len - window_left, 0), block_n)
+    return first, ops.max(ops.ceildiv(seqlen, block_n) - first, 0)
+
+
+def split_tiles(first, n_tiles, split_index, n_splits, ops=TIR_OPS):
+    """(first tile, tiles) of split `split_index`: the request's tiles cut into n_splits
+    runs of equal length (the last ones shorter or empty)."""
+    per_split = ops.ceildiv(n_tiles, n_splits)
+    begin = first + split_index * per_split
+    return begin, ops.max(ops.min(per_split, first + n_tiles - begin), 0)
+
+
+def key_visible(token, key, seqlen, q_len: int, window_left: int, causal: bool):
+    """Whether query token `token` (at position seqlen - q_len + token) sees `key`."""
+    position = seqlen - q_len + token
+    seen = key <= position if causal else key < seqlen
+    if window_left >= 0:
+        seen = seen & (key >= position - window_left)
+    return seen
+
+
+def tile_visible(kv_start, seqlen, q_len: int, block_n: int, window_left: int, causal: bool):
+    """Whether every query token sees every key of [kv_start, kv_start + block_n): such a
+    tile needs no mask (the first token has the fewest keys, the last the latest window)."""
+    seen = kv_start + block_n <= (seqlen - q_len + 1 if causal else seqlen)
+    if window_left >= 0:
+        seen = seen & (kv_start >= seqlen - 1 - window_left)
+    return seen
+
+
 def tile_keys(head_dim: int) -> int:
     """Keys per tile of the default config (the split rule counts tiles of this size)."""
     return 64 if head_dim >= 256 else 128
@@ -99,28 +135,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     fwd_config = AttentionFwdConfig(block_m=ROWS, block_n=block_n, stages=stages, threads=128)
     step = _attention_macros(head_dim, dtype, -1, -1, softcap, fwd_config)
 
-    def key_range(seqlen):
-        """(first key tile, tiles) the request's queries can see."""
-        first_key = 0
-        if window_left >= 0:
-            first_key = T.max(seqlen - q_len - window_left, 0)
-        first = first_key // block_n
-        return first, T.max(T.ceildiv(seqlen, block_n) - first, 0)
-
     def sees(i, key, seqlen, live):
         """Whether row i's query sees `key` (and the tile is live)."""
-        position = seqlen - q_len + i // group
-        seen = live & (key <= position if causal else key < seqlen)
-        if window_left >= 0:
-            seen = seen & (key >= position - window_left)
-        return seen
-
-    def fully_visible(kv_start, seqlen):
-        """Every real row sees every key of the tile: the tile needs no mask."""
-        seen = kv_start + block_n <= (seqlen - q_len + 1 if causal else seqlen)
-        if window_left >= 0:
-            seen = seen & (kv_start >= seqlen - 1 - window_left)
-        return seen
+        return live & key_visible(i // group, key, seqlen, q_len, window_left, causal)
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
     parts = head_dim // SWIZZLE_COLS
@@ -180,7 +197,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         if softcap > 0:
             for i, j in T.Parallel(ROWS, block_n):
                 st.s[i, j] = T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E)
-        if T.Not(live & fully_visible(kv_start, seqlen)):
+        if T.Not(live & tile_visible(kv_start, seqlen, q_len, block_n, window_left, causal)):
             for i, j in T.Parallel(ROWS, block_n):
                 st.s[i, j] = T.if_then_else(sees(i, kv_start + j, seqlen, live), st.s[i, j],
                                             -T.infinity("float"))
@@ -193,10 +210,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             r = T.min(row0 + i, rows - 1)  # padding rows repeat the last row (never stored)
             q_shared[i, d] = q[b, r // group, h * group + r % group, d]
         seqlen = cache_seqlens[b]
-        first, n_tiles = key_range(seqlen)
-        per_split = T.ceildiv(n_tiles, n_split)
-        begin = first + split_index * per_split
-        mine = T.max(T.min(per_split, first + n_tiles - begin), 0)
+        first, n_tiles = request_tiles(seqlen, q_len, block_n, window_left)
+        begin, mine = split_tiles(first, n_tiles, split_index, n_split)
         step.init(st)
         # an empty split walks one masked tile (its loads stay inside the table's row)
         for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
