@@ -105,3 +105,20 @@ def test_torch_ops_schema():
     assert y.dtype == E4M3 and s.shape == (8, 1)
     d = torch.ops.tileops.gemm_fp8_fwd(fp8(8, 256), fp8(64, 256), f32(), f32(), "float16", None)
     assert d.shape == (8, 64) and d.dtype == torch.float16
+
+
+def test_decode_split_fills_the_waves():
+    """M <= 64 reads the weight once: the K split fills the SMs' waves (M = 1, N = 7168:
+    56 tiles x 7 splits = 392 CTAs, 99% of 3 waves), each split keeping >= 4 K tiles;
+    larger M keeps the bf16 GEMM's rule."""
+    from tileops.kernels.fp8 import Fp8GemmKernel
+
+    def split(n, k, m):
+        kernel = Fp8GemmKernel(n=n, k=k, scaling="block", out_dtype="bfloat16",
+                               has_bias=False, scale_a_m_major=True)
+        return kernel.heuristic_config(kernel.bucket_of(m), "sm_90a").split_k
+
+    assert split(7168, 18432, 1) == 7
+    assert split(1536, 7168, 32) == 11
+    assert split(576, 1024, 7) == 2  # 8 K tiles: at most 2 splits of >= 4
+    assert split(24576, 1536, 4096) == 1
