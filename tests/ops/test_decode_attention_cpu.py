@@ -2,6 +2,8 @@
 the roofline against a hand count, the split rule, and (marker `compile`) the generated CUDA
 of the paged program."""
 
+import math
+
 import pytest
 import torch
 
@@ -172,3 +174,74 @@ def test_paged_program_uses_tma_and_wgmma():
     source = compiled[0].get_kernel_source()
     assert "tma_load" in source and "wgmma" in source, source
     assert "warpgroup_reg_alloc" in source  # a producer warpgroup feeds the consumers
+
+
+class _HostMath:
+    """A compiled kernel whose source spells infinity the host's way (the emulator compiles
+    the kernel body without CUDA's math_constants.h)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def get_kernel_source(self):
+        return self.compiled.get_kernel_source().replace("CUDART_INF_F", "INFINITY")
+
+    def get_host_source(self):
+        return self.compiled.get_host_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_combine_program_on_the_cpu(dtype):
+    """The split combine, run thread by thread on the CPU (tests/cuda_emulation.py): empty
+    splits (-inf) weigh nothing, a request whose splits are all empty gets 0 and -inf, and
+    the merge equals softmax-weighting the splits by their lse."""
+    from ..cuda_emulation import run
+
+    kernel = DecodeAttentionKernel(dtype=dtype, heads=4, kv_heads=2, head_dim=128, q_len=2,
+                                   page_size=16, window_left=-1, softcap=0.0, causal=True)
+    compiled = kernel.compile(kernel.heuristic_config("split", "sm_90a"), "split")[1]
+    batch, splits = 3, 5
+    torch.manual_seed(0)
+    o_part = torch.randn(batch, 2, 4, splits, 128)
+    lse_part = torch.randn(batch, 2, 4, splits) * 4
+    lse_part[0, :, :, 1:3] = -math.inf  # empty splits
+    lse_part[2] = -math.inf  # an empty request
+    o_part[2] = 0.0
+    o = torch.full((batch, 2, 4, 128), math.nan).to(getattr(torch, dtype))
+    lse = torch.full((batch, 4, 2), math.nan)
+    run(_HostMath(compiled), batch * 2 * 4, 64,
+        dict(o_part=o_part, lse_part=lse_part, o=o, lse=lse),
+        dict(batch=batch, n_splits=splits))
+    want_lse = torch.logsumexp(lse_part, dim=-1)  # [B, Sq, H]
+    weights = torch.exp(lse_part - want_lse[..., None]).nan_to_num(0.0)
+    want_o = (weights[..., None] * o_part).sum(-2)
+    torch.testing.assert_close(o.float(), want_o, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse.transpose(1, 2))
+    assert torch.equal(o[2].float(), torch.zeros(2, 4, 128))
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+def test_kv_cache_append_program_on_the_cpu():
+    """The append kernel run thread by thread on the CPU: rows land at their slots, slot -1
+    and slots past the pool are skipped, every other row is untouched."""
+    from tileops.kernels.attention.kv_cache import KVCacheAppendKernel
+
+    from ..cuda_emulation import run
+
+    kernel = KVCacheAppendKernel(dtype="bfloat16", slot_dtype="int64", width=1024)
+    config = kernel.heuristic_config("all", "sm_90a")
+    compiled = kernel.compile(config, "all")[0]
+    tokens, n_slots = 11, 64
+    k_new, v_new = torch.randn(tokens, 1024).to(BF16), torch.randn(tokens, 1024).to(BF16)
+    k_pages, v_pages = torch.randn(n_slots, 1024).to(BF16), torch.randn(n_slots, 1024).to(BF16)
+    slots = torch.randperm(n_slots)[:tokens]
+    slots[3], slots[7] = -1, n_slots + 5
+    k_want, v_want = k_pages.clone(), v_pages.clone()
+    keep = (slots >= 0) & (slots < n_slots)
+    k_want[slots[keep]], v_want[slots[keep]] = k_new[keep], v_new[keep]
+    run(compiled, -(-tokens // config.block_rows), config.threads,
+        dict(k_new=k_new, v_new=v_new, k_pages=k_pages, v_pages=v_pages, slot_mapping=slots),
+        dict(tokens=tokens, slots=n_slots))
+    assert torch.equal(k_pages, k_want) and torch.equal(v_pages, v_want)

@@ -298,7 +298,11 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str):
                        lse_part: T.Tensor((batch, q_len, heads, n_splits), "float"),
                        o: T.Tensor((batch, q_len, heads, head_dim), dtype),
                        lse: T.Tensor((batch, heads, q_len), "float")):
-        with T.Kernel(heads, q_len, batch, threads=threads) as (h, i, b):
+        # one flat grid: a CTA per (request, token, head), heads fastest
+        with T.Kernel(batch * q_len * heads, threads=threads) as bx:
+            h = bx % heads
+            i = bx // heads % q_len
+            b = bx // (heads * q_len)
             acc = T.alloc_fragment((head_dim,), "float")
             top = T.alloc_var("float")
             total = T.alloc_var("float")
