@@ -245,3 +245,63 @@ def test_kv_cache_append_program_on_the_cpu():
         dict(k_new=k_new, v_new=v_new, k_pages=k_pages, v_pages=v_pages, slot_mapping=slots),
         dict(tokens=tokens, slots=n_slots))
     assert torch.equal(k_pages, k_want) and torch.equal(v_pages, v_want)
+
+
+class _Recorder:
+    """Stands in for a Kernel: records the runtime size and the tensors of each launch."""
+
+    def __init__(self, log, key):
+        self.log, self.key = log, key
+
+    def __call__(self, size, *tensors):
+        self.log.append((self.key, size, tensors))
+
+
+def _recording(op, monkeypatch):
+    log = []
+    monkeypatch.setattr(op, "get_kernel", lambda dispatch, device, **key: _Recorder(log, key))
+    return log
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("paged", [True, False])
+def test_launch_arguments(paged, monkeypatch):
+    """What `forward` hands the kernel (CPU tensors, a recording kernel): the split count
+    from shapes alone, fp32 partials of that many splits, the placeholder table for a
+    contiguous cache, the default scale and the program key."""
+    op = DecodeAttentionFwdOp(window_left=255)
+    log = _recording(op, monkeypatch)
+    q = torch.randn(2, 1, 8, 128).to(BF16)
+    if paged:
+        k = v = torch.randn(600, 16, 2, 128).to(BF16)
+        table = torch.randint(0, 600, (2, 300), dtype=torch.int32)
+    else:
+        k = v = torch.randn(2, 4800, 2, 128).to(BF16)
+        table = None
+    lens = torch.tensor([5, 4800], dtype=torch.int32)
+    o, lse = op.forward(q, k, v, lens, table)
+    (key, splits, args), = log
+    assert key == {"dtype": "bfloat16", "heads": 8, "kv_heads": 2, "head_dim": 128, "q_len": 1,
+                   "page_size": 16 if paged else 0, "window_left": 255, "softcap": 0.0,
+                   "causal": True}
+    assert splits == choose_splits(2, 2, 1, 4800, 128) > 1
+    q_arg, k_arg, _, table_arg, lens_arg, o_arg, lse_arg, o_part, lse_part, scale = args
+    assert k_arg is k and o_arg is o and lse_arg is lse and lens_arg is lens
+    assert table_arg.shape == ((2, 300) if paged else (1, 1))
+    assert o_part.shape == (2, 1, 8, splits, 128) and o_part.dtype == torch.float32
+    assert lse_part.shape == (2, 1, 8, splits) and lse.shape == (2, 8, 1)
+    assert scale == pytest.approx(128 ** -0.5)
+
+
+@pytest.mark.smoke
+def test_append_launch_arguments(monkeypatch):
+    op = KVCacheAppendFwdOp()
+    log = _recording(op, monkeypatch)
+    pages = torch.randn(4, 16, 2, 64).to(BF16)
+    k_new = torch.randn(3, 2, 64).to(BF16)
+    slots = torch.tensor([0, -1, 63])
+    k_out, v_out = op.forward(k_new, k_new, pages, pages, slots)
+    (key, tokens, args), = log
+    assert k_out is pages and key == {"dtype": "bfloat16", "slot_dtype": "int64", "width": 128}
+    assert tokens == 3 and args[0].shape == (3, 128) and args[2].shape == (64, 128)
+    assert args[2].data_ptr() == pages.data_ptr()  # a view of the pool: written in place
