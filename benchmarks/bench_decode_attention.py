@@ -1,16 +1,19 @@
-"""Serving attention: decode over a paged or contiguous KV cache and the cache write.
+"""Serving attention: decode and chunked prefill over a paged or contiguous KV cache, and
+the cache write.
 
-Baselines (perf/baselines.py): torch SDPA on the cache gathered per request into a padded
-[B, Hkv, S, D] batch with a length mask (what a torch user without a paged kernel writes),
-and flash-attn's flash_attn_with_kvcache when importable. Decode is memory-bound: the SOL %
-counts the K/V rows each request's length reads, plus q and o.
+Baselines (perf/serving_baselines.py): for decode, torch SDPA on the cache gathered into a
+padded [B, S, Hkv, D] batch with a per-request length mask (what a torch user without a
+paged kernel writes), and flash-attn's flash_attn_with_kvcache when importable; for chunked
+prefill, SDPA request by request on gathered keys, and flash-attn's paged varlen kernel
+when importable; for the append, index_copy_. Decode is memory-bound: the SOL % counts the
+K/V rows each request's length reads, plus q, o and lse.
 """
 
 import pytest
 
-from tileops import DecodeAttentionFwdOp, KVCacheAppendFwdOp
+from tileops import ChunkedPrefillAttentionFwdOp, DecodeAttentionFwdOp, KVCacheAppendFwdOp
 
-OPS = [DecodeAttentionFwdOp, KVCacheAppendFwdOp]
+OPS = [DecodeAttentionFwdOp, ChunkedPrefillAttentionFwdOp, KVCacheAppendFwdOp]
 
 
 @pytest.mark.gpu

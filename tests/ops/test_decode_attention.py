@@ -1,13 +1,14 @@
 """DecodeAttentionFwdOp and KVCacheAppendFwdOp on the GPU, against an fp32 reference that
 gathers each request's pages and attends over its own length."""
 
+import itertools
 import math
 
 import pytest
 import torch
 
 import tileops
-from tileops import DecodeAttentionFwdOp, TileOpsError
+from tileops import ChunkedPrefillAttentionFwdOp, DecodeAttentionFwdOp, TileOpsError
 from tileops.kernels.attention.decode import DecodeAttentionKernel
 from tileops.kernels.base import Kernel
 
@@ -310,3 +311,63 @@ def test_kv_cache_append_op_object_in_place_custom_op_copies():
     k_copy, _ = torch.ops.tileops.kv_cache_append_fwd(v_new, k_new, k_pages, v_pages, slots)
     assert torch.equal(k_pages, before)  # the pure custom op leaves its inputs alone
     assert torch.equal(k_copy.view(-1, 2, 128)[3], v_new[0])
+
+
+# -- chunked prefill ----------------------------------------------------------------------
+def check_chunks(chunks, lengths, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
+                 page_size=16, op=None, **params):
+    """Packed chunks (request b: chunks[b] new tokens, lengths[b] keys with them) against
+    the reference request by request."""
+    k, v, seqlens, table = make_cache(lengths, kv_heads, head_dim, dtype, page_size)
+    cu = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32, device="cuda")
+    q = randn(sum(chunks), heads, head_dim, dtype=dtype)
+    op = op or ChunkedPrefillAttentionFwdOp(max_seqlen_q=max(chunks), **params)
+    poison_free_blocks(q.numel() * 2, q.shape[0] * heads * 4, 1 << 22)
+    o, lse = op(q, k, v, cu, seqlens, table)
+    for b, (start, end) in enumerate(itertools.pairwise(cu.tolist())):
+        if end == start:
+            continue
+        kb, vb = (k, v) if table is not None else (k[b:b + 1], v[b:b + 1])
+        o_ref, lse_ref = reference(q[None, start:end], kb, vb, seqlens[b:b + 1],
+                                   None if table is None else table[b:b + 1], **params)
+        assert_close(o[start:end], o_ref[0], scale=2.0, what=f"o of request {b}")
+        ref, got = lse_ref[0].transpose(0, 1), lse[start:end]
+        assert torch.equal(torch.isinf(got), torch.isinf(ref)), f"lse -inf rows of {b}"
+        finite = torch.isfinite(ref)
+        torch.testing.assert_close(got[finite], ref[finite], atol=2e-3, rtol=1e-4)
+    return op
+
+
+CHUNKS, KEYS = [100, 0, 1, 300, 64], [500, 20, 1, 300, 1000]  # incl. a fresh 300-token prefill
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("page_size", [16, 64, None])
+def test_chunked_prefill_mixed_chunks(page_size):
+    check_chunks(CHUNKS, KEYS, page_size=page_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_chunked_prefill_head_dims(head_dim, dtype):
+    check_chunks(CHUNKS, KEYS, head_dim=head_dim, dtype=dtype)
+
+
+def test_chunked_prefill_gqa_window_softcap_and_bidirectional():
+    check_chunks([257, 3], [2000, 40], heads=64, kv_heads=8, window_left=300, softcap=20.0)
+    check_chunks([70, 5], [200, 90], is_causal=False)
+
+
+def test_chunked_prefill_short_chunk_over_a_long_prefix_splits():
+    op = check_chunks([16], [20000], page_size=64)
+    assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 0, 64), 1, 1, 20032) > 1
+
+
+def test_chunked_prefill_new_sizes_do_not_recompile():
+    op = ChunkedPrefillAttentionFwdOp(max_seqlen_q=300)
+    check_chunks([300, 7], [5000, 7], op=op)  # warms the program and the combine
+    check_chunks([300] * 40, [400] * 40, op=op)
+    before = Kernel.compile_count
+    for chunks in ([1], [5, 300, 2], [17] * 9, [299, 1, 1, 1]):
+        check_chunks(chunks, [c + 33 for c in chunks], op=op)
+    assert Kernel.compile_count == before

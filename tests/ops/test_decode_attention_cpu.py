@@ -8,13 +8,20 @@ import pytest
 import torch
 
 import tileops
-from tileops import DecodeAttentionFwdOp, KVCacheAppendFwdOp, TileOpsTypeError, TileOpsValueError
+from tileops import (
+    ChunkedPrefillAttentionFwdOp,
+    DecodeAttentionFwdOp,
+    KVCacheAppendFwdOp,
+    TileOpsTypeError,
+    TileOpsValueError,
+)
 from tileops.kernels.attention.decode import (
+    ROWS,
     SMS,
     DecodeAttentionKernel,
+    block_tiles,
     choose_splits,
     key_visible,
-    request_tiles,
     split_tiles,
     tile_visible,
 )
@@ -123,31 +130,40 @@ def test_split_rule_fills_the_gpu(batch, kv_heads, max_keys, low, high):
 
 
 @pytest.mark.smoke
-@pytest.mark.parametrize("q_len, window_left, causal", [
-    (1, -1, True), (4, -1, True), (4, -1, False), (1, 0, True), (3, 5, True), (2, 130, False),
+@pytest.mark.parametrize("n_q, group, window_left, causal", [
+    (1, 4, -1, True), (4, 8, -1, True), (4, 8, -1, False), (1, 1, 0, True), (3, 2, 5, True),
+    (2, 8, 130, False), (200, 8, -1, True), (37, 4, 100, True), (130, 1, -1, False),
 ])
 @pytest.mark.parametrize("block_n", [64, 128])
-def test_splits_cover_every_visible_key_once(q_len, window_left, causal, block_n):
-    """The kernel's integer formulas on the CPU: the splits' tiles are disjoint and cover
-    every key some query sees; a tile called fully visible is, for every query token."""
-    for seqlen in [0, 1, 2, 5, 63, 64, 65, 127, 128, 129, 300, 1000]:
-        want = {j for t in range(q_len) for j in range(seqlen)
-                if key_visible(t, j, seqlen, q_len, window_left, causal)}
-        first, n_tiles = request_tiles(seqlen, q_len, block_n, window_left, INT_OPS)
-        for n_splits in (1, 2, 3, 7, 16):
-            walked = []
-            for split in range(n_splits):
-                begin, mine = split_tiles(first, n_tiles, split, n_splits, INT_OPS)
-                walked += range(begin, begin + mine)
-            assert len(walked) == len(set(walked)), (seqlen, n_splits)
-            covered = {j for tile in walked for j in range(tile * block_n, (tile + 1) * block_n)}
-            assert want <= covered and all(j < seqlen for j in want)
-            assert all(0 <= tile < max(1, -(-seqlen // block_n)) for tile in walked)
-        for tile in range(first, first + n_tiles):
-            if tile_visible(tile * block_n, seqlen, q_len, block_n, window_left, causal):
-                assert all(key_visible(t, j, seqlen, q_len, window_left, causal)
-                           for t in range(q_len)
-                           for j in range(tile * block_n, (tile + 1) * block_n))
+def test_splits_cover_every_visible_key_once(n_q, group, window_left, causal, block_n):
+    """The kernel's integer formulas on the CPU, per 64-row block of a request's
+    (token, head) rows: the splits' tiles are disjoint and cover every key the block's
+    tokens see; a tile called fully visible is, for every token of the block."""
+    rows = n_q * group
+    for seqlen in sorted({n_q, n_q + 1, 63, 64, 65, 129, 300, 1000} - set(range(n_q))):
+        for row0 in range(0, rows, ROWS):
+            tokens = range(row0 // group, (min(row0 + ROWS, rows) - 1) // group + 1)
+            position = [seqlen - n_q + t for t in tokens]
+            want = {j for pos in position for j in range(seqlen)
+                    if key_visible(pos, j, seqlen, window_left, causal)}
+            first, n_tiles = block_tiles(position[0], position[-1], seqlen, block_n,
+                                         window_left, causal, INT_OPS)
+            for n_splits in (1, 2, 3, 7, 16):
+                walked = []
+                for split in range(n_splits):
+                    begin, mine = split_tiles(first, n_tiles, split, n_splits, INT_OPS)
+                    walked += range(begin, begin + mine)
+                assert len(walked) == len(set(walked)), (seqlen, row0, n_splits)
+                covered = {j for t in walked for j in range(t * block_n, (t + 1) * block_n)}
+                assert want <= covered, (seqlen, row0, n_splits)
+                assert all(0 <= t < -(-seqlen // block_n) for t in walked)
+            padded_last = seqlen - n_q + (row0 + ROWS - 1) // group  # as the kernel's mask
+            for tile in range(first, first + n_tiles):
+                if tile_visible(tile * block_n, position[0], padded_last, seqlen, block_n,
+                                window_left, causal):
+                    assert all(key_visible(pos, j, seqlen, window_left, causal)
+                               for pos in position
+                               for j in range(tile * block_n, (tile + 1) * block_n))
 
 
 @pytest.mark.smoke
@@ -285,9 +301,11 @@ def test_launch_arguments(paged, monkeypatch):
                    "page_size": 16 if paged else 0, "window_left": 255, "softcap": 0.0,
                    "causal": True}
     assert splits == choose_splits(2, 2, 1, 4800, 128) > 1
-    q_arg, k_arg, _, table_arg, lens_arg, o_arg, lse_arg, o_part, lse_part, scale = args
+    (q_arg, k_arg, _, table_arg, lens_arg, cu_arg, o_arg, lse_arg, o_part, lse_part, blocks,
+     scale) = args
     assert k_arg is k and o_arg is o and lse_arg is lse and lens_arg is lens
-    assert table_arg.shape == ((2, 300) if paged else (1, 1))
+    assert table_arg.shape == ((2, 300) if paged else (1, 1)) and cu_arg.shape == (1,)
+    assert blocks == 1
     assert o_part.shape == (2, 1, 8, splits, 128) and o_part.dtype == torch.float32
     assert lse_part.shape == (2, 1, 8, splits) and lse.shape == (2, 8, 1)
     assert scale == pytest.approx(128 ** -0.5)
@@ -305,3 +323,59 @@ def test_append_launch_arguments(monkeypatch):
     assert k_out is pages and key == {"dtype": "bfloat16", "slot_dtype": "int64", "width": 128}
     assert tokens == 3 and args[0].shape == (3, 128) and args[2].shape == (64, 128)
     assert args[2].data_ptr() == pages.data_ptr()  # a view of the pool: written in place
+
+
+# -- chunked prefill ----------------------------------------------------------------------
+def packed(total=300, heads=32, kv_heads=8, head_dim=128, page=16, n_pages=256, batch=3,
+           max_pages=64):
+    return (meta(total, heads, head_dim), meta(n_pages, page, kv_heads, head_dim),
+            meta(n_pages, page, kv_heads, head_dim), meta(batch + 1, dtype=torch.int32),
+            meta(batch, dtype=torch.int32), meta(batch, max_pages, dtype=torch.int32))
+
+
+@pytest.mark.smoke
+def test_chunked_prefill_shapes_and_errors():
+    o, lse = ChunkedPrefillAttentionFwdOp(max_seqlen_q=200)(*packed())
+    assert o.shape == (300, 32, 128) and lse.shape == (300, 32) and lse.dtype == torch.float32
+    bad_cu = packed()[:3] + (meta(5, dtype=torch.int32),) + packed()[4:]
+    with pytest.raises(TileOpsValueError, match="`B1 == B \\+ 1`"):
+        ChunkedPrefillAttentionFwdOp(max_seqlen_q=200)(*bad_cu)
+    with pytest.raises(TileOpsTypeError, match="argument 'max_seqlen_q'"):
+        ChunkedPrefillAttentionFwdOp(max_seqlen_q=2.0)
+    o = tileops.chunked_prefill_attention(*packed()[:5], max_seqlen_q=200,
+                                          block_table=packed()[5], window_left=63)
+    assert o.shape == (300, 32, 128)
+
+
+@pytest.mark.smoke
+def test_chunked_prefill_roofline():
+    q, k, v, _, _, table = packed(total=300, batch=3, page=16, max_pages=64)
+    cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32)
+    lens = torch.tensor([500, 1, 199], dtype=torch.int32)  # the last chunk is a fresh prefill
+    flops, nbytes = ChunkedPrefillAttentionFwdOp(max_seqlen_q=199).eval_roofline(
+        q, k, v, cu, lens, table)
+    pairs = sum(400 + i + 1 for i in range(100)) + 1 + 199 * 200 // 2
+    assert flops == 4 * 32 * 128 * pairs
+    pages = (32 + 1 + 13) * 4
+    assert nbytes == (2 * 700 * 8 * 128 + 2 * 300 * 32 * 128) * 2 + 300 * 32 * 4 + 7 * 4 + pages
+
+
+@pytest.mark.smoke
+def test_chunked_prefill_launch_arguments(monkeypatch):
+    """Packed rows of one token each, q_len 0 in the program key, the grid's row blocks
+    from max_seqlen_q (group 4 x 100 tokens = 400 rows: 7 blocks of 64)."""
+    op = ChunkedPrefillAttentionFwdOp(max_seqlen_q=100)
+    log = _recording(op, monkeypatch)
+    q = torch.randn(150, 8, 64).to(BF16)
+    k = v = torch.randn(40, 32, 2, 64).to(BF16)
+    cu = torch.tensor([0, 100, 150], dtype=torch.int32)
+    lens = torch.tensor([600, 50], dtype=torch.int32)
+    table = torch.randint(0, 40, (2, 20), dtype=torch.int32)
+    o, lse = op.forward(q, k, v, cu, lens, table)
+    (key, splits, args), = log
+    assert key["q_len"] == 0 and key["page_size"] == 32 and key["causal"]
+    q_arg, cu_arg, o_arg, lse_arg, blocks = args[0], args[5], args[6], args[7], args[10]
+    assert q_arg.shape == (150, 1, 8, 64) and o_arg.shape == (150, 1, 8, 64)
+    assert o_arg.data_ptr() == o.data_ptr() and lse_arg.shape == (150, 8, 1)
+    assert cu_arg is cu and blocks == 7
+    assert splits == choose_splits(2, 2, 7, 640, 128)

@@ -26,8 +26,10 @@ from .cross_entropy import (
     cross_entropy,
 )
 from .decode_attention import (
+    ChunkedPrefillAttentionFwdOp,
     DecodeAttentionFwdOp,
     KVCacheAppendFwdOp,
+    chunked_prefill_attention,
     decode_attention,
     kv_cache_append,
 )
@@ -89,7 +91,8 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
                                   FusedLinearCrossEntropyFwdOp, LinearFwdOp, LinearBwdOp,
                                   ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
-                                  KVCacheAppendFwdOp, QuantizeFp8FwdOp, GemmFp8FwdOp)}
+                                  KVCacheAppendFwdOp, ChunkedPrefillAttentionFwdOp,
+                                  QuantizeFp8FwdOp, GemmFp8FwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -108,4 +111,5 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "LinearBwdOp", "linear",
            "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk",
            "DecodeAttentionFwdOp", "KVCacheAppendFwdOp", "decode_attention", "kv_cache_append",
+           "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention",
            "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8"]

@@ -1,4 +1,4 @@
-"""Serving attention: decode over a KV cache and the cache write.
+"""Serving attention: decode and chunked prefill over a KV cache, and the cache write.
 
 What an engine needs, and what these ops promise:
 
@@ -36,6 +36,11 @@ What an engine needs, and what these ops promise:
   scaled logits), which engines use to merge attention over a shared prefix with the rest
   (cascade / prefix caching).
 
+`chunked_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, max_seqlen_q,
+block_table=None, ...)` serves packed chunks q [T, H, D] (request b owns rows
+cu_seqlens_q[b]:cu_seqlens_q[b + 1]; decode requests fold in as one-token chunks) with the
+same layouts, semantics and kernel; it returns o [T, H, D] and lse [T, H].
+
 `kv_cache_append(k_new, v_new, k_pages, v_pages, slot_mapping)` writes new tokens in place
 with vLLM's reshape_and_cache semantics (slot = page * page_size + offset, -1 skipped).
 """
@@ -60,15 +65,17 @@ from ..kernels.base import Kernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import LIBRARY, Op
 
-_no_table: dict[torch.device, torch.Tensor] = {}
+_placeholders: dict[tuple, torch.Tensor] = {}
 
 
-def _placeholder_table(device: torch.device) -> torch.Tensor:
-    """The [1, 1] block table the contiguous program takes (and never reads)."""
-    table = _no_table.get(device)
-    if table is None:
-        table = _no_table[device] = torch.zeros((1, 1), dtype=torch.int32, device=device)
-    return table
+def _placeholder(device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
+    """An int32 tensor a program takes and never reads (the contiguous cache's block
+    table, the decode form's cu_seqlens_q), made once per device."""
+    t = _placeholders.get((device, shape))
+    if t is None:
+        t = _placeholders[(device, shape)] = torch.zeros(shape, dtype=torch.int32,
+                                                         device=device)
+    return t
 
 
 def _contiguous(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -104,33 +111,47 @@ class DecodeAttentionFwdOp(Op):
                 cache_seqlens: torch.Tensor,
                 block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         batch, q_len, heads, head_dim = q.shape
-        name = self.spec.op_name
-        k_cache = _contiguous(name, "k_cache", k_cache)
-        v_cache = _contiguous(name, "v_cache", v_cache)
         o = torch.empty((batch, q_len, heads, head_dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
         if batch == 0:
             return o, lse
+        self._launch(q.contiguous(), k_cache, v_cache, cache_seqlens, block_table, None, o, lse,
+                     q_len)
+        return o, lse
+
+    def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                cu_seqlens_q: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor,
+                q_len: int, max_tokens: int | None = None) -> None:
+        """One attention launch (and the combine when split): q and o [rows, Sq, H, D], lse
+        [rows, H, Sq]; packed queries (cu_seqlens_q given) are rows of one token, q_len 0,
+        at most max_tokens per request."""
+        name = self.spec.op_name
+        k_cache = _contiguous(name, "k_cache", k_cache)
+        v_cache = _contiguous(name, "v_cache", v_cache)
         paged = block_table is not None
         if self.checked and not torch.cuda.is_current_stream_capturing():
             self._check_indices(k_cache, cache_seqlens, block_table)
+        rows, tokens, heads, head_dim = q.shape
         key = self._kernel_key(q.dtype, heads, k_cache.shape[2], head_dim, q_len,
                                k_cache.shape[1] if paged else 0)
         kernel = self.get_kernel("decode_attention", q.device, **key)
-        splits = self._splits(key, batch, k_cache.shape[1] * (block_table.shape[1] if paged
-                                                              else 1))
+        blocks = row_blocks(heads, k_cache.shape[2], max_tokens if max_tokens else q_len)
+        splits = self._splits(key, cache_seqlens.shape[0], blocks,
+                              k_cache.shape[1] * (block_table.shape[1] if paged else 1))
         if splits > 1:
-            o_part = torch.empty((batch, q_len, heads, splits, head_dim), dtype=torch.float32,
+            o_part = torch.empty((rows, tokens, heads, splits, head_dim), dtype=torch.float32,
                                  device=q.device)
-            lse_part = torch.empty((batch, q_len, heads, splits), dtype=torch.float32,
+            lse_part = torch.empty((rows, tokens, heads, splits), dtype=torch.float32,
                                    device=q.device)
         else:
             o_part = lse_part = None
-        table = block_table.contiguous() if paged else _placeholder_table(q.device)
+        table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
+        cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else _placeholder(
+            q.device, (1,))
         scale = self.sm_scale if self.sm_scale is not None else head_dim ** -0.5
-        kernel(splits, q.contiguous(), k_cache, v_cache, table, cache_seqlens.contiguous(), o,
-               lse, o_part, lse_part, float(scale))
-        return o, lse
+        kernel(splits, q, k_cache, v_cache, table, cache_seqlens.contiguous(), cu, o, lse,
+               o_part, lse_part, blocks, float(scale))
 
     def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                     q_len: int, page_size: int) -> dict[str, Any]:
@@ -141,8 +162,7 @@ class DecodeAttentionFwdOp(Op):
                 "causal": self.is_causal or q_len == 1}
 
     @staticmethod
-    def _splits(key: Mapping[str, Any], batch: int, max_keys: int) -> int:
-        blocks = row_blocks(key["heads"], key["kv_heads"], key["q_len"])
+    def _splits(key: Mapping[str, Any], batch: int, blocks: int, max_keys: int) -> int:
         return choose_splits(batch, key["kv_heads"], blocks, max_keys,
                              tile_keys(key["head_dim"]))
 
@@ -178,7 +198,69 @@ class DecodeAttentionFwdOp(Op):
         page = ns["S"] if table is not None else 0
         key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], ns["Sq"], page)
         max_keys = ns["S"] * (table.shape[1] if table is not None else 1)
-        return [("decode_attention", key, self._splits(key, ns["B"], max_keys))]
+        blocks = row_blocks(ns["H"], ns["Hkv"], ns["Sq"])
+        return [("decode_attention", key, self._splits(key, ns["B"], blocks, max_keys))]
+
+
+class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
+    """Chunked prefill / append over a KV cache: packed new tokens q [T, H, D], request b
+    owning rows cu_seqlens_q[b]:cu_seqlens_q[b + 1], attend to the request's cached keys,
+    their own keys included (appended first): token i of a request with n_q new tokens and
+    cache_seqlens[b] keys sits at position cache_seqlens[b] - n_q + i (bottom-right causal).
+    Returns o [T, H, D] and lse [T, H] (FlashInfer's ragged layout). Decode requests fold in
+    as chunks of one token. `max_seqlen_q` bounds every chunk (it sizes the grid; checked
+    with `checked`, like the indices)."""
+
+    def __init__(self, *, max_seqlen_q: int, sm_scale: float | None = None,
+                 softcap: float = 0.0, window_left: int = -1, is_causal: bool = True,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        Op.__init__(self, max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
+                    softcap=float(softcap), window_left=window_left, is_causal=is_causal,
+                    kernel_map=kernel_map, tune=tune)
+
+    @classmethod
+    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+        bounds = super().index_bounds(inputs)
+        bounds["cu_seqlens_q"] = inputs["q"].shape[0] + 1
+        return bounds
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,
+                block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        total, heads, head_dim = q.shape
+        o = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((total, heads), dtype=torch.float32, device=q.device)
+        if total == 0 or cache_seqlens.shape[0] == 0 or self.max_seqlen_q == 0:
+            return o, lse
+        if self.checked and not torch.cuda.is_current_stream_capturing():
+            self._check_chunks(cu_seqlens_q, cache_seqlens, total)
+        self._launch(q.contiguous().view(total, 1, heads, head_dim), k_cache, v_cache,
+                     cache_seqlens, block_table, cu_seqlens_q, o.view(total, 1, heads, head_dim),
+                     lse.view(total, heads, 1), 0, self.max_seqlen_q)
+        return o, lse
+
+    def _check_chunks(self, cu: torch.Tensor, cache_seqlens: torch.Tensor, total: int) -> None:
+        """cu_seqlens_q from 0 to T, non-decreasing, chunks within max_seqlen_q and within
+        their request's keys (one host sync)."""
+        lengths = cu.diff()
+        bad = torch.stack([cu[0] != 0, cu[-1] != total, (lengths < 0).any(),
+                           (lengths > self.max_seqlen_q).any(),
+                           (lengths > cache_seqlens).any()]).tolist()
+        if any(bad):
+            what = ["to start at 0", f"to end at the token count {total}",
+                    "to be non-decreasing", f"chunks of at most max_seqlen_q = "
+                    f"{self.max_seqlen_q}", "chunks no longer than their cache_seqlens"]
+            raise op_error(TileOpsValueError, self.spec.op_name, "cu_seqlens_q",
+                           " and ".join(w for w, b in zip(what, bad, strict=True) if b),
+                           cu.tolist())
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        table = ns.get("block_table")
+        page = ns["S"] if table is not None else 0
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], 0, page)
+        max_keys = ns["S"] * (table.shape[1] if table is not None else 1)
+        blocks = row_blocks(ns["H"], ns["Hkv"], self.max_seqlen_q)
+        return [("decode_attention", key, self._splits(key, ns["B"], blocks, max_keys))]
 
 
 class KVCacheAppendFwdOp(Op):
@@ -285,6 +367,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         window_left=-1 if window_left is None else int(window_left), is_causal=is_causal)
     if single:
         o, lse = o.squeeze(1), lse.squeeze(2)
+    return (o, lse) if return_lse else o
+
+
+def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,
+                              max_seqlen_q: int, block_table: torch.Tensor | None = None,
+                              sm_scale: float | None = None, softcap: float | None = None,
+                              window_left: int | None = None, is_causal: bool = True,
+                              return_lse: bool = False) -> Any:
+    """Packed new tokens q [T, H, D] (request b: rows cu_seqlens_q[b]:cu_seqlens_q[b + 1],
+    at most max_seqlen_q) attending to their KV cache, their own keys already appended;
+    cache layouts and options as `decode_attention`. Returns o [T, H, D], and with
+    return_lse also lse [T, H] (fp32, natural log)."""
+    o, lse = ChunkedPrefillAttentionFwdOp.apply(
+        q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table,
+        max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
+        softcap=0.0 if softcap is None else float(softcap),
+        window_left=-1 if window_left is None else int(window_left), is_causal=is_causal)
     return (o, lse) if return_lse else o
 
 

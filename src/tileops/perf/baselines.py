@@ -627,10 +627,12 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         from .fp8_baselines import fp8_baselines
 
         return fp8_baselines(op_name)
-    if op_name in ("DecodeAttentionFwdOp", "KVCacheAppendFwdOp"):
+    if op_name in ("DecodeAttentionFwdOp", "ChunkedPrefillAttentionFwdOp",
+                   "KVCacheAppendFwdOp"):
         from . import serving_baselines
 
-        return (serving_baselines.decode_attention_baselines(libs)
-                if op_name == "DecodeAttentionFwdOp"
-                else serving_baselines.kv_cache_append_baselines(libs))
+        return {"DecodeAttentionFwdOp": serving_baselines.decode_attention_baselines,
+                "ChunkedPrefillAttentionFwdOp": serving_baselines.chunked_prefill_baselines,
+                "KVCacheAppendFwdOp": serving_baselines.kv_cache_append_baselines,
+                }[op_name](libs)
     return {}

@@ -96,3 +96,31 @@ def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
         page = k_cache.shape[1]
         nbytes += sum(-(-n // page) for n in keys) * 4
     return flops, nbytes
+
+
+def chunked_prefill_attention(q: Any, k_cache: Any, cu_seqlens_q: Any, cache_seqlens: Any,
+                              block_table: Any, window_left: int, is_causal: bool,
+                              elem_bytes: int, **_: Any) -> tuple[int, int]:
+    """Packed chunks over a KV cache: each request's visible (query, key) pairs; the K/V
+    rows its chunk can see read once, q read and o written once, the lse, the lengths and
+    the block-table entries of the pages read. On meta tensors (no values) the chunks are
+    taken as equal and every request's cache as full."""
+    total_q, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    batch = cache_seqlens.shape[0]
+    if cache_seqlens.device.type == "meta" or cu_seqlens_q.device.type == "meta":
+        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                    else k_cache.shape[1])
+        chunks = [(total_q // max(batch, 1), capacity)] * batch
+    else:
+        cu = [int(n) for n in cu_seqlens_q.tolist()]
+        chunks = list(zip([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)],
+                          [int(n) for n in cache_seqlens.tolist()], strict=True))
+    right = 0 if is_causal else -1
+    pairs = sum(visible_pairs(n_q, n, window_left, right) for n_q, n in chunks)
+    keys = [min(n, window_left + n_q) if window_left >= 0 else n for n_q, n in chunks]
+    nbytes = (2 * sum(keys) * kv_heads * head_dim + 2 * q.numel()) * elem_bytes
+    nbytes += total_q * heads * 4 + (2 * batch + 1) * 4
+    if block_table is not None:
+        nbytes += sum(-(-n // k_cache.shape[1]) for n in keys) * 4
+    return 4 * heads * head_dim * pairs, nbytes

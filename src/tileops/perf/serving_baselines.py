@@ -82,6 +82,58 @@ def decode_attention_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
     return table
 
 
+def _sdpa_chunks(backend: Any) -> Baseline:
+    """SDPA request by request on each request's gathered keys with its bottom-right mask
+    (what a torch user without a ragged paged kernel writes; reads the offsets on the
+    host)."""
+
+    def run(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table=None,
+            max_seqlen_q=0, sm_scale=None, softcap=0.0, window_left=-1, is_causal=True):
+        from torch.nn.attention import sdpa_kernel
+
+        if softcap:
+            raise NotImplementedError("SDPA has no logit softcap")
+        cu, lengths = cu_seqlens_q.tolist(), cache_seqlens.tolist()
+        out = torch.empty_like(q)
+        for b, n in enumerate(lengths):
+            start, end = cu[b], cu[b + 1]
+            if end == start:
+                continue
+            table = None if block_table is None else block_table[b:b + 1]
+            k = _keys_of(k_cache if table is not None else k_cache[b:b + 1], table)[:, :n]
+            v = _keys_of(v_cache if table is not None else v_cache[b:b + 1], table)[:, :n]
+            mask = _visible(cache_seqlens[b:b + 1], end - start, n, window_left, is_causal)
+            with sdpa_kernel(backend):
+                out[start:end] = F.scaled_dot_product_attention(
+                    q[None, start:end].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    attn_mask=mask, scale=sm_scale, enable_gqa=True).transpose(1, 2)[0]
+        return out
+
+    return run
+
+
+def _flash_attn_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens,
+                             block_table=None, max_seqlen_q=0, sm_scale=None, softcap=0.0,
+                             window_left=-1, is_causal=True):
+    from flash_attn import flash_attn_varlen_func
+
+    cu_k = F.pad(cache_seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q,
+                                  int(cache_seqlens.max()), softmax_scale=sm_scale,
+                                  causal=is_causal, window_size=(window_left, -1),
+                                  softcap=softcap, block_table=block_table)
+
+
+def chunked_prefill_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
+    from torch.nn.attention import SDPBackend
+
+    table = {f"sdpa-{name}-per-request": _sdpa_chunks(backend) for name, backend in (
+        ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
+    if libs["flash_attn"]:
+        table["flash-attn-varlen-paged"] = _flash_attn_paged_varlen
+    return table
+
+
 def _index_copy(k_new, v_new, k_pages, v_pages, slot_mapping):
     """Row scatter into the flattened pools (torch has no skip for slot -1)."""
     kv_heads, head_dim = k_new.shape[1:]

@@ -1,20 +1,23 @@
-"""Decode attention over a KV cache: split-KV flash decoding with a combine step.
+"""Attention over a KV cache: split-KV flash decoding with a combine step, and the same
+program over packed chunks (chunked prefill).
 
-q [B, Sq, H, D] (Sq = q_len, 1 for plain decoding, 2-8 for speculative decoding), the cache
-either paged, k/v [num_pages, page_size, Hkv, D] with block_table [B, max_pages], or
-contiguous, k/v [B, S_max, Hkv, D]; cache_seqlens [B] counts the keys of each request,
-its new tokens included. Query i of a request sits at position seqlen - Sq + i and sees the
-keys at or before it (bottom-right causal), and with a left window only those at most
-`window_left` positions behind it.
+q [B, Sq, H, D] (Sq = q_len, 1 for plain decoding, 2-16 for speculative decoding) or packed
+chunks q [T, 1, H, D] with cu_seqlens_q (q_len 0 in the program key); the cache either
+paged, k/v [num_pages, page_size, Hkv, D] with block_table [B, max_pages], or contiguous,
+k/v [B, S_max, Hkv, D]; cache_seqlens [B] counts the keys of each request, its new tokens
+included. Query token i of a request with n_q new tokens sits at position seqlen - n_q + i
+and sees the keys at or before it (bottom-right causal; every key of the request when not
+causal), and with a left window only those at most `window_left` positions behind it.
 
-One CTA owns one KV head of one request and one split of its keys; its rows are the query
-heads of the GQA group times the query tokens (row = token * group + head), padded to one
-64-row wgmma tile, so K and V are read once per KV head. A TMA producer streams K/V tiles
-(page by page when pages are shorter than a tile), the consumer warpgroup runs the forward's
-online softmax (`attention_fwd._attention_macros`). Each request's key tiles are divided
-evenly over the splits, so a short request's CTAs finish early and every split of a long one
-does the same work; nothing on the host reads cache_seqlens. A CTA with no tile in its split
-still walks one fully masked tile and writes a neutral partial (o = 0, lse = -inf).
+A CTA owns 64 rows of one request's (token, query head) rows under one KV head (row =
+token * group + head, padded to one 64-row wgmma tile), so K and V are read once per KV
+head and 64 / group tokens, and one split of the key tiles those rows see. A TMA producer
+streams K/V tiles (page by page when pages are shorter than a tile), the consumer
+warpgroup runs the forward's online softmax (`attention_fwd._attention_macros`). The key
+tiles are divided evenly over the splits, so a short request's CTAs finish early and every
+split of a long one does the same work; nothing on the host reads cache_seqlens. A CTA with
+no tile in its split still walks one fully masked tile and writes a neutral partial
+(o = 0, lse = -inf).
 
 With one split the CTA writes o and lse directly; otherwise it writes fp32 partials and a
 second program merges them by their log-sum-exp.
@@ -71,38 +74,41 @@ def choose_splits(batch: int, kv_heads: int, blocks: int, max_keys: int, block_n
     return min(s for s, f in score.items() if f >= 0.85 * best)
 
 
-def request_tiles(seqlen, q_len: int, block_n: int, window_left: int, ops=TIR_OPS):
-    """(first key tile, number of tiles) a request's queries can see: its keys, less those
-    a left window leaves behind the first query (at position seqlen - q_len)."""
+def block_tiles(first_position, last_position, seqlen, block_n: int, window_left: int,
+                causal: bool, ops=TIR_OPS):
+    """(first key tile, number of tiles) that queries at positions [first_position,
+    last_position] of a request with `seqlen` keys can see."""
     first = 0
     if window_left >= 0:
-        first = ops.floordiv(ops.max(seqlen - q_len - window_left, 0), block_n)
-    return first, ops.max(ops.ceildiv(seqlen, block_n) - first, 0)
+        first = ops.floordiv(ops.max(first_position - window_left, 0), block_n)
+    end = ops.ceildiv(last_position + 1 if causal else seqlen, block_n)
+    return first, ops.max(end - first, 0)
 
 
 def split_tiles(first, n_tiles, split_index, n_splits, ops=TIR_OPS):
-    """(first tile, tiles) of split `split_index`: the request's tiles cut into n_splits
-    runs of equal length (the last ones shorter or empty)."""
+    """(first tile, tiles) of split `split_index`: the tiles cut into n_splits runs of
+    equal length (the last ones shorter or empty)."""
     per_split = ops.ceildiv(n_tiles, n_splits)
     begin = first + split_index * per_split
     return begin, ops.max(ops.min(per_split, first + n_tiles - begin), 0)
 
 
-def key_visible(token, key, seqlen, q_len: int, window_left: int, causal: bool):
-    """Whether query token `token` (at position seqlen - q_len + token) sees `key`."""
-    position = seqlen - q_len + token
+def key_visible(position, key, seqlen, window_left: int, causal: bool):
+    """Whether the query at `position` sees `key` of a request with `seqlen` keys."""
     seen = key <= position if causal else key < seqlen
     if window_left >= 0:
         seen = seen & (key >= position - window_left)
     return seen
 
 
-def tile_visible(kv_start, seqlen, q_len: int, block_n: int, window_left: int, causal: bool):
-    """Whether every query token sees every key of [kv_start, kv_start + block_n): such a
-    tile needs no mask (the first token has the fewest keys, the last the latest window)."""
-    seen = kv_start + block_n <= (seqlen - q_len + 1 if causal else seqlen)
+def tile_visible(kv_start, first_position, last_position, seqlen, block_n: int,
+                 window_left: int, causal: bool):
+    """Whether every query at positions [first_position, last_position] sees every key of
+    [kv_start, kv_start + block_n): such a tile needs no mask (the first query has the
+    fewest keys, the last the latest window)."""
+    seen = kv_start + block_n <= (first_position + 1 if causal else seqlen)
     if window_left >= 0:
-        seen = seen & (kv_start >= seqlen - 1 - window_left)
+        seen = seen & (kv_start >= last_position - window_left)
     return seen
 
 
@@ -114,15 +120,19 @@ def tile_keys(head_dim: int) -> int:
 def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_size: int,
                    dtype: str, window_left: int, softcap: float, causal: bool, split: bool,
                    config: DecodeConfig):
-    """The split kernel; `page_size` 0 means the contiguous cache. With `split`, writes
-    partials o_part [B, Sq, H, splits, D] and lse_part [B, Sq, H, splits] (fp32, natural
-    log); without, o [B, Sq, H, D] and lse [B, H, Sq]."""
+    """The attention kernel; `page_size` 0 means the contiguous cache, `q_len` 0 packed
+    queries (chunked prefill: q [T, 1, H, D], request b owning rows cu_seqlens_q[b]:
+    cu_seqlens_q[b + 1]), else q [B, q_len, H, D]. With `split`, writes partials
+    o_part [rows, Sq, H, splits, D] and lse_part [rows, Sq, H, splits] (fp32, natural log);
+    without, o like q and lse [rows, H, Sq]. `row_blocks` (a launch argument) counts the
+    CTAs along one request's rows, group * (longest request's tokens) / ROWS."""
     group = heads // kv_heads
-    rows = group * q_len
-    blocks = row_blocks(heads, kv_heads, q_len)
+    packed = q_len == 0
+    tokens = 1 if packed else q_len  # q's second dimension
     block_n, stages = config.block_n, config.stages
     paged = page_size > 0
-    batch, n_splits = T.dynamic("batch, n_splits")
+    batch, n_splits, n_cu = T.dynamic("batch, n_splits, n_cu")
+    q_rows = T.dynamic("q_rows") if packed else batch
     if paged:
         n_pages, max_pages = T.dynamic("n_pages, max_pages")
         cache_shape = (n_pages, page_size, kv_heads, head_dim)
@@ -131,13 +141,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         s_max = T.dynamic("s_max")
         cache_shape = (batch, s_max, kv_heads, head_dim)
     table_shape = (batch, max_pages) if paged else (1, 1)
-    q_shape = (batch, q_len, heads, head_dim)
+    q_shape = (q_rows, tokens, heads, head_dim)
     fwd_config = AttentionFwdConfig(block_m=ROWS, block_n=block_n, stages=stages, threads=128)
     step = _attention_macros(head_dim, dtype, -1, -1, softcap, fwd_config)
 
-    def sees(i, key, seqlen, live):
-        """Whether row i's query sees `key` (and the tile is live)."""
-        return live & key_visible(i // group, key, seqlen, q_len, window_left, causal)
+    def q_at(b, q_start, token):
+        """(first, second) index of query token `token` of request b in q, o and lse."""
+        if packed:
+            return q_start + token, 0
+        return b, token
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
     parts = head_dim // SWIZZLE_COLS
@@ -191,33 +203,50 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             load_piece(cache, table, b, tile, h, dst, 15)
 
     @T.macro
-    def scores(st, q_shared, k_shared, kv_start, seqlen, live, scale):
+    def scores(st, q_shared, k_shared, kv_start, seqlen, n_q, row0, live, scale):
+        """S = Q K^T (capped), -inf where row i's query (position seqlen - n_q + its token)
+        does not see the key, or everywhere when the tile is not live."""
         T.gemm(q_shared, k_shared, st.s, transpose_B=True, clear_accum=True,
                policy=T.GemmWarpPolicy.FullRow)
         if softcap > 0:
             for i, j in T.Parallel(ROWS, block_n):
                 st.s[i, j] = T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E)
-        if T.Not(live & tile_visible(kv_start, seqlen, q_len, block_n, window_left, causal)):
+        first_position = seqlen - n_q + row0 // group
+        last_position = seqlen - n_q + (row0 + ROWS - 1) // group
+        if T.Not(live & tile_visible(kv_start, first_position, last_position, seqlen,
+                                     block_n, window_left, causal)):
             for i, j in T.Parallel(ROWS, block_n):
-                st.s[i, j] = T.if_then_else(sees(i, kv_start + j, seqlen, live), st.s[i, j],
-                                            -T.infinity("float"))
+                st.s[i, j] = T.if_then_else(
+                    live & key_visible(seqlen - n_q + (row0 + i) // group, kv_start + j,
+                                       seqlen, window_left, causal),
+                    st.s[i, j], -T.infinity("float"))
 
     @T.macro
     def attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st, b, h,
-               row0, split_index, n_split, scale):
-        """Q rows of this CTA, then the online softmax over its split's key tiles."""
+               q_start, n_q, row0, split_index, n_split, scale):
+        """Rows [row0, row0 + ROWS) of request b's n_q * group (token, head) rows, then the
+        online softmax over its split of the key tiles they see."""
+        n_rows = n_q * group
         for i, d in T.Parallel(ROWS, head_dim):
-            r = T.min(row0 + i, rows - 1)  # padding rows repeat the last row (never stored)
-            q_shared[i, d] = q[b, r // group, h * group + r % group, d]
+            # rows past the request's repeat its last row (never stored); an empty request
+            # reads row 0 of q (kept inside q by the clamp)
+            r = T.max(T.min(row0 + i, n_rows - 1), 0)
+            qb, qt = q_at(b, q_start, r // group)
+            q_shared[i, d] = q[T.min(qb, q_rows - 1), qt, h * group + r % group, d]
         seqlen = cache_seqlens[b]
-        first, n_tiles = request_tiles(seqlen, q_len, block_n, window_left)
+        last_row = T.min(row0 + ROWS, n_rows) - 1
+        first, n_tiles = block_tiles(seqlen - n_q + row0 // group,
+                                     seqlen - n_q + last_row // group, seqlen, block_n,
+                                     window_left, causal)
+        n_tiles = T.if_then_else(row0 < n_rows, n_tiles, 0)
         begin, mine = split_tiles(first, n_tiles, split_index, n_split)
         step.init(st)
         # an empty split walks one masked tile (its loads stay inside the table's row)
         for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
             tile = T.min(begin + t, T.max(first + n_tiles - 1, 0))
             load_tile(k, block_table, b, tile, h, k_shared)
-            scores(st, q_shared, k_shared, (begin + t) * block_n, seqlen, t < mine, scale)
+            scores(st, q_shared, k_shared, (begin + t) * block_n, seqlen, n_q, row0, t < mine,
+                   scale)
             step.online_softmax(st, scale)
             T.copy(st.s, st.p)
             step.rescale_output(st)
@@ -228,18 +257,26 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     def head_of(r, h):
         return h * group + r % group
 
+    def request(cu_seqlens_q, b):
+        """(first row in q, query tokens) of request b."""
+        if packed:
+            return cu_seqlens_q[b], cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+        return b, q_len
+
     if split:
         @T.prim_func
         def decode_split(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, dtype),
                          v: T.Tensor(cache_shape, dtype),
                          block_table: T.Tensor(table_shape, "int32"),
                          cache_seqlens: T.Tensor((batch,), "int32"),
-                         o_part: T.Tensor((batch, q_len, heads, n_splits, head_dim), "float"),
-                         lse_part: T.Tensor((batch, q_len, heads, n_splits), "float"),
-                         scale: T.float32):
-            with T.Kernel(n_splits, kv_heads * blocks, batch, threads=128) as (sx, hy, b):
-                h = hy // blocks
-                row0 = hy % blocks * ROWS
+                         cu_seqlens_q: T.Tensor((n_cu,), "int32"),
+                         o_part: T.Tensor((q_rows, tokens, heads, n_splits, head_dim), "float"),
+                         lse_part: T.Tensor((q_rows, tokens, heads, n_splits), "float"),
+                         row_blocks: T.int32, scale: T.float32):
+            with T.Kernel(n_splits, kv_heads * row_blocks, batch, threads=128) as (sx, hy, b):
+                h = hy // row_blocks
+                row0 = hy % row_blocks * ROWS
+                q_start, n_q = request(cu_seqlens_q, b)
                 q_shared = T.alloc_shared((ROWS, head_dim), dtype)
                 k_shared = T.alloc_shared((block_n, head_dim), dtype)
                 v_shared = T.alloc_shared((block_n, head_dim), dtype)
@@ -248,13 +285,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
                                 row_sum, l_local, lse_local, hold, stale)
                 attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st,
-                       b, h, row0, sx, n_splits, scale)
+                       b, h, q_start, n_q, row0, sx, n_splits, scale)
                 for i, d in T.Parallel(ROWS, head_dim):
-                    if row0 + i < rows:
-                        o_part[b, (row0 + i) // group, head_of(row0 + i, h), sx, d] = st.o[i, d]
+                    if row0 + i < n_q * group:
+                        qb, qt = q_at(b, q_start, (row0 + i) // group)
+                        o_part[qb, qt, head_of(row0 + i, h), sx, d] = st.o[i, d]
                 for i in T.Parallel(ROWS):
-                    if row0 + i < rows:
-                        lse_part[b, (row0 + i) // group, head_of(row0 + i, h), sx] = st.lse[i]
+                    if row0 + i < n_q * group:
+                        qb, qt = q_at(b, q_start, (row0 + i) // group)
+                        lse_part[qb, qt, head_of(row0 + i, h), sx] = st.lse[i]
 
         return decode_split
 
@@ -263,11 +302,14 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                       v: T.Tensor(cache_shape, dtype),
                       block_table: T.Tensor(table_shape, "int32"),
                       cache_seqlens: T.Tensor((batch,), "int32"),
+                      cu_seqlens_q: T.Tensor((n_cu,), "int32"),
                       o: T.Tensor(q_shape, dtype),
-                      lse: T.Tensor((batch, heads, q_len), "float"), scale: T.float32):
-        with T.Kernel(1, kv_heads * blocks, batch, threads=128) as (sx, hy, b):
-            h = hy // blocks
-            row0 = hy % blocks * ROWS
+                      lse: T.Tensor((q_rows, heads, tokens), "float"),
+                      row_blocks: T.int32, scale: T.float32):
+        with T.Kernel(1, kv_heads * row_blocks, batch, threads=128) as (sx, hy, b):
+            h = hy // row_blocks
+            row0 = hy % row_blocks * ROWS
+            q_start, n_q = request(cu_seqlens_q, b)
             q_shared = T.alloc_shared((ROWS, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
             v_shared = T.alloc_shared((block_n, head_dim), dtype)
@@ -276,13 +318,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
                             row_sum, l_local, lse_local, hold, stale)
             attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st, b,
-                   h, row0, sx, 1, scale)
+                   h, q_start, n_q, row0, sx, 1, scale)
             for i, d in T.Parallel(ROWS, head_dim):
-                if row0 + i < rows:
-                    o[b, (row0 + i) // group, head_of(row0 + i, h), d] = st.o[i, d]
+                if row0 + i < n_q * group:
+                    qb, qt = q_at(b, q_start, (row0 + i) // group)
+                    o[qb, qt, head_of(row0 + i, h), d] = st.o[i, d]
             for i in T.Parallel(ROWS):
-                if row0 + i < rows:
-                    lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
+                if row0 + i < n_q * group:
+                    qb, qt = q_at(b, q_start, (row0 + i) // group)
+                    lse[qb, head_of(row0 + i, h), qt] = st.lse[i]
 
     return decode_direct
 
@@ -341,7 +385,8 @@ class DecodeAttentionKernel(Kernel):
                               k["causal"], split, config)
         if not split:
             return main
-        return main, combine_program(k["heads"], k["head_dim"], k["q_len"], k["dtype"])
+        # packed queries: the partials are [T, 1, H, splits, D], the one-token layout
+        return main, combine_program(k["heads"], k["head_dim"], max(k["q_len"], 1), k["dtype"])
 
     def bucket_of(self, n_splits: int) -> str:
         return "split" if n_splits > 1 else "direct"
@@ -362,9 +407,11 @@ class DecodeAttentionKernel(Kernel):
                      or c.block_n % self.key["page_size"] == 0)]
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
-            o, lse, o_part, lse_part, scale: float) -> None:
+            cu_seqlens_q, o, lse, o_part, lse_part, row_blocks: int, scale: float) -> None:
         if len(compiled) == 1:
-            compiled[0](q, k, v, block_table, cache_seqlens, o, lse, scale)
+            compiled[0](q, k, v, block_table, cache_seqlens, cu_seqlens_q, o, lse, row_blocks,
+                        scale)
         else:
-            compiled[0](q, k, v, block_table, cache_seqlens, o_part, lse_part, scale)
+            compiled[0](q, k, v, block_table, cache_seqlens, cu_seqlens_q, o_part, lse_part,
+                        row_blocks, scale)
             compiled[1](o_part, lse_part, o, lse)
