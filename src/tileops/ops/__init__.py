@@ -40,6 +40,14 @@ from .fused_linear_cross_entropy import (
 )
 from .gemm import GemmFwdOp, gemm
 from .linear import LinearBwdOp, LinearFwdOp, linear
+from .moe import (
+    MoePermuteFwdOp,
+    MoeRouteFwdOp,
+    MoeUnpermuteFwdOp,
+    moe_permute,
+    moe_route,
+    moe_unpermute,
+)
 from .normalization import (
     FusedAddRMSNormBwdOp,
     FusedAddRMSNormFwdOp,
@@ -92,7 +100,8 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   FusedLinearCrossEntropyFwdOp, LinearFwdOp, LinearBwdOp,
                                   ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
                                   KVCacheAppendFwdOp, ChunkedPrefillAttentionFwdOp,
-                                  QuantizeFp8FwdOp, GemmFp8FwdOp)}
+                                  QuantizeFp8FwdOp, GemmFp8FwdOp,
+                                  MoeRouteFwdOp, MoePermuteFwdOp, MoeUnpermuteFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -112,4 +121,6 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk",
            "DecodeAttentionFwdOp", "KVCacheAppendFwdOp", "decode_attention", "kv_cache_append",
            "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention",
-           "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8"]
+           "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8",
+           "MoeRouteFwdOp", "MoePermuteFwdOp", "MoeUnpermuteFwdOp", "moe_route", "moe_permute",
+           "moe_unpermute"]

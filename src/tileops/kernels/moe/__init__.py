@@ -1,0 +1,7 @@
+from .combine import CombineConfig, MoeCombineKernel
+from .permute import CHUNK, GatherConfig, MoeGatherKernel, MoeSortKernel
+from .routing import MAX_EXPERTS, MAX_TOP_K, MoeRouteKernel, RouteConfig
+
+__all__ = ["CHUNK", "CombineConfig", "GatherConfig", "MAX_EXPERTS", "MAX_TOP_K",
+           "MoeCombineKernel", "MoeGatherKernel", "MoeRouteKernel", "MoeSortKernel",
+           "RouteConfig"]

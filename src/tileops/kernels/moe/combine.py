@@ -1,0 +1,67 @@
+"""MoE combine (unpermute): out[t] = sum_j weights[t, j] * expert_out[row_index[t, j]].
+
+Each thread owns 16-byte vectors of a few tokens' output rows and walks the token's top_k
+rows in order, accumulating in fp32, so the sum is deterministic (no atomics) and rounded
+once. A row index of -1 (an expert that is not local) adds nothing; a token whose experts
+are all dropped gets zeros.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    block_rows: int = 1  # tokens per CTA
+    threads: int = 128
+
+
+def combine_program(hidden: int, top_k: int, dtype: str, config: CombineConfig):
+    """out [tokens, hidden] from expert_out [rows, hidden]; tokens and rows are symbolic."""
+    tokens, rows = T.dynamic("tokens, rows")
+    block_rows = config.block_rows
+
+    @T.prim_func
+    def combine(expert_out: T.Tensor((rows, hidden), dtype),
+                weights: T.Tensor((tokens, top_k), "float32"),
+                row_index: T.Tensor((tokens, top_k), "int32"),
+                out: T.Tensor((tokens, hidden), dtype)):
+        with T.Kernel(T.ceildiv(tokens, block_rows), threads=config.threads) as bx:
+            acc = T.alloc_fragment((block_rows, hidden), "float32")
+            T.clear(acc)
+            for j in T.serial(top_k):
+                for i, h in T.Parallel(block_rows, hidden):
+                    if bx * block_rows + i < tokens:
+                        if row_index[bx * block_rows + i, j] >= 0:
+                            acc[i, h] += weights[bx * block_rows + i, j] * T.cast(
+                                expert_out[row_index[bx * block_rows + i, j], h], "float32")
+            for i, h in T.Parallel(block_rows, hidden):
+                if bx * block_rows + i < tokens:
+                    out[bx * block_rows + i, h] = T.cast(acc[i, h], dtype)
+
+    return combine
+
+
+class MoeCombineKernel(Kernel):
+    """key: dtype, hidden, top_k."""
+
+    name = "moe_combine"
+    Config = CombineConfig
+
+    def program(self, config: CombineConfig, bucket: str):
+        k = self.key
+        return combine_program(k["hidden"], k["top_k"], k["dtype"], config)
+
+    def heuristic_config(self, bucket: str, arch: str) -> CombineConfig:
+        # a 7168-wide bf16 row is 896 vectors: 7 per thread of 128, each read top_k times
+        return CombineConfig()
+
+    def config_space(self, bucket: str) -> list[CombineConfig]:
+        return [CombineConfig(rows, threads) for rows in (1, 2) for threads in (128, 256)]
+
+    def run(self, config: CombineConfig, compiled: tuple, expert_out, weights, row_index,
+            out) -> None:
+        compiled[0](expert_out, weights, row_index, out)
