@@ -131,12 +131,12 @@ def test_direct_path_when_the_batch_fills_the_gpu():
     """Enough (request, KV head) pairs for one split: no partials, no combine."""
     lengths = [(37 * i) % 900 for i in range(80)]  # includes 0
     op = check(lengths, page_size=32)
-    assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 1, 32), 80, 900) == 1
+    assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 1, 32), 80, 1, 900) == 1
 
 
 def test_long_single_request_splits():
     op = check([20000], page_size=64)
-    assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 1, 64), 1, 20032) > 8
+    assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 1, 64), 1, 1, 20032) > 8
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
