@@ -115,8 +115,9 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("kind, n", [("rms", 128), ("rms", 4096), ("rms", 8192),
-                                     ("layer", 6144), ("layer", 8192), ("fused_add", 8192)])
+@pytest.mark.parametrize("kind, n", [("rms", 128), ("rms", 4096), ("rms", 5120), ("rms", 7168),
+                                     ("rms", 8192), ("layer", 6144), ("layer", 8192),
+                                     ("fused_add", 5120), ("fused_add", 8192)])
 def test_norm_backward_staged_defaults_load_by_tma_and_spill_nothing(kind, n, tmp_path):
     """Where the backward stages rows through shared memory, its producer warp group caps
     registers at 168: the default must still keep the accumulators in registers."""

@@ -16,7 +16,7 @@ from tileops import (
     TileOpsValueError,
 )
 from tileops.kernels.normalization import LayerNormBwdKernel, RMSNormBwdKernel, RMSNormKernel
-from tileops.kernels.normalization.rows import RowTile
+from tileops.kernels.normalization.rows import RowTile, stageable
 
 from ..helpers import meta
 
@@ -113,5 +113,5 @@ def test_default_configs_keep_registers_in_bounds(n):
             assert config.ctas % 132 == 0 and config in bwd.config_space(bucket)
             if config.stages:  # a producer warp group: 256 consumers, one CTA per SM
                 assert config.threads == 256 and config.ctas == 132 and not config.prefetch
-                assert RowTile(n, config.block_rows, config.threads).aligned, config
+                assert stageable(n, config.block_rows, config.threads), config
     assert bwd.bucket_of(4096) == "few" and bwd.bucket_of(4097) == "many"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
-from .rows import RowTile, row_configs, vector_map_ok
+from .rows import RowTile, row_configs, stageable, vector_map_ok
 
 FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials
 
@@ -40,12 +40,12 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
                      prefetch: bool, stages: int = 0):
     rows = T.dynamic("rows")
-    tile = RowTile(n, block_rows, threads)
+    staged = stages > 0 and stageable(n, block_rows, threads)
+    tile = RowTile(n, block_rows, threads, exact=staged)
     load, store = tile.macros(rows)
     n_tile = tile.n_tile
     parts = ctas * block_rows
     f32 = "float"
-    staged = stages > 0 and tile.aligned  # TMA moves whole 16-byte-aligned rows
 
     def hat(h_local, mean_local, rstd_local, i, j):  # xhat in fp32
         h = T.cast(h_local[i, j], f32)
@@ -316,10 +316,12 @@ class NormBwdKernel(Kernel):
         consumer threads holding at most 32 elements each (8192 columns; more spilled). On
         the H200 it beat the register double buffer by 7-8% at 4096 columns and by 21-34%
         at 6144-8192 (RMSNorm, the fused add and LayerNorm, 8K rows). Three stages where a
-        thread holds at most 24 elements, else two (the shared memory of 32 per thread)."""
+        thread holds at most 24 elements, else two (the shared memory of 32 per thread).
+        5120 and 7168 columns (8-byte vectors per thread) compile without spills; their
+        first GPU comparison is in docs/performance (Leads, if not yet run)."""
         n, threads = self.key["n"], 256
         block_rows = max(1, 4096 // n)
-        if not vector_map_ok(n, block_rows, threads):
+        if not stageable(n, block_rows, threads):
             return None
         elems = block_rows * n // threads
         if elems > 32:

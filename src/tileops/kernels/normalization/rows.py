@@ -28,17 +28,29 @@ def vector_map_ok(n: int, block_rows: int, threads: int) -> bool:
                                        and block_rows % (threads // row_vecs) == 0)
 
 
+def stageable(n: int, block_rows: int, threads: int) -> bool:
+    """Whether rows can be staged through shared memory by TMA (16-byte rows) into an exact
+    [block_rows, n] register tile: 16-byte vectors split evenly, or one row whose 8-byte
+    vectors do (5120 and 7168 columns over 256 threads; TileLang lays a multi-row tile of
+    that kind out as whole rows per thread)."""
+    if n % VEC or threads & (threads - 1):
+        return False
+    return vector_map_ok(n, block_rows, threads) or (block_rows == 1 and n % (4 * threads) == 0)
+
+
 @dataclass(frozen=True)
 class RowTile:
-    """The [block_rows, n_tile] register tile of `n`-element rows and how it moves."""
+    """The [block_rows, n_tile] register tile of `n`-element rows and how it moves;
+    `exact` (rows staged through shared memory, see `stageable`) keeps it [block_rows, n]."""
 
     n: int
     block_rows: int
     threads: int
+    exact: bool = False
 
     @property
     def aligned(self) -> bool:
-        return vector_map_ok(self.n, self.block_rows, self.threads)
+        return self.exact or vector_map_ok(self.n, self.block_rows, self.threads)
 
     @property
     def n_tile(self) -> int:
