@@ -125,7 +125,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     cu_seqlens_q[b + 1]), else q [B, q_len, H, D]. With `split`, writes partials
     o_part [rows, Sq, H, splits, D] and lse_part [rows, Sq, H, splits] (fp32, natural log);
     without, o like q and lse [rows, H, Sq]. `row_blocks` (a launch argument) counts the
-    CTAs along one request's rows, group * (longest request's tokens) / ROWS."""
+    CTAs along one request's rows, group * (longest request's tokens) / ROWS. The grid is
+    (splits, row blocks, requests x KV heads): no index divides by a runtime size but the
+    split count (TIR's floor division by a runtime divisor expands into sign tests at
+    every use, which tripled the packed program's source and its compile time)."""
     group = heads // kv_heads
     packed = q_len == 0
     tokens = 1 if packed else q_len  # q's second dimension
@@ -273,9 +276,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                          o_part: T.Tensor((q_rows, tokens, heads, n_splits, head_dim), "float"),
                          lse_part: T.Tensor((q_rows, tokens, heads, n_splits), "float"),
                          row_blocks: T.int32, scale: T.float32):
-            with T.Kernel(n_splits, kv_heads * row_blocks, batch, threads=128) as (sx, hy, b):
-                h = hy // row_blocks
-                row0 = hy % row_blocks * ROWS
+            with T.Kernel(n_splits, row_blocks, batch * kv_heads, threads=128) as (sx, by, bz):
+                b, h = bz // kv_heads, bz % kv_heads
+                row0 = by * ROWS
                 q_start, n_q = request(cu_seqlens_q, b)
                 q_shared = T.alloc_shared((ROWS, head_dim), dtype)
                 k_shared = T.alloc_shared((block_n, head_dim), dtype)
@@ -306,9 +309,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                       o: T.Tensor(q_shape, dtype),
                       lse: T.Tensor((q_rows, heads, tokens), "float"),
                       row_blocks: T.int32, scale: T.float32):
-        with T.Kernel(1, kv_heads * row_blocks, batch, threads=128) as (sx, hy, b):
-            h = hy // row_blocks
-            row0 = hy % row_blocks * ROWS
+        with T.Kernel(1, row_blocks, batch * kv_heads, threads=128) as (sx, by, bz):
+            b, h = bz // kv_heads, bz % kv_heads
+            row0 = by * ROWS
             q_start, n_q = request(cu_seqlens_q, b)
             q_shared = T.alloc_shared((ROWS, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
