@@ -23,6 +23,7 @@ With one split the CTA writes o and lse directly; otherwise it writes fp32 parti
 second program merges them by their log-sum-exp.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ def row_blocks(heads: int, kv_heads: int, q_len: int) -> int:
     return -(-(heads // kv_heads) * q_len // ROWS)
 
 
+@functools.lru_cache(maxsize=4096)  # on every call's host path: decode calls are host-bound
 def choose_splits(batch: int, kv_heads: int, blocks: int, max_keys: int, block_n: int,
                   sms: int = SMS) -> int:
     """Splits per (request, KV head) from shapes only (no lengths read on the host).
