@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
+from ..vectors import vector_width
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ def combine_program(hidden: int, top_k: int, dtype: str, config: CombineConfig):
     """out [tokens, hidden] from expert_out [rows, hidden]; tokens and rows are symbolic."""
     tokens, rows = T.dynamic("tokens, rows")
     block_rows = config.block_rows
+    # The accumulator spans whole rounds of 16-byte vectors over the threads (layout
+    # inference needs that); columns past `hidden` are computed from nothing and dropped.
+    span = config.threads * vector_width(hidden, dtype)
+    width = -(-hidden // span) * span
 
     @T.prim_func
     def combine(expert_out: T.Tensor((rows, hidden), dtype),
@@ -30,16 +35,16 @@ def combine_program(hidden: int, top_k: int, dtype: str, config: CombineConfig):
                 row_index: T.Tensor((tokens, top_k), "int32"),
                 out: T.Tensor((tokens, hidden), dtype)):
         with T.Kernel(T.ceildiv(tokens, block_rows), threads=config.threads) as bx:
-            acc = T.alloc_fragment((block_rows, hidden), "float32")
+            acc = T.alloc_fragment((block_rows, width), "float32")
             T.clear(acc)
             for j in T.serial(top_k):
-                for i, h in T.Parallel(block_rows, hidden):
-                    if bx * block_rows + i < tokens:
+                for i, h in T.Parallel(block_rows, width):
+                    if bx * block_rows + i < tokens and h < hidden:
                         if row_index[bx * block_rows + i, j] >= 0:
                             acc[i, h] += weights[bx * block_rows + i, j] * T.cast(
                                 expert_out[row_index[bx * block_rows + i, j], h], "float32")
-            for i, h in T.Parallel(block_rows, hidden):
-                if bx * block_rows + i < tokens:
+            for i, h in T.Parallel(block_rows, width):
+                if bx * block_rows + i < tokens and h < hidden:
                     out[bx * block_rows + i, h] = T.cast(acc[i, h], dtype)
 
     return combine

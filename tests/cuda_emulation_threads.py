@@ -1,0 +1,164 @@
+"""Runs TileLang-generated CUDA on the CPU with one OS thread per CUDA thread, for kernels
+whose threads do talk: shared memory, `__syncthreads()` and warp shuffles.
+
+The blocks run one after another; the threads of a block run concurrently as host
+threads, so a barrier is a real barrier (`__syncthreads` waits for the block, a shuffle
+for its warp: each lane posts its value, the warp meets, each lane reads its partner's,
+the warp meets again). Shared arrays become one static array, used by one block at a
+time. So a kernel runs here as on the GPU provided every lane of a warp reaches each
+shuffle (warp-uniform control flow around shuffles, which TileLang's code has) and it
+uses no atomics, `__syncthreads_count` or async copies: anything outside that set fails
+to compile, it is never silently emulated. Arguments are bound as in
+`tests/cuda_emulation.py`, which handles kernels whose threads never talk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import re
+import subprocess
+from typing import Any
+
+from .cuda_emulation import _BUILD_DIR, _KERNEL, _launch_arguments
+
+_PRELUDE = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <thread>
+#include <vector>
+#include <pthread.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <vector_types.h>
+#include <cutlass/numeric_types.h>
+using cutlass::bfloat16_t;
+using cutlass::half_t;
+typedef unsigned int uint;
+typedef unsigned char uchar;
+struct EmuIndex { int x, y, z; };
+static thread_local EmuIndex emu_thread, emu_block;
+#define threadIdx emu_thread
+#define blockIdx emu_block
+#define CUDART_INF_F INFINITY
+template <class A, class B> static inline auto min(A a, B b) { return a < b ? a : b; }
+template <class A, class B> static inline auto max(A a, B b) { return a > b ? a : b; }
+static inline unsigned __pack_nv_bfloat162(bfloat16_t x, bfloat16_t y) {
+  return (unsigned(y.raw()) << 16) | unsigned(x.raw());
+}
+static inline unsigned __pack_half2(half_t x, half_t y) {
+  return (unsigned(y.raw()) << 16) | unsigned(x.raw());
+}
+#define __launch_bounds__(...)
+#define __restrict__
+#define __shared__ static
+#define __align__(n) alignas(n)
+static pthread_barrier_t emu_block_barrier;
+static pthread_barrier_t emu_warp_barrier[64];
+static uint64_t emu_lane_slot[64][32];
+static void emu_syncthreads() { pthread_barrier_wait(&emu_block_barrier); }
+template <class V> static V emu_exchange(V v, int src_lane) {
+  int warp = emu_thread.x / 32, lane = emu_thread.x % 32;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(V));
+  emu_lane_slot[warp][lane] = bits;
+  pthread_barrier_wait(&emu_warp_barrier[warp]);
+  bits = emu_lane_slot[warp][src_lane];
+  pthread_barrier_wait(&emu_warp_barrier[warp]);
+  V out;
+  std::memcpy(&out, &bits, sizeof(V));
+  return out;
+}
+template <class V> static V emu_shfl_xor(unsigned, V v, int m, int) {
+  return emu_exchange(v, (emu_thread.x % 32) ^ m);
+}
+template <class V> static V emu_shfl_up(unsigned, V v, int d, int) {
+  int lane = emu_thread.x % 32;
+  V other = emu_exchange(v, lane >= d ? lane - d : lane);
+  return lane >= d ? other : v;
+}
+template <class V> static V emu_shfl_down(unsigned, V v, int d, int) {
+  int lane = emu_thread.x % 32;
+  V other = emu_exchange(v, lane + d < 32 ? lane + d : lane);
+  return lane + d < 32 ? other : v;
+}
+template <class V> static V emu_shfl(unsigned, V v, int src, int) {
+  return emu_exchange(v, src % 32);
+}
+"""
+_DYNAMIC_SHARED = re.compile(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];")
+_RENAMES = {"__syncthreads()": "emu_syncthreads()", "__shfl_xor_sync(": "emu_shfl_xor(",
+            "__shfl_up_sync(": "emu_shfl_up(", "__shfl_down_sync(": "emu_shfl_down(",
+            "__shfl_sync(": "emu_shfl("}
+_DYNAMIC_SHARED_BYTES = 1 << 18
+
+
+def _library(source: str, threads: int) -> tuple[Any, list[str]]:
+    """The kernel compiled for the host with a `run_grid(grid, args...)` driver."""
+    assert threads % 32 == 0 and threads <= 2048, threads
+    start = source.index('extern "C" __global__ void __launch_bounds__')
+    match = _KERNEL.match(source, start)
+    name, params = match.group(1), match.group(2)
+    names = [p.strip().split()[-1] for p in params.split(",")]
+    body = source[start:].replace('extern "C" __global__ void', "static void", 1)
+    body = _DYNAMIC_SHARED.sub(
+        lambda m: f"alignas({m.group(1)}) static {m.group(2)} "
+                  f"{m.group(3)}[{_DYNAMIC_SHARED_BYTES} / sizeof({m.group(2)})];", body)
+    for old, new in _RENAMES.items():
+        body = body.replace(old, new)
+    driver = (f'extern "C" void run_grid(int grid, {params}) {{\n'
+              f"  pthread_barrier_init(&emu_block_barrier, nullptr, {threads});\n"
+              f"  for (int w = 0; w < {threads // 32}; ++w)\n"
+              f"    pthread_barrier_init(&emu_warp_barrier[w], nullptr, 32);\n"
+              f"  for (int b = 0; b < grid; ++b) {{\n"
+              f"    std::vector<std::thread> pool;\n"
+              f"    for (int t = 0; t < {threads}; ++t) pool.emplace_back([=] {{\n"
+              f"      emu_block.x = b; emu_thread.x = t; {name}({', '.join(names)});\n"
+              f"    }});\n"
+              f"    for (auto &th : pool) th.join();\n  }}\n}}\n")
+    code = _PRELUDE + body + driver
+    digest = hashlib.sha1(code.encode()).hexdigest()[:20]
+    _BUILD_DIR.mkdir(exist_ok=True)
+    lib = _BUILD_DIR / f"threads-{digest}.so"
+    if not lib.exists():
+        import tilelang
+
+        cutlass = pathlib.Path(tilelang.__file__).parent / "3rdparty" / "cutlass" / "include"
+        src = _BUILD_DIR / f"threads-{digest}.cu"
+        src.write_text(code)
+        tmp = _BUILD_DIR / f"threads-{digest}.{os.getpid()}.so"
+        subprocess.run(["nvcc", "-O1", "-w", "-std=c++17", "-shared", "-Xcompiler",
+                        "-fPIC,-fno-strict-aliasing,-pthread", f"-I{cutlass}", "-o", str(tmp),
+                        str(src)], check=True, capture_output=True)
+        tmp.rename(lib)
+    return ctypes.CDLL(str(lib)).run_grid, [p.strip() for p in params.split(",")]
+
+
+def run(compiled: Any, grid: int, threads: int, tensors: dict[str, Any],
+        scalars: dict[str, Any]) -> None:
+    """Runs `compiled` (a TileLang JITKernel) on CPU tensors: `tensors` by parameter name,
+    `scalars` by name (symbolic sizes, and scalar parameters such as a float scale)."""
+    source = compiled.get_kernel_source()
+    func = re.search(r"void __launch_bounds__\([^)]*\) (\w+)_kernel\(", source).group(1)
+    fn, params = _library(source, threads)
+    values = []
+    # a float scalar is packed as v_float64: spelled as an int64 one, the shared parser
+    # names it like the others (the value is converted by the kernel parameter's type)
+    host = re.sub(r"\.v_float64\) = \(\(double\)(\w+)\);", r".v_int64) = ((int64_t)\1);",
+                  compiled.get_host_source())
+    arguments = _launch_arguments(host, func)[:len(params)]
+    for param, arg in zip(params, arguments, strict=True):
+        if arg[0] == "buffer":
+            name = arg[1] if arg[1] in tensors else re.sub(r"_\d+$", "", arg[1])
+            values.append(ctypes.c_void_p(tensors[name].data_ptr()))
+        elif arg[0] == "stride":
+            values.append(ctypes.c_int64(tensors[arg[1]].stride(arg[2])))
+        else:
+            ctype = param.split()[-2]
+            convert = {"int64_t": ctypes.c_int64, "float": ctypes.c_float,
+                       "double": ctypes.c_double}.get(ctype, ctypes.c_int)
+            values.append(convert(scalars[arg[1]]))
+    fn(ctypes.c_int(grid), *values)

@@ -1,0 +1,277 @@
+"""MoE ops without a GPU: op-layer errors, meta outputs, the roofline against a hand count,
+and (marker `compile`) the generated CUDA of every kernel run on the CPU: each with one host
+thread per CUDA thread (tests/cuda_emulation_threads.py: warp shuffles, shared memory and
+barriers run as on the GPU)."""
+
+import pytest
+import torch
+
+import tileops
+from tileops import (
+    MoePermuteFwdOp,
+    MoeRouteFwdOp,
+    MoeUnpermuteFwdOp,
+    TileOpsTypeError,
+    TileOpsValueError,
+)
+from tileops.kernels.moe import (
+    CHUNK,
+    MoeCombineKernel,
+    MoeGatherKernel,
+    MoeRouteKernel,
+    MoeSortKernel,
+)
+
+from ..helpers import meta
+from . import moe_reference as ref
+
+I32 = torch.int32
+
+
+# -- op layer ----------------------------------------------------------------------------
+@pytest.mark.smoke
+@pytest.mark.parametrize("params, logits, bias, pattern", [
+    (dict(top_k=9), (4, 8), None, r"MoeRouteFwdOp: argument 'router_logits': expected "
+                                   r"shapes satisfying `1 <= top_k <= min\(E, 32\)`"),
+    (dict(top_k=2, scoring="relu"), (4, 8), None, r"argument 'scoring': expected a value "
+                                                   r"satisfying `scoring in"),
+    (dict(top_k=8, n_group=6, topk_group=2), (4, 256), None,
+     r"argument 'router_logits': expected shapes satisfying `n_group is None or "
+     r"E % n_group == 0`"),
+    (dict(top_k=8, n_group=8), (4, 256), None, r"`\(n_group is None\) == \(topk_group is "
+                                               r"None\)`"),
+    (dict(top_k=8, n_group=8, topk_group=9), (4, 256), None, r"1 <= topk_group <= n_group"),
+    (dict(top_k=9, n_group=32, topk_group=1), (4, 256), (256,),
+     r"`topk_group is None or top_k <= topk_group \* \(E // n_group\)`"),
+    (dict(top_k=8), (4, 512), None, r"`1 <= E <= 384`"),
+    (dict(top_k=8, scoring="sigmoid"), (4, 256), (128,),
+     r"argument 'correction_bias': expected shapes satisfying `correction_bias is None or "
+     r"tuple\(correction_bias.shape\) == \(E,\)`"),
+    (dict(top_k=2, routed_scaling_factor=0.0), (4, 8), None, r"routed_scaling_factor > 0"),
+])
+def test_route_errors_name_the_argument(params, logits, bias, pattern):
+    bias = None if bias is None else meta(*bias, dtype=torch.float32)
+    with pytest.raises(TileOpsValueError, match=pattern):
+        MoeRouteFwdOp(**params)(meta(*logits, dtype=torch.float32), bias)
+
+
+@pytest.mark.smoke
+def test_bad_dtypes():
+    with pytest.raises(TileOpsTypeError, match="MoeRouteFwdOp: argument 'correction_bias'"):
+        MoeRouteFwdOp(top_k=8, scoring="sigmoid")(meta(4, 256), meta(256))
+    with pytest.raises(TileOpsTypeError, match="MoePermuteFwdOp: argument 'topk_ids': "
+                                               "expected dtype int32"):
+        MoePermuteFwdOp(num_experts=8)(meta(4, 64), meta(4, 2, dtype=torch.int64))
+    with pytest.raises(TileOpsTypeError, match="MoeUnpermuteFwdOp: argument 'topk_weights'"):
+        MoeUnpermuteFwdOp()(meta(8, 64), meta(4, 2), meta(4, 2, dtype=I32))
+    with pytest.raises(TileOpsTypeError, match="MoeRouteFwdOp: argument 'top_k'"):
+        MoeRouteFwdOp(top_k=2.0)
+
+
+@pytest.mark.smoke
+def test_permute_and_unpermute_shape_errors():
+    with pytest.raises(TileOpsValueError, match="MoePermuteFwdOp: argument 'topk_ids'"):
+        MoePermuteFwdOp(num_experts=8)(meta(4, 64), meta(5, 2, dtype=I32))
+    with pytest.raises(TileOpsValueError, match="argument 'num_experts'"):
+        MoePermuteFwdOp(num_experts=0)(meta(4, 64), meta(4, 2, dtype=I32))
+    with pytest.raises(TileOpsValueError, match="num_experts <= expert_map.shape"):
+        MoePermuteFwdOp(num_experts=16)(meta(4, 64), meta(4, 2, dtype=I32), meta(8, dtype=I32))
+    with pytest.raises(TileOpsValueError, match="MoeUnpermuteFwdOp: argument 'row_index'"):
+        MoeUnpermuteFwdOp()(meta(8, 64), meta(4, 2, dtype=torch.float32), meta(4, 3, dtype=I32))
+
+
+@pytest.mark.smoke
+def test_meta_outputs():
+    w, ids = tileops.moe_route(meta(64, 256, dtype=torch.float32), 8, "sigmoid", True, 8, 4,
+                               meta(256, dtype=torch.float32), 2.5)
+    assert w.shape == ids.shape == (64, 8) and w.dtype == torch.float32 and ids.dtype == I32
+    permuted, offsets, row_index, source = tileops.moe_permute(
+        meta(16, 2048), meta(16, 8, dtype=I32), 8, meta(128, dtype=I32))
+    assert permuted.shape == (128, 2048) and permuted.dtype == torch.bfloat16
+    assert offsets.shape == (9,) and row_index.shape == (16, 8) and source.shape == (128,)
+    out = tileops.moe_unpermute(meta(128, 2048, dtype=torch.float16),
+                                meta(16, 8, dtype=torch.float32), row_index)
+    assert out.shape == (16, 2048) and out.dtype == torch.float16
+
+
+@pytest.mark.smoke
+def test_rooflines_by_hand():
+    op = MoeUnpermuteFwdOp()
+    flops, nbytes = op.eval_roofline(meta(32768, 2048), meta(4096, 8, dtype=torch.float32),
+                                     meta(4096, 8, dtype=I32))
+    assert flops == 2 * 4096 * 8 * 2048
+    assert nbytes == 4096 * 8 * 2048 * 2 + 4096 * 8 * (4 + 4) + 4096 * 2048 * 2
+    op = MoePermuteFwdOp(num_experts=8)
+    _, nbytes = op.eval_roofline(meta(256, 7168), meta(256, 8, dtype=I32), meta(256, dtype=I32))
+    assert nbytes == 256 * 7168 * 2 * 9 + 256 * 8 * 12 + 9 * 4 + 256 * 4
+    _, nbytes = MoeRouteFwdOp(top_k=8).eval_roofline(meta(64, 256, dtype=torch.float32))
+    assert nbytes == 64 * 256 * 4 + 64 * 8 * 8
+
+
+def test_kernels_for_follow_the_params():
+    op = MoeRouteFwdOp(top_k=8, scoring="sigmoid", n_group=1, topk_group=1)
+    ns = op.check((meta(4, 384, dtype=torch.float32), meta(384, dtype=torch.float32)))
+    [(name, key, size)] = op.kernels_for(ns)
+    assert name == "moe_route" and size == 4
+    assert key["n_group"] == 1 and key["has_bias"] and key["n_experts"] == 384
+
+
+# -- the generated CUDA on the CPU ------------------------------------------------------
+def _route_on_cpu(logits, bias, **params):
+    from ..cuda_emulation_threads import run
+
+    op = MoeRouteFwdOp(**params)
+    kernel = MoeRouteKernel(**op._key(logits.dtype, logits.shape[1], bias is not None))
+    config = kernel.heuristic_config("all", "sm_90a")
+    compiled = kernel.compile(config, "all")[0]
+    tokens = logits.shape[0]
+    weights = torch.full((tokens, op.top_k), float("nan"))
+    ids = torch.full((tokens, op.top_k), -7, dtype=I32)
+    tensors = dict(logits=logits, weights=weights, ids=ids)
+    if bias is not None:
+        tensors["bias"] = bias
+    run(compiled, -(-tokens // config.warps), config.warps * 32, tensors,
+        dict(tokens=tokens, scale=op.routed_scaling_factor))
+    return weights, ids
+
+
+ROUTES = {  # name -> (tokens, experts, dtype, bias std, params)
+    "deepseek-v3": (11, 256, torch.float32, 0.5,
+                    dict(top_k=8, scoring="sigmoid", n_group=8, topk_group=4,
+                         routed_scaling_factor=2.5)),
+    "mixtral": (37, 8, torch.bfloat16, None, dict(top_k=2)),
+    "qwen2-moe, no renormalization": (9, 60, torch.float32, None,
+                                      dict(top_k=4, renormalize=False)),
+    "kimi-k2": (5, 384, torch.bfloat16, 0.5,
+                dict(top_k=8, scoring="sigmoid", n_group=1, topk_group=1,
+                     routed_scaling_factor=2.827)),
+    "grouped softmax, no bias": (6, 64, torch.float16, None,
+                                 dict(top_k=6, n_group=8, topk_group=3)),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.smoke]
+                                               if n == "deepseek-v3" else [pytest.mark.full])
+                                  for n in ROUTES])
+def test_route_program_on_the_cpu(name):
+    """The routing kernel, warp shuffles included, against the float64 reference: ids on
+    every row not decided by a near-tie, weights at the kernel's ids, sorted, distinct."""
+    tokens, experts, dtype, bias_std, params = ROUTES[name]
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(tokens, experts, generator=gen) * 2).to(dtype)
+    bias = None if bias_std is None else torch.randn(experts, generator=gen) * bias_std
+    weights, ids = _route_on_cpu(logits, bias, **params)
+    checked = ref.check_route(weights, ids, logits, params["top_k"],
+                              params.get("scoring", "softmax"),
+                              params.get("renormalize", True), params.get("n_group"),
+                              params.get("topk_group"), bias,
+                              params.get("routed_scaling_factor", 1.0))
+    assert checked >= tokens - 1  # near-ties are rare in random data
+
+
+@pytest.mark.compile
+@pytest.mark.full
+def test_route_ties_go_to_the_lower_index():
+    """Logits with many equal values: the kernel's ids are exactly the stable order's."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randint(-2, 3, (7, 64), generator=gen).to(torch.float16)
+    weights, ids = _route_on_cpu(logits, None, top_k=8)
+    _, want, _ = ref.route_reference(logits, 8)
+    assert torch.equal(ids.long(), want)
+
+
+def _sort_on_cpu(ids, num_experts, expert_map=None):
+    from ..cuda_emulation_threads import run
+
+    tokens, top_k = ids.shape
+    op = MoePermuteFwdOp(num_experts=num_experts)
+    sort_key, _ = op._keys(torch.empty(tokens, 8), top_k, expert_map)
+    kernel = MoeSortKernel(**sort_key)
+    programs = kernel.compile(kernel.heuristic_config("all", "sm_90a"), "all")
+    n_chunks = -(-tokens * top_k // CHUNK)
+    t = dict(ids=ids, row_index=torch.full((tokens, top_k), -7, dtype=I32),
+             counts=torch.full((num_experts + 1, n_chunks), -7, dtype=I32),
+             totals=torch.full((num_experts + 1,), -7, dtype=I32),
+             offsets=torch.full((num_experts + 1,), -7, dtype=I32),
+             source=torch.full((tokens * top_k,), -7, dtype=I32))
+    if expert_map is not None:
+        t["expert_map"] = expert_map
+    sizes = dict(tokens=tokens, n_chunks=n_chunks)
+    run(programs[0], n_chunks, CHUNK, t, sizes)
+    run(programs[1], num_experts + 1, CHUNK, t, sizes)
+    run(programs[2], n_chunks, CHUNK, t, sizes)
+    return t["offsets"], t["row_index"], t["source"]
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+def test_sort_programs_on_the_cpu():
+    """The counting sort over 5 chunks: skewed ids, two empty experts, ids out of range
+    dropped; offsets, row_index and source equal a stable sort's."""
+    gen = torch.Generator().manual_seed(3)
+    ids = ref.zipf_ids(300, 30, 8, generator=gen)  # experts 30 and 31 get nothing
+    ids[5, 2], ids[77, 0], ids[299, 7] = -1, 32, 1000
+    _, offsets, row_index, source = ref.permute_reference(torch.empty(300, 1), ids, 32)
+    got = _sort_on_cpu(ids, 32)
+    assert torch.equal(got[0].long(), offsets)
+    assert torch.equal(got[1].long(), row_index)
+    assert torch.equal(got[2].long(), source)
+
+
+@pytest.mark.compile
+@pytest.mark.full
+def test_sort_programs_with_an_expert_map_on_the_cpu():
+    """Expert parallelism: 8 local experts of 64; a map entry past the local count and
+    ids outside the map are dropped too."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(64, generator=gen)[:6] for _ in range(200)]).to(I32)
+    ids[0, 0] = 70
+    expert_map = torch.full((64,), -1, dtype=I32)
+    expert_map[16:24] = torch.arange(8, dtype=I32)
+    expert_map[40] = 9
+    _, offsets, row_index, source = ref.permute_reference(torch.empty(200, 1), ids, 8,
+                                                          expert_map)
+    got = _sort_on_cpu(ids, 8, expert_map)
+    assert torch.equal(got[0].long(), offsets)
+    assert torch.equal(got[1].long(), row_index)
+    assert torch.equal(got[2].long(), source)
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gather_and_combine_programs_on_the_cpu(dtype):
+    """The gather puts every local slot's token row at its row (dropped slots write
+    nothing); the combine sums k rows weighted in fp32 (-1 rows skipped, a token with no
+    local expert gets zeros)."""
+    from ..cuda_emulation_threads import run  # its prelude has TileLang's bf16/fp16 packing
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, top_k, hidden, n_experts = 13, 4, 200, 6
+    ids = torch.randint(0, n_experts + 2, (tokens, top_k), generator=gen, dtype=I32)
+    ids[3] = n_experts + 1  # token 3: every expert elsewhere
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    want_rows, offsets, row_index, _ = ref.permute_reference(x, ids, n_experts)
+    name = str(dtype).removeprefix("torch.")
+    gather = MoeGatherKernel(dtype=name, hidden=hidden, top_k=top_k)
+    config = gather.heuristic_config("all", "sm_90a")
+    permuted = torch.full((tokens * top_k, hidden), float("nan")).to(dtype)
+    run(gather.compile(config, "all")[0], -(-tokens * top_k // config.block_rows),
+        config.threads, dict(x=x, row_index=row_index.to(I32), permuted=permuted),
+        dict(tokens=tokens, rows=tokens * top_k))
+    n_local = int(offsets[-1])
+    assert torch.equal(permuted[:n_local], want_rows)
+    assert permuted[n_local:].isnan().all()
+
+    combine = MoeCombineKernel(dtype=name, hidden=hidden, top_k=top_k)
+    config = combine.heuristic_config("all", "sm_90a")
+    expert_out = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    out = torch.full((tokens, hidden), float("nan")).to(dtype)
+    run(combine.compile(config, "all")[0], -(-tokens // config.block_rows), config.threads,
+        dict(expert_out=expert_out, weights=weights, row_index=row_index.to(I32), out=out),
+        dict(tokens=tokens, rows=tokens * top_k))
+    want = ref.combine_reference(expert_out, weights, row_index)
+    torch.testing.assert_close(out.double(), want.to(dtype).double(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[3], torch.zeros(hidden, dtype=dtype))
