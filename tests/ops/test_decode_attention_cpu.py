@@ -301,6 +301,8 @@ def test_launch_arguments(paged, monkeypatch):
                    "page_size": 16 if paged else 0, "window_left": 255, "softcap": 0.0,
                    "causal": True}
     assert splits == choose_splits(2, 2, 1, 4800, 128) > 1
+    assert op.kernels_for(op.check((q, k, v, lens, table))) == [  # what the sweep builds
+        ("decode_attention", key, splits)]
     (q_arg, k_arg, _, table_arg, lens_arg, cu_arg, o_arg, lse_arg, o_part, lse_part, blocks,
      scale) = args
     assert k_arg is k and o_arg is o and lse_arg is lse and lens_arg is lens
@@ -379,3 +381,5 @@ def test_chunked_prefill_launch_arguments(monkeypatch):
     assert o_arg.data_ptr() == o.data_ptr() and lse_arg.shape == (150, 8, 1)
     assert cu_arg is cu and blocks == 7
     assert splits == choose_splits(2, 2, 7, 640, 128)
+    assert op.kernels_for(op.check((q, k, v, cu, lens, table))) == [
+        ("decode_attention", key, splits)]
