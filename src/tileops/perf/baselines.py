@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .baselines_moe import moe_baselines
+
 Baseline = Callable[..., Any]
 
 EXTERNAL_LIBRARIES = ("flashinfer", "flash_attn", "liger_kernel", "quack")
@@ -558,6 +560,9 @@ def _linear_cross_entropy_baselines(libs: dict[str, bool]) -> dict[str, Baseline
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
+    moe = moe_baselines(op_name)
+    if moe is not None:
+        return moe
     if op_name == "GemmFwdOp":
         return {"cublas": _cublas}
     if op_name == "LinearFwdOp":  # F.linear: cuBLAS with the bias in its epilogue
