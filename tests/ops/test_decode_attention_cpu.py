@@ -3,6 +3,8 @@ the roofline against a hand count, the split rule, and (marker `compile`) the ge
 of the paged program."""
 
 import math
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -181,8 +183,9 @@ def test_kv_cache_append_checks():
 
 @pytest.mark.compile
 @pytest.mark.full
-def test_paged_program_uses_tma_and_wgmma():
-    """Pages of 16 keys: eight page copies per 128-key tile, still by TMA, warp-specialized."""
+def test_paged_program_uses_tma_and_wgmma_without_spills(tmp_path):
+    """Pages of 16 keys: sixteen page copies per 128-key tile, still by TMA,
+    warp-specialized; ptxas: no spills, no serialized wgmma."""
     kernel = DecodeAttentionKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                    q_len=1, page_size=16, window_left=-1, softcap=0.0,
                                    causal=True)
@@ -190,6 +193,13 @@ def test_paged_program_uses_tma_and_wgmma():
     source = compiled[0].get_kernel_source()
     assert "tma_load" in source and "wgmma" in source, source
     assert "warpgroup_reg_alloc" in source  # a producer warpgroup feeds the consumers
+    if shutil.which("ptxas") is None:
+        pytest.skip("needs ptxas (CUDA toolkit)")
+    ptx = tmp_path / "decode.ptx"
+    compiled[0].export_ptx(str(ptx))
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
+                            capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report and "C7511" not in report, report
 
 
 class _HostMath:
