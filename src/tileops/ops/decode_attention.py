@@ -19,11 +19,12 @@ What an engine needs, and what these ops promise:
 - No host synchronization and no recompilation in the run path: cache_seqlens and
   block_table are only read on the GPU; the launch grid and the number of KV splits come
   from shapes (batch, KV heads, max_pages * page_size or S_max, 132 SMs), and batch and
-  lengths are runtime sizes of the compiled programs (at most two programs per model
-  config: one split or several). So a CUDA graph captured once replays correctly with new
-  values in cache_seqlens and block_table, and a decode loop whose lengths grow by one each
-  step never compiles. A block table wider than the longest request costs nothing but a
-  possibly higher split count (splits divide each request's own length).
+  lengths are runtime sizes of the compiled programs (per model config at most the
+  one-split program and the split program with its combine). So a CUDA graph captured
+  once replays correctly with new values in cache_seqlens and block_table, and a decode
+  loop whose lengths grow by one each step never compiles. A block table wider than the
+  longest request costs nothing but a possibly higher split count (splits divide each
+  request's own length).
 - Edge cases: a request of length 0 gets o = 0 and lse = -inf. Block-table entries past a
   request's last page are never used for data and may hold anything (-1, stale pages). Cache
   rows past a request's length must hold finite values (stale tokens or zeros, as engines
