@@ -265,3 +265,69 @@ def test_every_gather_and_combine_config_of_the_space():
         op = MoeUnpermuteFwdOp()
         op.pin_config(config, permuted, weights, row_index)
         assert_close(op(permuted, weights, row_index), want)
+
+
+# -- grouped GEMM -----------------------------------------------------------------------
+def grouped_reference(a, b, offsets):
+    """float32 per-expert loop; rows past offsets[-1] stay zero."""
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=FP32, device=a.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = a[start:end].float() @ b[e].float().t()
+        start = end
+    return out
+
+
+def group_offsets(sizes):
+    return torch.tensor(sizes, device="cuda").cumsum(0).to(I32)
+
+
+# (group sizes, N, K, dtype)
+GROUPED_CASES = [
+    ([0, 1, 200, 0, 129, 64, 1000, 3], 256, 512, BF16),  # empty groups, tails, a lone row
+    ([4] * 128, 3072, 4096, BF16),                        # qwen3-235b decode
+    (None, 1536, 2048, FP16),                             # qwen3-30b-a3b, zipf sizes
+    ([513] * 8, 1000, 4096, BF16),                        # N not a multiple of the tile
+]
+
+
+@pytest.mark.parametrize("sizes, n, k, dtype", GROUPED_CASES)
+def test_grouped_gemm(sizes, n, k, dtype):
+    if sizes is None:
+        ids = ref.zipf_ids(4096, 128, 8, skew=1.2)
+        sizes = torch.bincount(ids.flatten().long(), minlength=128).tolist()
+    offsets = group_offsets(sizes)
+    m = int(offsets[-1]) + 17  # rows past the last group are not written
+    a = randn(m, k, dtype=dtype)
+    b = randn(len(sizes), n, k, dtype=dtype, std=k ** -0.5)
+    out = tileops.grouped_gemm(a, b, offsets)
+    end = int(offsets[-1])
+    assert_close(out[:end], grouped_reference(a, b, offsets)[:end])
+
+
+def test_grouped_gemm_matches_torch_grouped_mm():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    offsets = group_offsets([128, 0, 384, 256] * 8)
+    a, b = randn(int(offsets[-1]), 2048, dtype=BF16), randn(32, 768, 2048, dtype=BF16, std=0.02)
+    want = torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
+    assert_close(tileops.grouped_gemm(a, b, offsets), want.float())
+
+
+def test_grouped_gemm_cuda_graph_and_no_recompile():
+    b = randn(16, 512, 1024, dtype=BF16, std=1 / 32)
+    a = randn(1024, 1024, dtype=BF16)
+    offsets = group_offsets([64] * 16)
+    tileops.grouped_gemm(a, b, offsets)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tileops.grouped_gemm(a, b, offsets)
+    offsets.copy_(group_offsets([0, 300, 0, 0, 200, 100, 0, 0, 0, 50, 50, 50, 50, 100, 100, 24]))
+    graph.replay()  # new group sizes, same launch: the sizes are read on the device
+    assert_close(out, grouped_reference(a, b, offsets))
+    before = Kernel.compile_count
+    for m in (1, 7, 100, 4097):
+        a = randn(m, 1024, dtype=BF16)
+        offsets = group_offsets([m // 16] * 15 + [m - 15 * (m // 16)])
+        assert_close(tileops.grouped_gemm(a, b, offsets), grouped_reference(a, b, offsets))
+    assert Kernel.compile_count == before

@@ -275,3 +275,70 @@ def test_gather_and_combine_programs_on_the_cpu(dtype):
     want = ref.combine_reference(expert_out, weights, row_index)
     torch.testing.assert_close(out.double(), want.to(dtype).double(), atol=2e-2, rtol=2e-2)
     assert torch.equal(out[3], torch.zeros(hidden, dtype=dtype))
+
+
+# -- grouped GEMM -----------------------------------------------------------------------
+@pytest.mark.smoke
+def test_grouped_gemm_errors_and_meta():
+    from tileops import GroupedGemmFwdOp
+
+    op = GroupedGemmFwdOp()
+    offsets = meta(8, dtype=I32)
+    with pytest.raises(TileOpsValueError, match="GroupedGemmFwdOp: argument 'b': expected "
+                                                "shapes satisfying `Kb == K`"):
+        op(meta(64, 256), meta(8, 128, 512), offsets)
+    with pytest.raises(TileOpsValueError, match="argument 'offsets': expected shapes "
+                                                "satisfying `Eo == E`"):
+        op(meta(64, 256), meta(8, 128, 256), meta(7, dtype=I32))
+    with pytest.raises(TileOpsTypeError, match="argument 'offsets': expected dtype int32"):
+        op(meta(64, 256), meta(8, 128, 256), meta(8, dtype=torch.int64))
+    with pytest.raises(TileOpsTypeError, match="argument 'b'"):
+        op(meta(64, 256), meta(8, 128, 256, dtype=torch.float16), offsets)
+    with pytest.raises(TileOpsValueError, match="`K % 8 == 0`"):
+        op(meta(64, 100), meta(8, 128, 100), offsets)
+    out = tileops.grouped_gemm(meta(64, 256), meta(8, 128, 256), offsets)
+    assert out.shape == (64, 128) and out.dtype == torch.bfloat16
+    flops, nbytes = op.eval_roofline(meta(64, 256), meta(8, 128, 256), offsets)
+    assert flops == 2 * 64 * 128 * 256
+    assert nbytes == (64 * 256 + 8 * 128 * 256 + 64 * 128) * 2 + 8 * 4
+
+
+def _grouped_gemm_programs():
+    from tileops.kernels.moe import GroupedGemmKernel
+
+    kernel = GroupedGemmKernel(dtype="bfloat16", n=1536, k=2048, n_experts=128)
+    config = kernel.heuristic_config("all", "sm_90a")
+    return config, kernel.compile(config, "all")
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+def test_grouped_gemm_program_keeps_tma_and_wgmma():
+    """The GEMM of the smoke workload: TMA loads by a producer warp group, wgmma, and the
+    tile table read on the device (no host-side sizes)."""
+    _, (table, gemm) = _grouped_gemm_programs()
+    source = gemm.get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source, source[:2000]
+    assert "table[" in source and "offsets[" in source
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+def test_grouped_gemm_tile_table_on_the_cpu():
+    """The tile table (one CTA: a scan over experts, shuffles and shared memory) on the CPU:
+    each expert's m tiles in order, empty experts none, -1 past the last tile."""
+    from ..cuda_emulation_threads import run
+
+    config, (table_program, _) = _grouped_gemm_programs()
+    gen = torch.Generator().manual_seed(6)
+    sizes = ref.zipf_ids(1, 128, 128, skew=0.0, generator=gen)[0].long() * 7 % 300
+    sizes[5] = sizes[77] = 0  # empty experts
+    offsets = sizes.cumsum(0).to(I32)
+    m_total = int(offsets[-1]) + 50  # rows past the last group
+    m_tiles = -(-m_total // config.block_m) + 128
+    table = torch.full((m_tiles,), -7, dtype=I32)
+    run(table_program, 1, 512, dict(offsets=offsets, table=table), dict(m_tiles=m_tiles))
+    want = [e * 65536 + i for e in range(128)
+            for i in range(-(-int(sizes[e]) // config.block_m))]
+    want += [-1] * (m_tiles - len(want))
+    assert table.tolist() == want

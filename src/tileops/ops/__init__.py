@@ -41,9 +41,11 @@ from .fused_linear_cross_entropy import (
 from .gemm import GemmFwdOp, gemm
 from .linear import LinearBwdOp, LinearFwdOp, linear
 from .moe import (
+    GroupedGemmFwdOp,
     MoePermuteFwdOp,
     MoeRouteFwdOp,
     MoeUnpermuteFwdOp,
+    grouped_gemm,
     moe_permute,
     moe_route,
     moe_unpermute,
@@ -100,8 +102,8 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   FusedLinearCrossEntropyFwdOp, LinearFwdOp, LinearBwdOp,
                                   ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
                                   KVCacheAppendFwdOp, ChunkedPrefillAttentionFwdOp,
-                                  QuantizeFp8FwdOp, GemmFp8FwdOp,
-                                  MoeRouteFwdOp, MoePermuteFwdOp, MoeUnpermuteFwdOp)}
+                                  QuantizeFp8FwdOp, GemmFp8FwdOp, MoeRouteFwdOp,
+                                  MoePermuteFwdOp, MoeUnpermuteFwdOp, GroupedGemmFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -123,4 +125,4 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention",
            "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8",
            "MoeRouteFwdOp", "MoePermuteFwdOp", "MoeUnpermuteFwdOp", "moe_route", "moe_permute",
-           "moe_unpermute"]
+           "moe_unpermute", "GroupedGemmFwdOp", "grouped_gemm"]

@@ -35,7 +35,14 @@
   dtype: out[t] = sum_k topk_weights[t, k] * expert_output[row_index[t, k]], accumulated in
   fp32 in k order; rows of -1 add nothing (a token with no local expert gets zeros).
 
-No autograd yet; all three are custom ops (torch.compile) and capture in CUDA graphs (no
+- `grouped_gemm(a, b, offsets)` -> out [M, N]: out[rows of group e] = a[rows] @ b[e]^T,
+  a [M, K], b [E, N, K] (expert weights as nn.Linear stores them), offsets int32 [E] the
+  cumulative end rows (torch._grouped_mm's `offs`: the same result as
+  `torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)`). Offsets are read on the
+  device only, so they are not checked: they must be non-decreasing and at most M; rows
+  past offsets[-1] are not written. fp32 accumulation; K and N multiples of 8 (TMA).
+
+No autograd yet; all four are custom ops (torch.compile) and capture in CUDA graphs (no
 host synchronization, outputs allocated by the op).
 """
 
@@ -47,7 +54,13 @@ from typing import Any
 import torch
 
 from ..kernels.base import Kernel
-from ..kernels.moe import MoeCombineKernel, MoeGatherKernel, MoeRouteKernel, MoeSortKernel
+from ..kernels.moe import (
+    GroupedGemmKernel,
+    MoeCombineKernel,
+    MoeGatherKernel,
+    MoeRouteKernel,
+    MoeSortKernel,
+)
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
 from .layout import tma_ready
@@ -187,6 +200,34 @@ class MoeUnpermuteFwdOp(Op):
         return [("moe_combine", self._key(ns["expert_output"], ns["K"]), ns["T"])]
 
 
+class GroupedGemmFwdOp(Op):
+    """One GEMM per expert over its group of rows, in one launch (no host sync)."""
+
+    kernel_map = {"grouped_gemm": GroupedGemmKernel}
+
+    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
+        super().__init__(kernel_map=kernel_map, tune=tune)
+
+    @staticmethod
+    def _key(a: Any, b: Any) -> dict[str, Any]:
+        return {"dtype": DTYPE_NAMES[a.dtype], "n": b.shape[1], "k": b.shape[2],
+                "n_experts": b.shape[0]}
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+        if a.shape[0] == 0:
+            return out
+        kernel = self.get_kernel("grouped_gemm", a.device, **self._key(a, b))
+        kernel(a.shape[0], tma_ready(a), tma_ready(b), offsets.contiguous(), out)
+        return out
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        if ns["M"] == 0:
+            return []
+        return [("grouped_gemm", self._key(ns["a"], ns["b"]), ns["M"])]
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
               renormalize: bool = True, n_group: int | None = None,
               topk_group: int | None = None, correction_bias: torch.Tensor | None = None,
@@ -209,3 +250,8 @@ def moe_unpermute(expert_output: torch.Tensor, topk_weights: torch.Tensor,
                   row_index: torch.Tensor) -> torch.Tensor:
     """out [T, H] = sum_k topk_weights[:, k] * expert_output[row_index[:, k]]."""
     return MoeUnpermuteFwdOp.apply(expert_output, topk_weights, row_index)
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """out [M, N]: rows offsets[e-1]:offsets[e] of a times b[e]^T, for each expert e."""
+    return GroupedGemmFwdOp.apply(a, b, offsets)

@@ -61,6 +61,22 @@ def unpermute_eager(expert_output, topk_weights, row_index):
     return (picked * weights[..., None]).sum(dim=1).to(expert_output.dtype)
 
 
+def grouped_mm(a, b, offsets):
+    """torch._grouped_mm (CUTLASS grouped GEMM in torch >= 2.8) on the same layouts."""
+    return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
+
+
+def grouped_gemm_loop(a, b, offsets):
+    """One cuBLAS GEMM per expert; reads the offsets on the host (a synchronization)."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.matmul(a[start:end], b[e].t(), out=out[start:end])
+        start = end
+    return out
+
+
 @functools.cache
 def _compiled(fn: Baseline) -> Baseline:
     return torch.compile(fn, dynamic=False)
@@ -72,6 +88,11 @@ _EAGER = {"MoeRouteFwdOp": route_eager, "MoePermuteFwdOp": permute_eager,
 
 def moe_baselines(op_name: str) -> dict[str, Baseline] | None:
     """{name: fn(*inputs, **params)} for an MoE op, None for any other op."""
+    if op_name == "GroupedGemmFwdOp":
+        table = {"torch-loop": grouped_gemm_loop}
+        if hasattr(torch, "_grouped_mm"):
+            table = {"torch-grouped-mm": grouped_mm, **table}
+        return table
     eager = _EAGER.get(op_name)
     if eager is None:
         return None

@@ -1,7 +1,8 @@
 from .combine import CombineConfig, MoeCombineKernel
+from .grouped_gemm import GroupedGemmConfig, GroupedGemmKernel
 from .permute import CHUNK, GatherConfig, MoeGatherKernel, MoeSortKernel
 from .routing import MAX_EXPERTS, MAX_TOP_K, MoeRouteKernel, RouteConfig
 
-__all__ = ["CHUNK", "CombineConfig", "GatherConfig", "MAX_EXPERTS", "MAX_TOP_K",
-           "MoeCombineKernel", "MoeGatherKernel", "MoeRouteKernel", "MoeSortKernel",
-           "RouteConfig"]
+__all__ = ["CHUNK", "CombineConfig", "GatherConfig", "GroupedGemmConfig", "GroupedGemmKernel",
+           "MAX_EXPERTS", "MAX_TOP_K", "MoeCombineKernel", "MoeGatherKernel", "MoeRouteKernel",
+           "MoeSortKernel", "RouteConfig"]
