@@ -63,10 +63,11 @@ def check_route(weights, ids, logits, top_k, scoring="softmax", renormalize=True
                 n_group=None, topk_group=None, bias=None, scale=1.0, tie_tol=1e-6):
     """Asserts the kernel's routing equals the reference's.
 
-    Ids must match exactly on every row whose selection the reference decides by more than
-    `tie_tol` (the kernel's fp32 exp may differ from torch's in the last bit, which can only
-    flip a near-tie); on the others the kernel's experts must be allowed and within
-    `tie_tol` of the reference's k-th value. Weights are compared, at the kernel's ids, with
+    Ids must match exactly on every row, except, with a correction bias (whose ranked
+    values the kernel computes with its own fp32 exp, which may differ from torch's in the
+    last bit and so flip a near-tie), rows the reference decides by at most `tie_tol`: there
+    the kernel's experts must be allowed and within `tie_tol` of the reference's k-th
+    value. Weights are compared, at the kernel's ids, with
     the float64 formula.
     """
     want_w, want_ids, values = route_reference(logits, top_k, scoring, renormalize, n_group,
@@ -77,9 +78,13 @@ def check_route(weights, ids, logits, top_k, scoring="softmax", renormalize=True
     ranked = torch.sort(values, dim=-1, descending=True).values
     kth = ranked[:, top_k - 1]
     nxt = ranked[:, top_k] if values.shape[1] > top_k else torch.full_like(kth, -torch.inf)
-    near_tie = (kth - nxt) <= tie_tol * kth.abs().clamp(min=1)
-    if bias is not None and n_group is not None and n_group > 1:
-        near_tie |= _near_group_tie(logits, scoring, bias, n_group, topk_group, tie_tol)
+    # Without a bias the ranked values are the logits themselves, exact on both sides (ties
+    # included: both take the lower index), so every row must match.
+    near_tie = torch.zeros_like(kth, dtype=torch.bool)
+    if bias is not None:
+        near_tie = (kth - nxt) <= tie_tol * kth.abs().clamp(min=1)
+        if n_group is not None and n_group > 1:
+            near_tie |= _near_group_tie(logits, scoring, bias, n_group, topk_group, tie_tol)
     exact = ~near_tie
     bad = (ids[exact] != want_ids[exact]).any(dim=-1)
     if bad.any():
