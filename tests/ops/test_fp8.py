@@ -82,8 +82,9 @@ def test_quantize_input_dtypes(dtype):
 def test_quantize_static(granularity):
     x = randn(2, 150, 1024, dtype=torch.bfloat16)
     shape = {"tensor": (), "row": (2, 150, 1), "group": (2, 150, 8)}[granularity]
-    # small scales: many values saturate at +-448
-    scale = torch.rand(shape, device="cuda") * 0.01 + 1e-3
+    # small scales: many values saturate at +-448 (|x| reaches ~4.5 among 300K normal
+    # samples, and 4.5 / 0.005 = 900 > 448; a scale up to 0.011 could miss every one)
+    scale = torch.rand(shape, device="cuda") * 0.004 + 1e-3
     y, s = tileops.quantize_fp8(x, granularity, scale=scale)
     want_y, _ = ref_quantize(x, granularity, scale=scale)
     assert (want_y.float().abs() == 448).any()
