@@ -285,7 +285,7 @@ def group_offsets(sizes):
 # (group sizes, N, K, dtype)
 GROUPED_CASES = [
     ([0, 1, 200, 0, 129, 64, 1000, 3], 256, 512, BF16),  # empty groups, tails, a lone row
-    ([4] * 128, 3072, 4096, BF16),                        # qwen3-235b decode
+    ([4] * 128, 3072, 4096, BF16),                        # qwen3-235b decode: 64-row tiles
     (None, 1536, 2048, FP16),                             # qwen3-30b-a3b, zipf sizes
     ([513] * 8, 1000, 4096, BF16),                        # N not a multiple of the tile
 ]
@@ -325,8 +325,9 @@ def test_grouped_gemm_cuda_graph_and_no_recompile():
     offsets.copy_(group_offsets([0, 300, 0, 0, 200, 100, 0, 0, 0, 50, 50, 50, 50, 100, 100, 24]))
     graph.replay()  # new group sizes, same launch: the sizes are read on the device
     assert_close(out, grouped_reference(a, b, offsets))
+    tileops.grouped_gemm(randn(4097, 1024, dtype=BF16), b, offsets)  # the prefill bucket
     before = Kernel.compile_count
-    for m in (1, 7, 100, 4097):
+    for m in (1, 7, 100, 1025, 4097):
         a = randn(m, 1024, dtype=BF16)
         offsets = group_offsets([m // 16] * 15 + [m - 15 * (m // 16)])
         assert_close(tileops.grouped_gemm(a, b, offsets), grouped_reference(a, b, offsets))

@@ -323,6 +323,32 @@ def test_grouped_gemm_program_keeps_tma_and_wgmma():
 
 
 @pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("bucket", ["decode", "prefill"])
+def test_every_grouped_gemm_config_keeps_the_fast_path(bucket, tmp_path):
+    """Each config of the space: TMA, wgmma, no spills and no serialized wgmma (ptxas)."""
+    from tileops.kernels.moe import GroupedGemmKernel
+
+    from ..test_compile import assert_no_spills_or_serialized_wgmma
+
+    kernel = GroupedGemmKernel(dtype="bfloat16", n=3072, k=4096, n_experts=128)
+    for config in kernel.config_space(bucket):
+        gemm = kernel.compile(config, bucket)[1]
+        source = gemm.get_kernel_source()
+        assert "tma_load" in source and "wgmma" in source, config
+        assert_no_spills_or_serialized_wgmma(gemm, tmp_path)
+
+
+def test_grouped_gemm_buckets_by_rows_per_expert():
+    from tileops.kernels.moe import GroupedGemmKernel
+
+    kernel = GroupedGemmKernel(dtype="bfloat16", n=3072, k=4096, n_experts=128)
+    assert kernel.bucket_of(512) == kernel.bucket_of(8192) == "decode"  # <= 64 rows each
+    assert kernel.bucket_of(8193) == "prefill"
+    assert kernel.heuristic_config("decode", "sm_90a").block_m == 64
+
+
+@pytest.mark.compile
 @pytest.mark.smoke
 def test_grouped_gemm_tile_table_on_the_cpu():
     """The tile table (one CTA: a scan over experts, shuffles and shared memory) on the CPU:

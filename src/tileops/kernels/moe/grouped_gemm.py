@@ -112,8 +112,12 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
 
 
 class GroupedGemmKernel(Kernel):
-    """key: dtype, n, k, n_experts. One bucket for now (decode sizes want a narrower
-    block_m; not tuned: no device this session)."""
+    """key: dtype, n, k, n_experts.
+
+    Buckets by the mean rows per expert: `decode` (<= 64, e.g. 64 tokens x top-8 over 128
+    experts is 4) takes 64-row tiles, the smallest wgmma M, on one consumer warp group;
+    `prefill` 128 x 256 tiles on two. Not tuned: no device has run it yet.
+    """
 
     name = "grouped_gemm"
     Config = GroupedGemmConfig
@@ -123,15 +127,21 @@ class GroupedGemmKernel(Kernel):
         return grouped_gemm_programs(key["n"], key["k"], key["n_experts"], key["dtype"],
                                      config)
 
+    def bucket_of(self, m_total: int) -> str:
+        return "decode" if m_total <= 64 * self.key["n_experts"] else "prefill"
+
     def heuristic_config(self, bucket: str, arch: str) -> GroupedGemmConfig:
+        if bucket == "decode":
+            return GroupedGemmConfig(block_m=64, block_n=128, block_k=64, stages=4,
+                                     threads=128)
         return GroupedGemmConfig()
 
     def config_space(self, bucket: str) -> list[GroupedGemmConfig]:
-        return [GroupedGemmConfig(),
-                GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=4,
-                                  threads=256),
-                GroupedGemmConfig(block_m=64, block_n=128, block_k=64, stages=4,
-                                  threads=128)]
+        return list(dict.fromkeys([
+            self.heuristic_config(bucket, "sm_90a"), GroupedGemmConfig(),
+            GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=4, threads=256),
+            GroupedGemmConfig(block_m=64, block_n=128, block_k=64, stages=4, threads=128),
+            GroupedGemmConfig(block_m=64, block_n=256, block_k=64, stages=3, threads=128)]))
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, a, b, offsets, out) -> None:
         import torch
