@@ -115,6 +115,25 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("head_dim, pass_", [(80, "fwd"), (96, "fwd"), (96, "bwd")])
+def test_attention_at_phi_head_dims_keeps_the_fast_path(head_dim, pass_, tmp_path):
+    """Phi-2's 80 and Phi-3's 96: wgmma, TMA and no spills in every default program of the
+    pass (the forward's short- and long-key buckets; the backward's main pass)."""
+    from tileops.kernels.attention.attention_bwd import AttentionBwdKernel
+    from tileops.kernels.attention.attention_fwd import AttentionFwdKernel
+
+    cls = AttentionFwdKernel if pass_ == "fwd" else AttentionBwdKernel
+    kernel = cls(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim, window_left=-1,
+                 window_right=0, softcap=0.0)
+    for bucket in ("short", "long") if pass_ == "fwd" else (kernel.bucket_of(4096),):
+        compiled = kernel.compile(kernel.heuristic_config(bucket, "sm_90a"), bucket)
+        main = compiled[0] if pass_ == "fwd" else compiled[1]
+        source = main.get_kernel_source()
+        assert "wgmma" in source and "tma_load" in source
+        assert_no_spills_or_serialized_wgmma(main, tmp_path)
+
+
+@pytest.mark.full
 @pytest.mark.parametrize("kind, n", [("rms", 128), ("rms", 4096), ("rms", 5120), ("rms", 7168),
                                      ("rms", 8192), ("layer", 6144), ("layer", 8192),
                                      ("fused_add", 5120), ("fused_add", 8192)])

@@ -162,8 +162,8 @@ def test_kernel_buckets_are_few():
     (meta(1, 8, 6, 128), meta(1, 8, 4, 128), meta(1, 8, 4, 128), {}, TileOpsValueError,
      r"argument 'k': expected shapes satisfying `H % Hkv == 0`, "
      r"got k.shape=\(1, 8, 4, 128\), H=6, Hkv=4$"),
-    (meta(1, 8, 8, 96), meta(1, 8, 2, 96), meta(1, 8, 2, 96), {}, TileOpsValueError,
-     r"`D in \(64, 128, 256\)`, got q.shape=\(1, 8, 8, 96\), D=96"),
+    (meta(1, 8, 8, 72), meta(1, 8, 2, 72), meta(1, 8, 2, 72), {}, TileOpsValueError,
+     r"`D in \(64, 80, 96, 128, 256\)`, got q.shape=\(1, 8, 8, 72\), D=72"),
     (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 9, 2, 128), {}, TileOpsValueError,
      r"argument 'v': expected shape \[B, Skv, Hkv, D\] with Skv = 8 \(from k\)"),
     (meta(8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {}, TileOpsValueError,
@@ -248,3 +248,14 @@ def test_varlen_attention_autograd_is_wired_through_the_custom_ops():
     assert out.requires_grad and out.shape == q.shape
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_attention_backward_refuses_head_dim_80_by_name():
+    """Phi-2's head_dim 80 runs forward only: the backward says so, naming the rule."""
+    from tileops import GroupedQueryAttentionBwdOp
+
+    q, kv = meta(1, 8, 8, 80), meta(1, 8, 2, 80)
+    lse = meta(1, 8, 8, dtype=torch.float32)
+    with pytest.raises(TileOpsValueError, match=r"GroupedQueryAttentionBwdOp: argument 'do'.*"
+                                                r"`D in \(64, 96, 128, 256\)`.*D=80"):
+        GroupedQueryAttentionBwdOp().check([q, q, kv, kv, q, lse])

@@ -73,7 +73,7 @@ def check(q, k, v, config=None, **options):
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])  # 80: Phi-2, 96: Phi-3
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_head_dims(head_dim, is_causal, dtype):
     check(*make_qkv(2, 1000, 1000, 8, 2, head_dim, dtype), is_causal=is_causal)

@@ -37,7 +37,7 @@ def check(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype=torch.bfloat16,
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])  # 96: Phi-3
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gradients(head_dim, is_causal, dtype):
     check(2, 300, 300, 8, 2, head_dim, dtype, is_causal=is_causal)

@@ -84,7 +84,7 @@ def test_chunked_prefill_bottom_right_causal():
     check([5, 100, 0, 64], [50, 100, 10, 1000], is_causal=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
 def test_head_dims(head_dim):
     check([200, 33, 500], [200, 33, 500], head_dim=head_dim, is_causal=True)
 

@@ -164,18 +164,29 @@ def attention_delta_program(heads: int, head_dim: int, dtype: str, block_q: int 
     """delta[b, h, i] = sum_d o[b, i, h, d] * do[b, i, h, d] in fp32."""
     batch, seq_q = T.dynamic("batch, seq_q")
     shape = (batch, seq_q, heads, head_dim)
+    # TileLang 0.1.15 finds no fragment layout for rows of 80 or 96 (no power of two): such
+    # rows are read into a tile padded to the next power of two, the padding zero
+    padded = 1 << (head_dim - 1).bit_length()
 
     @T.prim_func
     def attention_delta(o: T.Tensor(shape, dtype), do: T.Tensor(shape, dtype),
                         delta: T.Tensor((batch, heads, seq_q), "float")):
         with T.Kernel(T.ceildiv(seq_q, block_q), heads, batch, threads=threads) as (bx, by, bz):
-            o_local = T.alloc_fragment((block_q, head_dim), dtype)
-            do_local = T.alloc_fragment((block_q, head_dim), dtype)
-            prod_local = T.alloc_fragment((block_q, head_dim), "float")
+            o_local = T.alloc_fragment((block_q, padded), dtype)
+            do_local = T.alloc_fragment((block_q, padded), dtype)
+            prod_local = T.alloc_fragment((block_q, padded), "float")
             delta_local = T.alloc_fragment((block_q,), "float")
-            T.copy(o[bz, bx * block_q:(bx + 1) * block_q, by, :], o_local)
-            T.copy(do[bz, bx * block_q:(bx + 1) * block_q, by, :], do_local)
-            for i, j in T.Parallel(block_q, head_dim):
+            if padded == head_dim:
+                T.copy(o[bz, bx * block_q:(bx + 1) * block_q, by, :], o_local)
+                T.copy(do[bz, bx * block_q:(bx + 1) * block_q, by, :], do_local)
+            else:
+                for i, j in T.Parallel(block_q, padded):
+                    row = bx * block_q + i
+                    inside = (j < head_dim) & (row < seq_q)
+                    o_local[i, j] = T.if_then_else(inside, o[bz, row, by, j], T.cast(0, dtype))
+                    do_local[i, j] = T.if_then_else(inside, do[bz, row, by, j],
+                                                    T.cast(0, dtype))
+            for i, j in T.Parallel(block_q, padded):
                 prod_local[i, j] = T.cast(o_local[i, j], "float") * T.cast(do_local[i, j],
                                                                            "float")
             T.reduce_sum(prod_local, delta_local, dim=1)
