@@ -5,7 +5,8 @@ gradient buffers as the leaves' .grad (steal) or copied them. The open question 
 the CPU (torch 2.13, a torch stand-in for the op's body) both gradients are stolen.
 
     bash .gpu/remote.sh bash scripts/gpu_session.sh tests ... ; \
-    bash .gpu/remote.sh env PYTHONPATH=/tmp/wheels python3 scripts/probe_flce_memory.py
+    bash .gpu/remote.sh bash -c 'PYTHONPATH=$PYTHONPATH:/tmp/wheels \
+        python3 scripts/probe_flce_memory.py'
 
 (the manifest needs jsonschema, which gpu_session.sh installs into /tmp/wheels)
 """
