@@ -147,6 +147,7 @@ ROUTES = {  # name -> (tokens, experts, dtype, bias std, params)
                      routed_scaling_factor=2.827)),
     "grouped softmax, no bias": (6, 64, torch.float16, None,
                                  dict(top_k=6, n_group=8, topk_group=3)),
+    "top_k 32 of 33 experts": (3, 33, torch.float32, None, dict(top_k=32)),
 }
 
 
