@@ -42,6 +42,25 @@ _KERNEL = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w
 _BUILD_DIR = pathlib.Path(tempfile.gettempdir()) / "tileops-cuda-emulation"
 
 
+def build(code: str, tag: str, flags: list[str], host_flags: str = "") -> Any:
+    """`run_grid` of `code` compiled by nvcc as a host library (cached by its text)."""
+    digest = hashlib.sha1(code.encode()).hexdigest()[:20]
+    _BUILD_DIR.mkdir(exist_ok=True)
+    lib = _BUILD_DIR / f"{tag}{digest}.so"
+    if not lib.exists():
+        import tilelang
+
+        cutlass = pathlib.Path(tilelang.__file__).parent / "3rdparty" / "cutlass" / "include"
+        src = _BUILD_DIR / f"{tag}{digest}.cu"
+        src.write_text(code)
+        tmp = _BUILD_DIR / f"{tag}{digest}.{os.getpid()}.so"
+        subprocess.run(["nvcc", *flags, "-w", "-std=c++17", "-shared", "-Xcompiler",
+                        f"-fPIC,-fno-strict-aliasing{host_flags}", f"-I{cutlass}", "-o",
+                        str(tmp), str(src)], check=True, capture_output=True)
+        tmp.rename(lib)
+    return ctypes.CDLL(str(lib)).run_grid
+
+
 def _library(source: str, threads: int) -> tuple[Any, list[str]]:
     """The kernel compiled for the host with a `run_grid(grid, args...)` driver."""
     start = source.index('extern "C" __global__ void __launch_bounds__')
@@ -53,23 +72,8 @@ def _library(source: str, threads: int) -> tuple[Any, list[str]]:
     driver = (f'extern "C" void run_grid(int grid, {params}) {{\n'
               f"  for (int b = 0; b < grid; ++b) for (int t = 0; t < {threads}; ++t) {{\n"
               f"    emu_block.x = b; emu_thread.x = t; {name}({', '.join(names)});\n  }}\n}}\n")
-    code = _PRELUDE + body + driver
-    digest = hashlib.sha1(code.encode()).hexdigest()[:20]
-    _BUILD_DIR.mkdir(exist_ok=True)
-    lib = _BUILD_DIR / f"{digest}.so"
-    if not lib.exists():
-        import tilelang
-
-        cutlass = pathlib.Path(tilelang.__file__).parent / "3rdparty" / "cutlass" / "include"
-        src = _BUILD_DIR / f"{digest}.cu"
-        src.write_text(code)
-        tmp = _BUILD_DIR / f"{digest}.{os.getpid()}.so"
-        # -O0 and no strict aliasing: the generated code type-puns vectors through pointers
-        subprocess.run(["nvcc", "-O0", "-w", "-std=c++17", "-shared", "-Xcompiler",
-                        "-fPIC,-fno-strict-aliasing", f"-I{cutlass}", "-o", str(tmp), str(src)],
-                       check=True, capture_output=True)
-        tmp.rename(lib)
-    return ctypes.CDLL(str(lib)).run_grid, param_list
+    # -O0 and no strict aliasing: the generated code type-puns vectors through pointers
+    return build(_PRELUDE + body + driver, "", ["-O0"]), param_list
 
 
 def _launch_arguments(host: str, func: str) -> list[tuple]:
@@ -97,15 +101,21 @@ def _launch_arguments(host: str, func: str) -> list[tuple]:
 
 
 def run(compiled: Any, grid: int, threads: int, tensors: dict[str, Any],
-        scalars: dict[str, int]) -> None:
+        scalars: dict[str, Any], library: Any = None) -> None:
     """Runs `compiled` (a TileLang JITKernel) on CPU tensors: `tensors` by parameter name
-    (TileLang's names: `cos` may appear as `cos_1`), `scalars` by symbolic-size name."""
+    (TileLang's names: `cos` may appear as `cos_1`), `scalars` by name (symbolic sizes, and
+    scalar parameters such as a float scale). `library` builds the host program (this
+    module's thread-after-thread one by default)."""
     source = compiled.get_kernel_source()
     func = re.search(r"void __launch_bounds__\([^)]*\) (\w+)_kernel\(", source).group(1)
-    fn, params = _library(source, threads)
+    fn, params = (library or _library)(source, threads)
     values = []
+    # a float scalar is packed as v_float64: spelled as an int64 one, the parser names it
+    # like the others (the value is converted by the kernel parameter's type)
+    host = re.sub(r"\.v_float64\) = \(\(double\)(\w+)\);", r".v_int64) = ((int64_t)\1);",
+                  compiled.get_host_source())
     # the launch packing ends with the grid and block sizes, after the kernel's arguments
-    arguments = _launch_arguments(compiled.get_host_source(), func)[:len(params)]
+    arguments = _launch_arguments(host, func)[:len(params)]
     for param, arg in zip(params, arguments, strict=True):
         if arg[0] == "buffer":
             name = arg[1] if arg[1] in tensors else re.sub(r"_\d+$", "", arg[1])
@@ -113,6 +123,7 @@ def run(compiled: Any, grid: int, threads: int, tensors: dict[str, Any],
         elif arg[0] == "stride":
             values.append(ctypes.c_int64(tensors[arg[1]].stride(arg[2])))
         else:
-            ctype = ctypes.c_int64 if param.split()[-2] == "int64_t" else ctypes.c_int
-            values.append(ctype(scalars[arg[1]]))
+            convert = {"int64_t": ctypes.c_int64, "float": ctypes.c_float,
+                       "double": ctypes.c_double}.get(param.split()[-2], ctypes.c_int)
+            values.append(convert(scalars[arg[1]]))
     fn(ctypes.c_int(grid), *values)

@@ -14,15 +14,11 @@ to compile, it is never silently emulated. Arguments are bound as in
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import pathlib
 import re
-import subprocess
 from typing import Any
 
-from .cuda_emulation import _BUILD_DIR, _KERNEL, _launch_arguments
+from . import cuda_emulation as emulation
+from .cuda_emulation import _KERNEL, build
 
 _PRELUDE = r"""
 #include <cstdint>
@@ -119,46 +115,11 @@ def _library(source: str, threads: int) -> tuple[Any, list[str]]:
               f"      emu_block.x = b; emu_thread.x = t; {name}({', '.join(names)});\n"
               f"    }});\n"
               f"    for (auto &th : pool) th.join();\n  }}\n}}\n")
-    code = _PRELUDE + body + driver
-    digest = hashlib.sha1(code.encode()).hexdigest()[:20]
-    _BUILD_DIR.mkdir(exist_ok=True)
-    lib = _BUILD_DIR / f"threads-{digest}.so"
-    if not lib.exists():
-        import tilelang
-
-        cutlass = pathlib.Path(tilelang.__file__).parent / "3rdparty" / "cutlass" / "include"
-        src = _BUILD_DIR / f"threads-{digest}.cu"
-        src.write_text(code)
-        tmp = _BUILD_DIR / f"threads-{digest}.{os.getpid()}.so"
-        subprocess.run(["nvcc", "-O1", "-w", "-std=c++17", "-shared", "-Xcompiler",
-                        "-fPIC,-fno-strict-aliasing,-pthread", f"-I{cutlass}", "-o", str(tmp),
-                        str(src)], check=True, capture_output=True)
-        tmp.rename(lib)
-    return ctypes.CDLL(str(lib)).run_grid, [p.strip() for p in params.split(",")]
+    return build(_PRELUDE + body + driver, "threads-", ["-O1"], ",-pthread"), \
+        [p.strip() for p in params.split(",")]
 
 
 def run(compiled: Any, grid: int, threads: int, tensors: dict[str, Any],
         scalars: dict[str, Any]) -> None:
-    """Runs `compiled` (a TileLang JITKernel) on CPU tensors: `tensors` by parameter name,
-    `scalars` by name (symbolic sizes, and scalar parameters such as a float scale)."""
-    source = compiled.get_kernel_source()
-    func = re.search(r"void __launch_bounds__\([^)]*\) (\w+)_kernel\(", source).group(1)
-    fn, params = _library(source, threads)
-    values = []
-    # a float scalar is packed as v_float64: spelled as an int64 one, the shared parser
-    # names it like the others (the value is converted by the kernel parameter's type)
-    host = re.sub(r"\.v_float64\) = \(\(double\)(\w+)\);", r".v_int64) = ((int64_t)\1);",
-                  compiled.get_host_source())
-    arguments = _launch_arguments(host, func)[:len(params)]
-    for param, arg in zip(params, arguments, strict=True):
-        if arg[0] == "buffer":
-            name = arg[1] if arg[1] in tensors else re.sub(r"_\d+$", "", arg[1])
-            values.append(ctypes.c_void_p(tensors[name].data_ptr()))
-        elif arg[0] == "stride":
-            values.append(ctypes.c_int64(tensors[arg[1]].stride(arg[2])))
-        else:
-            ctype = param.split()[-2]
-            convert = {"int64_t": ctypes.c_int64, "float": ctypes.c_float,
-                       "double": ctypes.c_double}.get(ctype, ctypes.c_int)
-            values.append(convert(scalars[arg[1]]))
-    fn(ctypes.c_int(grid), *values)
+    """`cuda_emulation.run` with the blocks' threads running concurrently (see above)."""
+    emulation.run(compiled, grid, threads, tensors, scalars, library=_library)
