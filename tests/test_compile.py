@@ -114,6 +114,22 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
     assert "serialized" not in report, report
 
 
+@pytest.mark.parametrize("kind, n", [("layer", 1280), ("rms", 199)])
+def test_norm_backward_reduces_a_threads_rows_in_one_all_reduce(kind, n):
+    """Several rows per CTA (ViT-H's 1280 columns, 3 rows; 199 padded, 20 rows split over
+    thread groups): each row sum is one batched all-reduce over the thread's rows, not one
+    per row (their barriers bound the kernel). The batch must divide what TileLang gives
+    each thread, or this compile fails."""
+    from tileops.kernels.normalization import LayerNormBwdKernel, RMSNormBwdKernel
+    from tileops.kernels.normalization.rows import RowTile
+
+    kernel = (LayerNormBwdKernel(dtype="bfloat16", n=n, has_weight=True, has_bias=True)
+              if kind == "layer" else RMSNormBwdKernel(dtype="bfloat16", n=n, has_weight=True))
+    config = kernel.heuristic_config("many", "sm_90a")
+    assert RowTile(n, config.block_rows, config.threads).rows_per_thread > 1
+    assert "run_batch" in kernel.compile(config, "many")[0].get_kernel_source()
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("head_dim, pass_", [(80, "fwd"), (96, "fwd"), (96, "bwd")])
 def test_attention_at_phi_head_dims_keeps_the_fast_path(head_dim, pass_, tmp_path):

@@ -46,6 +46,9 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     n_tile = tile.n_tile
     parts = ctas * block_rows
     f32 = "float"
+    # a thread's rows reduce in one all-reduce (one set of barriers, not one per row): short
+    # rows (several per CTA) were bound by the barriers of 4 reductions x block_rows rows
+    batch = tile.rows_per_thread
 
     def hat(h_local, mean_local, rstd_local, i, j):  # xhat in fp32
         h = T.cast(h_local[i, j], f32)
@@ -61,7 +64,7 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
         if centered:
             for i, j in T.Parallel(block_rows, n_tile):
                 tmp_local[i, j] = T.cast(h_local[i, j], f32)
-            T.reduce_sum(tmp_local, mean_local, dim=1)
+            T.reduce_sum(tmp_local, mean_local, dim=1, batch=batch)
             for i in T.Parallel(block_rows):
                 mean_local[i] = mean_local[i] / n
             for i, j in T.Parallel(block_rows, n_tile):
@@ -71,18 +74,18 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
         else:
             for i, j in T.Parallel(block_rows, n_tile):
                 tmp_local[i, j] = T.cast(h_local[i, j], f32) * T.cast(h_local[i, j], f32)
-        T.reduce_sum(tmp_local, rstd_local, dim=1)
+        T.reduce_sum(tmp_local, rstd_local, dim=1, batch=batch)
         for i in T.Parallel(block_rows):
             rstd_local[i] = T.rsqrt(rstd_local[i] / n + eps)
         for i, j in T.Parallel(block_rows, n_tile):
             tmp_local[i, j] = T.if_then_else(
                 j < n, grad(dy_local, w_local, i, j)
                 * hat(h_local, mean_local, rstd_local, i, j), 0.0)
-        T.reduce_sum(tmp_local, dot_local, dim=1)
+        T.reduce_sum(tmp_local, dot_local, dim=1, batch=batch)
         if centered:
             for i, j in T.Parallel(block_rows, n_tile):
                 tmp_local[i, j] = grad(dy_local, w_local, i, j)
-            T.reduce_sum(tmp_local, gsum_local, dim=1)
+            T.reduce_sum(tmp_local, gsum_local, dim=1, batch=batch)
         for i, j in T.Parallel(block_rows, n_tile):
             v = grad(dy_local, w_local, i, j) - hat(h_local, mean_local, rstd_local, i, j) \
                 * (dot_local[i] / n)

@@ -53,6 +53,22 @@ class RowTile:
         return self.exact or vector_map_ok(self.n, self.block_rows, self.threads)
 
     @property
+    def rows_per_thread(self) -> int:
+        """How many of the tile's rows each thread holds a share of: the row sums it takes
+        part in, which one batched all-reduce can combine (one set of barriers for all)."""
+        # TileLang vectorizes the tile's columns by the widest of 8, 4, 2, 1 elements that
+        # divides them and deals the vectors out row by row; when a row has fewer vectors
+        # than threads, the threads split into groups of rows. (A wrong count fails the
+        # compile, it cannot reduce the wrong values.)
+        width = next(v for v in (VEC, 4, 2, 1)
+                     if self.n_tile % v == 0
+                     and (self.block_rows * self.n_tile // v) % self.threads == 0)
+        row_vecs = self.n_tile // width
+        if row_vecs >= self.threads:
+            return self.block_rows
+        return max(1, self.block_rows // (self.threads // row_vecs))
+
+    @property
     def n_tile(self) -> int:
         return self.n if self.aligned else -(-self.n // self.threads) * self.threads
 
