@@ -1,0 +1,565 @@
+"""Patching a transformers 5.x causal LM onto TileOPs ops: what is replaced, and how.
+
+Every replacement is per instance (an instance attribute `forward`, or the model's
+`config._attn_implementation`): other models of the same class in the process, a reference
+copy included, keep running transformers' code. Each patched forward falls back to the
+original forward where its op cannot serve a call (fp32 activations, a weight in another
+dtype than the activations), so a patched model computes what the original does, on
+TileOPs where the kernels serve it. What is not patched is named in the returned
+`PatchReport` (and raised as TileOpsUnsupportedError under strict=True).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import TileOpsError, TileOpsUnsupportedError
+from . import attention as attn_impl
+
+KINDS = ("rms_norm", "rope", "attention", "mlp", "cross_entropy", "moe", "linear")
+_MARK = "_tileops_patch"  # instance attribute: the patch kind applied to this module
+_KERNEL_DTYPES = attn_impl.KERNEL_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one transformers model family maps onto TileOPs."""
+
+    name: str
+    gemma_norm: bool = False  # RMSNorm scales by (1 + weight), in fp32 before the cast
+    gelu_mlp: bool = False  # GeLU-tanh gated MLP (no two-input GeLU-and-mul op yet)
+    moe: bool = False  # sparse MoE blocks (left on PyTorch until fused_moe exists)
+
+
+# model_type -> family; model_types of one family share its handling
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama"), Family("mistral"), Family("qwen2"), Family("qwen3"),
+    Family("gemma", gemma_norm=True, gelu_mlp=True),
+    Family("gemma2", gemma_norm=True, gelu_mlp=True),
+    Family("gemma3_text", gemma_norm=True, gelu_mlp=True),
+    Family("mixtral", moe=True), Family("qwen3_moe", moe=True), Family("qwen2_moe", moe=True),
+)}
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What `apply` did: `patched[kind]` lists module names, `unpatched` (kind, name, why)."""
+
+    model: str
+    family: str
+    patched: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    unpatched: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+
+    def add(self, kind: str, name: str) -> None:
+        self.patched.setdefault(kind, []).append(name)
+
+    def skip(self, kind: str, name: str, why: str) -> None:
+        self.unpatched.append((kind, name, why))
+
+    def summary(self) -> str:
+        lines = [f"tileops.transformers.apply({self.model}, family {self.family}):"]
+        for kind, names in self.patched.items():
+            lines.append(f"  patched {kind}: {len(names)} module(s)")
+        reasons: dict[tuple[str, str], list[str]] = {}
+        for kind, name, why in self.unpatched:
+            reasons.setdefault((kind, why), []).append(name)
+        for (kind, why), names in reasons.items():
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                            else "")
+            lines.append(f"  left on PyTorch {kind}: {shown}: {why}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+# -- per-instance forwards ------------------------------------------------------------------
+def _set_forward(module: torch.nn.Module, kind: str, fn: Callable) -> None:
+    module.forward = types.MethodType(fn, module)
+    setattr(module, _MARK, kind)
+
+
+def _original(module: torch.nn.Module) -> Callable:
+    return types.MethodType(type(module).forward, module)
+
+
+def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    if not attn_impl.served(hidden_states, weight):
+        return type(self).forward(self, hidden_states)  # fp32, mixed or CPU: transformers
+    from ..ops import rms_norm
+
+    return rms_norm(hidden_states, hidden_states.shape[-1], weight, _eps(self))
+
+
+def _gemma_rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's x / rms(x) * (1 + weight): the scale 1 + weight is formed in fp32 and rounded
+    to the activation dtype once (the kernel reads a weight of the input's dtype)."""
+    if not attn_impl.served(x):
+        return type(self).forward(self, x)
+    from ..ops import rms_norm
+
+    scale = (1.0 + self.weight.float()).to(x.dtype)
+    return rms_norm(x, x.shape[-1], scale, _eps(self))
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(norm, name, None)
+        if value is not None:
+            return float(value)
+    raise TileOpsUnsupportedError(f"{type(norm).__name__}: no 'variance_epsilon' or 'eps'")
+
+
+def _swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if not attn_impl.served(gate, up):
+        return self.down_proj(self.act_fn(gate) * up)
+    from ..ops import swiglu
+
+    return self.down_proj(swiglu(gate, up))
+
+
+def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not attn_impl.served(x, self.weight, self.bias):
+        return F.linear(x, self.weight, self.bias)
+    from ..ops import linear
+
+    return linear(x, self.weight, self.bias)
+
+
+def _make_rotary(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, position_ids: Any = None,
+                             unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is not None or not attn_impl.served(q, k, cos, sin):
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        from ..ops import apply_rotary
+
+        return apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    apply_rotary_pos_emb.__tileops__ = True
+    return apply_rotary_pos_emb
+
+
+class _Unbindable(Exception):
+    pass
+
+
+def _rebind_globals(fn: Callable, overrides: dict[str, Any]) -> Callable:
+    """A copy of `fn` whose code reads `overrides` in place of those module globals. Through
+    decorator chains (functools.wraps) whose wrapper holds the wrapped function in a closure
+    cell, the chain is copied with the innermost function rebound."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        if not isinstance(fn, types.FunctionType):
+            raise _Unbindable(f"{fn!r} is not a Python function")
+        scope = dict(fn.__globals__)
+        scope.update(overrides)
+        closure = fn.__closure__
+    else:
+        cells = fn.__closure__ or ()
+        held = [i for i, c in enumerate(cells) if _cell(c) is inner]
+        if len(held) != 1:
+            raise _Unbindable(f"decorator of {fn.__qualname__} does not hold it in a closure")
+        rebound = _rebind_globals(inner, overrides)
+        closure = tuple(types.CellType(rebound) if i == held[0] else c
+                        for i, c in enumerate(cells))
+        scope = fn.__globals__
+    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__ = fn.__qualname__
+    if inner is not None:
+        new.__wrapped__ = _cell(closure[held[0]])
+    return new
+
+
+def _cell(c: Any) -> Any:
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+# -- the causal-LM loss -----------------------------------------------------------------------
+def _causal_lm_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Training with labels: the decoder's hidden states go through the fused linear
+    cross-entropy (no logits; `logits` is None in the output). Anything else runs the
+    model's own forward."""
+    head = self.lm_head
+    if len(args) > 1 or kwargs.get("labels") is None or not self.training or \
+            kwargs.get("return_dict") is False or not attn_impl.served(head.weight, head.bias):
+        return type(self).forward(self, *args, **kwargs)
+    if args:
+        kwargs["input_ids"] = args[0]
+    labels = kwargs.pop("labels")
+    kwargs.pop("logits_to_keep", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = self.model(**kwargs)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = _flce(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+                 shift_labels.reshape(-1).to(hidden.device), self.lm_head.bias, ignore_index,
+                 getattr(self.config, "final_logit_softcapping", None), num_items is not None)
+    if num_items is not None:
+        if isinstance(num_items, torch.Tensor):
+            num_items = num_items.to(loss.device)
+        loss = loss / num_items
+    return _lm_output(outputs, loss)
+
+
+def _flce(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+          bias: torch.Tensor | None, ignore_index: int, softcap: float | None,
+          summed: bool) -> torch.Tensor:
+    """fused_linear_cross_entropy with the loss kept in fp32 (as transformers' loss, which
+    upcasts the logits); the functional API rounds it to the hidden dtype."""
+    from ..ops.fused_linear_cross_entropy import FusedLinearCrossEntropyFwdOp
+
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return FusedLinearCrossEntropyFwdOp.apply(
+        hidden, weight, target, bias, ignore_index=ignore_index, label_smoothing=0.0,
+        softcap=None if softcap is None else float(softcap), lse_square_scale=0.0,
+        reduction="sum" if summed else "mean", with_grad=wants_grad)[0]
+
+
+def _lm_output(outputs: Any, loss: torch.Tensor) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    values = {"loss": loss, "logits": None,
+              "hidden_states": getattr(outputs, "hidden_states", None),
+              "attentions": getattr(outputs, "attentions", None)}
+    found = {f.name for f in dataclasses.fields(outputs)} if dataclasses.is_dataclass(
+        outputs) else set()
+    cache = next((getattr(outputs, n) for n in ("cache", "past_key_values") if n in found), None)
+    for name in ("cache", "past_key_values"):  # transformers 5.24 renamed the field
+        if name in fields:
+            values[name] = cache
+    return CausalLMOutputWithPast(**{k: v for k, v in values.items() if k in fields})
+
+
+# -- probes: will the op serve this module's shapes? ------------------------------------------
+def _probe(fn: Callable, *args: Any, **kwargs: Any) -> str | None:
+    """None when `fn` accepts meta tensors of the model's shapes, else the op's message."""
+    try:
+        fn(*args, **kwargs)
+    except TileOpsError as e:
+        return str(e)
+    return None
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.bfloat16
+
+
+def _probe_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 models are probed as bf16: under autocast their activations are bf16, and in fp32
+    every patched forward falls back to PyTorch at run time."""
+    return dtype if dtype in _KERNEL_DTYPES else torch.bfloat16
+
+
+# -- apply ------------------------------------------------------------------------------------
+def family_of(model: torch.nn.Module) -> Family:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise TileOpsUnsupportedError(
+            f"tileops.transformers.apply: argument 'model': expected a causal LM of a "
+            f"supported family ({', '.join(sorted(FAMILIES))}), got {type(model).__name__} "
+            f"(model_type {model_type!r}); nothing was patched")
+    return family
+
+
+def apply(model: torch.nn.Module, rms_norm: bool = True, rope: bool = True,
+          attention: bool = True, mlp: bool = True, cross_entropy: bool = True,
+          moe: bool = True, linear: bool = False, strict: bool = False,
+          verbose: bool = True) -> PatchReport:
+    """Patches `model` (a transformers 5.x causal LM or its base model) in place onto TileOPs
+    ops; returns the PatchReport. Applying twice patches nothing new. Requested parts that
+    stay on PyTorch are listed in the report, warned about (verbose) or, with strict=True,
+    raised as TileOpsUnsupportedError before anything is patched."""
+    family = family_of(model)
+    report = PatchReport(type(model).__name__, family.name)
+    plan: list[Callable[[], None]] = []
+    want = {"rms_norm": rms_norm, "rope": rope, "attention": attention, "mlp": mlp,
+            "cross_entropy": cross_entropy, "moe": moe, "linear": linear}
+    dtype = _probe_dtype(_model_dtype(model))
+    config = model.config
+    probe_cache: dict[tuple, str | None] = {}
+
+    def probe(key: tuple, fn: Callable, *args: Any, **kwargs: Any) -> str | None:
+        if key not in probe_cache:
+            probe_cache[key] = _probe(fn, *args, **kwargs)
+        return probe_cache[key]
+
+    if want["attention"]:
+        _plan_attention(model, config, dtype, report, plan, probe)
+    rotary_modules: dict[str, Callable] = {}
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        done = getattr(module, _MARK, None)
+        if cls.endswith("RMSNorm") and want["rms_norm"]:
+            _plan_norm(name, module, family, dtype, report, plan, probe, done)
+        elif cls.endswith("Attention") and want["rope"]:
+            _plan_rope(name, module, dtype, report, plan, probe, done, rotary_modules)
+        elif cls.endswith(("SparseMoeBlock", "MoeBlock")) and want["moe"]:
+            report.skip("moe", name, "no fused MoE op in TileOPs yet (grouped GEMM backward "
+                        "and fused_moe are in progress); the experts run transformers' loop")
+        elif cls.endswith("MLP") and want["mlp"]:
+            _plan_mlp(name, module, family, config, dtype, report, plan, probe, done)
+        elif cls.endswith("ForCausalLM") and want["cross_entropy"]:
+            _plan_loss(name, module, config, dtype, report, plan, probe, done)
+        if isinstance(module, torch.nn.Linear) and want["linear"]:
+            _plan_linear(name or "model", module, dtype, report, plan, probe, done)
+    if strict and report.unpatched:
+        raise TileOpsUnsupportedError(
+            "tileops.transformers.apply(strict=True): nothing was patched, because these "
+            "requested parts would stay on PyTorch:\n" + report.summary())
+    for step in plan:
+        step()
+    if verbose and report.unpatched:
+        warnings.warn(report.summary(), stacklevel=2)
+    model._tileops_report = report
+    return report
+
+
+def _plan_attention(model: torch.nn.Module, config: Any, dtype: torch.dtype,
+                    report: PatchReport, plan: list, probe: Callable) -> None:
+    current = getattr(config, "_attn_implementation", None)
+    if current == attn_impl.NAME:
+        return
+    if getattr(config, "attention_dropout", 0.0):
+        report.skip("attention", "config", f"attention_dropout {config.attention_dropout} "
+                    "(the kernel has no dropout)")
+        return
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
+    window = getattr(config, "sliding_window", None)
+    windows = {(-1, 0)} | ({(window - 1, 0)} if window else set())
+    for w in sorted(windows):
+        why = probe(("attention", w), _attention_probe, heads, kv_heads, head_dim, dtype,
+                    w, softcap)
+        if why:
+            report.skip("attention", "config", why)
+            return
+
+    def step() -> None:
+        attn_impl.register()
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is not None:
+            setter(attn_impl.NAME)
+        if getattr(model.config, "_attn_implementation", None) != attn_impl.NAME:
+            model.config._attn_implementation = attn_impl.NAME
+        for sub in model.modules():  # sub-configs of nested models
+            cfg = getattr(sub, "config", None)
+            if cfg is not None and getattr(cfg, "_attn_implementation", None) != attn_impl.NAME:
+                cfg._attn_implementation = attn_impl.NAME
+        model._tileops_previous_attn = current
+
+    plan.append(step)
+    report.add("attention", "config")
+
+
+def _attention_probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     window: tuple[int, int], softcap: float) -> None:
+    from ..ops import attention
+
+    q = _meta(1, 128, heads, head_dim, dtype=dtype)
+    k = _meta(1, 128, kv_heads, head_dim, dtype=dtype)
+    attention(q, k, k, is_causal=True, window_size=window, softcap=softcap)
+
+
+def _plan_norm(name: str, module: torch.nn.Module, family: Family, dtype: torch.dtype,
+               report: PatchReport, plan: list, probe: Callable, done: Any) -> None:
+    weight = getattr(module, "weight", None)
+    if done == "rms_norm":
+        return
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+        report.skip("rms_norm", name, "no 1-D weight (a norm of another form)")
+        return
+    try:
+        eps = _eps(module)
+    except TileOpsError as e:
+        report.skip("rms_norm", name, str(e))
+        return
+    n = weight.shape[0]
+    from ..ops import rms_norm as op
+
+    why = probe(("rms_norm", n), op, _meta(4, n, dtype=dtype), n, _meta(n, dtype=dtype), eps)
+    if why:
+        report.skip("rms_norm", name, why)
+        return
+    fn = _gemma_rms_norm_forward if family.gemma_norm else _rms_norm_forward
+    plan.append(lambda: _set_forward(module, "rms_norm", fn))
+    report.add("rms_norm", name)
+
+
+def _plan_rope(name: str, module: torch.nn.Module, dtype: torch.dtype, report: PatchReport,
+               plan: list, probe: Callable, done: Any, cache: dict[str, Callable]) -> None:
+    if done == "rope":
+        return
+    import sys
+
+    modeling = sys.modules.get(type(module).__module__)
+    original = getattr(modeling, "apply_rotary_pos_emb", None)
+    forward = type(module).forward
+    code_names = set()
+    f = forward
+    while f is not None:
+        code_names |= set(getattr(getattr(f, "__code__", None), "co_names", ()))
+        f = getattr(f, "__wrapped__", None)
+    if original is None or "apply_rotary_pos_emb" not in code_names:
+        report.skip("rope", name, "its forward does not call its module's "
+                    "apply_rotary_pos_emb")
+        return
+    head_dim = getattr(module, "head_dim", None)
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if head_dim is None or heads is None:
+        report.skip("rope", name, "no head_dim / num_attention_heads to check the kernel with")
+        return
+    why = probe(("rope", heads, kv_heads, head_dim), _rope_probe, heads, kv_heads, head_dim,
+                dtype)
+    if why:
+        report.skip("rope", name, why)
+        return
+    key = type(module).__qualname__ + type(module).__module__
+    if key not in cache:
+        try:
+            cache[key] = _rebind_globals(forward, {
+                "apply_rotary_pos_emb": _make_rotary(original)})
+        except _Unbindable as e:
+            cache[key] = None
+            report.skip("rope", name, f"cannot rebind its forward: {e}")
+            return
+    rebound = cache[key]
+    if rebound is None:
+        report.skip("rope", name, "cannot rebind its forward")
+        return
+    plan.append(lambda: _set_forward(module, "rope", rebound))
+    report.add("rope", name)
+
+
+def _rope_probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    from ..ops import apply_rotary
+
+    q = _meta(1, heads, 16, head_dim, dtype=dtype)
+    k = _meta(1, kv_heads, 16, head_dim, dtype=dtype)
+    cos = _meta(1, 16, head_dim, dtype=dtype)
+    apply_rotary(q, k, cos, cos)
+
+
+def _plan_mlp(name: str, module: torch.nn.Module, family: Family, config: Any,
+              dtype: torch.dtype, report: PatchReport, plan: list, probe: Callable,
+              done: Any) -> None:
+    if done == "mlp":
+        return
+    if not all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        report.skip("mlp", name, "not a gated MLP (gate_proj, up_proj, down_proj, act_fn)")
+        return
+    act = getattr(config, "hidden_act", None)
+    if family.gelu_mlp:
+        act = getattr(config, "hidden_activation", None) or act
+    if act not in ("silu", "swish"):
+        report.skip("mlp", name, f"activation {act!r}: TileOPs' two-input gated activation "
+                    "is SiLU only (gelu_and_mul reads one [..., 2N] tensor, and concatenating "
+                    "gate and up would cost more than the fusion saves)")
+        return
+    n = module.gate_proj.out_features
+    from ..ops import swiglu
+
+    why = probe(("mlp", n), swiglu, _meta(4, n, dtype=dtype), _meta(4, n, dtype=dtype))
+    if why:
+        report.skip("mlp", name, why)
+        return
+    plan.append(lambda: _set_forward(module, "mlp", _swiglu_mlp_forward))
+    report.add("mlp", name)
+
+
+def _plan_loss(name: str, module: torch.nn.Module, config: Any, dtype: torch.dtype,
+               report: PatchReport, plan: list, probe: Callable, done: Any) -> None:
+    if done == "cross_entropy":
+        return
+    head = getattr(module, "lm_head", None)
+    if not isinstance(head, torch.nn.Linear) or not hasattr(module, "model"):
+        report.skip("cross_entropy", name or "model", "no lm_head Linear and base .model")
+        return
+    if getattr(config, "output_router_logits", False):
+        report.skip("cross_entropy", name or "model", "output_router_logits adds the "
+                    "router's auxiliary loss in the model's forward")
+        return
+    vocab, width = head.weight.shape
+    softcap = getattr(config, "final_logit_softcapping", None)
+    from ..ops import fused_linear_cross_entropy
+
+    why = probe(("loss", vocab, width), fused_linear_cross_entropy, _meta(256, width,
+                dtype=dtype), _meta(vocab, width, dtype=dtype),
+                torch.zeros(256, dtype=torch.long, device="meta"), softcap=softcap)
+    if why:
+        report.skip("cross_entropy", name or "model", why)
+        return
+    plan.append(lambda: _set_forward(module, "cross_entropy", _causal_lm_forward))
+    report.add("cross_entropy", name or "model")
+
+
+def _plan_linear(name: str, module: torch.nn.Linear, dtype: torch.dtype, report: PatchReport,
+                 plan: list, probe: Callable, done: Any) -> None:
+    if done == "linear":
+        return
+    if done is not None:
+        report.skip("linear", name, f"already patched as {done}")
+        return
+    out_f, in_f = module.weight.shape
+    from ..ops import linear
+
+    bias = None if module.bias is None else _meta(out_f, dtype=dtype)
+    why = probe(("linear", out_f, in_f, bias is None), linear, _meta(64, in_f, dtype=dtype),
+                _meta(out_f, in_f, dtype=dtype), bias)
+    if why:
+        report.skip("linear", name, why)
+        return
+    plan.append(lambda: _set_forward(module, "linear", _linear_forward))
+    report.add("linear", name)
+
+
+def revert(model: torch.nn.Module) -> None:
+    """Undoes `apply`: the instance forwards are removed and the attention implementation
+    set back."""
+    for module in model.modules():
+        if getattr(module, _MARK, None) is not None:
+            module.__dict__.pop("forward", None)
+            delattr(module, _MARK)
+    previous = getattr(model, "_tileops_previous_attn", None)
+    if previous is not None:
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is not None:
+            setter(previous)
+        for sub in model.modules():
+            cfg = getattr(sub, "config", None)
+            if cfg is not None and getattr(cfg, "_attn_implementation", None) == attn_impl.NAME:
+                cfg._attn_implementation = previous
+        del model._tileops_previous_attn
+    model.__dict__.pop("_tileops_report", None)

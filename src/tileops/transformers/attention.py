@@ -1,0 +1,137 @@
+"""The "tileops" attention implementation of transformers' AttentionInterface, and its mask.
+
+A model whose `config._attn_implementation` is "tileops" calls `tileops_attention` from
+every attention layer (the modeling code looks the function up in the registry), and builds
+its masks with `tileops_mask`:
+
+- the mask function returns None when the layer's pattern is plain causal attention over keys
+  at contiguous positions (no padding, no packed sequences, no custom mask function): the
+  same cases in which transformers' SDPA path skips its mask (`_ignore_causal_mask_sdpa`),
+  with sliding windows allowed, since the kernel takes the window itself. Otherwise it
+  returns SDPA's boolean [B, 1, Sq, Skv] mask.
+- the attention function runs `tileops.attention` (causal, bottom-right aligned; the
+  layer's sliding window, softcap and scaling) when the mask is None, and transformers' own
+  SDPA (or, for a softcapped layer, the model's eager attention) on the explicit mask
+  otherwise: padded batches and static-cache decoding compute what the unpatched model does,
+  on PyTorch.
+
+transformers is imported by the functions of this module only when they run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+NAME = "tileops"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def served(*tensors: torch.Tensor | None) -> bool:
+    """Whether TileOPs' kernels take these tensors: CUDA, fp16 or bf16, one dtype. Every
+    patched forward runs the original PyTorch code otherwise (CPU, fp32, mixed dtypes)."""
+    dtype = None
+    for t in tensors:
+        if t is None:
+            continue
+        if not t.is_cuda or t.dtype not in KERNEL_DTYPES or dtype not in (None, t.dtype):
+            return False
+        dtype = t.dtype
+    return True
+
+
+def _hf_mask_helpers() -> tuple[Any, Any, Any]:
+    from transformers import masking_utils as mu
+
+    return mu.sdpa_mask, getattr(mu, "prepare_padding_mask", None), getattr(
+        mu, "_ignore_causal_mask_sdpa", None)
+
+
+def tileops_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+                 kv_offset: int = 0, mask_function: Any = None, attention_mask: Any = None,
+                 allow_is_causal_skip: bool = True, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' mask interface: None where `tileops_attention` can run its kernel, else
+    SDPA's boolean mask (see the module doc)."""
+    sdpa_mask, prepare_padding_mask, can_skip = _hf_mask_helpers()
+    kwargs.pop("local_size", None)  # the kernel applies the window: it never forces a mask
+    if allow_is_causal_skip and can_skip is not None and prepare_padding_mask is not None:
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if can_skip(padding, q_length, kv_length, q_offset, kv_offset, None):
+            return None
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                     attention_mask=attention_mask, allow_is_causal_skip=False, **kwargs)
+
+
+def _eager_fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, mask: torch.Tensor | None,
+                    **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The modeling file's own eager attention (the only transformers path with softcap), on
+    an additive mask made from the boolean one."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as eager
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, **kwargs)
+
+
+def tileops_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query [B, H, Sq, D], key/value [B, Hkv, Skv, D]
+    (the modeling code's layout); returns ([B, Sq, H, D], None)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and causal and 1 < q_len < kv_len:
+        # the mask was skipped for a prefill into an empty static cache (q_offset 0, the
+        # keys past q_len are unwritten slots): causal over the first q_len keys
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    left = sliding_window - 1 if sliding_window else -1
+    if (attention_mask is None and not dropout and causal and served(query, key, value)
+            and kwargs.get("s_aux") is None and kwargs.get("sinks") is None):
+        from ..ops import attention
+
+        out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                        is_causal=True, scale=scaling, window_size=(left, 0),
+                        softcap=float(softcap) if softcap else 0.0)
+        return out, None
+    if attention_mask is None and causal and (left >= 0 or softcap is not None):
+        # the mask function skipped the mask that PyTorch's paths need for a window (and
+        # the eager path for causality itself)
+        attention_mask = _causal_mask(query.shape[2], key.shape[2], left, query.device)
+    if softcap is not None:
+        return _eager_fallback(module, query, key, value, attention_mask, dropout=dropout,
+                               scaling=scaling, softcap=softcap, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _causal_mask(q_len: int, kv_len: int, left: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, q_len, kv_len] boolean, True = attend: causal aligned bottom-right (the last
+    query sees the last key), and at most `left` keys back when left >= 0."""
+    i = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    j = torch.arange(kv_len, device=device)[None, :]
+    keep = j <= i
+    if left >= 0:
+        keep &= j >= i - left
+    return keep[None, None]
+
+
+def register() -> None:
+    """Registers "tileops" in transformers' attention and mask registries (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if AttentionInterface._global_mapping.get(NAME) is not tileops_attention:
+        AttentionInterface.register(NAME, tileops_attention)
+    if AttentionMaskInterface._global_mapping.get(NAME) is not tileops_mask:
+        AttentionMaskInterface.register(NAME, tileops_mask)

@@ -1,0 +1,164 @@
+"""GPU exactness of tileops.transformers.apply: small random-init models of each family, bf16.
+
+Tolerance (stated): for the logits, the training loss and every parameter's gradient, the
+patched bf16 model's error against the unpatched model run in fp32 (same weights) is at most
+2x the unpatched bf16 model's own error against it, plus 2e-3, in relative Frobenius norm:
+    |patched - fp32| <= 2 |unpatched_bf16 - fp32| + 2e-3 |fp32|.
+Both bf16 models round the same operands; TileOPs' kernels must not add more error than
+transformers' PyTorch path has. Every op the patch installs must have run (call counts),
+so a silent fallback to PyTorch fails the test.
+
+Also: training under torch.compile (the patched model's losses follow the eager patched
+model's), and greedy generation with a static KV cache under CUDA graphs (each generated
+step's logits match a full forward of the fp32 reference over the same tokens).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import tileops.ops  # noqa: E402
+import tileops.transformers as tt  # noqa: E402
+from tileops.transformers import _patch  # noqa: E402
+
+from . import hf_models  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+BATCH, SEQ = 2, 203  # a ragged tail: 203 tokens per row, windows of 16
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _check(name: str, ours: torch.Tensor, bf16: torch.Tensor, fp32: torch.Tensor) -> None:
+    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
+    err, base = _rel(ours, fp32), _rel(bf16, fp32)
+    assert err <= 2 * base + 2e-3, f"{name}: patched error {err:.2e} vs bf16 PyTorch {base:.2e}"
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """Counts the calls of each TileOPs op the patch uses (the real ops run)."""
+    seen: dict[str, int] = {}
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            seen[name] = seen.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for name in ("rms_norm", "swiglu", "apply_rotary", "attention"):
+        monkeypatch.setattr(tileops.ops, name, count(name, getattr(tileops.ops, name)))
+    monkeypatch.setattr(_patch, "_flce", count("loss", _patch._flce))
+    return seen
+
+
+def _models(family: str, **overrides):
+    fp32 = hf_models.model(family, device="cuda", **overrides)
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    ours = copy.deepcopy(bf16)
+    tt.apply(ours, verbose=False)
+    return ours, bf16, fp32
+
+
+def _train_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach().float(), {n: p.grad for n, p in model.named_parameters()
+                                       if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_loss_and_gradients_match(family, counts):
+    ours, bf16, fp32 = _models(family)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 512, (BATCH, SEQ), device="cuda")
+    ids[0, -7:] = -100  # ignored labels reach the loss as ignore_index
+    labels = ids.clone()
+    ids = ids.clamp_min(0)
+    with torch.no_grad():
+        for m in (ours, bf16, fp32):
+            m.eval()
+        logits = [m(input_ids=ids, use_cache=False).logits for m in (ours, bf16, fp32)]
+    _check("logits", logits[0], logits[1], logits[2].float())
+    results = []
+    for m in (ours, bf16, fp32):
+        m.train()
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=labels, use_cache=False)
+        out.loss.backward()
+        results.append((out.loss.detach().float(), {
+            n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (l_ours, g_ours), (l_bf16, g_bf16), (l_fp32, g_fp32) = results
+    _check("loss", l_ours.reshape(1), l_bf16.reshape(1), l_fp32.reshape(1))
+    assert g_ours.keys() == g_fp32.keys()
+    for name in g_fp32:
+        _check(f"grad {name}", g_ours[name], g_bf16[name], g_fp32[name].float())
+    # every installed op ran
+    assert counts.get("rms_norm") and counts.get("apply_rotary") and counts.get("attention")
+    assert counts.get("loss") == 1
+    assert bool(counts.get("swiglu")) == (not family.startswith("gemma")), counts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_padded_batch_matches(family):
+    """Left padding: attention takes PyTorch's masked path; the rest stays on TileOPs."""
+    ours, bf16, fp32 = _models(family)
+    ids = torch.randint(0, 512, (BATCH, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    with torch.no_grad():
+        logits = [m.eval()(input_ids=ids, attention_mask=mask).logits for m in (ours, bf16, fp32)]
+    keep = mask.bool()
+    _check("logits", logits[0][keep], logits[1][keep], logits[2][keep].float())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_trains_under_torch_compile(family):
+    ours, _, _ = _models(family)
+    eager = copy.deepcopy(ours)
+    tt.apply(eager, verbose=False)  # deepcopy keeps the patch; apply is a no-op
+    compiled = torch.compile(ours)
+    opt_c = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    torch.manual_seed(2)
+    losses_c, losses_e = [], []
+    for _ in range(4):
+        ids = torch.randint(0, 512, (BATCH, 128), device="cuda")
+        for model, opt, losses in ((compiled, opt_c, losses_c), (eager, opt_e, losses_e)):
+            model.train()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses_c), torch.tensor(losses_e), rtol=2e-2,
+                               atol=2e-2)
+    assert losses_c[-1] < losses_c[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_generates_with_static_cache_under_cuda_graphs(family):
+    ours, _, fp32 = _models(family)
+    ours.eval()
+    prompt = torch.randint(0, 512, (2, 24), device="cuda")
+    gen = ours.generate(prompt, max_new_tokens=12, do_sample=False,
+                        cache_implementation="static", return_dict_in_generate=True,
+                        output_logits=True)
+    seq = gen.sequences
+    assert seq.shape == (2, 36)
+    step_logits = torch.stack(gen.logits, 1)  # [B, 12, V]: the logits of each new token
+    with torch.no_grad():
+        ref = fp32.eval()(input_ids=seq).logits[:, 23:35]
+        bf16 = copy.deepcopy(fp32).to(torch.bfloat16)(input_ids=seq).logits[:, 23:35]
+    _check("generation logits", step_logits, bf16, ref.float())

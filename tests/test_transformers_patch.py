@@ -1,0 +1,335 @@
+"""tileops.transformers.apply on the CPU: which modules each family gets replaced, the
+messages for what stays on PyTorch, idempotence, revert, that other models are untouched,
+and the patched forwards' plumbing: with the ops swapped for fp32 PyTorch references (spies),
+a patched model's logits, loss and gradients equal the unpatched model's."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+import tileops  # noqa: E402
+import tileops.ops  # noqa: E402
+import tileops.transformers as tt  # noqa: E402
+from tileops.transformers import _patch  # noqa: E402
+from tileops.transformers import attention as hf_attention  # noqa: E402
+
+from . import hf_models  # noqa: E402
+
+pytestmark = pytest.mark.smoke
+
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+MOE = ["mixtral", "qwen3_moe"]
+
+
+def _names(model, suffix):
+    return sorted(n for n, m in model.named_modules() if type(m).__name__.endswith(suffix))
+
+
+def _apply(model, **kw):
+    kw.setdefault("verbose", False)
+    return tt.apply(model, **kw)
+
+
+# -- which modules get replaced ------------------------------------------------------------
+@pytest.mark.parametrize("family", DENSE + MOE)
+def test_each_family_patches_its_modules(family):
+    model = hf_models.model(family, dtype=torch.bfloat16)
+    report = _apply(model)
+    assert report.family == hf_models.config(family).model_type
+    assert sorted(report.patched["rms_norm"]) == _names(model, "RMSNorm")
+    assert sorted(report.patched["rope"]) == _names(model, "Attention")
+    assert report.patched["attention"] == ["config"]
+    assert report.patched["cross_entropy"] == ["model"] or report.patched["cross_entropy"] == [""]
+    assert model.config._attn_implementation == "tileops"
+    for name in _names(model, "RMSNorm"):
+        assert model.get_submodule(name)._tileops_patch == "rms_norm"
+    gelu = family.startswith("gemma")
+    mlps = _names(model, "MLP")
+    if gelu:
+        assert "mlp" not in report.patched
+        assert {n for k, n, _ in report.unpatched if k == "mlp"} == set(mlps)
+        assert "gelu_pytorch_tanh" in report.summary()
+    else:
+        assert sorted(report.patched.get("mlp", [])) == mlps
+    if family in MOE:
+        blocks = _names(model, "SparseMoeBlock")
+        assert blocks and {n for k, n, _ in report.unpatched if k == "moe"} == set(blocks)
+        assert "left on PyTorch moe" in report.summary()
+    if family == "qwen3":  # the per-head q_norm / k_norm are RMSNorms too
+        assert "model.layers.0.self_attn.q_norm" in report.patched["rms_norm"]
+    assert "linear" not in report.patched  # off by default
+
+
+def test_linear_flag_patches_every_linear():
+    model = hf_models.model("llama", dtype=torch.bfloat16)
+    report = _apply(model, linear=True)
+    linears = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    assert sorted(report.patched["linear"]) == linears
+
+
+def test_flags_off_patch_nothing():
+    model = hf_models.model("llama", dtype=torch.bfloat16)
+    report = _apply(model, rms_norm=False, rope=False, attention=False, mlp=False,
+                    cross_entropy=False, moe=False)
+    assert report.patched == {} and report.unpatched == []
+    assert model.config._attn_implementation == "sdpa"
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+# -- messages ---------------------------------------------------------------------------------
+def test_unsupported_family_is_refused_untouched():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128))
+    with pytest.raises(tileops.TileOpsUnsupportedError, match="gpt2.*nothing was patched"):
+        tt.apply(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_family_helper_refuses_another_family():
+    model = hf_models.model("qwen3", dtype=torch.bfloat16)
+    with pytest.raises(tileops.TileOpsUnsupportedError, match="apply_to_llama.*'qwen3'"):
+        tt.apply_to_llama(model)
+    assert tt.apply_to_qwen3(model, verbose=False).patched["rms_norm"]
+
+
+def test_unpatched_parts_warn_and_strict_raises_before_patching():
+    model = hf_models.model("gemma2", dtype=torch.bfloat16)
+    with pytest.raises(tileops.TileOpsUnsupportedError, match="left on PyTorch mlp"):
+        tt.apply(model, strict=True)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert model.config._attn_implementation == "eager"
+    with pytest.warns(UserWarning, match="gelu_pytorch_tanh"):
+        tt.apply(model)
+    # with the MLP not requested, strict passes
+    tt.revert(model)
+    tt.apply(model, mlp=False, strict=True)
+
+
+def test_shapes_the_ops_refuse_are_reported():
+    # head_dim 72: no attention / rotary kernel; the norms and the MLP still patch
+    model = hf_models.model("llama", dtype=torch.bfloat16, head_dim=72)
+    report = _apply(model)
+    kinds = {k for k, _, _ in report.unpatched}
+    assert "attention" in kinds and "rms_norm" not in kinds
+    assert model.config._attn_implementation == "sdpa"
+    assert "head_dim" in report.summary() or "72" in report.summary()
+
+
+def test_attention_dropout_is_reported():
+    model = hf_models.model("llama", dtype=torch.bfloat16, attention_dropout=0.1)
+    report = _apply(model)
+    assert ("attention", "config") in {(k, n) for k, n, _ in report.unpatched}
+
+
+def test_router_aux_loss_keeps_the_model_loss():
+    model = hf_models.model("mixtral", dtype=torch.bfloat16, output_router_logits=True)
+    report = _apply(model)
+    assert "cross_entropy" not in report.patched
+    assert any(k == "cross_entropy" and "router" in why for k, _, why in report.unpatched)
+
+
+# -- idempotence, revert, other models untouched --------------------------------------------
+def test_apply_twice_patches_nothing_new():
+    model = hf_models.model("qwen3", dtype=torch.bfloat16)
+    _apply(model)
+    forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    again = _apply(model)
+    assert again.patched == {} and again.unpatched == []
+    assert forwards == {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+
+
+def test_other_models_and_classes_are_untouched():
+    model = hf_models.model("llama", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    rotary, attn_forward = modeling.apply_rotary_pos_emb, modeling.LlamaAttention.forward
+    _apply(model)
+    assert modeling.apply_rotary_pos_emb is rotary
+    assert modeling.LlamaAttention.forward is attn_forward
+    assert reference.config._attn_implementation == "sdpa"
+    assert all("forward" not in m.__dict__ for m in reference.modules())
+    # a model created after the patch is a plain transformers model
+    fresh = hf_models.model("llama", dtype=torch.bfloat16)
+    assert all("forward" not in m.__dict__ for m in fresh.modules())
+
+
+def test_revert_restores_the_model():
+    model = hf_models.model("gemma3", dtype=torch.bfloat16)
+    _apply(model)
+    tt.revert(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert all("forward" not in m.__dict__ and not hasattr(m, "_tileops_patch")
+               for m in model.modules())
+    assert _apply(model).patched["rms_norm"]
+
+
+def test_rebound_forward_keeps_the_decorators():
+    model = hf_models.model("llama", dtype=torch.bfloat16)
+    _apply(model)
+    attn = model.model.layers[0].self_attn
+    cls_forward = type(attn).forward
+    mine = attn.forward.__func__
+    assert mine is not cls_forward and mine.__code__ is cls_forward.__code__
+    inner = mine
+    while getattr(inner, "__wrapped__", None) is not None:
+        inner = inner.__wrapped__
+    assert getattr(inner.__globals__["apply_rotary_pos_emb"], "__tileops__", False)
+
+
+# -- CPU, fp32: the patched model falls back to transformers' code ----------------------------
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
+def test_cpu_model_falls_back_exactly(family):
+    model = hf_models.model(family)
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(0, 512, (2, 24))
+    for m in (model, reference):
+        m.train()
+    out, ref = model(input_ids=ids, labels=ids, use_cache=False), reference(
+        input_ids=ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+
+
+# -- spies: the ops replaced by fp32 references -------------------------------------------------
+def _ref_attention(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), softcap=0.0):
+    _, sq, heads, d = q.shape
+    skv = k.shape[1]
+    rep = heads // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.transpose(1, 2).repeat_interleave(rep, 1)
+    vh = v.transpose(1, 2).repeat_interleave(rep, 1)
+    s = qh @ kh.transpose(-1, -2) * (scale if scale is not None else d ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window_size
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    i = torch.arange(sq)[:, None] + (skv - sq)
+    j = torch.arange(skv)[None, :]
+    ok = torch.ones(sq, skv, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    p = torch.softmax(s.masked_fill(~ok, -math.inf), -1)
+    return (p @ vh).transpose(1, 2)
+
+
+def _ref_rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rot(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), -1)
+
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def _ref_flce(hidden, weight, target, bias, ignore_index, softcap, summed):
+    logits = hidden @ weight.T + (0 if bias is None else bias)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index,
+                           reduction="sum" if summed else "mean")
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    calls: dict[str, list] = {}
+
+    def spy(name, fn, real=None):
+        def wrapped(*args, **kwargs):
+            if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                return real(*args, **kwargs)  # apply's shape probes: the real op's checks
+            calls.setdefault(name, []).append(kwargs)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def op(name, fn, key=None):
+        real = getattr(tileops.ops, name)
+        monkeypatch.setattr(tileops.ops, name, spy(key or name, fn, real))
+
+    monkeypatch.setattr(hf_attention, "served", lambda *ts: True)
+    op("rms_norm", lambda x, n, w, eps: F.rms_norm(x, (n,) if isinstance(n, int) else n, w, eps))
+    op("swiglu", lambda g, u: F.silu(g) * u)
+    op("apply_rotary", _ref_rotary, "rope")
+    op("attention", _ref_attention)
+    op("linear", F.linear)
+    monkeypatch.setattr(_patch, "_flce", spy("loss", _ref_flce))
+    return calls
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", DENSE + ["mixtral"])
+def test_patched_forward_and_backward_match(family, spies):
+    model = hf_models.model(family)
+    reference = copy.deepcopy(model)
+    _apply(model, linear=family == "llama")
+    ids = torch.randint(0, 512, (2, 40))  # longer than the 16-token windows
+    model.train()
+    reference.train()
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    ref = reference(input_ids=ids, labels=ids, use_cache=False)
+    assert out.logits is None  # the fused loss materializes no logits
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    ref.loss.backward()
+    grads, ref_grads = _grads(model), _grads(reference)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    assert len(spies["rope"]) == 2 * layers  # the training and the eval forward
+    assert spies["attention"] and spies["rms_norm"] and spies["loss"]
+    if family == "llama":
+        assert spies["linear"]
+    if family == "gemma2":  # softcap and the 16-token window reach the kernel
+        kinds = {(tuple(c["window_size"]), c["softcap"]) for c in spies["attention"]}
+        assert kinds == {((15, 0), 50.0), ((-1, 0), 50.0)}
+        assert all(c["scale"] == 64 ** -0.5 for c in spies["attention"])
+    if family == "mistral":
+        assert {tuple(c["window_size"]) for c in spies["attention"]} == {(15, 0)}
+
+
+def test_padding_mask_goes_to_sdpa(spies):
+    model = hf_models.model("llama")
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(0, 512, (2, 24))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits
+        ref = reference(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    assert "attention" not in spies and spies["rms_norm"]
+
+
+def test_generate_matches(spies):
+    model = hf_models.model("qwen3")
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(0, 512, (1, 12))
+    kw = dict(max_new_tokens=6, do_sample=False)
+    out = model.generate(ids, **kw)
+    ref = reference.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    assert spies["attention"]  # prefill and dynamic-cache decode steps run the kernel
