@@ -44,9 +44,10 @@ _WORKLOAD = {
             },
         },
         "params": {"type": "object"},
-        # values of inputs whose contents matter (cu_seqlens); the rest are random
+        # values of inputs whose contents matter (cu_seqlens, a skewed routing bias); the rest
+        # are random
         "data": {"type": "object",
-                 "additionalProperties": {"type": "array", "items": {"type": "integer"}}},
+                 "additionalProperties": {"type": "array", "items": {"type": "number"}}},
         "dtypes": {"type": "array", "minItems": 1, "items": {"enum": _DTYPE_NAMES}},
         "tier": {"enum": ["smoke", "full", "nightly"]},
     },

@@ -28,24 +28,33 @@ from .cross_entropy import (
 from .decode_attention import (
     ChunkedPrefillAttentionFwdOp,
     DecodeAttentionFwdOp,
+    DecodePlan,
     KVCacheAppendFwdOp,
     chunked_prefill_attention,
     decode_attention,
     kv_cache_append,
+    plan_decode,
 )
 from .fp8 import GemmFp8FwdOp, QuantizeFp8FwdOp, gemm_fp8, quantize_fp8
 from .fused_linear_cross_entropy import (
     FusedLinearCrossEntropyFwdOp,
     fused_linear_cross_entropy,
 )
+from .fused_moe import FusedMoeFwdOp, fused_moe
 from .gemm import GemmFwdOp, gemm
+from .grouped_gemm import (
+    GroupedGemmBwdOp,
+    GroupedGemmFwdOp,
+    GroupedGemmSiluAndMulFwdOp,
+    grouped_gemm,
+    grouped_gemm_silu_and_mul,
+)
 from .linear import LinearBwdOp, LinearFwdOp, linear
 from .moe import (
-    GroupedGemmFwdOp,
     MoePermuteFwdOp,
     MoeRouteFwdOp,
+    MoeUnpermuteBwdOp,
     MoeUnpermuteFwdOp,
-    grouped_gemm,
     moe_permute,
     moe_route,
     moe_unpermute,
@@ -103,7 +112,9 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
                                   KVCacheAppendFwdOp, ChunkedPrefillAttentionFwdOp,
                                   QuantizeFp8FwdOp, GemmFp8FwdOp, MoeRouteFwdOp,
-                                  MoePermuteFwdOp, MoeUnpermuteFwdOp, GroupedGemmFwdOp)}
+                                  MoePermuteFwdOp, MoeUnpermuteFwdOp, GroupedGemmFwdOp,
+                                  GroupedGemmBwdOp, GroupedGemmSiluAndMulFwdOp,
+                                  MoeUnpermuteBwdOp, FusedMoeFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -122,7 +133,9 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "LinearBwdOp", "linear",
            "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk",
            "DecodeAttentionFwdOp", "KVCacheAppendFwdOp", "decode_attention", "kv_cache_append",
-           "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention",
+           "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention", "DecodePlan", "plan_decode",
            "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8",
            "MoeRouteFwdOp", "MoePermuteFwdOp", "MoeUnpermuteFwdOp", "moe_route", "moe_permute",
-           "moe_unpermute", "GroupedGemmFwdOp", "grouped_gemm"]
+           "moe_unpermute", "GroupedGemmFwdOp", "grouped_gemm", "GroupedGemmBwdOp",
+           "GroupedGemmSiluAndMulFwdOp", "grouped_gemm_silu_and_mul", "MoeUnpermuteBwdOp",
+           "FusedMoeFwdOp", "fused_moe"]

@@ -35,15 +35,13 @@
   dtype: out[t] = sum_k topk_weights[t, k] * expert_output[row_index[t, k]], accumulated in
   fp32 in k order; rows of -1 add nothing (a token with no local expert gets zeros).
 
-- `grouped_gemm(a, b, offsets)` -> out [M, N]: out[rows of group e] = a[rows] @ b[e]^T,
-  a [M, K], b [E, N, K] (expert weights as nn.Linear stores them), offsets int32 [E] the
-  cumulative end rows (torch._grouped_mm's `offs`: the same result as
-  `torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)`). Offsets are read on the
-  device only, so they are not checked: they must be non-decreasing and at most M; rows
-  past offsets[-1] are not written. fp32 accumulation; K and N multiples of 8 (TMA).
+The grouped GEMMs of the experts are in ops/grouped_gemm.py.
 
-No autograd yet; all four are custom ops (torch.compile) and capture in CUDA graphs (no
-host synchronization, outputs allocated by the op).
+All are custom ops (torch.compile) and capture in CUDA graphs (no host synchronization,
+outputs allocated by the op). moe_permute is differentiable in hidden_states (the gradient
+sums each token's rows: the combine with unit weights) and moe_unpermute in expert_output
+and topk_weights (MoeUnpermuteBwdOp); the routing is not (its weights carry no gradient to
+the logits: a model that trains its router computes the weights itself and passes them).
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ import torch
 
 from ..kernels.base import Kernel
 from ..kernels.moe import (
-    GroupedGemmKernel,
     MoeCombineKernel,
     MoeGatherKernel,
     MoeRouteKernel,
@@ -200,32 +197,99 @@ class MoeUnpermuteFwdOp(Op):
         return [("moe_combine", self._key(ns["expert_output"], ns["K"]), ns["T"])]
 
 
-class GroupedGemmFwdOp(Op):
-    """One GEMM per expert over its group of rows, in one launch (no host sync)."""
+class MoeUnpermuteBwdOp(Op):
+    """(grad_expert_output [M, H], grad_topk_weights fp32 [T, K]) of moe_unpermute.
 
-    kernel_map = {"grouped_gemm": GroupedGemmKernel}
+    grad_expert_output[row_index[t, k]] = topk_weights[t, k] * grad_output[t] (one weighted
+    gather kernel; rows no slot names are zeros). grad_topk_weights[t, k] = the dot product
+    of grad_output[t] and expert_output[row_index[t, k]] in fp32 (0 for dropped slots),
+    computed with torch ops in token chunks, and only with `grad_weights` (else zeros;
+    expert_output is then not read, so a caller may pass a zero-stride stand-in).
+    """
 
-    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
-                 tune: bool = False):
-        super().__init__(kernel_map=kernel_map, tune=tune)
+    kernel_map = {"moe_gather": MoeGatherKernel}
+    _CHUNK_BYTES = 1 << 28  # fp32 [chunk, K, H] product per torch step
+
+    def __init__(self, *, grad_weights: bool = True,
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(grad_weights=grad_weights, kernel_map=kernel_map, tune=tune)
+
+    @classmethod
+    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+        return {"row_index": inputs["expert_output"].shape[0]}
+
+    def forward(self, grad_output: torch.Tensor, expert_output: torch.Tensor,
+                topk_weights: torch.Tensor, row_index: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, top_k = row_index.shape
+        rows, hidden = expert_output.shape
+        device = grad_output.device
+        grad_rows = torch.zeros((rows, hidden), dtype=grad_output.dtype, device=device)
+        grad_weights = torch.zeros((tokens, top_k), dtype=torch.float32, device=device)
+        if tokens == 0:
+            return grad_rows, grad_weights
+        row_index = row_index.contiguous()
+        kernel = self.get_kernel("moe_gather", device, **self._key(grad_output, top_k))
+        kernel(tokens, tma_ready(grad_output), topk_weights.contiguous(), row_index, grad_rows)
+        if self.grad_weights:
+            step = max(1, self._CHUNK_BYTES // (top_k * hidden * 4))
+            for t0 in range(0, tokens, step):
+                ids = row_index[t0:t0 + step]
+                picked = expert_output[ids.clamp(min=0).long()].float()  # [chunk, K, H]
+                dots = (picked * grad_output[t0:t0 + step, None, :].float()).sum(-1)
+                grad_weights[t0:t0 + step] = torch.where(ids >= 0, dots, 0.0)
+        return grad_rows, grad_weights
 
     @staticmethod
-    def _key(a: Any, b: Any) -> dict[str, Any]:
-        return {"dtype": DTYPE_NAMES[a.dtype], "n": b.shape[1], "k": b.shape[2],
-                "n_experts": b.shape[0]}
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-        if a.shape[0] == 0:
-            return out
-        kernel = self.get_kernel("grouped_gemm", a.device, **self._key(a, b))
-        kernel(a.shape[0], tma_ready(a), tma_ready(b), offsets.contiguous(), out)
-        return out
+    def _key(grad_output: Any, top_k: int) -> dict[str, Any]:
+        return {"dtype": DTYPE_NAMES[grad_output.dtype], "hidden": grad_output.shape[1],
+                "top_k": top_k, "weighted": True}
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
-        if ns["M"] == 0:
+        if ns["T"] == 0:
             return []
-        return [("grouped_gemm", self._key(ns["a"], ns["b"]), ns["M"])]
+        return [("moe_gather", self._key(ns["grad_output"], ns["K"]), ns["T"])]
+
+
+# -- autograd: permute and unpermute (fused_moe's training path chains them) -------------
+def _permute_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(output[2])  # row_index
+
+
+def _permute_backward(ctx: Any, grad_permuted: torch.Tensor | None, *_: Any) -> tuple:
+    (row_index,) = ctx.saved_tensors
+    grad = None
+    if grad_permuted is not None:
+        ones = torch.ones(row_index.shape, dtype=torch.float32, device=row_index.device)
+        grad = MoeUnpermuteFwdOp.through_custom_op(grad_permuted, ones, row_index)
+    return MoePermuteFwdOp.grads_in_call_order(hidden_states=grad)
+
+
+def _unpermute_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    expert_output, topk_weights, row_index = inputs
+    ctx.rows = expert_output.shape
+    ctx.weights_need_grad = topk_weights.requires_grad
+    # expert_output only for the weights' gradient
+    ctx.save_for_backward(expert_output if ctx.weights_need_grad else None, topk_weights,
+                          row_index)
+
+
+def _unpermute_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
+    expert_output, topk_weights, row_index = ctx.saved_tensors
+    if expert_output is None:  # not read: a zero-stride stand-in of its shape
+        expert_output = grad_output.new_empty(()).expand(ctx.rows)
+    grad_rows, grad_weights = MoeUnpermuteBwdOp.through_custom_op(
+        grad_output, expert_output, topk_weights, row_index,
+        grad_weights=ctx.weights_need_grad)
+    return MoeUnpermuteFwdOp.grads_in_call_order(
+        expert_output=grad_rows,
+        topk_weights=grad_weights if ctx.weights_need_grad else None)
+
+
+torch.library.register_autograd(MoePermuteFwdOp.torch_op, _permute_backward,
+                                setup_context=_permute_setup)
+torch.library.register_autograd(MoeUnpermuteFwdOp.torch_op, _unpermute_backward,
+                                setup_context=_unpermute_setup)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
@@ -250,8 +314,3 @@ def moe_unpermute(expert_output: torch.Tensor, topk_weights: torch.Tensor,
                   row_index: torch.Tensor) -> torch.Tensor:
     """out [T, H] = sum_k topk_weights[:, k] * expert_output[row_index[:, k]]."""
     return MoeUnpermuteFwdOp.apply(expert_output, topk_weights, row_index)
-
-
-def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """out [M, N]: rows offsets[e-1]:offsets[e] of a times b[e]^T, for each expert e."""
-    return GroupedGemmFwdOp.apply(a, b, offsets)

@@ -1,8 +1,8 @@
 from .combine import CombineConfig, MoeCombineKernel
-from .grouped_gemm import GroupedGemmConfig, GroupedGemmKernel
+from .grouped_gemm import GroupedGemmConfig, GroupedGemmKernel, GroupedGemmWeightGradKernel
 from .permute import CHUNK, GatherConfig, MoeGatherKernel, MoeSortKernel
 from .routing import MAX_EXPERTS, MAX_TOP_K, MoeRouteKernel, RouteConfig
 
 __all__ = ["CHUNK", "CombineConfig", "GatherConfig", "GroupedGemmConfig", "GroupedGemmKernel",
-           "MAX_EXPERTS", "MAX_TOP_K", "MoeCombineKernel", "MoeGatherKernel", "MoeRouteKernel",
-           "MoeSortKernel", "RouteConfig"]
+           "GroupedGemmWeightGradKernel", "MAX_EXPERTS", "MAX_TOP_K", "MoeCombineKernel",
+           "MoeGatherKernel", "MoeRouteKernel", "MoeSortKernel", "RouteConfig"]

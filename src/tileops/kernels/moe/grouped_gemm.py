@@ -1,19 +1,33 @@
-"""Grouped GEMM forward: out[rows of group e] = a[rows of group e] @ b[e]^T.
+"""Grouped GEMM: one GEMM per expert over its group of rows, in one launch, no host sync.
 
-a [M_total, K] holds the groups' rows back to back; group e owns rows [offsets[e-1],
-offsets[e]) (offsets[-1] = 0: torch._grouped_mm's `offs`, the cumulative end rows, int32);
-b [E, N, K] is each expert's weight as nn.Linear stores it. The group sizes are data, read
-on the device: a persistent grid of `ctas` CTAs walks the (expert, m tile, n tile) tiles in
-order, CTA c taking tiles c, c + ctas, ...; each CTA keeps a cursor (expert, its first
-tile, its first row) that only moves forward, so finding a tile's expert costs one step
-per expert over the whole walk. The number of tiles is bounded from shapes,
-ceil(M_total / block_m) + E m tiles at most (each group adds at most one partial tile),
-so the launch never waits for the host; tiles past the real end are skipped.
+Rows: a [M_total, K] holds the groups' rows back to back; group e owns rows [offsets[e-1],
+offsets[e]) (offsets[-1] = 0: torch._grouped_mm's `offs`, the cumulative end rows, int32).
+The group sizes are data, read on the device only.
 
-Each tile: TMA loads of a's rows (a tile may read past its group: those rows are computed
-and never stored; past M_total TMA fills zeros) and b[e]'s rows into swizzled shared
-memory, pipelined over K with a producer warp group, wgmma into an fp32 accumulator, and
-a store guarded by the group's end row. Rows of `out` past offsets[E-1] are not written.
+Programs (one builder each, flags for the variants):
+- `grouped_gemm_programs`: out[rows of e] = a[rows] @ op(b[e]).
+  - trans_b=True (the forward): b [E, N, K], each expert's weight as nn.Linear stores it.
+  - trans_b=False (the input gradient, da = dy @ b[e]): b [E, K, N] read untransposed.
+  - silu_mul=True (the gate-up projection of a gated MLP): b [E, 2N, K] whose first N rows
+    are the gate and the last N the up projection (Hugging Face's fused `gate_up_proj`,
+    `linear(x, w).chunk(2, -1)`); out [M, N] = silu(a @ gate^T) * (a @ up^T), the
+    epilogue in fp32 on the two accumulators, so the [M, 2N] product never reaches HBM.
+  A tile table (one small CTA: a scan over the experts) lists each expert's m tiles; a
+  persistent grid walks (m tile, n tile) pairs from it, each tile stateless (its expert and
+  first row re-read from the table: TileLang's warp specialization gives the producer and
+  the consumers separate copies of loop-carried registers). The number of m tiles is
+  bounded from shapes, ceil(M_total / block_m) + E (each group adds at most one partial
+  tile), so the launch never waits for the host; tiles past the real end are skipped.
+  Each tile: TMA loads of a's rows (a tile may read past its group: those rows are
+  computed and never stored; past M_total TMA fills zeros) and b[e]'s rows into swizzled
+  shared memory, pipelined over K with a producer warp group, wgmma into fp32, a store
+  guarded by the group's end row. Rows past offsets[E-1] are not written, except by
+  `zero_tail_program` (the input gradient's rows that no expert owns are zeros).
+- `weight_grad_program`: db[e] = dy[rows of e]^T @ a[rows of e], [E, N, K]: a GEMM per
+  (expert, n tile, k tile) whose reduction runs over the expert's rows (a trip count read
+  from offsets: 0 rows gives db[e] = 0). The last partial row tile reads the next
+  expert's rows: the consumers zero those rows of both operands in shared memory before
+  its wgmma (both, since a row outside the group may hold anything, NaN included).
 """
 
 from dataclasses import dataclass
@@ -29,7 +43,7 @@ SMS = 132  # H200
 @dataclass(frozen=True)
 class GroupedGemmConfig:
     block_m: int = 128
-    block_n: int = 256
+    block_n: int = 256  # output columns per tile (silu_mul: per accumulator, 2 of them)
     block_k: int = 64
     stages: int = 3
     threads: int = 256  # consumer threads (a producer warp group is added)
@@ -41,17 +55,14 @@ def tile_bound(m_total, n_experts: int, block_m: int):
     return T.ceildiv(m_total, block_m) + n_experts
 
 
-def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
-                          config: GroupedGemmConfig):
-    """(tile table, GEMM) prim_funcs; M_total is symbolic, N, K and E are compiled in."""
-    m_total, m_tiles = T.dynamic("m_total, m_tiles")
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    n_tiles = -(-n // bn)
-    ctas = config.ctas
-    threads = 512  # the table's CTA: one thread per expert (E <= 384)
+def _group_start(offsets, e):
+    return T.if_then_else(e == 0, 0, offsets[T.max(e - 1, 0)])
 
-    def group_start(offsets, e):
-        return T.if_then_else(e == 0, 0, offsets[T.max(e - 1, 0)])
+
+def tile_table_program(n_experts: int, block_m: int):
+    """table[i] = expert << 16 | its m tile, for each group's m tiles in order; -1 after."""
+    m_tiles = T.dynamic("m_tiles")
+    threads = 512  # one thread per expert (E <= 384)
 
     @T.prim_func
     def tile_table(offsets: T.Tensor((n_experts,), "int32"),
@@ -64,59 +75,165 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
             total = T.alloc_local((1,), "int32")
             mine[0] = 0
             if tx < n_experts:
-                mine[0] = T.ceildiv(T.max(offsets[tx] - group_start(offsets, tx), 0), bm)
+                mine[0] = T.ceildiv(T.max(offsets[tx] - _group_start(offsets, tx), 0),
+                                    block_m)
             exclusive_offsets(mine, tx, threads, warp_sums, first, total)
-            # entry: expert << 16 | its m tile; -1 past the last group's tiles
             for i in T.serial(mine[0]):
                 table[first[0] + i] = tx * 65536 + i
             for r in T.serial(T.ceildiv(m_tiles, threads)):
                 if r * threads + tx < m_tiles and r * threads + tx >= total[0]:
                     table[r * threads + tx] = -1
 
-    @T.prim_func
-    def grouped_gemm(a: T.Tensor((m_total, k), dtype),
-                     b: T.Tensor((n_experts, n, k), dtype),
-                     offsets: T.Tensor((n_experts,), "int32"),
-                     table: T.Tensor((m_tiles,), "int32"),
-                     out: T.Tensor((m_total, n), dtype)):
+    return tile_table
+
+
+def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
+                          config: GroupedGemmConfig, trans_b: bool = True,
+                          silu_mul: bool = False):
+    """(tile table, GEMM) prim_funcs; M_total is symbolic, N, K and E are compiled in."""
+    m_total, m_tiles = T.dynamic("m_total, m_tiles")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    n_tiles = -(-n // bn)
+    ctas = config.ctas
+    if silu_mul:
+        b_shape = (n_experts, 2 * n, k)
+    else:
+        b_shape = (n_experts, n, k) if trans_b else (n_experts, k, n)
+    b_tile = (bn, bk) if trans_b else (bk, bn)
+
+    @T.macro
+    def body(a, b, offsets, table, out):
         with T.Kernel(ctas, threads=config.threads) as cta:
             a_shared = T.alloc_shared((bm, bk), dtype)
-            b_shared = T.alloc_shared((bn, bk), dtype)
+            b_shared = T.alloc_shared(b_tile, dtype)
             acc = T.alloc_fragment((bm, bn), "float32")
+            if silu_mul:
+                up_shared = T.alloc_shared(b_tile, dtype)
+                up_acc = T.alloc_fragment((bm, bn), "float32")
             # Every index below is an expression of global loads, not a register carried
-            # between iterations: TileLang's warp specialization gives the producer and the
-            # consumers separate copies of local state and does not keep such state right.
+            # between iterations (see the module docstring).
             for step in T.serial(T.ceildiv(m_tiles * n_tiles, ctas)):
                 if step * ctas + cta < m_tiles * n_tiles:
                     if table[(step * ctas + cta) // n_tiles] >= 0:
                         T.clear(acc)
+                        if silu_mul:
+                            T.clear(up_acc)
                         for kk in T.Pipelined(T.ceildiv(k, bk), num_stages=config.stages):
-                            T.copy(a[group_start(offsets,
-                                                 table[(step * ctas + cta) // n_tiles] >> 16)
+                            T.copy(a[_group_start(offsets,
+                                                  table[(step * ctas + cta) // n_tiles] >> 16)
                                      + (table[(step * ctas + cta) // n_tiles] & 65535) * bm,
                                      kk * bk], a_shared)
-                            T.copy(b[table[(step * ctas + cta) // n_tiles] >> 16,
-                                     (step * ctas + cta) % n_tiles * bn, kk * bk], b_shared)
-                            T.gemm(a_shared, b_shared, acc, transpose_B=True)
+                            if trans_b:
+                                T.copy(b[table[(step * ctas + cta) // n_tiles] >> 16,
+                                         (step * ctas + cta) % n_tiles * bn, kk * bk],
+                                       b_shared)
+                            else:
+                                T.copy(b[table[(step * ctas + cta) // n_tiles] >> 16,
+                                         kk * bk, (step * ctas + cta) % n_tiles * bn],
+                                       b_shared)
+                            if silu_mul:
+                                T.copy(b[table[(step * ctas + cta) // n_tiles] >> 16,
+                                         n + (step * ctas + cta) % n_tiles * bn, kk * bk],
+                                       up_shared)
+                            T.gemm(a_shared, b_shared, acc, transpose_B=trans_b)
+                            if silu_mul:
+                                T.gemm(a_shared, up_shared, up_acc, transpose_B=True)
+                        if silu_mul:
+                            for i, j in T.Parallel(bm, bn):
+                                acc[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up_acc[i, j]
                         for i, j in T.Parallel(bm, bn):
-                            if group_start(offsets, table[(step * ctas + cta) // n_tiles] >> 16) \
+                            if _group_start(offsets, table[(step * ctas + cta) // n_tiles] >> 16) \
                                     + (table[(step * ctas + cta) // n_tiles] & 65535) * bm + i \
                                     < offsets[table[(step * ctas + cta) // n_tiles] >> 16] \
                                     and (step * ctas + cta) % n_tiles * bn + j < n:
-                                out[group_start(offsets,
-                                                table[(step * ctas + cta) // n_tiles] >> 16)
+                                out[_group_start(offsets,
+                                                 table[(step * ctas + cta) // n_tiles] >> 16)
                                     + (table[(step * ctas + cta) // n_tiles] & 65535) * bm + i,
                                     (step * ctas + cta) % n_tiles * bn + j] = acc[i, j]
 
-    return tile_table, grouped_gemm
+    @T.prim_func
+    def grouped_gemm(a: T.Tensor((m_total, k), dtype),
+                     b: T.Tensor(b_shape, dtype),
+                     offsets: T.Tensor((n_experts,), "int32"),
+                     table: T.Tensor((m_tiles,), "int32"),
+                     out: T.Tensor((m_total, n), dtype)):
+        body(a, b, offsets, table, out)
+
+    return tile_table_program(n_experts, bm), grouped_gemm
+
+
+def zero_tail_program(width: int, n_experts: int, dtype: str, block_rows: int = 4,
+                      threads: int = 128):
+    """x[r] = 0 for the rows r >= offsets[E-1] (the rows no expert owns)."""
+    m_total = T.dynamic("m_total")
+
+    @T.prim_func
+    def zero_tail(offsets: T.Tensor((n_experts,), "int32"),
+                  x: T.Tensor((m_total, width), dtype)):
+        with T.Kernel(T.ceildiv(m_total, block_rows), threads=threads) as bx:
+            if (bx + 1) * block_rows > offsets[n_experts - 1]:
+                for i, j in T.Parallel(block_rows, width):
+                    if bx * block_rows + i >= offsets[n_experts - 1] \
+                            and bx * block_rows + i < m_total:
+                        x[bx * block_rows + i, j] = T.cast(0, dtype)
+
+    return zero_tail
+
+
+def weight_grad_program(n: int, k: int, n_experts: int, dtype: str,
+                        config: GroupedGemmConfig):
+    """db[e] = dy[rows of e]^T @ a[rows of e] for every expert (zeros for an empty one)."""
+    m_total = T.dynamic("m_total")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+
+    @T.prim_func
+    def weight_grad(dy: T.Tensor((m_total, n), dtype),
+                    a: T.Tensor((m_total, k), dtype),
+                    offsets: T.Tensor((n_experts,), "int32"),
+                    db: T.Tensor((n_experts, n, k), dtype)):
+        with T.Kernel(T.ceildiv(k, bn), T.ceildiv(n, bm), n_experts,
+                      threads=config.threads) as (bx, by, e):
+            dy_shared = T.alloc_shared((bk, bm), dtype)
+            a_shared = T.alloc_shared((bk, bn), dtype)
+            dy_tail = T.alloc_shared((bk, bm), dtype)
+            a_tail = T.alloc_shared((bk, bn), dtype)
+            acc = T.alloc_fragment((bm, bn), "float32")
+            T.clear(acc)
+            # whole row tiles by TMA, pipelined
+            for kk in T.Pipelined(T.max(offsets[e] - _group_start(offsets, e), 0) // bk,
+                                  num_stages=config.stages):
+                T.copy(dy[_group_start(offsets, e) + kk * bk, by * bm], dy_shared)
+                T.copy(a[_group_start(offsets, e) + kk * bk, bx * bn], a_shared)
+                T.gemm(dy_shared, a_shared, acc, transpose_A=True)
+            # the last partial row tile by guarded loads (rows past the group read as 0)
+            if T.max(offsets[e] - _group_start(offsets, e), 0) % bk > 0:
+                for i, j in T.Parallel(bk, bm):
+                    dy_tail[i, j] = T.if_then_else(
+                        offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
+                        < offsets[e],
+                        dy[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
+                           + i, by * bm + j], T.cast(0, dtype))
+                for i, j in T.Parallel(bk, bn):
+                    a_tail[i, j] = T.if_then_else(
+                        offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
+                        < offsets[e],
+                        a[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
+                          + i, bx * bn + j], T.cast(0, dtype))
+                T.gemm(dy_tail, a_tail, acc, transpose_A=True)
+            T.copy(acc, db[e, by * bm, bx * bn])
+
+    return weight_grad
 
 
 class GroupedGemmKernel(Kernel):
-    """key: dtype, n, k, n_experts.
+    """key: dtype, n, k, n_experts; optional flags a plain forward's key leaves out (so its
+    tuned entries keep their keys): trans_b=False (the input gradient: b read [E, K, N],
+    and the rows no expert owns written as zeros), silu_mul=True (the gate-up epilogue).
 
     Buckets by the mean rows per expert: `decode` (<= 64, e.g. 64 tokens x top-8 over 128
     experts is 4) takes 64-row tiles, the smallest wgmma M, on one consumer warp group;
-    `prefill` 128 x 256 tiles on two. Not tuned: no device has run it yet.
+    `prefill` 128 x 256 tiles on two (silu_mul: two 128 x 128 accumulators). Not tuned: no
+    device has run it yet.
     """
 
     name = "grouped_gemm"
@@ -124,24 +241,35 @@ class GroupedGemmKernel(Kernel):
 
     def program(self, config: GroupedGemmConfig, bucket: str):
         key = self.key
-        return grouped_gemm_programs(key["n"], key["k"], key["n_experts"], key["dtype"],
-                                     config)
+        trans_b = key.get("trans_b", True)
+        table, gemm = grouped_gemm_programs(key["n"], key["k"], key["n_experts"],
+                                            key["dtype"], config, trans_b,
+                                            key.get("silu_mul", False))
+        if trans_b:
+            return table, gemm
+        return table, gemm, zero_tail_program(key["n"], key["n_experts"], key["dtype"])
 
     def bucket_of(self, m_total: int) -> str:
         return "decode" if m_total <= 64 * self.key["n_experts"] else "prefill"
 
     def heuristic_config(self, bucket: str, arch: str) -> GroupedGemmConfig:
+        halve = 2 if self.key.get("silu_mul", False) else 1  # two accumulators
         if bucket == "decode":
-            return GroupedGemmConfig(block_m=64, block_n=128, block_k=64, stages=4,
+            return GroupedGemmConfig(block_m=64, block_n=128 // halve, block_k=64, stages=4,
                                      threads=128)
-        return GroupedGemmConfig()
+        return GroupedGemmConfig(block_n=256 // halve)
 
     def config_space(self, bucket: str) -> list[GroupedGemmConfig]:
+        halve = 2 if self.key.get("silu_mul", False) else 1
         return list(dict.fromkeys([
-            self.heuristic_config(bucket, "sm_90a"), GroupedGemmConfig(),
-            GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=4, threads=256),
-            GroupedGemmConfig(block_m=64, block_n=128, block_k=64, stages=4, threads=128),
-            GroupedGemmConfig(block_m=64, block_n=256, block_k=64, stages=3, threads=128)]))
+            self.heuristic_config(bucket, "sm_90a"),
+            GroupedGemmConfig(block_n=256 // halve),
+            GroupedGemmConfig(block_m=128, block_n=128 // halve, block_k=64, stages=4,
+                              threads=256),
+            GroupedGemmConfig(block_m=64, block_n=128 // halve, block_k=64, stages=4,
+                              threads=128),
+            GroupedGemmConfig(block_m=64, block_n=256 // halve, block_k=64, stages=3,
+                              threads=128)]))
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, a, b, offsets, out) -> None:
         import torch
@@ -150,3 +278,30 @@ class GroupedGemmKernel(Kernel):
         table = torch.empty((m_tiles,), dtype=torch.int32, device=a.device)
         compiled[0](offsets, table)
         compiled[1](a, b, offsets, table, out)
+        if len(compiled) > 2:
+            compiled[2](offsets, out)
+
+
+class GroupedGemmWeightGradKernel(Kernel):
+    """key: dtype, n, k, n_experts: db [E, N, K] from dy [M, N] and a [M, K].
+
+    One program for every token count (the reduction length is data); 128 x 256 output
+    tiles, two consumer warp groups. Not tuned."""
+
+    name = "grouped_gemm_weight_grad"
+    Config = GroupedGemmConfig
+
+    def program(self, config: GroupedGemmConfig, bucket: str):
+        key = self.key
+        return weight_grad_program(key["n"], key["k"], key["n_experts"], key["dtype"], config)
+
+    def heuristic_config(self, bucket: str, arch: str) -> GroupedGemmConfig:
+        return GroupedGemmConfig()
+
+    def config_space(self, bucket: str) -> list[GroupedGemmConfig]:
+        return [GroupedGemmConfig(),
+                GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=4),
+                GroupedGemmConfig(block_m=128, block_n=256, block_k=64, stages=4)]
+
+    def run(self, config: GroupedGemmConfig, compiled: tuple, dy, a, offsets, db) -> None:
+        compiled[0](dy, a, offsets, db)

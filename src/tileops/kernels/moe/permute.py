@@ -174,21 +174,42 @@ def sort_programs(n_experts: int, n_global: int, top_k: int, has_map: bool):
     return chunk_counts, bucket_scan, place
 
 
-def gather_program(hidden: int, top_k: int, dtype: str, config: GatherConfig):
-    """permuted[row_index[t, j]] = x[t] for every slot whose row is not -1."""
+def gather_program(hidden: int, top_k: int, dtype: str, config: GatherConfig,
+                   weighted: bool = False):
+    """permuted[row_index[t, j]] = x[t] for every slot whose row is not -1; `weighted`
+    scales each copy by weights[t, j] (fp32 math): the combine's gradient w.r.t. the expert
+    rows."""
     tokens, rows = T.dynamic("tokens, rows")
     block_rows = config.block_rows
 
-    @T.prim_func
-    def gather(x: T.Tensor((tokens, hidden), dtype),
-               row_index: T.Tensor((tokens, top_k), "int32"),
-               permuted: T.Tensor((rows, hidden), dtype)):
+    @T.macro
+    def body(x, weights, row_index, permuted):
         with T.Kernel(T.ceildiv(tokens * top_k, block_rows), threads=config.threads) as bx:
             for i, h in T.Parallel(block_rows, hidden):
                 s = bx * block_rows + i
                 if s < tokens * top_k:
                     if row_index[s // top_k, s % top_k] >= 0:
-                        permuted[row_index[s // top_k, s % top_k], h] = x[s // top_k, h]
+                        if weighted:
+                            permuted[row_index[s // top_k, s % top_k], h] = T.cast(
+                                T.cast(x[s // top_k, h], "float32")
+                                * weights[s // top_k, s % top_k], dtype)
+                        else:
+                            permuted[row_index[s // top_k, s % top_k], h] = x[s // top_k, h]
+
+    if weighted:
+        @T.prim_func
+        def gather_weighted(x: T.Tensor((tokens, hidden), dtype),
+                            weights: T.Tensor((tokens, top_k), "float32"),
+                            row_index: T.Tensor((tokens, top_k), "int32"),
+                            permuted: T.Tensor((rows, hidden), dtype)):
+            body(x, weights, row_index, permuted)
+        return gather_weighted
+
+    @T.prim_func
+    def gather(x: T.Tensor((tokens, hidden), dtype),
+               row_index: T.Tensor((tokens, top_k), "int32"),
+               permuted: T.Tensor((rows, hidden), dtype)):
+        body(x, None, row_index, permuted)
 
     return gather
 
@@ -224,14 +245,17 @@ class MoeSortKernel(Kernel):
 
 
 class MoeGatherKernel(Kernel):
-    """key: dtype, hidden, top_k."""
+    """key: dtype, hidden, top_k; weighted=True (a flag the plain gather's key leaves out)
+    scales each row by its slot's weight. Launch with (x, row_index, permuted) or, weighted,
+    (x, weights, row_index, permuted)."""
 
     name = "moe_gather"
     Config = GatherConfig
 
     def program(self, config: GatherConfig, bucket: str):
         k = self.key
-        return gather_program(k["hidden"], k["top_k"], k["dtype"], config)
+        return gather_program(k["hidden"], k["top_k"], k["dtype"], config,
+                              k.get("weighted", False))
 
     def heuristic_config(self, bucket: str, arch: str) -> GatherConfig:
         # a 7168-wide bf16 row is 896 16-byte vectors: 2 slots give each thread 14 in flight
@@ -240,5 +264,5 @@ class MoeGatherKernel(Kernel):
     def config_space(self, bucket: str) -> list[GatherConfig]:
         return [GatherConfig(rows, threads) for rows in (1, 2, 4) for threads in (128, 256)]
 
-    def run(self, config: GatherConfig, compiled: tuple, x, row_index, permuted) -> None:
-        compiled[0](x, row_index, permuted)
+    def run(self, config: GatherConfig, compiled: tuple, *tensors) -> None:
+        compiled[0](*tensors)
