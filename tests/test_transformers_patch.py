@@ -333,3 +333,45 @@ def test_generate_matches(spies):
     ref = reference.generate(ids, **kw)
     assert torch.equal(out, ref)
     assert spies["attention"]  # prefill and dynamic-cache decode steps run the kernel
+
+
+# -- tileops bench-model: configs and report, without a GPU -----------------------------------
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-30b-a3b", "qwen3-8b", "mistral-7b-v0.3",
+                                  "gemma-2-9b"])
+def test_bench_model_configs_build_and_patch(name):
+    from tileops.transformers import bench
+
+    model = bench.make_model(name, layers=2, device="meta")
+    assert model.config.num_hidden_layers == 2
+    assert next(model.parameters()).dtype == torch.bfloat16
+    report = tt.apply(model, verbose=False)
+    assert report.patched["rms_norm"] and report.patched["attention"] == ["config"]
+    assert report.patched["cross_entropy"]
+    if name == "qwen3-30b-a3b":
+        assert {k for k, _, _ in report.unpatched} == {"moe"}
+
+
+def test_bench_model_report(tmp_path):
+    from tileops.transformers import bench
+
+    rows = [{"model": "llama-3.1-8b", "variant": "eager", "layers": 8,
+             "train_tokens_per_s": 1000.0, "train_peak_gib": 40.0,
+             "generate": {"8": {"prefill_ms": 20.0, "decode_tokens_per_s": 500.0}}},
+            {"model": "llama-3.1-8b", "variant": "tileops", "layers": 8, "note": "",
+             "train_tokens_per_s": 1300.0, "train_peak_gib": 30.0,
+             "generate": {"8": {"prefill_ms": 15.0, "decode_tokens_per_s": 600.0}}},
+            {"model": "llama-3.1-8b", "variant": "liger", "error": "ImportError: x"}]
+    bench._write(rows, tmp_path)
+    text = (tmp_path / "bench-model.md").read_text()
+    assert "| llama-3.1-8b | 8 | tileops | 1300 | 1.30x | 30.0 |" in text
+    assert "| llama-3.1-8b | tileops | 8 | 15.0 | 600 | 1.20x |" in text
+    assert "liger: ImportError: x" in text
+
+
+def test_bench_model_cli_usage_errors(capsys):
+    from tileops.cli import main
+
+    assert main(["bench-model", "--model", "gpt-5"]) == 2
+    assert "known: llama-3.1-8b" in capsys.readouterr().err
+    assert main(["bench-model", "--layers", "llama-3.1-8b=x"]) == 2
+    assert main(["bench-model", "--variant", "fast"]) == 2

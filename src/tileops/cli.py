@@ -150,6 +150,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_bench)
 
+    p = sub.add_parser("bench-model", help="end-to-end training and generation speed of "
+                       "Hugging Face models, patched and not (needs a GPU and transformers)")
+    p.add_argument("--model", nargs="+", default=["llama-3.1-8b"], metavar="NAME",
+                   help="configs to build (random init): %(default)s; see "
+                        "tileops.transformers.bench.MODELS")
+    p.add_argument("--variant", nargs="+", metavar="V",
+                   default=["eager", "compile", "liger", "tileops", "tileops-compile"],
+                   help="eager, compile, liger, tileops, tileops-compile (default: all)")
+    p.add_argument("--layers", action="append", default=[], metavar="MODEL=N",
+                   help="reduce a model's layer count (default: llama-3.1-8b=8, "
+                        "qwen3-30b-a3b=8, others 8)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="training sequences per step")
+    p.add_argument("--seq", type=_positive_int, default=4096, help="training tokens per sequence")
+    p.add_argument("--steps", type=_positive_int, default=3, help="timed training steps")
+    p.add_argument("--gen-batch", type=_positive_int, nargs="+", default=[1, 8, 64],
+                   metavar="B", help="decode batches (default: 1 8 64)")
+    p.add_argument("--prompt", type=_positive_int, default=512, help="prompt tokens")
+    p.add_argument("--new-tokens", type=_positive_int, default=64, help="decoded tokens")
+    p.add_argument("--no-train", action="store_true", help="skip the training step")
+    p.add_argument("--no-generate", action="store_true", help="skip generation")
+    p.add_argument("--timeout", type=_positive_int, default=900,
+                   help="seconds per (model, variant) subprocess")
+    p.add_argument("--out", default="bench-results", metavar="DIR",
+                   help="report folder (default: %(default)s)")
+    p.set_defaults(handler=cmd_bench_model)
+
     p = sub.add_parser("report", help="compare a bench run with the history; flag regressions")
     p.add_argument("run", metavar="RUN_JSON", help="bench.json written by `tileops bench`")
     p.add_argument("--history", metavar="FILE", required=True,
@@ -557,6 +583,48 @@ def _tune_one(cls: Any, workload: dict[str, Any], dtype: str,
 
 
 # -- bench / report ---------------------------------------------------------------------------
+def cmd_bench_model(args: argparse.Namespace) -> int:
+    """Random-init models of real configs: training step and generation, per variant."""
+    import importlib.util
+    import pathlib
+
+    from .transformers import bench
+
+    unknown = [m for m in args.model if m not in bench.MODELS]
+    if unknown:
+        raise UsageError(f"unknown model {', '.join(unknown)}; known: "
+                         f"{', '.join(bench.MODELS)}")
+    bad = [v for v in args.variant if v not in bench.VARIANTS]
+    if bad:
+        raise UsageError(f"unknown variant {', '.join(bad)}; known: {', '.join(bench.VARIANTS)}")
+    layers = {name: 8 for name in bench.MODELS}
+    for item in args.layers:
+        name, _, count = item.partition("=")
+        if name not in bench.MODELS or not count.isdigit() or int(count) < 1:
+            raise UsageError(f"--layers expects MODEL=N with a known model, got {item!r}")
+        layers[name] = int(count)
+    if importlib.util.find_spec("transformers") is None:
+        print("error: `tileops bench-model` needs transformers (pip install 'tileops[hf]')",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: `tileops bench-model` needs a CUDA device (run `tileops doctor`)",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    variants = list(args.variant)
+    if "liger" in variants and importlib.util.find_spec("liger_kernel") is None:
+        print("note: liger_kernel is not importable; its rows are skipped", file=sys.stderr)
+        variants.remove("liger")
+    rows = bench.run(args.model, variants, layers, args.batch, args.seq,
+                     tuple(args.gen_batch), args.prompt, args.new_tokens, args.steps,
+                     not args.no_train, not args.no_generate, pathlib.Path(args.out),
+                     args.timeout)
+    print(f"wrote {args.out}/bench-model.md")
+    return 1 if any("error" in r for r in rows) else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Times the chosen ops against their baselines; writes JSON, JUnit, Markdown and PNGs."""
     import dataclasses

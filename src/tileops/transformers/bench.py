@@ -1,0 +1,297 @@
+"""`tileops bench-model`: end-to-end speed of random-init models with real configs.
+
+For each model and variant, in a fresh subprocess (patches such as Liger's replace
+module-level classes, and peak memory must be the variant's own):
+- a training step (forward, backward, AdamW step) on `batch x seq` tokens: tokens/s and the
+  peak memory allocated;
+- generation with a static KV cache at each decode batch: the prefill latency (a generate
+  call of one new token) and decode tokens/s ((N - 1) tokens per sequence between a
+  one-token and an N-token call).
+
+Variants: `eager` (transformers' SDPA model, no compile; generation with compile
+disabled), `compile` (torch.compile of the unpatched model for training; transformers'
+automatic compile of the static-cache decode step, CUDA graphs included), `liger`
+(Liger-Kernel's apply_liger_kernel_to_<family>(model=...), when importable), `tileops`
+(tileops.transformers.apply) and `tileops-compile` (both). Weights are random: the numbers
+measure speed, not quality. Writes bench-model.md, bench-model.json and, with matplotlib,
+bench-model.png under --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+VARIANTS = ("eager", "compile", "liger", "tileops", "tileops-compile")
+
+# Real configs (config.json of each model, the fields that shape the compute); `layers`
+# overrides num_hidden_layers so that one GPU holds the model and its optimizer state.
+_LLAMA31_8B = dict(
+    model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False,
+    rope_theta=500000.0, hidden_act="silu",
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": _LLAMA31_8B,
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        rope_theta=1000000.0, hidden_act="silu"),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        rope_theta=1000000.0, hidden_act="silu"),
+    "mistral-7b-v0.3": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False,
+        rope_theta=1000000.0, sliding_window=None, hidden_act="silu"),
+    "gemma-2-9b": dict(
+        model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+        rms_norm_eps=1e-6, max_position_embeddings=8192, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+}
+
+
+@dataclasses.dataclass
+class Case:
+    model: str
+    variant: str
+    layers: int
+    batch: int
+    seq: int
+    gen_batches: tuple[int, ...]
+    prompt: int
+    new_tokens: int
+    steps: int
+    train: bool
+    generate: bool
+
+
+def make_model(name: str, layers: int | None, attn: str | None = None,
+               device: str = "cuda") -> Any:
+    """The random-init bf16 model of `name`'s config, built on `device`."""
+    import torch
+    import transformers
+
+    spec = dict(MODELS[name])
+    model_type = spec.pop("model_type")
+    if layers:
+        spec["num_hidden_layers"] = layers
+    if model_type == "gemma2":
+        spec["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(spec["num_hidden_layers"])]
+    config = transformers.AutoConfig.for_model(model_type, **spec)
+    config._attn_implementation = attn or ("eager" if model_type == "gemma2" else "sdpa")
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model
+
+
+def _apply_variant(model: Any, variant: str) -> str:
+    """Patches `model` for `variant`; returns a note for the report."""
+    if variant in ("tileops", "tileops-compile"):
+        from . import apply
+
+        report = apply(model, verbose=False)
+        return "; ".join(sorted({f"{k} on PyTorch: {why}" for k, _, why in report.unpatched}))
+    if variant == "liger":
+        import liger_kernel.transformers as liger
+
+        fn = getattr(liger, f"apply_liger_kernel_to_{model.config.model_type}", None)
+        if fn is None:
+            raise RuntimeError(f"Liger has no apply_liger_kernel_to_{model.config.model_type}")
+        fn(model=model)
+    return ""
+
+
+def _sync_time(fn: Any, repeat: int) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """One variant of one model, in this process."""
+    import torch
+
+    result: dict[str, Any] = {"model": case.model, "variant": case.variant,
+                              "layers": case.layers}
+    model = make_model(case.model, case.layers)
+    result["note"] = _apply_variant(model, case.variant)
+    compiled = case.variant in ("compile", "tileops-compile")
+    vocab = model.config.vocab_size
+    if case.train:
+        model.train()
+        step_model = torch.compile(model) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.randint(0, vocab, (case.batch, case.seq), device="cuda")
+
+        def step() -> None:
+            loss = step_model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(2):  # warm-up: compiles, kernel builds, optimizer state
+            step()
+        torch.cuda.reset_peak_memory_stats()
+        seconds = _sync_time(step, case.steps)
+        result["train_tokens_per_s"] = case.batch * case.seq / seconds
+        result["train_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        del opt, step_model
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    if case.generate:
+        model.eval()
+        gen = {}
+        for batch in case.gen_batches:
+            prompt = torch.randint(0, vocab, (batch, case.prompt), device="cuda")
+            kw = dict(do_sample=False, cache_implementation="static",
+                      disable_compile=not compiled, pad_token_id=0)
+
+            def call(n: int, prompt: Any = prompt, kw: dict = kw) -> None:
+                model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+
+            with torch.no_grad():
+                call(case.new_tokens)  # warm-up (compile, CUDA graph capture)
+                call(1)
+                t1 = _sync_time(lambda: call(1), 2)
+                tn = _sync_time(lambda: call(case.new_tokens), 2)
+            gen[batch] = {"prefill_ms": t1 * 1e3,
+                          "decode_tokens_per_s": batch * (case.new_tokens - 1) / (tn - t1)}
+        result["generate"] = gen
+    return result
+
+
+def run(models: list[str], variants: list[str], layers: dict[str, int], batch: int, seq: int,
+        gen_batches: tuple[int, ...], prompt: int, new_tokens: int, steps: int, train: bool,
+        generate: bool, out: pathlib.Path, timeout: int) -> list[dict[str, Any]]:
+    """Runs every (model, variant) in its own subprocess; writes the reports; returns rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in models:
+        for variant in variants:
+            case = Case(name, variant, layers.get(name, 0), batch, seq, tuple(gen_batches),
+                        prompt, new_tokens, steps, train, generate)
+            rows.append(_subprocess(case, timeout))
+            print(_row_line(rows[-1]), flush=True)
+            _write(rows, out)
+    return rows
+
+
+def _subprocess(case: Case, timeout: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "tileops.transformers.bench", json.dumps(
+        dataclasses.asdict(case))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return {"model": case.model, "variant": case.variant, "error": f"timed out {timeout}s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return {"model": case.model, "variant": case.variant, "error": " | ".join(tail)[-400:]}
+
+
+def _row_line(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['model']:16} {row['variant']:16} error: {row['error']}"
+    parts = [f"{row['model']:16} {row['variant']:16}"]
+    if "train_tokens_per_s" in row:
+        parts.append(f"train {row['train_tokens_per_s']:9.0f} tok/s "
+                     f"{row['train_peak_gib']:6.1f} GiB")
+    for b, g in (row.get("generate") or {}).items():
+        parts.append(f"b{b}: prefill {g['prefill_ms']:.1f} ms decode "
+                     f"{g['decode_tokens_per_s']:.0f} tok/s")
+    return "  ".join(parts)
+
+
+def _write(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
+    (out / "bench-model.json").write_text(json.dumps(rows, indent=1))
+    lines = ["# tileops bench-model", "",
+             "Random-init bf16 models with the real configs (layer counts as listed). Speed-up "
+             "columns are against the same model's `eager` row.", "",
+             "## Training step (forward, backward, AdamW)", "",
+             "| model | layers | variant | tokens/s | vs eager | peak GiB |",
+             "|---|---|---|---|---|---|"]
+    eager = {r["model"]: r for r in rows if r.get("variant") == "eager" and "error" not in r}
+    for r in rows:
+        if "train_tokens_per_s" in r:
+            base = eager.get(r["model"], {}).get("train_tokens_per_s")
+            ratio = f"{r['train_tokens_per_s'] / base:.2f}x" if base else "-"
+            lines.append(f"| {r['model']} | {r['layers'] or 'all'} | {r['variant']} | "
+                         f"{r['train_tokens_per_s']:.0f} | {ratio} | {r['train_peak_gib']:.1f} |")
+    lines += ["", "## Generation with a static KV cache", "",
+              "| model | variant | batch | prefill ms | decode tokens/s | vs eager |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        for b, g in (r.get("generate") or {}).items():
+            base = (eager.get(r["model"], {}).get("generate") or {}).get(b, {})
+            ratio = (f"{g['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x"
+                     if base else "-")
+            lines.append(f"| {r['model']} | {r['variant']} | {b} | {g['prefill_ms']:.1f} | "
+                         f"{g['decode_tokens_per_s']:.0f} | {ratio} |")
+    notes = [f"- {r['model']} {r['variant']}: {r.get('error') or r.get('note')}" for r in rows
+             if r.get("error") or r.get("note")]
+    if notes:
+        lines += ["", "## Notes and errors", "", *notes]
+    (out / "bench-model.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, out)
+
+
+def _plot(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    train = [r for r in rows if "train_tokens_per_s" in r]
+    if not train:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, len(train) * 0.9), 4))
+    ax.bar([f"{r['model']}\n{r['variant']}" for r in train],
+           [r["train_tokens_per_s"] for r in train])
+    ax.set_ylabel("training tokens/s")
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bench-model.png", dpi=120)
+    plt.close(fig)
+
+
+def _main_one(arg: str) -> int:
+    spec = json.loads(arg)
+    spec["gen_batches"] = tuple(spec["gen_batches"])
+    try:
+        result = run_case(Case(**spec))
+    except Exception as e:  # reported in the table, not fatal to the sweep
+        result = {"model": spec["model"], "variant": spec["variant"],
+                  "error": f"{type(e).__name__}: {e}"[:400]}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main_one(sys.argv[1]))
