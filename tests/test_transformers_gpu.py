@@ -55,7 +55,7 @@ def counts(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    for name in ("rms_norm", "swiglu", "apply_rotary", "attention"):
+    for name in ("rms_norm", "swiglu", "apply_rotary", "attention", "fused_moe"):
         monkeypatch.setattr(tileops.ops, name, count(name, getattr(tileops.ops, name)))
     monkeypatch.setattr(_patch, "_flce", count("loss", _patch._flce))
     return seen
@@ -107,7 +107,9 @@ def test_logits_loss_and_gradients_match(family, counts):
     # every installed op ran
     assert counts.get("rms_norm") and counts.get("apply_rotary") and counts.get("attention")
     assert counts.get("loss") == 1
-    assert bool(counts.get("swiglu")) == (not family.startswith("gemma")), counts
+    assert bool(counts.get("swiglu")) == (not family.startswith("gemma")
+                                          and family != "mixtral"), counts
+    assert bool(counts.get("fused_moe")) == (family in ("mixtral", "qwen3_moe")), counts
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])

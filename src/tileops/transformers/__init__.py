@@ -19,7 +19,9 @@ untouched):
 - cross_entropy: in training with labels, the causal LM's loss through
   fused_linear_cross_entropy on the final hidden states (logits are not materialized and
   the output's `logits` is None); Gemma-2's final logit softcap is applied in the loss.
-- moe: reported as left on PyTorch until TileOPs has a fused MoE op.
+- moe: each *Experts module (fused weights gate_up_proj [E, 2F, H], down_proj [E, H, F],
+  SiLU) -> tileops.fused_moe on the top-k ids and weights of the model's own router (so
+  the router's gradient is transformers').
 - linear (off by default): every nn.Linear -> tileops.linear.
 
 The patched forwards fall back to the original forward on inputs TileOPs does not serve

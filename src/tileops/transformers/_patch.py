@@ -35,7 +35,7 @@ class Family:
     name: str
     gemma_norm: bool = False  # RMSNorm scales by (1 + weight), in fp32 before the cast
     gelu_mlp: bool = False  # GeLU-tanh gated MLP (no two-input GeLU-and-mul op yet)
-    moe: bool = False  # sparse MoE blocks (left on PyTorch until fused_moe exists)
+    moe: bool = False  # sparse MoE blocks: their experts module runs tileops.fused_moe
 
 
 # model_type -> family; model_types of one family share its handling
@@ -322,9 +322,8 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, rope: bool = True,
             _plan_norm(name, module, family, dtype, report, plan, probe, done)
         elif cls.endswith("Attention") and want["rope"]:
             _plan_rope(name, module, dtype, report, plan, probe, done, rotary_modules)
-        elif cls.endswith(("SparseMoeBlock", "MoeBlock")) and want["moe"]:
-            report.skip("moe", name, "no fused MoE op in TileOPs yet (grouped GEMM backward "
-                        "and fused_moe are in progress); the experts run transformers' loop")
+        elif cls.endswith("Experts") and want["moe"]:
+            _plan_experts(name, module, config, dtype, report, plan, probe, done)
         elif cls.endswith("MLP") and want["mlp"]:
             _plan_mlp(name, module, family, config, dtype, report, plan, probe, done)
         elif cls.endswith("ForCausalLM") and want["cross_entropy"]:
@@ -497,6 +496,55 @@ def _plan_mlp(name: str, module: torch.nn.Module, family: Family, config: Any,
         return
     plan.append(lambda: _set_forward(module, "mlp", _swiglu_mlp_forward))
     report.add("mlp", name)
+
+
+def _experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
+                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts call (routing done by the model's own router, so its gradient is
+    transformers'): every token's top-k experts on tileops.fused_moe."""
+    if not attn_impl.served(hidden_states, self.gate_up_proj, self.down_proj):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    from ..ops import fused_moe
+
+    return fused_moe(hidden_states, self.gate_up_proj, self.down_proj,
+                     topk_weights=top_k_weights.float(), topk_ids=top_k_index.int())
+
+
+def _plan_experts(name: str, module: torch.nn.Module, config: Any, dtype: torch.dtype,
+                  report: PatchReport, plan: list, probe: Callable, done: Any) -> None:
+    if done == "moe":
+        return
+    try:
+        from ..ops import fused_moe
+    except ImportError:
+        report.skip("moe", name, "this TileOPs has no fused_moe op")
+        return
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter)
+            and gate_up.dim() == 3 and down.dim() == 3):
+        report.skip("moe", name, "not fused expert weights (gate_up_proj [E, 2F, H], "
+                    "down_proj [E, H, F])")
+        return
+    if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
+        report.skip("moe", name, "transposed or biased expert weights")
+        return
+    act = getattr(config, "hidden_act", None)
+    experts, two_f, width = gate_up.shape
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if act not in ("silu", "swish") or top_k is None or down.shape != (experts, width,
+                                                                         two_f // 2):
+        report.skip("moe", name, f"activation {act!r} / shapes {tuple(gate_up.shape)}, "
+                    f"{tuple(down.shape)}: fused_moe computes SiLU experts [E, 2F, H], [E, H, F]")
+        return
+    why = probe(("moe", tuple(gate_up.shape), top_k), fused_moe, _meta(16, width, dtype=dtype),
+                _meta(*gate_up.shape, dtype=dtype), _meta(*down.shape, dtype=dtype),
+                topk_weights=_meta(16, top_k, dtype=torch.float32),
+                topk_ids=torch.zeros(16, top_k, dtype=torch.int32, device="meta"))
+    if why:
+        report.skip("moe", name, why)
+        return
+    plan.append(lambda: _set_forward(module, "moe", _experts_forward))
+    report.add("moe", name)
 
 
 def _plan_loss(name: str, module: torch.nn.Module, config: Any, dtype: torch.dtype,
