@@ -371,3 +371,116 @@ def test_chunked_prefill_new_sizes_do_not_recompile():
     for chunks in ([1], [5, 300, 2], [17] * 9, [299, 1, 1, 1]):
         check_chunks(chunks, [c + 33 for c in chunks], op=op)
     assert Kernel.compile_count == before
+
+
+# -- the planned decode: per-request splits, DecodePlan, CUDA-graph replay -------------------
+def test_first_slice_path_still_matches():
+    """`planned` off: the shape-only split count of the first slice (kept as a fallback)."""
+    op = DecodeAttentionFwdOp()
+    op.planned = False
+    check(MIXED, op=op)
+    check([4, 9, 300, 1500], heads=32, kv_heads=8, seq_q=4, op=DecodeAttentionFwdOp())
+
+
+def test_long_request_among_many_short_is_split():
+    """64 short requests x 8 KV heads already fill the GPU; the long one still splits (the
+    schedule is read back here only to check it)."""
+    lengths = [300 + 7 * i for i in range(64)] + [40000]
+    k, v, seqlens, table = make_cache(lengths, 8, 128, torch.bfloat16, 64)
+    q = randn(len(lengths), 1, 32, 128, dtype=torch.bfloat16)
+    plan = tileops.plan_decode(len(lengths), 32, 8, 128, page_size=64)
+    poison(plan.buffers.o_part)
+    o, lse = plan.run(q, k, v, seqlens, table)
+    o_ref, lse_ref = reference(q, k, v, seqlens, table)
+    assert_close(o, o_ref, scale=2.0)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+    ends = plan.buffers.split_ends.tolist()
+    assert ends[-1] - ends[-2] >= 8 and ends[0] == 1
+
+
+@pytest.mark.parametrize("page_size, seq_q, params", [
+    (16, 1, {}),
+    (None, 1, {}),
+    (32, 4, {"window_left": 300}),
+    (64, 1, {"softcap": 30.0, "sm_scale": 0.07}),
+    (16, 8, {"is_causal": False}),
+])
+def test_decode_plan_matches_the_reference(page_size, seq_q, params):
+    lengths = [1, 0, 17, 3000, 64, 9000, 250]
+    heads, kv_heads = (32, 8) if seq_q > 1 else (8, 2)
+    k, v, seqlens, table = make_cache(lengths, kv_heads, 128, torch.float16, page_size)
+    q = randn(len(lengths), seq_q, heads, 128, dtype=torch.float16)
+    plan = tileops.plan_decode(len(lengths), heads, kv_heads, 128, page_size=page_size,
+                               q_len=seq_q, dtype=torch.float16, **params)
+    poison(plan.buffers.o_part)
+    poison(plan.buffers.lse_part)
+    out = poison(torch.empty_like(q))
+    o, lse = plan.run(q, k, v, seqlens, table, out=out)
+    assert o is out
+    o_ref, lse_ref = reference(q, k, v, seqlens, table, **params)
+    assert_close(o, o_ref, scale=2.0)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
+
+
+def test_decode_plan_stale_schedule_is_exact():
+    """Scheduled for short lengths, run on long ones without rescheduling (and the other
+    way round): the split counts are stale, the result is not."""
+    k, v, seqlens, table = make_cache([5000, 20, 70], 2, 128, torch.bfloat16, 16,
+                                      spare_pages=400)
+    q = randn(3, 8, 128, dtype=torch.bfloat16)
+    plan = tileops.plan_decode(3, 8, 2, 128)
+    for scheduled, used in (([1, 1, 1], [5000, 20, 70]), ([5000, 5000, 5000], [3, 0, 1])):
+        plan.schedule(torch.tensor(scheduled, dtype=torch.int32, device="cuda"))
+        seqlens.copy_(torch.tensor(used, dtype=torch.int32))
+        o, lse = plan.run(q, k, v, seqlens, table, schedule=False)
+        assert o.shape == (3, 8, 128) and lse.shape == (3, 8)
+        assert_close(o, reference(q[:, None], k, v, seqlens, table)[0][:, 0], scale=2.0,
+                     what=f"scheduled {scheduled}, run {used}")
+
+
+@pytest.mark.parametrize("page_size", [16, None])
+def test_decode_plan_cuda_graph_replay(page_size):
+    """One step of two layers captured once (schedule, then each layer's attention with
+    schedule=False); replayed with new lengths (a very long one among short ones, zeros,
+    ones), new block tables and new queries: every replay matches the fp32 reference."""
+    batch, heads, kv_heads, dim = 6, 16, 4, 128
+    capacity = 160 * 16
+    lengths = [100, 2000, 5, 900, 1, 33]
+    layers = [make_cache(lengths, kv_heads, dim, torch.bfloat16, page_size, spare_pages=1000,
+                         s_max=capacity) for _ in range(2)]
+    seqlens = layers[0][2]
+    if page_size:
+        table = torch.zeros((batch, capacity // 16), dtype=torch.int32, device="cuda")
+        table[:, :layers[0][3].shape[1]] = layers[0][3]
+    else:
+        table = None
+    q = randn(batch, heads, dim, dtype=torch.bfloat16)
+    plan = tileops.plan_decode(batch, heads, kv_heads, dim, page_size=page_size)
+    outs = [torch.empty_like(q) for _ in layers]
+
+    def step():
+        plan.schedule(seqlens)
+        for (k, v, _, _), out in zip(layers, outs, strict=True):
+            plan.run(q, k, v, seqlens, table, out=out, schedule=False)
+
+    step()  # loads the modules before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new_lengths in ([101, 2001, 6, 901, 2, 34], [0, 17, 2500, 1, 0, 2559],
+                        [2560, 1, 1, 1, 1, 1]):
+        seqlens.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        if page_size:
+            pool = layers[0][0].shape[0]
+            table.copy_(torch.randperm(pool, device="cuda")[:table.numel()].view(
+                table.shape).to(torch.int32))
+        q.copy_(randn(*q.shape, dtype=q.dtype))
+        for out in outs:
+            poison(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        for (k, v, _, _), out in zip(layers, outs, strict=True):
+            o_ref = reference(q[:, None], k, v, seqlens, table)[0][:, 0]
+            assert_close(out, o_ref, scale=2.0, what=f"replay with {new_lengths}")

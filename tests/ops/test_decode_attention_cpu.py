@@ -18,13 +18,19 @@ from tileops import (
     TileOpsValueError,
 )
 from tileops.kernels.attention.decode import (
+    MIN_TILES_PER_SPLIT,
     ROWS,
+    SCHEDULE_THREADS,
     SMS,
     DecodeAttentionKernel,
+    PlannedDecodeKernel,
     block_tiles,
     choose_splits,
     key_visible,
+    slot_count,
+    slot_tiles,
     split_tiles,
+    target_slots,
     tile_visible,
 )
 from tileops.kernels.attention.mask import INT_OPS
@@ -292,10 +298,12 @@ def _recording(op, monkeypatch):
 @pytest.mark.smoke
 @pytest.mark.parametrize("paged", [True, False])
 def test_launch_arguments(paged, monkeypatch):
-    """What `forward` hands the kernel (CPU tensors, a recording kernel): the split count
-    from shapes alone, fp32 partials of that many splits, the placeholder table for a
-    contiguous cache, the default scale and the program key."""
+    """What `forward` hands the kernel (CPU tensors, a recording kernel), the first slice's
+    path (`planned` off): the split count from shapes alone, fp32 partials of that many
+    splits, the placeholder table for a contiguous cache, the default scale and the program
+    key."""
     op = DecodeAttentionFwdOp(window_left=255)
+    monkeypatch.setattr(op, "planned", False)
     log = _recording(op, monkeypatch)
     q = torch.randn(2, 1, 8, 128).to(BF16)
     if paged:
@@ -321,6 +329,229 @@ def test_launch_arguments(paged, monkeypatch):
     assert o_part.shape == (2, 1, 8, splits, 128) and o_part.dtype == torch.float32
     assert lse_part.shape == (2, 1, 8, splits) and lse.shape == (2, 8, 1)
     assert scale == pytest.approx(128 ** -0.5)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("seq_q, heads", [(1, 8), (4, 32)])
+def test_planned_launch_arguments(seq_q, heads, monkeypatch):
+    """The default (planned) path: the schedule runs with the call, the work buffers are
+    sized for the batch plus one wave of splits (SMs / (KV heads x row blocks)), and the
+    sweep builds the planned kernel."""
+    op = DecodeAttentionFwdOp()
+    monkeypatch.setattr(op, "planned", True)
+    log = _recording(op, monkeypatch)
+    q = torch.randn(3, seq_q, heads, 128).to(BF16)
+    k = v = torch.randn(600, 16, 2, 128).to(BF16)
+    table = torch.randint(0, 600, (3, 300), dtype=torch.int32)
+    lens = torch.tensor([5, 4800, 17], dtype=torch.int32)
+    o, lse = op.forward(q, k, v, lens, table)
+    (key, size, args), = log
+    assert key["q_len"] == seq_q and size == 0
+    assert op.kernels_for(op.check((q, k, v, lens, table))) == [
+        ("decode_attention_planned", key, 0)]
+    (schedule, q_arg, k_arg, _, table_arg, lens_arg, slot_table, split_ends, o_arg, lse_arg,
+     o_part, lse_part, blocks, target, scale) = args
+    assert schedule is True and k_arg is k and table_arg is table and lens_arg is lens
+    assert o_arg is o and lse_arg is lse
+    assert blocks == -(-heads // 2 * seq_q // ROWS) and target == target_slots(2, blocks, SMS)
+    slots = 3 + target
+    assert slot_table.shape == (slots, 4) and split_ends.shape == (3,)
+    assert slot_table.dtype == split_ends.dtype == torch.int32
+    assert o_part.shape == (slots, seq_q, heads, 128) and lse_part.shape == (slots, seq_q, heads)
+    assert o_part.is_contiguous() and lse_part.is_contiguous()
+    assert o_part.data_ptr() % 16 == 0 and lse_part.data_ptr() % 16 == 0
+
+
+def schedule_model(lengths, q_len, block_n, window_left, causal, target, n_slots):
+    """(slot_table, split_ends) as the schedule program must write them."""
+    tiles = [block_tiles(n - q_len, n - 1, n, block_n, window_left, causal, INT_OPS)
+             for n in lengths]
+    total = sum(t for _, t in tiles)
+    table = [[-1, 0, 0, 0] for _ in range(n_slots)]
+    ends, slot = [], 0
+    for b, (first, t) in enumerate(tiles):
+        count = max(1, min(t * target // max(total, 1), t // MIN_TILES_PER_SPLIT))
+        per = -(-t // count)
+        for i in range(count):
+            if slot + i < n_slots:
+                table[slot + i] = [b, first + i * per, max(min(per, t - i * per), 0), count]
+        slot += count
+        ends.append(slot)
+    return table, ends
+
+
+SCHEDULES = {  # name -> (lengths, q_len, kv_heads, window_left)
+    "one long request among many short": ([700] * 63 + [131072], 1, 8, -1),
+    "batch 1 at 128k": ([131072], 1, 8, -1),
+    "uniform 8 x 32k": ([32768] * 8, 1, 8, -1),
+    "mixed with empties": ([0, 1, 129, 5000, 0, 40000, 3], 4, 2, -1),
+    "window": ([100, 20000, 9000], 1, 8, 4095),
+    "more requests than threads": ([(97 * i) % 3000 for i in range(SCHEDULE_THREADS + 77)],
+                                   1, 8, -1),
+}
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_schedule_balances_and_bounds_the_slots(name):
+    """The schedule's arithmetic: at most one wave of splits plus one per request, a long
+    request splits however full the batch, every request's runs partition its tiles."""
+    lengths, q_len, kv_heads, window_left = SCHEDULES[name]
+    target = target_slots(kv_heads, 1)
+    n_slots = slot_count(len(lengths), kv_heads, 1)
+    table, ends = schedule_model(lengths, q_len, 128, window_left, True, target, n_slots)
+    assert ends[-1] <= n_slots
+    for b, n in enumerate(lengths):
+        first, t = block_tiles(n - q_len, n - 1, n, 128, window_left, True, INT_OPS)
+        runs = [row for row in table if row[0] == b]
+        walked = [tile for _, begin, count, _ in runs for tile in range(begin, begin + count)]
+        assert walked == list(range(first, first + t)), (b, n)
+        assert all(row[3] == len(runs) for row in runs)
+    if name == "one long request among many short":
+        long_runs = [row for row in table if row[0] == 63]
+        assert len(long_runs) >= 8  # split, though 64 x 8 CTAs already fill 132 SMs
+        assert max(row[2] for row in long_runs) <= 131072 // 128 // 8
+    if name == "batch 1 at 128k":
+        assert len(table) - [row[0] for row in table].count(-1) == target == SMS // 8
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("n_q, group, window_left", [(1, 4, -1), (4, 8, -1), (16, 8, 100),
+                                                     (3, 2, 5), (8, 16, -1)])
+def test_slot_runs_cover_every_row_block_once(n_q, group, window_left):
+    """A planned slot's run of the request's tiles, cut to a row block's visible tiles
+    (`slot_tiles`): over the request's slots every tile a block sees is walked once."""
+    rows = n_q * group
+    for seqlen in (n_q, 64, 65, 300, 1000, 5000):
+        rfirst, rtiles = block_tiles(seqlen - n_q, seqlen - 1, seqlen, 128, window_left, True,
+                                     INT_OPS)
+        for count in (1, 2, 3, 7):
+            per = -(-rtiles // count)
+            runs = [(rfirst + i * per, max(min(per, rtiles - i * per), 0)) for i in range(count)]
+            for row0 in range(0, rows, ROWS):
+                last = min(row0 + ROWS, rows) - 1
+                first, n_tiles = block_tiles(seqlen - n_q + row0 // group,
+                                             seqlen - n_q + last // group, seqlen, 128,
+                                             window_left, True, INT_OPS)
+                walked = []
+                for begin, tiles in runs:
+                    b, mine = slot_tiles(first, n_tiles, begin, tiles, INT_OPS)
+                    walked += range(b, b + mine)
+                assert walked == list(range(first, first + n_tiles)), (seqlen, count, row0)
+
+
+def _planned_program(index, q_len=1, heads=8, kv_heads=2, window_left=-1):
+    """Program `index` of the planned kernel (0 schedule, 1 attention, 2 combine), compiled
+    alone (the attention takes ~25 s on two cores; the CPU tests need only the others)."""
+    import tilelang
+
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=heads, kv_heads=kv_heads,
+                                 head_dim=128, q_len=q_len, page_size=16,
+                                 window_left=window_left, softcap=0.0, causal=True)
+    program = kernel.program(kernel.heuristic_config("planned", "sm_90a"), "planned")[index]
+    return tilelang.compile(program, target=kernel.target)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ["one long request among many short", "mixed with empties",
+                                  "window", "more requests than threads"])
+def test_schedule_program_on_the_cpu(name):
+    """The schedule kernel run on the CPU with its threads concurrent (shuffles, barriers,
+    tests/cuda_emulation_threads.py) writes exactly the model's slot table and ends, -1 rows
+    past the last slot (NaN-like junk in every buffer first)."""
+    from ..cuda_emulation_threads import run
+
+    lengths, q_len, kv_heads, window_left = SCHEDULES[name]
+    compiled = _planned_program(0, q_len, 8, kv_heads, window_left)
+    target = target_slots(kv_heads, 1)
+    n_slots = slot_count(len(lengths), kv_heads, 1)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    slot_table = torch.full((n_slots, 4), -77, dtype=torch.int32)
+    split_ends = torch.full((len(lengths),), -77, dtype=torch.int32)
+    run(compiled, 1, SCHEDULE_THREADS,
+        dict(cache_seqlens=lens, slot_table=slot_table, split_ends=split_ends),
+        dict(batch=len(lengths), n_slots=n_slots, target_slots=target))
+    table, ends = schedule_model(lengths, q_len, 128, window_left, True, target, n_slots)
+    assert split_ends.tolist() == ends
+    assert slot_table.tolist() == table
+
+
+@pytest.mark.compile
+def test_planned_combine_on_the_cpu():
+    """The planned combine (tests/cuda_emulation.py): a request of several slots gets the
+    lse-weighted merge of its own slots, one of a single split is left as the attention
+    program wrote it, an all-empty request gets 0 and -inf."""
+    from ..cuda_emulation import run
+
+    compiled = _planned_program(2, q_len=2, heads=4)
+    ends = torch.tensor([3, 4, 6], dtype=torch.int32)  # 3 slots, 1 (direct), 2 (empty)
+    torch.manual_seed(0)
+    o_part = torch.randn(7, 2, 4, 128)
+    lse_part = torch.randn(7, 2, 4) * 4
+    lse_part[1] = -math.inf  # an empty run
+    lse_part[4:6] = -math.inf
+    o_part[4:6] = 0.0
+    o = torch.full((3, 2, 4, 128), math.nan).to(BF16)
+    lse = torch.full((3, 4, 2), math.nan)
+    run(_HostMath(compiled), 3 * 2 * 4, 64,
+        dict(o_part=o_part, lse_part=lse_part, split_ends=ends, o=o, lse=lse),
+        dict(batch=3, n_slots=7))
+    want_lse = torch.logsumexp(lse_part[0:3], dim=0)  # [Sq, H]
+    weights = torch.exp(lse_part[0:3] - want_lse).nan_to_num(0.0)
+    want_o = (weights[..., None] * o_part[0:3]).sum(0)
+    torch.testing.assert_close(o[0].float(), want_o, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[0], want_lse.transpose(0, 1))
+    assert torch.isnan(o[1].float()).all() and torch.isnan(lse[1]).all()  # left alone
+    assert torch.equal(o[2].float(), torch.zeros(2, 4, 128))
+    assert torch.isinf(lse[2]).all() and (lse[2] < 0).all()
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("q_len, heads, window_left", [(1, 32, -1), (4, 32, 4095)])
+def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_left,
+                                                           tmp_path):
+    """The planned attention keeps the first slice's TMA + wgmma pipeline (the slot's
+    request and tile run are global loads, not registers carried into it); ptxas: no
+    spills, no serialized wgmma."""
+    compiled = _planned_program(1, q_len, heads, 8, window_left)
+    source = compiled.get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source and "warpgroup_reg_alloc" in source
+    if shutil.which("ptxas") is None:
+        pytest.skip("needs ptxas (CUDA toolkit)")
+    ptx = tmp_path / "planned.ptx"
+    compiled.export_ptx(str(ptx))
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
+                            capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report and "C7511" not in report, report
+
+
+@pytest.mark.smoke
+def test_decode_plan_argument_errors():
+    with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'num_kv_heads'"):
+        tileops.plan_decode(4, 30, 8, 128, device="cpu")
+    with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'page_size'"):
+        tileops.plan_decode(4, 32, 8, 128, page_size=24, device="cpu")
+    with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'head_dim'"):
+        tileops.plan_decode(4, 32, 8, 96, device="cpu")
+    with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'batch_size'"):
+        tileops.plan_decode(0, 32, 8, 128, device="cpu")
+    with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'q_len'"):
+        tileops.plan_decode(4, 32, 8, 128, q_len=17, device="cpu")
+    plan = tileops.plan_decode(4, 32, 8, 128, device="cpu", num_sms=132)
+    assert plan.num_slots == 4 + 132 // 8
+    assert plan.buffers.o_part.shape == (plan.num_slots, 1, 32, 128)
+    q = torch.randn(3, 32, 128).to(BF16)
+    k = torch.randn(64, 16, 8, 128).to(BF16)
+    lens = torch.ones(4, dtype=torch.int32)
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    with pytest.raises(TileOpsValueError, match=r"DecodePlan.run: argument 'q': expected "
+                                                r"shape \[4, 1, 32, 128\]"):
+        plan.run(q, k, k, lens, table)
+    with pytest.raises(TileOpsValueError, match="DecodePlan.run: argument 'k_cache'"):
+        plan.run(torch.randn(4, 32, 128).to(BF16), k, k, lens, None)
+    with pytest.raises(TileOpsValueError, match="DecodePlan.schedule: argument 'cache_seqlens'"):
+        plan.schedule(lens.long())
 
 
 @pytest.mark.smoke

@@ -56,9 +56,13 @@ import torch
 
 from ..errors import TileOpsValueError, op_error
 from ..kernels.attention.decode import (
+    SMS,
     DecodeAttentionKernel,
+    PlannedDecodeKernel,
     choose_splits,
     row_blocks,
+    slot_count,
+    target_slots,
     tile_keys,
 )
 from ..kernels.attention.kv_cache import KVCacheAppendKernel
@@ -67,6 +71,17 @@ from ..manifest.spec import DTYPE_NAMES
 from .base import LIBRARY, Op
 
 _placeholders: dict[tuple, torch.Tensor] = {}
+_sm_counts: dict[torch.device, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    """The device's SM count (132 on an H200), read once per device."""
+    count = _sm_counts.get(device)
+    if count is None:
+        count = _sm_counts[device] = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else SMS)
+    return count
 
 
 def _placeholder(device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
@@ -92,8 +107,13 @@ class DecodeAttentionFwdOp(Op):
 
     See the module docstring for the layouts and semantics."""
 
-    kernel_map = {"decode_attention": DecodeAttentionKernel}
+    kernel_map = {"decode_attention": DecodeAttentionKernel,
+                  "decode_attention_planned": PlannedDecodeKernel}
     checked = os.environ.get("TILEOPS_CHECK_INDICES", "0") == "1"
+    # q [B, Sq, H, D] runs the planned program (per-request splits from a schedule the GPU
+    # computes from cache_seqlens, see `DecodePlan`); False: one split count for the whole
+    # batch from shapes (`choose_splits`), the first slice's program
+    planned = os.environ.get("TILEOPS_DECODE_PLANNED", "1") == "1"
 
     def __init__(self, *, sm_scale: float | None = None, softcap: float = 0.0,
                  window_left: int = -1, is_causal: bool = True,
@@ -136,6 +156,15 @@ class DecodeAttentionFwdOp(Op):
         rows, tokens, heads, head_dim = q.shape
         key = self._kernel_key(q.dtype, heads, k_cache.shape[2], head_dim, q_len,
                                k_cache.shape[1] if paged else 0)
+        table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
+        scale = self.sm_scale if self.sm_scale is not None else head_dim ** -0.5
+        if cu_seqlens_q is None and self.planned:
+            kernel = self.get_kernel("decode_attention_planned", q.device, **key)
+            _planned_launch(kernel, True, q, k_cache, v_cache, table,
+                            cache_seqlens.contiguous(), o, lse,
+                            _PlanBuffers.make(rows, q_len, heads, k_cache.shape[2], head_dim,
+                                              _sms(q.device), q.device), float(scale))
+            return
         kernel = self.get_kernel("decode_attention", q.device, **key)
         blocks = row_blocks(heads, k_cache.shape[2], max_tokens if max_tokens else q_len)
         splits = self._splits(key, cache_seqlens.shape[0], blocks,
@@ -147,10 +176,8 @@ class DecodeAttentionFwdOp(Op):
                                    device=q.device)
         else:
             o_part = lse_part = None
-        table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
         cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else _placeholder(
             q.device, (1,))
-        scale = self.sm_scale if self.sm_scale is not None else head_dim ** -0.5
         kernel(splits, q, k_cache, v_cache, table, cache_seqlens.contiguous(), cu, o, lse,
                o_part, lse_part, blocks, float(scale))
 
@@ -198,6 +225,8 @@ class DecodeAttentionFwdOp(Op):
         table = ns.get("block_table")
         page = ns["S"] if table is not None else 0
         key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], ns["Sq"], page)
+        if self.planned:
+            return [("decode_attention_planned", key, 0)]
         max_keys = ns["S"] * (table.shape[1] if table is not None else 1)
         blocks = row_blocks(ns["H"], ns["Hkv"], ns["Sq"])
         return [("decode_attention", key, self._splits(key, ns["B"], blocks, max_keys))]
@@ -211,6 +240,8 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
     Returns o [T, H, D] and lse [T, H] (FlashInfer's ragged layout). Decode requests fold in
     as chunks of one token. `max_seqlen_q` bounds every chunk (it sizes the grid; checked
     with `checked`, like the indices)."""
+
+    kernel_map = {"decode_attention": DecodeAttentionKernel}  # one split count per batch
 
     def __init__(self, *, max_seqlen_q: int, sm_scale: float | None = None,
                  softcap: float = 0.0, window_left: int = -1, is_causal: bool = True,
@@ -346,6 +377,195 @@ def _(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: 
       slot_mapping: torch.Tensor) -> None:
     _append_inplace.check((k_new, v_new, k_pages, v_pages, slot_mapping))
 
+
+
+# -- the planned decode -------------------------------------------------------------------
+class _PlanBuffers:
+    """The planned program's work buffers for one batch shape: the schedule (slot_table
+    [slots, 4], split_ends [B]) in one int32 allocation, the partials (o_part [slots, Sq, H,
+    D], lse_part [slots, Sq, H]) in one fp32 allocation; slots = B + one wave of splits."""
+
+    def __init__(self, slot_table, split_ends, o_part, lse_part, blocks, target):
+        self.slot_table, self.split_ends = slot_table, split_ends
+        self.o_part, self.lse_part = o_part, lse_part
+        self.blocks, self.target = blocks, target
+
+    @classmethod
+    def make(cls, batch: int, q_len: int, heads: int, kv_heads: int, head_dim: int, sms: int,
+             device: torch.device) -> _PlanBuffers:
+        blocks = row_blocks(heads, kv_heads, q_len)
+        target = target_slots(kv_heads, blocks, sms)
+        slots = slot_count(batch, kv_heads, blocks, sms)
+        ints = torch.empty(slots * 4 + batch, dtype=torch.int32, device=device)
+        part = slots * q_len * heads
+        floats = torch.empty(part * (head_dim + 1), dtype=torch.float32, device=device)
+        return cls(ints[:slots * 4].view(slots, 4), ints[slots * 4:],
+                   floats[:part * head_dim].view(slots, q_len, heads, head_dim),
+                   floats[part * head_dim:].view(slots, q_len, heads), blocks, target)
+
+
+def _planned_launch(kernel: Kernel, schedule: bool, q, k_cache, v_cache, table, cache_seqlens,
+                    o, lse, buffers: _PlanBuffers, scale: float) -> None:
+    kernel(0, schedule, q, k_cache, v_cache, table, cache_seqlens, buffers.slot_table,
+           buffers.split_ends, o, lse, buffers.o_part, buffers.lse_part, buffers.blocks,
+           buffers.target, scale)
+
+
+class DecodePlan:
+    """A decode batch schedule, made once and reused by every layer's call.
+
+    `tileops.plan_decode(batch_size, num_heads, num_kv_heads, head_dim, page_size=16, ...)`
+    fixes what the programs depend on (batch size, query tokens, head config, page size,
+    dtype, options, the SM count) and owns fixed work buffers: the schedule (which split of
+    which request each CTA runs) and the fp32 partials. Per step:
+
+        plan.schedule(cache_seqlens)            # once: per-request split counts, on the GPU
+        for layer in layers:
+            o = plan.run(q, k_cache[layer], v_cache[layer], cache_seqlens, block_table)
+
+    Nothing on the host reads cache_seqlens or block_table, and no buffer is allocated in
+    `run` but the outputs (pass `out`/`lse` to reuse yours), so a CUDA graph captured once
+    replays correctly when only the values of cache_seqlens and block_table change (keep
+    `plan.schedule` inside the captured region, or call it before each replay).
+
+    The schedule splits each request's visible key tiles in proportion to its share of the
+    batch's keys, one wave of CTAs in all (SMs / (KV heads x row blocks) splits) plus at
+    most one per request: a batch of short requests runs one split each (no partials for
+    them), a long request among them is still split. A stale schedule (lengths changed, not
+    rescheduled) is still exact: the kernel cuts each request's *current* tiles into the
+    scheduled number of runs; only the balance suffers. `run(..., schedule=True)` (the
+    default) reschedules first, one small launch; pass schedule=False to reuse the last.
+
+    Results and masks are those of `DecodeAttentionFwdOp` (which runs the same programs
+    with a schedule per call); `run` returns o like q and lse [B, H, q_len] ([B, H] for a
+    3-d q)."""
+
+    def __init__(self, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 page_size: int | None = 16, q_len: int = 1,
+                 dtype: torch.dtype = torch.bfloat16, device: Any = None,
+                 sm_scale: float | None = None, softcap: float = 0.0, window_left: int = -1,
+                 is_causal: bool = True, num_sms: int | None = None):
+        name = "DecodePlan"
+        ints = {"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
+                "num_kv_heads": (num_kv_heads, 1), "q_len": (q_len, 1)}
+        for arg, (value, low) in ints.items():
+            if not isinstance(value, int) or value < low:
+                raise op_error(TileOpsValueError, name, arg, f"an int >= {low}", value)
+        if num_heads % num_kv_heads:
+            raise op_error(TileOpsValueError, name, "num_kv_heads", "a divisor of num_heads "
+                           f"({num_heads})", num_kv_heads)
+        if head_dim not in (64, 128, 256):
+            raise op_error(TileOpsValueError, name, "head_dim", "64, 128 or 256", head_dim)
+        if q_len > 16:
+            raise op_error(TileOpsValueError, name, "q_len", "at most 16", q_len)
+        if page_size is not None and page_size not in (16, 32, 64, 128, 256):
+            raise op_error(TileOpsValueError, name, "page_size",
+                           "16, 32, 64, 128, 256 or None (a contiguous cache)", page_size)
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise op_error(TileOpsValueError, name, "dtype", "torch.float16 or torch.bfloat16",
+                           dtype)
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.op = DecodeAttentionFwdOp.cached(sm_scale=sm_scale, softcap=float(softcap),
+                                              window_left=window_left, is_causal=is_causal)
+        self.batch_size, self.q_len, self.num_heads = batch_size, q_len, num_heads
+        self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
+        self.dtype = dtype
+        self.num_sms = num_sms if num_sms is not None else _sms(self.device)
+        self.scale = float(sm_scale if sm_scale is not None else head_dim ** -0.5)
+        self.key = self.op._kernel_key(dtype, num_heads, num_kv_heads, head_dim, q_len,
+                                       page_size or 0)
+        self.buffers = _PlanBuffers.make(batch_size, q_len, num_heads, num_kv_heads, head_dim,
+                                         self.num_sms, self.device)
+        self._kernel: Kernel | None = None
+        self._scheduled = False
+
+    @property
+    def kernel(self) -> Kernel:
+        if self._kernel is None:
+            self._kernel = self.op.get_kernel("decode_attention_planned", self.device,
+                                              **self.key)
+        return self._kernel
+
+    @property
+    def num_slots(self) -> int:
+        """CTAs per (KV head, row block): the batch plus one wave of splits."""
+        return self.buffers.slot_table.shape[0]
+
+    def schedule(self, cache_seqlens: torch.Tensor) -> None:
+        """Recomputes the per-request split counts from cache_seqlens, on the GPU."""
+        self._check_lengths(cache_seqlens)
+        _planned_launch(self.kernel, True, None, None, None, None, cache_seqlens.contiguous(),
+                        None, None, self.buffers, self.scale)
+        self._scheduled = True
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None, *,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            schedule: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse) of q [B, q_len, H, D] (or [B, H, D] when q_len is 1) over the cache."""
+        name = "DecodePlan.run"
+        single = q.dim() == 3
+        q4 = q.unsqueeze(1) if single else q
+        want = (self.batch_size, self.q_len, self.num_heads, self.head_dim)
+        if tuple(q4.shape) != want or q.dtype != self.dtype:
+            raise op_error(TileOpsValueError, name, "q", f"shape {list(want)} ({self.dtype}) "
+                           "as planned", f"{list(q.shape)} ({q.dtype})")
+        paged = block_table is not None
+        if paged != (self.page_size is not None) or k_cache.dim() != 4 or (
+                paged and k_cache.shape[1] != self.page_size):
+            raise op_error(TileOpsValueError, name, "k_cache",
+                           f"pages of {self.page_size} keys with a block_table" if
+                           self.page_size else "a contiguous cache and no block_table",
+                           f"shape {list(k_cache.shape)}, block_table "
+                           f"{'given' if paged else 'None'}")
+        self.op.validate((q4, k_cache, v_cache, cache_seqlens, block_table))
+        if self.op.checked and not torch.cuda.is_current_stream_capturing():
+            self.op._check_indices(k_cache, cache_seqlens, block_table)
+        o = out if out is not None else torch.empty_like(q)
+        lse_shape = (self.batch_size, self.num_heads) + (() if single else (self.q_len,))
+        lse = lse if lse is not None else torch.empty(lse_shape, dtype=torch.float32,
+                                                      device=q.device)
+        for arg, t, shape, dtype in (("out", o, q.shape, q.dtype),
+                                     ("lse", lse, lse_shape, torch.float32)):
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+                raise op_error(TileOpsValueError, name, arg,
+                               f"a contiguous {dtype} tensor of shape {list(shape)}",
+                               f"{list(t.shape)} ({t.dtype})")
+        table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
+        _planned_launch(self.kernel, schedule or not self._scheduled, q4.contiguous(),
+                        _contiguous(name, "k_cache", k_cache),
+                        _contiguous(name, "v_cache", v_cache), table,
+                        cache_seqlens.contiguous(),
+                        o.view(want) if single else o,
+                        lse.view(self.batch_size, self.num_heads, self.q_len), self.buffers,
+                        self.scale)
+        self._scheduled = True
+        return o, lse
+
+    __call__ = run
+
+    def _check_lengths(self, cache_seqlens: torch.Tensor) -> None:
+        if (cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) !=
+                (self.batch_size,) or cache_seqlens.device != self.device):
+            raise op_error(TileOpsValueError, "DecodePlan.schedule", "cache_seqlens",
+                           f"int32 [{self.batch_size}] on {self.device}",
+                           f"{cache_seqlens.dtype} {list(cache_seqlens.shape)} on "
+                           f"{cache_seqlens.device}")
+
+
+def plan_decode(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                page_size: int | None = 16, q_len: int = 1, dtype: torch.dtype = torch.bfloat16,
+                device: Any = None, sm_scale: float | None = None, softcap: float = 0.0,
+                window_left: int = -1, is_causal: bool = True,
+                num_sms: int | None = None) -> DecodePlan:
+    """A reusable `DecodePlan` for a decode batch (see its docstring); page_size None means
+    a contiguous cache [B, S_max, Hkv, D]."""
+    return DecodePlan(batch_size, num_heads, num_kv_heads, head_dim, page_size=page_size,
+                      q_len=q_len, dtype=dtype, device=device, sm_scale=sm_scale,
+                      softcap=softcap, window_left=window_left, is_causal=is_causal,
+                      num_sms=num_sms)
 
 # -- functional API -----------------------------------------------------------------------
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

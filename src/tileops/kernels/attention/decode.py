@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
+from ..selection.topk import exclusive_offsets
 from .attention_fwd import LOG2E, AttentionFwdConfig, _attention_macros
 from .mask import TIR_OPS
 
@@ -39,6 +40,7 @@ MAX_SPLITS = 64
 SWIZZLE_COLS = 64  # bf16/fp16 columns per 128-byte swizzle atom
 MAX_PIECES = 16  # TMA copies per paged tile: (pages per tile) x (head_dim / 64)
 MIN_TILES_PER_SPLIT = 2  # fewer and the combine and per-CTA setup outweigh the split
+SCHEDULE_THREADS = 512
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,14 @@ def split_tiles(first, n_tiles, split_index, n_splits, ops=TIR_OPS):
     return begin, ops.max(ops.min(per_split, first + n_tiles - begin), 0)
 
 
+def slot_tiles(first, n_tiles, slot_first, slot_tiles_, ops=TIR_OPS):
+    """(first tile, tiles) of a planned slot within a row block's visible tiles [first,
+    first + n_tiles): the slot's run of the request's tiles cut to them (a row block of a
+    multi-token request sees a sub-range of the request's tiles; no division at run time)."""
+    begin = ops.max(slot_first, first)
+    return begin, ops.max(ops.min(slot_first + slot_tiles_, first + n_tiles) - begin, 0)
+
+
 def key_visible(position, key, seqlen, window_left: int, causal: bool):
     """Whether the query at `position` sees `key` of a request with `seqlen` keys."""
     seen = key <= position if causal else key < seqlen
@@ -121,7 +131,7 @@ def tile_keys(head_dim: int) -> int:
 
 def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_size: int,
                    dtype: str, window_left: int, softcap: float, causal: bool, split: bool,
-                   config: DecodeConfig):
+                   config: DecodeConfig, planned: bool = False):
     """The attention kernel; `page_size` 0 means the contiguous cache, `q_len` 0 packed
     queries (chunked prefill: q [T, 1, H, D], request b owning rows cu_seqlens_q[b]:
     cu_seqlens_q[b + 1]), else q [B, q_len, H, D]. With `split`, writes partials
@@ -130,7 +140,13 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     CTAs along one request's rows, group * (longest request's tokens) / ROWS. The grid is
     (splits, row blocks, requests x KV heads): no index divides by a runtime size but the
     split count (TIR's floor division by a runtime divisor expands into sign tests at
-    every use, which tripled the packed program's source and its compile time)."""
+    every use, which tripled the packed program's source and its compile time).
+
+    `planned` (q [B, q_len, H, D] only): the split count is per request, read from the
+    schedule `schedule_program` wrote (slot_table); the grid is (KV heads, row blocks,
+    slots), a slot being one run of one request's key tiles (request -1: no work). A request of one
+    split writes o and lse directly, the others fp32 partials o_part [slots, Sq, H, D] and
+    lse_part [slots, Sq, H] that `combine_program(planned=True)` merges."""
     group = heads // kv_heads
     packed = q_len == 0
     tokens = 1 if packed else q_len  # q's second dimension
@@ -244,7 +260,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                                      seqlen - n_q + last_row // group, seqlen, block_n,
                                      window_left, causal)
         n_tiles = T.if_then_else(row0 < n_rows, n_tiles, 0)
-        begin, mine = split_tiles(first, n_tiles, split_index, n_split)
+        if planned:  # (split_index, n_split) = the slot's (first tile, tiles) of the request
+            begin, mine = slot_tiles(first, n_tiles, split_index, n_split)
+        else:
+            begin, mine = split_tiles(first, n_tiles, split_index, n_split)
         step.init(st)
         # an empty split walks one masked tile (its loads stay inside the table's row)
         for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
@@ -267,6 +286,59 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         if packed:
             return cu_seqlens_q[b], cu_seqlens_q[b + 1] - cu_seqlens_q[b]
         return b, q_len
+
+    if planned:
+        assert not packed, "the planned program serves q [B, q_len, H, D]"
+        n_slots = T.dynamic("n_slots")
+
+        @T.prim_func
+        def decode_planned(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, dtype),
+                           v: T.Tensor(cache_shape, dtype),
+                           block_table: T.Tensor(table_shape, "int32"),
+                           cache_seqlens: T.Tensor((batch,), "int32"),
+                           slot_table: T.Tensor((n_slots, 4), "int32"),
+                           o: T.Tensor(q_shape, dtype),
+                           lse: T.Tensor((q_rows, heads, tokens), "float"),
+                           o_part: T.Tensor((n_slots, tokens, heads, head_dim), "float"),
+                           lse_part: T.Tensor((n_slots, tokens, heads), "float"),
+                           row_blocks: T.int32, scale: T.float32):
+            with T.Kernel(kv_heads, row_blocks, n_slots, threads=128) as (bx, by, bz):
+                h = bx
+                row0 = by * ROWS
+                q_shared = T.alloc_shared((ROWS, head_dim), dtype)
+                k_shared = T.alloc_shared((block_n, head_dim), dtype)
+                v_shared = T.alloc_shared((block_n, head_dim), dtype)
+                (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
+                 l_local, lse_local, hold, stale) = step.alloc_state()
+                st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
+                                row_sum, l_local, lse_local, hold, stale)
+                # Every index below is an expression of global loads, not a register set
+                # before the key loop: warp specialization gives the producer and the
+                # consumers separate copies of local state (see moe/grouped_gemm.py).
+                # slot_table[slot] = (request, first tile, tiles, splits of the request)
+                if slot_table[bz, 0] >= 0:
+                    b = slot_table[bz, 0]
+                    attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared,
+                           st, b, h, b, q_len, row0, slot_table[bz, 1], slot_table[bz, 2],
+                           scale)
+                    if slot_table[bz, 3] == 1:
+                        for i, d in T.Parallel(ROWS, head_dim):
+                            if row0 + i < q_len * group:
+                                o[b, (row0 + i) // group, head_of(row0 + i, h), d] = st.o[i, d]
+                        for i in T.Parallel(ROWS):
+                            if row0 + i < q_len * group:
+                                lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
+                    else:
+                        for i, d in T.Parallel(ROWS, head_dim):
+                            if row0 + i < q_len * group:
+                                o_part[bz, (row0 + i) // group, head_of(row0 + i, h),
+                                       d] = st.o[i, d]
+                        for i in T.Parallel(ROWS):
+                            if row0 + i < q_len * group:
+                                lse_part[bz, (row0 + i) // group,
+                                         head_of(row0 + i, h)] = st.lse[i]
+
+        return decode_planned
 
     if split:
         @T.prim_func
@@ -336,11 +408,64 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     return decode_direct
 
 
-def combine_program(heads: int, head_dim: int, q_len: int, dtype: str):
+def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: bool = False):
     """o [B, Sq, H, D] and lse [B, H, Sq] from the splits' partials: weights
-    exp(lse_s - lse), lse the log-sum-exp of the splits'; no split saw a key -> 0, -inf."""
+    exp(lse_s - lse), lse the log-sum-exp of the splits'; no split saw a key -> 0, -inf.
+
+    `planned`: the partials are per slot, o_part [slots, Sq, H, D], request b owning slots
+    [split_ends[b - 1], split_ends[b]); a request of one split was written by the attention
+    program itself and is left alone."""
     batch, n_splits = T.dynamic("batch, n_splits")
     threads = max(32, head_dim // 2)
+
+    def part_o(o_part, b, i, h, first, s, d):
+        return o_part[first + s, i, h, d] if planned else o_part[b, i, h, s, d]
+
+    def part_lse(lse_part, b, i, h, first, s):
+        return lse_part[first + s, i, h] if planned else lse_part[b, i, h, s]
+
+    @T.macro
+    def merge(o_part, lse_part, o, lse, b, i, h, first, n_splits):
+        acc = T.alloc_fragment((head_dim,), "float")
+        top = T.alloc_var("float")
+        total = T.alloc_var("float")
+        weight = T.alloc_var("float")
+        top = -T.infinity("float")
+        for s in T.serial(n_splits):
+            top = T.max(top, part_lse(lse_part, b, i, h, first, s))
+        total = 0.0
+        T.clear(acc)
+        for s in T.serial(n_splits):
+            # -inf partials (empty splits) weigh 0; all -inf: top is -inf, skip them all
+            weight = T.if_then_else(top == -T.infinity("float"), 0.0,
+                                    T.exp2((part_lse(lse_part, b, i, h, first, s) - top)
+                                           * LOG2E))
+            total += weight
+            for d in T.Parallel(head_dim):
+                acc[d] += weight * part_o(o_part, b, i, h, first, s, d)
+        for d in T.Parallel(head_dim):
+            o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
+        lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
+
+    if planned:
+        n_slots = T.dynamic("n_slots")
+
+        @T.prim_func
+        def decode_combine_planned(
+                o_part: T.Tensor((n_slots, q_len, heads, head_dim), "float"),
+                lse_part: T.Tensor((n_slots, q_len, heads), "float"),
+                split_ends: T.Tensor((batch,), "int32"),
+                o: T.Tensor((batch, q_len, heads, head_dim), dtype),
+                lse: T.Tensor((batch, heads, q_len), "float")):
+            with T.Kernel(batch * q_len * heads, threads=threads) as bx:
+                h = bx % heads
+                i = bx // heads % q_len
+                b = bx // (heads * q_len)
+                first = T.if_then_else(b == 0, 0, split_ends[T.max(b - 1, 0)])
+                if split_ends[b] - first > 1:
+                    merge(o_part, lse_part, o, lse, b, i, h, first, split_ends[b] - first)
+
+        return decode_combine_planned
 
     @T.prim_func
     def decode_combine(o_part: T.Tensor((batch, q_len, heads, n_splits, head_dim), "float"),
@@ -352,27 +477,90 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str):
             h = bx % heads
             i = bx // heads % q_len
             b = bx // (heads * q_len)
-            acc = T.alloc_fragment((head_dim,), "float")
-            top = T.alloc_var("float")
-            total = T.alloc_var("float")
-            weight = T.alloc_var("float")
-            top = -T.infinity("float")
-            for s in T.serial(n_splits):
-                top = T.max(top, lse_part[b, i, h, s])
-            total = 0.0
-            T.clear(acc)
-            for s in T.serial(n_splits):
-                # -inf partials (empty splits) weigh 0; all -inf: top is -inf, skip them all
-                weight = T.if_then_else(top == -T.infinity("float"), 0.0,
-                                        T.exp2((lse_part[b, i, h, s] - top) * LOG2E))
-                total += weight
-                for d in T.Parallel(head_dim):
-                    acc[d] += weight * o_part[b, i, h, s, d]
-            for d in T.Parallel(head_dim):
-                o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
-            lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
+            merge(o_part, lse_part, o, lse, b, i, h, 0, n_splits)
 
     return decode_combine
+
+
+def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
+    """The per-request split counts of the planned decode, on the GPU from cache_seqlens
+    (nothing read on the host): request b's t_b visible key tiles get
+    max(1, min(t_b * target // sum(t), t_b // MIN_TILES_PER_SPLIT)) splits, so the splits of
+    all requests add up to at most `target_slots` (a wave of CTAs: the caller's SMs / (KV
+    heads x row blocks)) plus one per request, however the keys are spread: a long request
+    among many short ones still splits, a batch of equal requests splits evenly. Writes
+    split_ends [B] (the inclusive running sum of the counts) and, per slot (one split of
+    one request, in order), slot_table[slot] = (request, first tile, tiles, the request's
+    split count); (-1, 0, 0, 0) past the last. One CTA; the batch is walked in chunks of
+    its threads."""
+    batch, n_slots = T.dynamic("batch, n_slots")
+    threads = SCHEDULE_THREADS
+
+    def tiles(cache_seqlens, b):
+        seqlen = cache_seqlens[b]
+        return block_tiles(seqlen - q_len, seqlen - 1, seqlen, block_n, window_left, causal)
+
+    @T.prim_func
+    def decode_schedule(cache_seqlens: T.Tensor((batch,), "int32"),
+                        slot_table: T.Tensor((n_slots, 4), "int32"),
+                        split_ends: T.Tensor((batch,), "int32"),
+                        target_slots: T.int32):
+        with T.Kernel(1, threads=threads) as _:
+            tx = T.get_thread_binding()
+            warp_sums = T.alloc_shared((threads // 32,), "int32")
+            count = T.alloc_local((1,), "int32")
+            first = T.alloc_local((1,), "int32")
+            total = T.alloc_local((1,), "int32")
+            all_tiles = T.alloc_local((1,), "int32")
+            carry = T.alloc_local((1,), "int32")
+            per = T.alloc_local((1,), "int32")
+            all_tiles[0] = 0
+            for c in T.serial(T.ceildiv(batch, threads)):
+                count[0] = 0
+                if c * threads + tx < batch:
+                    count[0] = tiles(cache_seqlens, c * threads + tx)[1]
+                exclusive_offsets(count, tx, threads, warp_sums, first, total)
+                all_tiles[0] = all_tiles[0] + total[0]
+                T.sync_threads()  # warp_sums is rewritten by the next chunk
+            carry[0] = 0
+            for c in T.serial(T.ceildiv(batch, threads)):
+                count[0] = 0
+                per[0] = 0
+                if c * threads + tx < batch:
+                    count[0] = T.max(1, T.min(
+                        tiles(cache_seqlens, c * threads + tx)[1] * target_slots
+                        // T.max(all_tiles[0], 1),
+                        tiles(cache_seqlens, c * threads + tx)[1] // MIN_TILES_PER_SPLIT))
+                    per[0] = T.ceildiv(tiles(cache_seqlens, c * threads + tx)[1], count[0])
+                exclusive_offsets(count, tx, threads, warp_sums, first, total)
+                if c * threads + tx < batch:
+                    split_ends[c * threads + tx] = carry[0] + first[0] + count[0]
+                    for i in T.serial(count[0]):
+                        if carry[0] + first[0] + i < n_slots:
+                            slot_table[carry[0] + first[0] + i, 0] = c * threads + tx
+                            slot_table[carry[0] + first[0] + i, 1] = (
+                                tiles(cache_seqlens, c * threads + tx)[0] + i * per[0])
+                            slot_table[carry[0] + first[0] + i, 2] = T.max(T.min(
+                                per[0], tiles(cache_seqlens, c * threads + tx)[1] - i * per[0]),
+                                0)
+                            slot_table[carry[0] + first[0] + i, 3] = count[0]
+                carry[0] = carry[0] + total[0]
+                T.sync_threads()
+            for r, j in T.grid(T.ceildiv(n_slots, threads), 4):
+                if r * threads + tx < n_slots and r * threads + tx >= carry[0]:
+                    slot_table[r * threads + tx, j] = T.if_then_else(j == 0, -1, 0)
+
+    return decode_schedule
+
+
+def target_slots(kv_heads: int, blocks: int, sms: int = SMS) -> int:
+    """Splits the schedule spreads over a batch: one wave of (KV head, row block) CTAs."""
+    return max(1, sms // (kv_heads * blocks))
+
+
+def slot_count(batch: int, kv_heads: int, blocks: int, sms: int = SMS) -> int:
+    """Slots a planned batch can use: the schedule's target plus one per request."""
+    return batch + target_slots(kv_heads, blocks, sms)
 
 
 class DecodeAttentionKernel(Kernel):
@@ -420,3 +608,36 @@ class DecodeAttentionKernel(Kernel):
             compiled[0](q, k, v, block_table, cache_seqlens, cu_seqlens_q, o_part, lse_part,
                         row_blocks, scale)
             compiled[1](o_part, lse_part, o, lse)
+
+
+class PlannedDecodeKernel(DecodeAttentionKernel):
+    """The planned decode (q [B, q_len, H, D]): the schedule, the attention over per-request
+    splits and the combine. Same key and configs as DecodeAttentionKernel (q_len >= 1);
+    one bucket."""
+
+    name = "decode_attention_planned"
+
+    def program(self, config: DecodeConfig, bucket: str):
+        k = self.key
+        return (schedule_program(k["q_len"], config.block_n, k["window_left"], k["causal"]),
+                decode_program(k["heads"], k["kv_heads"], k["head_dim"], k["q_len"],
+                               k["page_size"], k["dtype"], k["window_left"], k["softcap"],
+                               k["causal"], True, config, planned=True),
+                combine_program(k["heads"], k["head_dim"], k["q_len"], k["dtype"],
+                                planned=True))
+
+    def bucket_of(self, size: int) -> str:
+        return "planned"
+
+    def run(self, config: DecodeConfig, compiled: tuple, schedule: bool, q, k, v, block_table,
+            cache_seqlens, slot_table, split_ends, o, lse, o_part, lse_part, row_blocks: int,
+            target: int, scale: float) -> None:
+        """With `schedule`, recomputes the split counts from cache_seqlens first; q None:
+        the schedule only."""
+        if schedule:
+            compiled[0](cache_seqlens, slot_table, split_ends, target)
+        if q is None:
+            return
+        compiled[1](q, k, v, block_table, cache_seqlens, slot_table, o, lse, o_part, lse_part,
+                    row_blocks, scale)
+        compiled[2](o_part, lse_part, split_ends, o, lse)
