@@ -16,6 +16,14 @@ def ids(*shape):
     return torch.empty(*shape, dtype=torch.int64, device="meta")
 
 
+def ids32(*shape):
+    return torch.empty(*shape, dtype=torch.int32, device="meta")
+
+
+def offsets(n):
+    return torch.empty(n, dtype=torch.int32, device="meta")
+
+
 CASES = {
     "softmax": lambda: ([leaf(8, 1000)], lambda x: tileops.softmax(x)),
     "log_softmax": lambda: ([leaf(2, 4, 1000)], lambda x: tileops.log_softmax(x)),
@@ -37,6 +45,20 @@ CASES = {
                                                        tileops.fused_add_rms_norm(x, r, w))),
     "silu_and_mul": lambda: ([leaf(4, 512)], lambda x: tileops.silu_and_mul(x)),
     "swiglu": lambda: ([leaf(4, 256), leaf(4, 256)], lambda g, u: tileops.swiglu(g, u)),
+    "grouped_gemm": lambda: ([leaf(64, 256), leaf(8, 128, 256)],
+                             lambda a, b: tileops.grouped_gemm(a, b, offsets(8))),
+    "moe_permute": lambda: ([leaf(16, 256)],
+                            lambda x: tileops.moe_permute(x, ids32(16, 4), 8)[0]),
+    "moe_unpermute": lambda: ([leaf(64, 256), leaf(16, 4, dtype=torch.float32)],
+                              lambda y, w: tileops.moe_unpermute(y, w, ids32(16, 4))),
+    "fused_moe from logits": lambda: (
+        [leaf(16, 256), leaf(8, 512, 256), leaf(8, 256, 256)],
+        lambda x, w1, w2: tileops.fused_moe(x, w1, w2, torch.empty(16, 8, device="meta"),
+                                            top_k=2)),
+    "fused_moe from weights and ids": lambda: (
+        [leaf(16, 256), leaf(8, 512, 256), leaf(8, 256, 256), leaf(16, 2, dtype=torch.float32)],
+        lambda x, w1, w2, w: tileops.fused_moe(x, w1, w2, topk_weights=w,
+                                               topk_ids=ids32(16, 2))),
 }
 
 

@@ -369,3 +369,182 @@ def test_grouped_gemm_tile_table_on_the_cpu():
             for i in range(-(-int(sizes[e]) // config.block_m))]
     want += [-1] * (m_tiles - len(want))
     assert table.tolist() == want
+
+
+# -- grouped GEMM backward, gate-up with SiLU, unpermute backward, fused_moe -------------
+@pytest.mark.smoke
+def test_training_ops_errors_meta_and_rooflines():
+    from tileops import GroupedGemmBwdOp, GroupedGemmSiluAndMulFwdOp, MoeUnpermuteBwdOp
+
+    offsets = meta(8, dtype=I32)
+    bwd = GroupedGemmBwdOp()
+    with pytest.raises(TileOpsValueError, match="GroupedGemmBwdOp: argument 'a': expected "
+                                                "shapes satisfying `Mg == M`"):
+        bwd(meta(64, 128), meta(63, 256), meta(8, 128, 256), offsets)
+    with pytest.raises(TileOpsValueError, match="argument 'b': expected shapes satisfying "
+                                                "`Nb == N`"):
+        bwd(meta(64, 128), meta(64, 256), meta(8, 64, 256), offsets)
+    grad_a, grad_b = bwd(meta(64, 128), meta(64, 256), meta(8, 128, 256), offsets)
+    assert grad_a.shape == (64, 256) and grad_b.shape == (8, 128, 256)
+    flops, nbytes = bwd.eval_roofline(meta(64, 128), meta(64, 256), meta(8, 128, 256), offsets)
+    assert flops == 4 * 64 * 128 * 256
+    assert nbytes == (64 * 128 + 2 * 64 * 256 + 2 * 8 * 128 * 256) * 2 + 8 * 4
+
+    silu = GroupedGemmSiluAndMulFwdOp()
+    with pytest.raises(TileOpsValueError, match="GroupedGemmSiluAndMulFwdOp: argument "
+                                                "'w_gate_up': expected shapes satisfying "
+                                                "`F2 % 2 == 0`"):
+        silu(meta(64, 256), meta(8, 129, 256), offsets)
+    out = tileops.grouped_gemm_silu_and_mul(meta(64, 256), meta(8, 512, 256), offsets)
+    assert out.shape == (64, 256) and out.dtype == torch.bfloat16
+    flops, nbytes = silu.eval_roofline(meta(64, 256), meta(8, 512, 256), offsets)
+    assert flops == 2 * 64 * 512 * 256
+    assert nbytes == (64 * 256 + 8 * 512 * 256 + 64 * 256) * 2 + 8 * 4
+
+    unperm = MoeUnpermuteBwdOp(grad_weights=False)
+    g_rows, g_w = unperm(meta(16, 64), meta(128, 64), meta(16, 8, dtype=torch.float32),
+                         meta(16, 8, dtype=I32))
+    assert g_rows.shape == (128, 64) and g_w.shape == (16, 8) and g_w.dtype == torch.float32
+    with pytest.raises(TileOpsValueError, match="MoeUnpermuteBwdOp: argument 'row_index'"):
+        unperm(meta(16, 64), meta(128, 64), meta(16, 8, dtype=torch.float32),
+               meta(16, 4, dtype=I32))
+
+
+@pytest.mark.smoke
+def test_fused_moe_errors_and_meta():
+    from tileops import FusedMoeFwdOp
+
+    x, w1, w2 = meta(16, 256), meta(8, 512, 256), meta(8, 256, 256)
+    logits = meta(16, 8, dtype=torch.float32)
+    weights, ids = meta(16, 2, dtype=torch.float32), meta(16, 2, dtype=I32)
+    with pytest.raises(TileOpsValueError, match=r"FusedMoeFwdOp: .*\(router_logits is None\) "
+                                                r"!= \(topk_ids is None\)"):
+        FusedMoeFwdOp(top_k=2)(x, w1, w2, logits, weights, ids)
+    with pytest.raises(TileOpsValueError, match=r"\(router_logits is None\) != "):
+        FusedMoeFwdOp(top_k=2)(x, w1, w2)
+    with pytest.raises(TileOpsValueError, match="top_k is not None and 1 <= top_k"):
+        FusedMoeFwdOp()(x, w1, w2, logits)
+    with pytest.raises(TileOpsValueError, match="argument 'w_down': expected shapes "
+                                                "satisfying `Hd == H`"):
+        FusedMoeFwdOp(top_k=2)(x, w1, meta(8, 128, 256), logits)
+    with pytest.raises(TileOpsValueError, match="F2 == 2 \\* F"):
+        FusedMoeFwdOp(top_k=2)(x, meta(8, 384, 256), w2, logits)
+    with pytest.raises(TileOpsValueError, match="top_k == topk_ids.shape"):
+        FusedMoeFwdOp(top_k=4)(x, w1, w2, None, weights, ids)
+    assert tileops.fused_moe(x, w1, w2, logits, top_k=2).shape == (16, 256)
+    out = tileops.fused_moe(x, w1, w2, topk_weights=weights, topk_ids=ids)
+    assert out.shape == (16, 256) and out.dtype == torch.bfloat16
+    flops, nbytes = FusedMoeFwdOp(top_k=2).eval_roofline(x, w1, w2, logits)
+    assert flops == 6 * 16 * 2 * 256 * 256
+    assert nbytes == (2 * 16 * 256 + 8 * 3 * 256 * 256) * 2 + 16 * 8 * 4
+
+
+def test_fused_moe_kernels_are_its_pieces():
+    """The compile plan of a layer: routing, the sort and gather, the gate-up GEMM with the
+    SiLU epilogue, the down GEMM and the combine."""
+    from tileops import FusedMoeFwdOp
+
+    op = FusedMoeFwdOp(top_k=8, scoring="sigmoid", n_group=8, topk_group=4)
+    ns = op.check((meta(64, 7168), meta(256, 4096, 7168), meta(256, 7168, 2048),
+                   meta(64, 256, dtype=torch.float32), None, None,
+                   meta(256, dtype=torch.float32)))
+    plan = op.kernels_for(ns)
+    assert [name for name, _, _ in plan] == ["moe_route", "moe_sort", "moe_gather",
+                                             "grouped_gemm", "grouped_gemm", "moe_combine"]
+    gate_up, down = plan[3][1], plan[4][1]
+    assert gate_up == {"dtype": "bfloat16", "n": 2048, "k": 7168, "n_experts": 256,
+                       "silu_mul": True}
+    assert down == {"dtype": "bfloat16", "n": 7168, "k": 2048, "n_experts": 256}
+    assert plan[3][2] == 512  # rows: tokens x top_k
+
+
+def _training_programs():
+    from tileops.kernels.moe import GroupedGemmKernel, GroupedGemmWeightGradKernel
+
+    weight_grad = GroupedGemmWeightGradKernel(dtype="bfloat16", n=1536, k=2048, n_experts=128)
+    silu = GroupedGemmKernel(dtype="bfloat16", n=768, k=2048, n_experts=128, silu_mul=True)
+    grad_input = GroupedGemmKernel(dtype="bfloat16", n=2048, k=1536, n_experts=128,
+                                   trans_b=False)
+    return weight_grad, silu, grad_input
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+def test_training_programs_keep_tma_and_wgmma():
+    """The weight gradient (TMA pipeline over whole row tiles, then the partial tile loaded
+    guarded by the consumers), the gate-up GEMM with SiLU (two accumulators) and the input
+    gradient (b untransposed, then the rows no expert owns zeroed)."""
+    weight_grad, silu, grad_input = _training_programs()
+    (program,) = weight_grad.compile(weight_grad.heuristic_config("all", "sm_90a"), "all")
+    source = program.get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source and "fence_proxy_async" in source
+    assert source.count("wgmma_ss<") == 2  # the pipelined tiles and the partial tile
+    _, gemm = silu.compile(silu.heuristic_config("prefill", "sm_90a"), "prefill")
+    source = gemm.get_kernel_source()
+    assert "tma_load" in source and source.count("wgmma_ss<") == 2 and "expf" in source
+    _, gemm, zero_tail = grad_input.compile(grad_input.heuristic_config("prefill", "sm_90a"),
+                                            "prefill")
+    assert "tma_load" in gemm.get_kernel_source() and "wgmma" in gemm.get_kernel_source()
+    assert "offsets[127]" in zero_tail.get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.full
+def test_every_training_program_config_keeps_the_fast_path(tmp_path):
+    """Each config of the weight-gradient and SiLU spaces: TMA, wgmma, no spills and no
+    serialized wgmma (ptxas)."""
+    from ..test_compile import assert_no_spills_or_serialized_wgmma
+
+    weight_grad, silu, grad_input = _training_programs()
+    for config in weight_grad.config_space("all"):
+        (program,) = weight_grad.compile(config, "all")
+        assert "tma_load" in program.get_kernel_source(), config
+        assert_no_spills_or_serialized_wgmma(program, tmp_path)
+    for kernel in (silu, grad_input):
+        for bucket in ("decode", "prefill"):
+            for config in kernel.config_space(bucket):
+                gemm = kernel.compile(config, bucket)[1]
+                source = gemm.get_kernel_source()
+                assert "tma_load" in source and "wgmma" in source, config
+                assert_no_spills_or_serialized_wgmma(gemm, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+def test_zero_tail_and_weighted_gather_on_the_cpu():
+    """The rows past offsets[E-1] become zeros, the others stay; the weighted gather puts
+    w[t, k] * x[t] at row_index[t, k] (fp32 product, rounded once)."""
+    import tilelang
+
+    from tileops.kernels.moe.grouped_gemm import zero_tail_program
+
+    from ..cuda_emulation_threads import run
+
+    target = {"kind": "cuda", "arch": "sm_90a"}
+    program = tilelang.compile(zero_tail_program(200, 6, "bfloat16"), target=target)
+    x = torch.randn(23, 200).to(torch.bfloat16)
+    offsets = torch.tensor([0, 3, 3, 9, 14, 17], dtype=I32)
+    want = x.clone()
+    want[17:] = 0
+    run(program, -(-23 // 4), 128, dict(offsets=offsets, x=x), dict(m_total=23))
+    assert torch.equal(x, want)
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, top_k, hidden = 9, 4, 200
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    row_index = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k).to(I32)
+    unnamed = int(row_index[2, 1])  # no slot names this row once its slot is dropped
+    row_index[2, 1] = -1
+    gather = MoeGatherKernel(dtype="bfloat16", hidden=hidden, top_k=top_k, weighted=True)
+    config = gather.heuristic_config("all", "sm_90a")
+    out = torch.full((tokens * top_k, hidden), float("nan")).to(torch.bfloat16)
+    run(gather.compile(config, "all")[0], -(-tokens * top_k // config.block_rows),
+        config.threads, dict(x=x, weights=weights, row_index=row_index, permuted=out),
+        dict(tokens=tokens, rows=tokens * top_k))
+    for t in range(tokens):
+        for k in range(top_k):
+            r = int(row_index[t, k])
+            if r >= 0:
+                assert torch.equal(out[r], (x[t].float() * weights[t, k]).to(torch.bfloat16))
+    assert out[unnamed].isnan().all()

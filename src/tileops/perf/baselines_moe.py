@@ -1,5 +1,7 @@
 """Baselines of the MoE ops: what a PyTorch user writes (the Hugging Face routers, a stable
-argsort for the permutation, index ops for the combine), eager and under torch.compile.
+argsort for the permutation, index ops for the combine, torch._grouped_mm or a per-expert
+cuBLAS loop for the expert GEMMs, and the whole layer from those), eager and under
+torch.compile.
 Independent of TileOPs' code; `baselines.baselines_for` serves them."""
 
 from __future__ import annotations
@@ -77,22 +79,105 @@ def grouped_gemm_loop(a, b, offsets):
     return out
 
 
+def grouped_mm_backward(grad_output, a, b, offsets):
+    """(grad_a, grad_b) by torch._grouped_mm, as its autograd formula computes them."""
+    return (torch._grouped_mm(grad_output, b, offs=offsets),
+            torch._grouped_mm(grad_output.t(), a, offs=offsets))
+
+
+def grouped_gemm_backward_loop(grad_output, a, b, offsets):
+    """Two cuBLAS GEMMs per expert; reads the offsets on the host (a synchronization)."""
+    grad_a = torch.zeros_like(a)
+    grad_b = torch.zeros_like(b)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.matmul(grad_output[start:end], b[e], out=grad_a[start:end])
+            torch.matmul(grad_output[start:end].t(), a[start:end], out=grad_b[e])
+        start = end
+    return grad_a, grad_b
+
+
+def grouped_mm_silu_and_mul(a, w_gate_up, offsets):
+    """torch._grouped_mm, then silu(gate) * up on the [M, 2F] product."""
+    gate, up = torch._grouped_mm(a, w_gate_up.transpose(-2, -1), offs=offsets).chunk(2, -1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def grouped_loop_silu_and_mul(a, w_gate_up, offsets):
+    gate, up = grouped_gemm_loop(a, w_gate_up, offsets).chunk(2, -1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def unpermute_backward_eager(grad_output, expert_output, topk_weights, row_index,
+                             grad_weights=True):
+    """Index ops: each slot's weighted gradient row put at its row; the weights' gradient
+    as dot products of the gathered rows."""
+    valid = row_index >= 0
+    rows = row_index.long().clamp(min=0)
+    w = torch.where(valid, topk_weights, 0.0)
+    grad_rows = torch.zeros_like(expert_output)
+    scaled = (grad_output.float()[:, None, :] * w[..., None]).to(grad_output.dtype)
+    grad_rows.index_put_((rows.flatten(),), scaled.flatten(0, 1), accumulate=True)
+    grad_w = torch.zeros_like(topk_weights)
+    if grad_weights:
+        dots = (expert_output[rows].float() * grad_output.float()[:, None, :]).sum(-1)
+        grad_w = torch.where(valid, dots, 0.0)
+    return grad_rows, grad_w
+
+
+def fused_moe_torch(hidden_states, w_gate_up, w_down, router_logits=None, topk_weights=None,
+                    topk_ids=None, correction_bias=None, top_k=None, scoring="softmax",
+                    renormalize=True, n_group=None, topk_group=None,
+                    routed_scaling_factor=1.0, grouped=None):
+    """The layer in pure PyTorch: the routers' code, a stable argsort permutation,
+    torch._grouped_mm (or a per-expert loop) for both projections, index ops to combine."""
+    n_experts = w_gate_up.shape[0]
+    if router_logits is not None:
+        topk_weights, topk_ids = route_eager(router_logits, correction_bias, top_k, scoring,
+                                             renormalize, n_group, topk_group,
+                                             routed_scaling_factor)
+    permuted, offsets, row_index, _ = permute_eager(hidden_states, topk_ids,
+                                                    num_experts=n_experts)
+    mm = grouped or (grouped_mm if hasattr(torch, "_grouped_mm") else grouped_gemm_loop)
+    gate, up = mm(permuted, w_gate_up, offsets[1:]).chunk(2, -1)
+    y = mm(torch.nn.functional.silu(gate) * up, w_down, offsets[1:])
+    return unpermute_eager(y, topk_weights, row_index)
+
+
+def fused_moe_loop(*inputs, **params):
+    return fused_moe_torch(*inputs, grouped=grouped_gemm_loop, **params)
+
+
 @functools.cache
 def _compiled(fn: Baseline) -> Baseline:
     return torch.compile(fn, dynamic=False)
 
 
+_GROUPED = {  # op -> (torch._grouped_mm form, per-expert loop)
+    "GroupedGemmFwdOp": (grouped_mm, grouped_gemm_loop),
+    "GroupedGemmBwdOp": (grouped_mm_backward, grouped_gemm_backward_loop),
+    "GroupedGemmSiluAndMulFwdOp": (grouped_mm_silu_and_mul, grouped_loop_silu_and_mul),
+}
 _EAGER = {"MoeRouteFwdOp": route_eager, "MoePermuteFwdOp": permute_eager,
           "MoeUnpermuteFwdOp": unpermute_eager}
 
 
 def moe_baselines(op_name: str) -> dict[str, Baseline] | None:
     """{name: fn(*inputs, **params)} for an MoE op, None for any other op."""
-    if op_name == "GroupedGemmFwdOp":
-        table = {"torch-loop": grouped_gemm_loop}
-        if hasattr(torch, "_grouped_mm"):
-            table = {"torch-grouped-mm": grouped_mm, **table}
+    has_grouped_mm = hasattr(torch, "_grouped_mm")
+    if op_name in _GROUPED:
+        grouped, loop = _GROUPED[op_name]
+        return {"torch-grouped-mm": grouped, "torch-loop": loop} if has_grouped_mm \
+            else {"torch-loop": loop}
+    if op_name == "FusedMoeFwdOp":
+        table = {"torch-eager": fused_moe_torch,
+                 "torch-compile": lambda *a, **k: _compiled(fused_moe_torch)(*a, **k)}
+        if has_grouped_mm:
+            table["torch-loop"] = fused_moe_loop
         return table
+    if op_name == "MoeUnpermuteBwdOp":
+        return {"torch-eager": unpermute_backward_eager}
     eager = _EAGER.get(op_name)
     if eager is None:
         return None
