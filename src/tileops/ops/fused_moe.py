@@ -147,9 +147,9 @@ def fused_moe(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     # Training: validate the whole call once, then chain the differentiable ops.
     FusedMoeFwdOp.cached(**params).check(inputs)
     if router_logits is not None:
+        bias = None if correction_bias is None else correction_bias.detach()
         topk_weights, topk_ids = moe_route(router_logits.detach(), top_k, scoring, renormalize,
-                                           n_group, topk_group, correction_bias,
-                                           routed_scaling_factor)
+                                           n_group, topk_group, bias, routed_scaling_factor)
     permuted, offsets, row_index, _ = moe_permute(hidden_states, topk_ids, w_gate_up.shape[0])
     ends = offsets[1:]
     h = silu_and_mul(grouped_gemm(permuted, w_gate_up, ends))
