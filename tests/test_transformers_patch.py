@@ -388,3 +388,20 @@ def test_bench_model_cli_usage_errors(capsys):
     assert "known: llama-3.1-8b" in capsys.readouterr().err
     assert main(["bench-model", "--layers", "llama-3.1-8b=x"]) == 2
     assert main(["bench-model", "--variant", "fast"]) == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_static_cache_generate_matches(family, spies):
+    """Prefill into an empty static cache skips the mask (the kernel, over the first q_len
+    keys); decode steps get a mask and run PyTorch's attention."""
+    model = hf_models.model(family)
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(0, 512, (2, 20))
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static",
+              disable_compile=True, return_dict_in_generate=True, output_logits=True)
+    out, ref = model.generate(ids, **kw), reference.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4,
+                               atol=1e-4)
+    assert len(spies["attention"]) == model.config.num_hidden_layers  # the prefill only

@@ -143,6 +143,13 @@ def _make_rotary(original: Callable) -> Callable:
             return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         from ..ops import apply_rotary
 
+        if unsqueeze_dim == 1 and q.dim() == 4:
+            # transformers' q and k are [B, H, S, D] views of [B, S, H, D] projections: rotate
+            # them as [B, S, H, D], so that the outputs are [B, S, H, D]-contiguous and the
+            # attention kernel (BSHD) reads them without a copy
+            q_out, k_out = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
+                                        unsqueeze_dim=2)
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
         return apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     apply_rotary_pos_emb.__tileops__ = True
@@ -465,10 +472,10 @@ def _plan_rope(name: str, module: torch.nn.Module, dtype: torch.dtype, report: P
 def _rope_probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     from ..ops import apply_rotary
 
-    q = _meta(1, heads, 16, head_dim, dtype=dtype)
-    k = _meta(1, kv_heads, 16, head_dim, dtype=dtype)
+    q = _meta(1, 16, heads, head_dim, dtype=dtype)  # the [B, S, H, D] form the patch runs
+    k = _meta(1, 16, kv_heads, head_dim, dtype=dtype)
     cos = _meta(1, 16, head_dim, dtype=dtype)
-    apply_rotary(q, k, cos, cos)
+    apply_rotary(q, k, cos, cos, unsqueeze_dim=2)
 
 
 def _plan_mlp(name: str, module: torch.nn.Module, family: Family, config: Any,
