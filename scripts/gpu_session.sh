@@ -7,6 +7,7 @@
 #     (public models' GEMM, attention, norm, activation and loss shapes; bench.md ends with
 #     the per-op summary and the shapes the ops refuse)
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh tune OP [--workload TEXT ...] [--dtype D]
+#   bash .gpu/remote.sh bash scripts/gpu_session.sh bench-model [--model NAME] [--variant V ...] [tileops bench-model options]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh calibrate
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh breakdown OP [--workload TEXT ...] [--dtype D]
 #   bash .gpu/remote.sh bash scripts/gpu_session.sh compare OP --workload TEXT [--config JSON ...]
@@ -59,6 +60,14 @@ if [ "$what" = ncu ]; then
   tail -n 3 "$OUT/ncu.log"
   grep -E "Duration|Throughput|Issue Slots Busy|No Eligible|Cycles Per Issued|Registers Per" \
     "$OUT/ncu-details.txt" | head -n 40
+  exit "$rc"
+fi
+if [ "$what" = bench-model ]; then
+  # Hugging Face models end to end (tileops bench-model; Liger from .whl/ when present)
+  timeout "${BENCH_SECONDS:-0}" python3 -m tileops.cli bench-model --out "$OUT/bench-model" \
+    "$@" 2>&1 | grep -v INFO | tee "$OUT/bench-model.log"
+  rc=${PIPESTATUS[0]}
+  cat "$OUT/bench-model/bench-model.md" 2>/dev/null
   exit "$rc"
 fi
 if [ "$what" = calibrate ]; then
