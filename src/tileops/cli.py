@@ -170,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=_positive_int, default=64, help="decoded tokens")
     p.add_argument("--no-train", action="store_true", help="skip the training step")
     p.add_argument("--no-generate", action="store_true", help="skip generation")
-    p.add_argument("--timeout", type=_positive_int, default=900,
+    p.add_argument("--timeout", type=_positive_int, default=540,
                    help="seconds per (model, variant) subprocess")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="report folder (default: %(default)s)")
