@@ -1,10 +1,11 @@
 """GPU exactness of tileops.transformers.apply: small random-init models of each family, bf16.
 
 Tolerance (stated): for the logits, the training loss and every parameter's gradient, the
-patched bf16 model's error against the unpatched model run in fp32 (same weights) is at most
-2x the unpatched bf16 model's own error against it, plus 2e-3, in relative Frobenius norm:
+patched bf16 (or fp16) model's error against the unpatched model run in fp32 (same weights)
+is at most 2x the unpatched bf16 model's own error against it, plus 2e-3, in relative
+Frobenius norm:
     |patched - fp32| <= 2 |unpatched_bf16 - fp32| + 2e-3 |fp32|.
-Both bf16 models round the same operands; TileOPs' kernels must not add more error than
+Both half-precision models round the same operands; TileOPs' kernels must not add more error than
 transformers' PyTorch path has. Every op the patch installs must have run (call counts),
 so a silent fallback to PyTorch fails the test.
 
@@ -33,6 +34,9 @@ pytestmark = pytest.mark.gpu
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 BATCH, SEQ = 2, 203  # a ragged tail: 203 tokens per row, windows of 16
+# the real models' head sizes where they differ from the small configs' 64
+HEAD_DIM = {"llama": dict(head_dim=128), "qwen3": dict(head_dim=128),
+            "gemma2": dict(head_dim=256, query_pre_attn_scalar=256)}
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -62,9 +66,9 @@ def counts(monkeypatch):
     return seen
 
 
-def _models(family: str, **overrides):
-    fp32 = hf_models.model(family, device="cuda", **overrides)
-    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+def _models(family: str, dtype: torch.dtype = torch.bfloat16, **overrides):
+    fp32 = hf_models.model(family, device="cuda", **{**HEAD_DIM.get(family, {}), **overrides})
+    bf16 = copy.deepcopy(fp32).to(dtype)
     ours = copy.deepcopy(bf16)
     tt.apply(ours, verbose=False)
     return ours, bf16, fp32
@@ -79,9 +83,10 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor
                                        if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_loss_and_gradients_match(family, counts):
-    ours, bf16, fp32 = _models(family)
+@pytest.mark.parametrize("family,dtype", [(f, torch.bfloat16) for f in FAMILIES]
+                         + [("llama", torch.float16), ("qwen3", torch.float16)])
+def test_logits_loss_and_gradients_match(family, dtype, counts):
+    ours, bf16, fp32 = _models(family, dtype)
     torch.manual_seed(1)
     ids = torch.randint(0, 512, (BATCH, SEQ), device="cuda")
     ids[0, -7:] = -100  # ignored labels reach the loss as ignore_index
@@ -108,9 +113,10 @@ def test_logits_loss_and_gradients_match(family, counts):
     # every installed op ran
     assert counts.get("rms_norm") and counts.get("apply_rotary") and counts.get("attention")
     assert counts.get("loss") == 1
-    assert bool(counts.get("swiglu")) == (not family.startswith("gemma")
-                                          and family != "mixtral"), counts
-    assert bool(counts.get("fused_moe")) == (family in ("mixtral", "qwen3_moe")), counts
+    patched = ours._tileops_report.patched
+    assert bool(counts.get("swiglu")) == bool(patched.get("mlp")), counts
+    assert bool(counts.get("fused_moe")) == bool(patched.get("moe")), counts
+    assert bool(patched.get("moe")) == (family in ("mixtral", "qwen3_moe"))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
