@@ -475,7 +475,7 @@ def test_training_programs_keep_tma_and_wgmma():
     guarded by the consumers), the gate-up GEMM with SiLU (two accumulators) and the input
     gradient (b untransposed, then the rows no expert owns zeroed)."""
     weight_grad, silu, grad_input = _training_programs()
-    (program,) = weight_grad.compile(weight_grad.heuristic_config("all", "sm_90a"), "all")
+    _, program = weight_grad.compile(weight_grad.heuristic_config("all", "sm_90a"), "all")
     source = program.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "fence_proxy_async" in source
     assert source.count("wgmma_ss<") == 2  # the pipelined tiles and the partial tile
@@ -497,7 +497,7 @@ def test_every_training_program_config_keeps_the_fast_path(tmp_path):
 
     weight_grad, silu, grad_input = _training_programs()
     for config in weight_grad.config_space("all"):
-        (program,) = weight_grad.compile(config, "all")
+        _, program = weight_grad.compile(config, "all")
         assert "tma_load" in program.get_kernel_source(), config
         assert_no_spills_or_serialized_wgmma(program, tmp_path)
     for kernel in (silu, grad_input):
@@ -511,12 +511,13 @@ def test_every_training_program_config_keeps_the_fast_path(tmp_path):
 
 @pytest.mark.compile
 @pytest.mark.smoke
-def test_zero_tail_and_weighted_gather_on_the_cpu():
-    """The rows past offsets[E-1] become zeros, the others stay; the weighted gather puts
+def test_zero_tail_expert_order_and_weighted_gather_on_the_cpu():
+    """The rows past offsets[E-1] become zeros, the others stay; the weight gradient's
+    expert order is by rows, descending, ties to the lower expert; the weighted gather puts
     w[t, k] * x[t] at row_index[t, k] (fp32 product, rounded once)."""
     import tilelang
 
-    from tileops.kernels.moe.grouped_gemm import zero_tail_program
+    from tileops.kernels.moe.grouped_gemm import expert_order_program, zero_tail_program
 
     from ..cuda_emulation_threads import run
 
@@ -528,6 +529,13 @@ def test_zero_tail_and_weighted_gather_on_the_cpu():
     want[17:] = 0
     run(program, -(-23 // 4), 128, dict(offsets=offsets, x=x), dict(m_total=23))
     assert torch.equal(x, want)
+
+    sizes = torch.tensor([5, 0, 300, 5, 0, 17] + [3] * 58 + [300, 1])
+    order = torch.full((66,), -7, dtype=I32)
+    run(tilelang.compile(expert_order_program(66), target=target), 1, 512,
+        dict(offsets=sizes.cumsum(0).to(I32), order=order), {})
+    want = sorted(range(66), key=lambda e: (-int(sizes[e]), e))
+    assert order.tolist() == want
 
     gen = torch.Generator().manual_seed(7)
     tokens, top_k, hidden = 9, 4, 200

@@ -25,9 +25,12 @@ Programs (one builder each, flags for the variants):
   `zero_tail_program` (the input gradient's rows that no expert owns are zeros).
 - `weight_grad_program`: db[e] = dy[rows of e]^T @ a[rows of e], [E, N, K]: a GEMM per
   (expert, n tile, k tile) whose reduction runs over the expert's rows (a trip count read
-  from offsets: 0 rows gives db[e] = 0). The last partial row tile reads the next
-  expert's rows: the consumers zero those rows of both operands in shared memory before
-  its wgmma (both, since a row outside the group may hold anything, NaN included).
+  from offsets: 0 rows gives db[e] = 0), experts with the most rows first. Whole row
+  tiles come by TMA through the pipeline; the last partial one, whose box would cover
+  the next expert's rows, is loaded by the consumers with guards (rows outside the group
+  read as zero in both operands, since they may hold anything, NaN included). Zeroing
+  those rows of the TMA tiles instead does not work in TileLang 0.1.15: its warp
+  specialization gives the masking to the producer, ahead of the load it must follow.
 """
 
 from dataclasses import dataclass
@@ -180,9 +183,38 @@ def zero_tail_program(width: int, n_experts: int, dtype: str, block_rows: int = 
     return zero_tail
 
 
+def expert_order_program(n_experts: int):
+    """order[i] = the expert with the i-th most rows (ties: the lower index first)."""
+    threads = 512  # one thread per expert (E <= 384)
+
+    @T.prim_func
+    def expert_order(offsets: T.Tensor((n_experts,), "int32"),
+                     order: T.Tensor((n_experts,), "int32")):
+        with T.Kernel(1, threads=threads) as _:
+            tx = T.get_thread_binding()
+            sizes_shared = T.alloc_shared((n_experts,), "int32")
+            rank = T.alloc_local((1,), "int32")
+            if tx < n_experts:
+                sizes_shared[tx] = T.max(offsets[tx] - _group_start(offsets, tx), 0)
+            T.sync_threads()
+            if tx < n_experts:
+                rank[0] = 0
+                for j in T.serial(n_experts):
+                    if sizes_shared[j] > sizes_shared[tx] or (
+                            sizes_shared[j] == sizes_shared[tx] and j < tx):
+                        rank[0] = rank[0] + 1
+                order[rank[0]] = tx
+
+    return expert_order
+
+
 def weight_grad_program(n: int, k: int, n_experts: int, dtype: str,
                         config: GroupedGemmConfig):
-    """db[e] = dy[rows of e]^T @ a[rows of e] for every expert (zeros for an empty one)."""
+    """db[e] = dy[rows of e]^T @ a[rows of e] for every expert (zeros for an empty one).
+
+    CTAs launch expert by expert in `order` (most rows first, from `expert_order_program`),
+    so under skewed routing the longest reductions start in the first wave instead of
+    running on alone at the end."""
     m_total = T.dynamic("m_total")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
 
@@ -190,9 +222,11 @@ def weight_grad_program(n: int, k: int, n_experts: int, dtype: str,
     def weight_grad(dy: T.Tensor((m_total, n), dtype),
                     a: T.Tensor((m_total, k), dtype),
                     offsets: T.Tensor((n_experts,), "int32"),
+                    order: T.Tensor((n_experts,), "int32"),
                     db: T.Tensor((n_experts, n, k), dtype)):
         with T.Kernel(T.ceildiv(k, bn), T.ceildiv(n, bm), n_experts,
-                      threads=config.threads) as (bx, by, e):
+                      threads=config.threads) as (bx, by, bz):
+            e = order[bz]
             dy_shared = T.alloc_shared((bk, bm), dtype)
             a_shared = T.alloc_shared((bk, bn), dtype)
             dy_tail = T.alloc_shared((bk, bm), dtype)
@@ -293,7 +327,8 @@ class GroupedGemmWeightGradKernel(Kernel):
 
     def program(self, config: GroupedGemmConfig, bucket: str):
         key = self.key
-        return weight_grad_program(key["n"], key["k"], key["n_experts"], key["dtype"], config)
+        return (expert_order_program(key["n_experts"]),
+                weight_grad_program(key["n"], key["k"], key["n_experts"], key["dtype"], config))
 
     def heuristic_config(self, bucket: str, arch: str) -> GroupedGemmConfig:
         return GroupedGemmConfig()
@@ -304,4 +339,8 @@ class GroupedGemmWeightGradKernel(Kernel):
                 GroupedGemmConfig(block_m=128, block_n=256, block_k=64, stages=4)]
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, dy, a, offsets, db) -> None:
-        compiled[0](dy, a, offsets, db)
+        import torch
+
+        order = torch.empty_like(offsets)
+        compiled[0](offsets, order)
+        compiled[1](dy, a, offsets, order, db)
