@@ -185,6 +185,19 @@ def test_rebound_forward_keeps_the_decorators():
     assert getattr(inner.__globals__["apply_rotary_pos_emb"], "__tileops__", False)
 
 
+def test_patched_forwards_keep_their_signatures():
+    import inspect
+
+    model = hf_models.model("mixtral", dtype=torch.bfloat16)
+    before = {n: inspect.signature(m.forward) for n, m in model.named_modules()}
+    _apply(model)
+    assert "forward" in model.__dict__  # the loss patch
+    for name, module in model.named_modules():
+        assert inspect.signature(module.forward) == before[name], name
+    assert {"attention_mask", "logits_to_keep", "labels"} <= set(
+        inspect.signature(model.forward).parameters)
+
+
 # -- CPU, fp32: the patched model falls back to transformers' code ----------------------------
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
 def test_cpu_model_falls_back_exactly(family):

@@ -12,6 +12,7 @@ TileOPs where the kernels serve it. What is not patched is named in the returned
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import warnings
 from collections.abc import Callable
@@ -82,6 +83,16 @@ class PatchReport:
 
 # -- per-instance forwards ------------------------------------------------------------------
 def _set_forward(module: torch.nn.Module, kind: str, fn: Callable) -> None:
+    """Binds `fn` as the instance's forward, with the class forward's signature (transformers'
+    generate reads the model's forward signature: attention_mask, logits_to_keep, ...)."""
+    original = type(module).forward
+    if getattr(fn, "__code__", None) is not getattr(original, "__code__", None):
+        patched = fn
+
+        @functools.wraps(original)
+        def fn(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return patched(self, *args, **kwargs)
+
     module.forward = types.MethodType(fn, module)
     setattr(module, _MARK, kind)
 
@@ -182,6 +193,7 @@ def _rebind_globals(fn: Callable, overrides: dict[str, Any]) -> Callable:
         scope = fn.__globals__
     new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
+    new.__annotations__ = dict(getattr(fn, "__annotations__", None) or {})
     new.__dict__.update(fn.__dict__)
     new.__qualname__ = fn.__qualname__
     if inner is not None:
