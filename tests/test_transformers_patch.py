@@ -418,3 +418,21 @@ def test_static_cache_generate_matches(family, spies):
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4,
                                atol=1e-4)
     assert len(spies["attention"]) == model.config.num_hidden_layers  # the prefill only
+
+
+def test_mask_function_skips_only_plain_causal_masks():
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    assert hf_attention.tileops_mask(2, 8, 8, mask_function=causal_mask_function) is None
+    padded = torch.ones(2, 8, dtype=torch.bool)
+    padded[0, 0] = False
+    mask = hf_attention.tileops_mask(2, 8, 8, mask_function=causal_mask_function,
+                                     attention_mask=padded)
+    assert mask.shape == (2, 1, 8, 8) and not mask[0, 0, 3, 0] and mask[1, 0, 3, 0]
+    # a bidirectional mask is never replaced by the kernel's causal one
+    full = hf_attention.tileops_mask(2, 8, 8, mask_function=bidirectional_mask_function,
+                                     allow_is_bidirectional_skip=True, attention_mask=padded)
+    assert full is not None and full[1, 0, 0, 7]
+    none = hf_attention.tileops_mask(2, 8, 8, mask_function=causal_mask_function,
+                                     allow_is_causal_skip=False)
+    assert none is not None and not none[0, 0, 0, 1]

@@ -56,7 +56,9 @@ def tileops_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any =
     SDPA's boolean mask (see the module doc)."""
     sdpa_mask, prepare_padding_mask, can_skip = _hf_mask_helpers()
     kwargs.pop("local_size", None)  # the kernel applies the window: it never forces a mask
-    if allow_is_causal_skip and can_skip is not None and prepare_padding_mask is not None:
+    bidirectional = kwargs.get("allow_is_bidirectional_skip", False)  # not a causal mask
+    if allow_is_causal_skip and not bidirectional and can_skip is not None \
+            and prepare_padding_mask is not None:
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if can_skip(padding, q_length, kv_length, q_offset, kv_offset, None):
             return None
