@@ -84,6 +84,30 @@ template <class V> static V emu_shfl_down(unsigned, V v, int d, int) {
 template <class V> static V emu_shfl(unsigned, V v, int src, int) {
   return emu_exchange(v, src % 32);
 }
+// TileLang's CTA-wide all-reduce (every thread of the block calls it): the `threads`
+// threads spaced `scale` apart from `offset` that share this thread's group, combined in
+// thread order (the GPU's butterfly order may round differently).
+namespace tl {
+struct SumOp { template <class T> static T apply(T a, T b) { return a + b; } };
+struct MaxOp { template <class T> static T apply(T a, T b) { return a > b ? a : b; } };
+struct MinOp { template <class T> static T apply(T a, T b) { return a < b ? a : b; } };
+template <int N> struct NamedBarrier {};
+static double emu_reduce_slot[2048];
+template <class Op, int threads, int scale, int offset, class Barrier = void>
+struct AllReduce {
+  template <class T> static T run(T x, void * = nullptr) {
+    int me = emu_thread.x - offset;
+    emu_reduce_slot[emu_thread.x] = double(x);
+    emu_syncthreads();
+    int base = (me / (scale * threads)) * scale * threads + me % scale;
+    T acc = T(emu_reduce_slot[base + offset]);
+    for (int i = 1; i < threads; ++i)
+      acc = Op::apply(acc, T(emu_reduce_slot[base + offset + i * scale]));
+    emu_syncthreads();
+    return acc;
+  }
+};
+}  // namespace tl
 """
 _DYNAMIC_SHARED = re.compile(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];")
 _RENAMES = {"__syncthreads()": "emu_syncthreads()", "__shfl_xor_sync(": "emu_shfl_xor(",

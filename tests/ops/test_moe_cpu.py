@@ -514,7 +514,8 @@ def test_every_training_program_config_keeps_the_fast_path(tmp_path):
 def test_zero_tail_expert_order_and_weighted_gather_on_the_cpu():
     """The rows past offsets[E-1] become zeros, the others stay; the weight gradient's
     expert order is by rows, descending, ties to the lower expert; the weighted gather puts
-    w[t, k] * x[t] at row_index[t, k] (fp32 product, rounded once)."""
+    w[t, k] * x[t] at row_index[t, k] (fp32 product, rounded once); the combine's weight
+    gradient is each slot's dot product (0 for a dropped slot)."""
     import tilelang
 
     from tileops.kernels.moe.grouped_gemm import expert_order_program, zero_tail_program
@@ -556,3 +557,16 @@ def test_zero_tail_expert_order_and_weighted_gather_on_the_cpu():
             if r >= 0:
                 assert torch.equal(out[r], (x[t].float() * weights[t, k]).to(torch.bfloat16))
     assert out[unnamed].isnan().all()
+
+    from tileops.kernels.moe import MoeCombineWeightGradKernel
+
+    dot = MoeCombineWeightGradKernel(dtype="bfloat16", hidden=hidden, top_k=top_k)
+    config = dot.heuristic_config("all", "sm_90a")
+    grad_out = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    grad_w = torch.full((tokens, top_k), float("nan"))
+    run(dot.compile(config, "all")[0], tokens, config.threads,
+        dict(grad_out=grad_out, expert_out=out.nan_to_num(0.0), row_index=row_index,
+             grad_w=grad_w), dict(tokens=tokens, rows=tokens * top_k))
+    rows = out.nan_to_num(0.0).double()[row_index.long().clamp(min=0)]
+    want = torch.where(row_index >= 0, (rows * grad_out.double()[:, None]).sum(-1), 0.0)
+    torch.testing.assert_close(grad_w.double(), want, atol=1e-4, rtol=1e-5)

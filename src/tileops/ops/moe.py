@@ -54,6 +54,7 @@ import torch
 from ..kernels.base import Kernel
 from ..kernels.moe import (
     MoeCombineKernel,
+    MoeCombineWeightGradKernel,
     MoeGatherKernel,
     MoeRouteKernel,
     MoeSortKernel,
@@ -200,15 +201,15 @@ class MoeUnpermuteFwdOp(Op):
 class MoeUnpermuteBwdOp(Op):
     """(grad_expert_output [M, H], grad_topk_weights fp32 [T, K]) of moe_unpermute.
 
-    grad_expert_output[row_index[t, k]] = topk_weights[t, k] * grad_output[t] (one weighted
-    gather kernel; rows no slot names are zeros). grad_topk_weights[t, k] = the dot product
-    of grad_output[t] and expert_output[row_index[t, k]] in fp32 (0 for dropped slots),
-    computed with torch ops in token chunks, and only with `grad_weights` (else zeros;
-    expert_output is then not read, so a caller may pass a zero-stride stand-in).
+    grad_expert_output[row_index[t, k]] = topk_weights[t, k] * grad_output[t] (a weighted
+    gather; rows no slot names are zeros). grad_topk_weights[t, k] = the fp32 dot product
+    of grad_output[t] and expert_output[row_index[t, k]] (0 for dropped slots), only with
+    `grad_weights` (else zeros, and expert_output is not read: a caller may pass a
+    zero-stride stand-in of its shape).
     """
 
-    kernel_map = {"moe_gather": MoeGatherKernel}
-    _CHUNK_BYTES = 1 << 28  # fp32 [chunk, K, H] product per torch step
+    kernel_map = {"moe_gather": MoeGatherKernel,
+                  "moe_combine_weight_grad": MoeCombineWeightGradKernel}
 
     def __init__(self, *, grad_weights: bool = True,
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
@@ -225,20 +226,24 @@ class MoeUnpermuteBwdOp(Op):
         rows, hidden = expert_output.shape
         device = grad_output.device
         grad_rows = torch.zeros((rows, hidden), dtype=grad_output.dtype, device=device)
-        grad_weights = torch.zeros((tokens, top_k), dtype=torch.float32, device=device)
+        grad_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
         if tokens == 0:
             return grad_rows, grad_weights
-        row_index = row_index.contiguous()
-        kernel = self.get_kernel("moe_gather", device, **self._key(grad_output, top_k))
-        kernel(tokens, tma_ready(grad_output), topk_weights.contiguous(), row_index, grad_rows)
+        row_index, grad_output = row_index.contiguous(), tma_ready(grad_output)
+        self.get_kernel("moe_gather", device, **self._key(grad_output, top_k))(
+            tokens, grad_output, topk_weights.contiguous(), row_index, grad_rows)
         if self.grad_weights:
-            step = max(1, self._CHUNK_BYTES // (top_k * hidden * 4))
-            for t0 in range(0, tokens, step):
-                ids = row_index[t0:t0 + step]
-                picked = expert_output[ids.clamp(min=0).long()].float()  # [chunk, K, H]
-                dots = (picked * grad_output[t0:t0 + step, None, :].float()).sum(-1)
-                grad_weights[t0:t0 + step] = torch.where(ids >= 0, dots, 0.0)
+            self.get_kernel("moe_combine_weight_grad", device,
+                            **self._dot_key(grad_output, top_k))(
+                tokens, grad_output, tma_ready(expert_output), row_index, grad_weights)
+        else:
+            grad_weights.zero_()
         return grad_rows, grad_weights
+
+    @staticmethod
+    def _dot_key(grad_output: Any, top_k: int) -> dict[str, Any]:
+        return {"dtype": DTYPE_NAMES[grad_output.dtype], "hidden": grad_output.shape[1],
+                "top_k": top_k}
 
     @staticmethod
     def _key(grad_output: Any, top_k: int) -> dict[str, Any]:
@@ -248,7 +253,11 @@ class MoeUnpermuteBwdOp(Op):
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         if ns["T"] == 0:
             return []
-        return [("moe_gather", self._key(ns["grad_output"], ns["K"]), ns["T"])]
+        plan = [("moe_gather", self._key(ns["grad_output"], ns["K"]), ns["T"])]
+        if self.grad_weights:
+            plan.append(("moe_combine_weight_grad", self._dot_key(ns["grad_output"], ns["K"]),
+                         ns["T"]))
+        return plan
 
 
 # -- autograd: permute and unpermute (fused_moe's training path chains them) -------------

@@ -1,8 +1,9 @@
-from .combine import CombineConfig, MoeCombineKernel
+from .combine import CombineConfig, MoeCombineKernel, MoeCombineWeightGradKernel
 from .grouped_gemm import GroupedGemmConfig, GroupedGemmKernel, GroupedGemmWeightGradKernel
 from .permute import CHUNK, GatherConfig, MoeGatherKernel, MoeSortKernel
 from .routing import MAX_EXPERTS, MAX_TOP_K, MoeRouteKernel, RouteConfig
 
 __all__ = ["CHUNK", "CombineConfig", "GatherConfig", "GroupedGemmConfig", "GroupedGemmKernel",
            "GroupedGemmWeightGradKernel", "MAX_EXPERTS", "MAX_TOP_K", "MoeCombineKernel",
-           "MoeGatherKernel", "MoeRouteKernel", "MoeSortKernel", "RouteConfig"]
+           "MoeCombineWeightGradKernel", "MoeGatherKernel", "MoeRouteKernel", "MoeSortKernel",
+           "RouteConfig"]
