@@ -47,6 +47,8 @@ CASES = {
     "swiglu": lambda: ([leaf(4, 256), leaf(4, 256)], lambda g, u: tileops.swiglu(g, u)),
     "grouped_gemm": lambda: ([leaf(64, 256), leaf(8, 128, 256)],
                              lambda a, b: tileops.grouped_gemm(a, b, offsets(8))),
+    "moe_route": lambda: ([leaf(16, 64, dtype=torch.float32)],
+                          lambda x: tileops.moe_route(x, 4)[0]),
     "moe_permute": lambda: ([leaf(16, 256)],
                             lambda x: tileops.moe_permute(x, ids32(16, 4), 8)[0]),
     "moe_unpermute": lambda: ([leaf(64, 256), leaf(16, 4, dtype=torch.float32)],

@@ -324,22 +324,27 @@ def test_fused_moe_forward(name, dtype):
 
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_fused_moe_gradients(name):
-    """Training: gradients w.r.t. hidden states, both expert weights and (given ids) the
-    routing weights, against autograd of the float32 loop."""
+    """Training: gradients w.r.t. hidden states, both expert weights and the routing
+    (the given weights, or the router logits through moe_route's weights), against
+    autograd of the float32 loop."""
     x, w_gate_up, w_down, kwargs = layer_inputs(name)
-    leaves = [x, w_gate_up, w_down]
-    if "topk_weights" in kwargs:
-        leaves.append(kwargs["topk_weights"])
+    routing = "topk_weights" if "topk_weights" in kwargs else "router_logits"
+    leaves = [x, w_gate_up, w_down, kwargs[routing]]
     for t in leaves:
         t.requires_grad_()
     out = tileops.fused_moe(x, w_gate_up, w_down, **kwargs)
     g = randn(*out.shape, dtype=BF16)
     poison_allocator()
     out.backward(g)
-    weights, ids = routed({k: (v.detach() if isinstance(v, torch.Tensor) else v)
-                           for k, v in kwargs.items()})
+    _, ids = routed({k: (v.detach() if isinstance(v, torch.Tensor) else v)
+                     for k, v in kwargs.items()})
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
-    ref_weights = ref_leaves[3] if len(leaves) == 4 else weights
+    if routing == "topk_weights":
+        ref_weights = ref_leaves[3]
+    else:
+        ref_weights = ref.route_weights(ref_leaves[3], ids, kwargs.get("scoring", "softmax"),
+                                        kwargs.get("renormalize", True),
+                                        kwargs.get("routed_scaling_factor", 1.0)).float()
     want = moe_reference(*ref_leaves[:3], ref_weights, ids)
     want.backward(g.float())
     tokens_per_expert = torch.bincount(ids.flatten().long()).max().item()
@@ -350,9 +355,29 @@ def test_fused_moe_gradients(name):
                                ("w_down", w_down, ref_leaves[2], math.sqrt(tokens_per_expert))):
         assert t.grad is not None and t.grad.dtype == t.dtype
         assert_close(t.grad, r.grad, scale=scale, what=f"grad {name_}")
-    if len(leaves) == 4:
-        assert_close(leaves[3].grad.to(BF16), ref_leaves[3].grad, scale=4.0,
-                     what="grad topk_weights")
+    # fp32 gradients of bf16 math: compared at bf16 tolerances
+    assert_close(leaves[3].grad.to(BF16), ref_leaves[3].grad, scale=4.0, what=f"grad {routing}")
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+@pytest.mark.parametrize("params", [
+    dict(top_k=8), dict(top_k=4, renormalize=False),
+    dict(top_k=8, scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5),
+    dict(top_k=6, scoring="sigmoid", renormalize=False)], ids=str)
+def test_route_gradient(params, dtype):
+    """d router_logits of moe_route's weights against autograd of the float64 formula at
+    the kernel's ids (the selection carries no gradient)."""
+    logits = randn(300, 64, dtype=dtype, std=2.0).requires_grad_()
+    bias = randn(64, dtype=FP32, std=0.05) if params.get("scoring") == "sigmoid" else None
+    weights, ids = tileops.moe_route(logits, correction_bias=bias, **params)
+    g = torch.randn_like(weights)
+    weights.backward(g)
+    x = logits.detach().double().requires_grad_()
+    ref.route_weights(x, ids, params.get("scoring", "softmax"),
+                      params.get("renormalize", True),
+                      params.get("routed_scaling_factor", 1.0)).backward(g.double())
+    assert logits.grad.dtype == dtype
+    assert_close(logits.grad, x.grad.float(), scale=10.0, what="grad router_logits")
 
 
 def test_fused_moe_torch_compile_inference_and_training():

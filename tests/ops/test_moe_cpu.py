@@ -371,6 +371,29 @@ def test_grouped_gemm_tile_table_on_the_cpu():
     assert table.tolist() == want
 
 
+@pytest.mark.smoke
+@pytest.mark.parametrize("scoring, renormalize, scale", [
+    ("softmax", True, 1.0), ("softmax", False, 1.0), ("sigmoid", True, 2.5),
+    ("sigmoid", False, 2.827)])
+def test_route_backward_formula(scoring, renormalize, scale):
+    """moe_route's backward (run on CPU tensors: it is torch math) against autograd of the
+    float64 weight formula at the same ids."""
+    from types import SimpleNamespace
+
+    from tileops.ops.moe import _route_backward
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(37, 64, generator=gen) * 2
+    _, ids, _ = ref.route_reference(logits, 6, scoring)
+    grad_w = torch.randn(37, 6, generator=gen)
+    ctx = SimpleNamespace(scoring=scoring, renormalize=renormalize, scale=scale,
+                          saved_tensors=(logits, ids.to(I32)))
+    got = _route_backward(ctx, grad_w, None)[0]
+    x = logits.double().requires_grad_()
+    ref.route_weights(x, ids, scoring, renormalize, scale).backward(grad_w.double())
+    torch.testing.assert_close(got.double(), x.grad, atol=1e-6, rtol=1e-5)
+
+
 # -- grouped GEMM backward, gate-up with SiLU, unpermute backward, fused_moe -------------
 @pytest.mark.smoke
 def test_training_ops_errors_meta_and_rooflines():

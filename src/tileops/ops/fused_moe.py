@@ -18,8 +18,9 @@ Two paths, the same kernels, no host synchronization in either:
 - training (an input requires grad): the same chain through the differentiable ops, the
   gate-up product materialized ([T*k, 2F], which the backward needs) and activated by
   silu_and_mul, so autograd differentiates w.r.t. hidden_states, w_gate_up, w_down and
-  topk_weights (when given). The router itself is not differentiated (moe_route's weights
-  carry no gradient). The two paths differ by one rounding of the gate-up product.
+  topk_weights (when given) or router_logits (through moe_route's weights; the expert
+  choice itself carries no gradient). The two paths differ by one rounding of the gate-up
+  product.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def fused_moe(hidden_states: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     FusedMoeFwdOp.cached(**params).check(inputs)
     if router_logits is not None:
         bias = None if correction_bias is None else correction_bias.detach()
-        topk_weights, topk_ids = moe_route(router_logits.detach(), top_k, scoring, renormalize,
+        topk_weights, topk_ids = moe_route(router_logits, top_k, scoring, renormalize,
                                            n_group, topk_group, bias, routed_scaling_factor)
     permuted, offsets, row_index, _ = moe_permute(hidden_states, topk_ids, w_gate_up.shape[0])
     ends = offsets[1:]

@@ -39,9 +39,11 @@ The grouped GEMMs of the experts are in ops/grouped_gemm.py.
 
 All are custom ops (torch.compile) and capture in CUDA graphs (no host synchronization,
 outputs allocated by the op). moe_permute is differentiable in hidden_states (the gradient
-sums each token's rows: the combine with unit weights) and moe_unpermute in expert_output
-and topk_weights (MoeUnpermuteBwdOp); the routing is not (its weights carry no gradient to
-the logits: a model that trains its router computes the weights itself and passes them).
+sums each token's rows: the combine with unit weights), moe_unpermute in expert_output
+and topk_weights (MoeUnpermuteBwdOp), and moe_route's weights in router_logits (through
+the scores of the chosen experts: a softmax over the chosen logits when renormalized,
+the full softmax otherwise, the sigmoid per expert; the ids and the correction bias only
+select, so they carry none).
 """
 
 from __future__ import annotations
@@ -295,6 +297,41 @@ def _unpermute_backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         topk_weights=grad_weights if ctx.weights_need_grad else None)
 
 
+def _route_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    router_logits, _, scoring, renormalize, *_, scale = inputs
+    weights, ids = output
+    ctx.scoring, ctx.renormalize, ctx.scale = scoring, renormalize, scale
+    ctx.save_for_backward(router_logits, ids)
+
+
+def _route_backward(ctx: Any, grad_weights: torch.Tensor | None, _: Any) -> tuple:
+    """d router_logits from d topk_weights (the ids are a selection: no gradient, and the
+    correction bias only selects). Small [T, k] / [T, E] math in fp32 with torch ops."""
+    logits, ids = ctx.saved_tensors
+    if grad_weights is None:
+        return MoeRouteFwdOp.grads_in_call_order()
+    x, ids, g = logits.float(), ids.long(), grad_weights.float() * ctx.scale
+    chosen = x.gather(1, ids)
+    if ctx.scoring == "softmax" and not ctx.renormalize:  # w = softmax(x)[ids]
+        s = torch.softmax(x, dim=-1)
+        gs = torch.zeros_like(x).scatter_(1, ids, g)
+        grad = s * (gs - (gs * s).sum(-1, keepdim=True))
+    else:
+        if ctx.scoring == "softmax":  # renormalized: a softmax over the chosen logits
+            p = torch.softmax(chosen, dim=-1)
+            grad_chosen = p * (g - (g * p).sum(-1, keepdim=True))
+        else:
+            s = torch.sigmoid(chosen)
+            if ctx.renormalize:
+                total = s.sum(-1, keepdim=True)
+                g = (g - (g * s / total).sum(-1, keepdim=True)) / total
+            grad_chosen = g * s * (1 - s)
+        grad = torch.zeros_like(x).scatter_(1, ids, grad_chosen)
+    return MoeRouteFwdOp.grads_in_call_order(router_logits=grad.to(logits.dtype))
+
+
+torch.library.register_autograd(MoeRouteFwdOp.torch_op, _route_backward,
+                                setup_context=_route_setup)
 torch.library.register_autograd(MoePermuteFwdOp.torch_op, _permute_backward,
                                 setup_context=_permute_setup)
 torch.library.register_autograd(MoeUnpermuteFwdOp.torch_op, _unpermute_backward,
