@@ -57,4 +57,8 @@ def model(family: str, dtype: torch.dtype = torch.float32, device: str = "cpu", 
         for name, p in m.named_parameters():
             if "norm" in name:  # Gemma's (1 + w) norms start at w = 0: draw around both
                 p.normal_(0.0 if family.startswith("gemma") else 1.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                # MoE routers: logits a few units apart, so that a rounding difference between
+                # two runs seldom flips a token's top-k experts
+                p.normal_(0.0, 0.2)
     return m.to(device=device, dtype=dtype)

@@ -74,15 +74,6 @@ def _models(family: str, dtype: torch.dtype = torch.bfloat16, **overrides):
     return ours, bf16, fp32
 
 
-def _train_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    model.train()
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    out.loss.backward()
-    return out.loss.detach().float(), {n: p.grad for n, p in model.named_parameters()
-                                       if p.grad is not None}
-
-
 @pytest.mark.parametrize("family,dtype", [(f, torch.bfloat16) for f in FAMILIES]
                          + [("llama", torch.float16), ("qwen3", torch.float16)])
 def test_logits_loss_and_gradients_match(family, dtype, counts):
