@@ -77,7 +77,8 @@ def reference_grads(x, r, w, eps, dy, dh):
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, hidden", [(4099, 4096), (1, 8192), (777, 1000), (9000, 5120)])
+@pytest.mark.parametrize("rows, hidden", [(4099, 4096), (1, 8192), (777, 1000), (9000, 5120),
+                                          (4099, 16384)])
 def test_gradients_match_autograd(rows, hidden, dtype):
     x, r, dy, dh = (randn(rows, hidden, dtype=dtype) for _ in range(4))
     w = randn(hidden, dtype=dtype)

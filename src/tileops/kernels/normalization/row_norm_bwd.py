@@ -36,11 +36,12 @@ class NormBwdConfig:
     ctas: int = 2 * SMS
     prefetch: bool = True  # load the next rows during this row's reductions
     stages: int = 0  # > 0: rows staged through shared memory by a TMA pipeline this deep
+    from_shared: bool = False  # staged rows are read where they land, not copied to registers
 
 
 def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
-                     prefetch: bool, stages: int = 0):
+                     prefetch: bool, stages: int = 0, from_shared: bool = False):
     rows = T.dynamic("rows")
     staged = stages > 0 and stageable(n, block_rows, threads)
     tile = RowTile(n, block_rows, threads, exact=staged)
@@ -96,8 +97,13 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
             v = v * rstd_local[i]
             if has_residual_grad:
                 v = v + T.cast(dres_local[i, j], f32)
-            dx_local[i, j] = T.cast(v, dtype)
-        store(dx_local, dx, row0)
+            if dx_local is None:  # rows read from shared memory: dx goes straight out
+                if row0 + i < rows:
+                    dx[row0 + i, j] = T.cast(v, dtype)
+            else:
+                dx_local[i, j] = T.cast(v, dtype)
+        if dx_local is not None:
+            store(dx_local, dx, row0)
         # dy is zero past the last row and in the padding: nothing to mask
         if has_weight:
             for i, j in T.Parallel(block_rows, n_tile):
@@ -110,16 +116,20 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     @T.macro
     def body(dy, h, w, dres, dx, dw_part, db_part, eps):
         with T.Kernel(ctas, threads=threads) as bx:
-            dy_local = T.alloc_fragment(tile.shape, dtype)
-            h_local = T.alloc_fragment(tile.shape, dtype)
+            # staged rows may be read straight from shared memory (wide rows: the registers
+            # of a [1, n] copy are what the producer's register cap cannot spare)
+            in_shared = staged and from_shared
+            dy_local = None if in_shared else T.alloc_fragment(tile.shape, dtype)
+            h_local = None if in_shared else T.alloc_fragment(tile.shape, dtype)
             prefetching = prefetch and not staged
             dy_next = T.alloc_fragment(tile.shape, dtype) if prefetching else None
             h_next = T.alloc_fragment(tile.shape, dtype) if prefetching else None
-            dx_local = T.alloc_fragment(tile.shape, dtype)
+            dx_local = None if in_shared else T.alloc_fragment(tile.shape, dtype)
             tmp_local = T.alloc_fragment(tile.shape, f32)
             rstd_local = T.alloc_fragment((block_rows,), f32)
             dot_local = T.alloc_fragment((block_rows,), f32)
-            dres_local = T.alloc_fragment(tile.shape, dtype) if has_residual_grad else None
+            dres_local = T.alloc_fragment(tile.shape, dtype) \
+                if has_residual_grad and not in_shared else None
             mean_local = T.alloc_fragment((block_rows,), f32) if centered else None
             gsum_local = T.alloc_fragment((block_rows,), f32) if centered else None
             dw_acc = T.alloc_fragment(tile.shape, f32) if has_weight else None
@@ -128,8 +138,12 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
             db_row = T.alloc_fragment((n_tile,), f32) if has_bias else None
             # the weight, loaded once in the tile's own layout: in fp32, or (staged, where a
             # producer warp group caps registers) in its own dtype
-            w_local = T.alloc_fragment(tile.shape, dtype if staged else f32) \
-                if has_weight else None
+            if not has_weight:
+                w_local = None
+            elif in_shared:
+                w_local = T.alloc_shared(tile.shape, dtype)
+            else:
+                w_local = T.alloc_fragment(tile.shape, dtype if staged else f32)
             if has_weight:
                 T.clear(dw_acc)
                 for i, j in T.Parallel(block_rows, n_tile):
@@ -150,13 +164,18 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                     T.copy(h[row0, 0], h_shared)
                     if has_residual_grad:
                         T.copy(dres[row0, 0], dres_shared)
-                    T.copy(dy_shared, dy_local)
-                    T.copy(h_shared, h_local)
-                    if has_residual_grad:
-                        T.copy(dres_shared, dres_local)
-                    row_step(dy_local, h_local, dres_local, dx, dx_local, tmp_local, rstd_local,
-                             dot_local, mean_local, gsum_local, w_local, dw_acc, db_acc, row0,
-                             eps)
+                    if in_shared:
+                        row_step(dy_shared, h_shared, dres_shared, dx, dx_local, tmp_local,
+                                 rstd_local, dot_local, mean_local, gsum_local, w_local, dw_acc,
+                                 db_acc, row0, eps)
+                    else:
+                        T.copy(dy_shared, dy_local)
+                        T.copy(h_shared, h_local)
+                        if has_residual_grad:
+                            T.copy(dres_shared, dres_local)
+                        row_step(dy_local, h_local, dres_local, dx, dx_local, tmp_local,
+                                 rstd_local, dot_local, mean_local, gsum_local, w_local, dw_acc,
+                                 db_acc, row0, eps)
             else:
                 # The next rows' dy and h are loaded before this row's reductions, so they are in
                 # flight while the CTA waits on its barriers (a register double buffer).
@@ -268,7 +287,7 @@ class NormBwdKernel(Kernel):
         n, dtype = self.key["n"], self.key["dtype"]
         main = norm_bwd_program(n, dtype, block_rows=config.block_rows, threads=config.threads,
                                 ctas=config.ctas, prefetch=config.prefetch,
-                                stages=config.stages, **flags)
+                                stages=config.stages, from_shared=config.from_shared, **flags)
         sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
             "has_bias"] else ()
         return (main, *sums)
@@ -332,15 +351,22 @@ class NormBwdKernel(Kernel):
         the H200 it beat the register double buffer by 7-8% at 4096 columns and by 21-34%
         at 6144-8192 (RMSNorm, the fused add and LayerNorm, 8K rows). Three stages where a
         thread holds at most 24 elements, else two (the shared memory of 32 per thread).
-        5120 and 7168 columns (8-byte vectors per thread) compile without spills; their
-        first GPU comparison is in docs/performance (Leads, if not yet run)."""
+        5120 and 7168 columns (8-byte vectors per thread) gained too (Qwen3-32B 197 -> 157
+        us, DeepSeek-V3 110 -> 95)."""
         n, threads = self.key["n"], 256
         block_rows = max(1, 4096 // n)
         if not stageable(n, block_rows, threads):
             return None
         elems = block_rows * n // threads
         if elems > 32:
-            return None
+            # Wider rows (405B's 16384): 512 consumer threads read the two stages where
+            # they land and write dx straight out, the weight in shared memory too, so the
+            # 96 registers the producer's cap leaves hold only the fp32 row sums' operands
+            # and the dW share (no spills; a register tile of 32 spilled).
+            # (LayerNorm's second fp32 share, dB, spills there: it keeps the register path)
+            if n > 16384 or self.flags()["has_bias"] or not stageable(n, 1, 512):
+                return None
+            return NormBwdConfig(1, 512, SMS, prefetch=False, stages=2, from_shared=True)
         return NormBwdConfig(block_rows, threads, SMS, prefetch=False,
                              stages=3 if elems <= 24 else 2)
 
