@@ -484,3 +484,199 @@ def test_decode_plan_cuda_graph_replay(page_size):
         for (k, v, _, _), out in zip(layers, outs, strict=True):
             o_ref = reference(q[:, None], k, v, seqlens, table)[0][:, 0]
             assert_close(out, o_ref, scale=2.0, what=f"replay with {new_lengths}")
+
+
+# -- fp8 (e4m3) caches ------------------------------------------------------------------------
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache(lengths, kv_heads, head_dim, page_size, per_head, s_max=None):
+    """(k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref): an fp8 cache from make_cache's
+    random values, its scales ([Hkv] or [1]) and the dequantized fp32 caches the reference
+    attends over."""
+    k, v, seqlens, table = make_cache(lengths, kv_heads, head_dim, torch.float32, page_size,
+                                      s_max=s_max)
+    n = kv_heads if per_head else 1
+    k_scale = torch.rand(n, device="cuda") * 0.02 + 0.005
+    v_scale = torch.rand(n, device="cuda") * 0.02 + 0.005
+    k8 = (k * 100).clamp(-448, 448).to(FP8)
+    v8 = (v * 100).clamp(-448, 448).to(FP8)
+    k_ref = k8.float() * k_scale.view(1, 1, -1, 1)
+    v_ref = v8.float() * v_scale.view(1, 1, -1, 1)
+    return k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("page_size", [16, 64, None])
+def test_fp8_cache_decode(page_size, per_head):
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(
+        MIXED, 2, 128, page_size, per_head)
+    q = randn(len(MIXED), 1, 8, 128, dtype=torch.bfloat16)
+    poison_free_blocks(q.numel() * 2, len(MIXED) * 8 * 4, 1 << 22)
+    o, lse = tileops.DecodeAttentionFp8FwdOp()(q, k8, v8, seqlens, table, k_scale, v_scale)
+    o_ref, lse_ref = reference(q, k_ref, v_ref, seqlens, table)
+    assert o.dtype == torch.bfloat16
+    assert_close(o, o_ref, scale=2.0)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_fp8_cache_head_dims_and_query_dtypes(head_dim, dtype):
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(
+        MIXED, 2, head_dim, 32, True)
+    q = randn(len(MIXED), 8, head_dim, dtype=dtype)
+    o, lse = tileops.decode_attention(q, k8, v8, seqlens, table, return_lse=True,
+                                      k_scale=k_scale, v_scale=v_scale)
+    o_ref, lse_ref = reference(q[:, None], k_ref, v_ref, seqlens, table)
+    assert_close(o, o_ref[:, 0], scale=2.0)
+
+
+def test_fp8_cache_speculative_window_softcap_and_first_slice_path():
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(
+        [4, 9, 300, 1500], 8, 128, 16, True)
+    q = randn(4, 4, 32, 128, dtype=torch.bfloat16)
+    params = {"window_left": 200, "softcap": 30.0}
+    for planned in (True, False):
+        op = tileops.DecodeAttentionFp8FwdOp(**params)
+        op.planned = planned
+        o, _ = op(q, k8, v8, seqlens, table, k_scale, v_scale)
+        assert_close(o, reference(q, k_ref, v_ref, seqlens, table, **params)[0], scale=2.0,
+                     what=f"planned={planned}")
+
+
+def test_fp8_cache_without_scales_is_scale_one():
+    k8, v8, seqlens, table, _, _, _, _ = fp8_cache([33, 700], 2, 128, 16, False)
+    q = randn(2, 8, 128, dtype=torch.float16)
+    o = tileops.decode_attention(q, k8, v8, seqlens, table)
+    assert_close(o, reference(q[:, None], k8.float(), v8.float(), seqlens, table)[0][:, 0],
+                 scale=2.0)
+
+
+@pytest.mark.parametrize("page_size", [16, None])
+def test_fp8_cache_chunked_prefill(page_size):
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(
+        KEYS, 2, 128, page_size, True)
+    cu = torch.tensor([0, *itertools.accumulate(CHUNKS)], dtype=torch.int32, device="cuda")
+    q = randn(sum(CHUNKS), 8, 128, dtype=torch.bfloat16)
+    o, lse = tileops.chunked_prefill_attention(q, k8, v8, cu, seqlens, max(CHUNKS), table,
+                                               return_lse=True, k_scale=k_scale,
+                                               v_scale=v_scale)
+    for b, (start, end) in enumerate(itertools.pairwise(cu.tolist())):
+        if end == start:
+            continue
+        kb, vb = (k_ref, v_ref) if table is not None else (k_ref[b:b + 1], v_ref[b:b + 1])
+        o_ref, _ = reference(q[None, start:end], kb, vb, seqlens[b:b + 1],
+                             None if table is None else table[b:b + 1])
+        assert_close(o[start:end], o_ref[0], scale=2.0, what=f"o of request {b}")
+
+
+def test_fp8_decode_plan_cuda_graph_replay():
+    lengths = [100, 2000, 5, 900]
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(lengths, 2, 128, 16,
+                                                                       True)
+    q = randn(4, 8, 128, dtype=torch.bfloat16)
+    plan = tileops.plan_decode(4, 8, 2, 128, kv_dtype=FP8)
+    out = torch.empty_like(q)
+    plan.run(q, k8, v8, seqlens, table, out=out, k_scale=k_scale, v_scale=v_scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, k8, v8, seqlens, table, out=out, k_scale=k_scale, v_scale=v_scale)
+    for new_lengths in ([101, 2001, 6, 901], [0, 1, 2010, 17]):
+        seqlens.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        k_scale.mul_(1.5)  # scales are read on the GPU too
+        q.copy_(randn(*q.shape, dtype=q.dtype))
+        poison(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        k_now = k8.float() * k_scale.view(1, 1, -1, 1)
+        assert_close(out, reference(q[:, None], k_now, v_ref, seqlens, table)[0][:, 0],
+                     scale=2.0, what=f"replay with {new_lengths}")
+
+
+def test_fp8_decode_torch_compile_fullgraph():
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache([40, 900], 2, 128, 16,
+                                                                       False)
+    q = randn(2, 8, 128, dtype=torch.bfloat16)
+
+    @torch.compile(fullgraph=True)
+    def f(q):
+        return tileops.decode_attention(q * 1, k8, v8, seqlens, table, k_scale=k_scale,
+                                        v_scale=v_scale) * 2
+
+    assert_close(f(q), reference(q[:, None], k_ref, v_ref, seqlens, table)[0][:, 0] * 2,
+                 scale=4.0)
+
+
+def assert_fp8_equal_within_one_step(got, want):
+    """e4m3 values equal, or one rounding step apart (a quotient at a rounding tie may round
+    either way under fast-math division)."""
+    got, want = got.float(), want.float()
+    assert not torch.isnan(got).any()
+    step = want.abs() / 8 + 2.0 ** -9  # e4m3: 3 mantissa bits; subnormal step 2^-9
+    bad = (got - want).abs() > step
+    assert not bad.any(), f"{int(bad.sum())} elements differ: {got[bad][:8]} vs {want[bad][:8]}"
+    assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_kv_cache_append_quantizes_and_saturates(dtype, per_head):
+    n_pages, page, kv_heads, head_dim, tokens = 40, 16, 4, 128, 37
+    k_pages = (randn(n_pages, page, kv_heads, head_dim, dtype=torch.float32) * 50).to(FP8)
+    v_pages = (randn(n_pages, page, kv_heads, head_dim, dtype=torch.float32) * 50).to(FP8)
+    k_new = randn(tokens, kv_heads, head_dim, dtype=dtype)
+    v_new = randn(tokens, kv_heads, head_dim, dtype=dtype)
+    k_new[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 3.0])  # saturates to +-448
+    n = kv_heads if per_head else 1
+    k_scale = torch.rand(n, device="cuda") * 0.02 + 0.002
+    v_scale = torch.rand(n, device="cuda") * 0.02 + 0.002
+    slots = torch.randperm(n_pages * page, device="cuda")[:tokens]
+    slots[0] = 5
+    slots[::7][1:] = -1
+    k_ref, v_ref = k_pages.clone(), v_pages.clone()
+    keep = slots >= 0
+
+    def q8(x, scale):
+        return (x.float() / scale.view(1, -1, 1)).clamp(-448, 448).to(FP8)
+
+    # indexing through uint8 views (torch indexes fp8 tensors in few ops)
+    k_ref.view(torch.uint8).view(-1, kv_heads, head_dim)[slots[keep]] = q8(
+        k_new, k_scale).view(torch.uint8)[keep]
+    v_ref.view(torch.uint8).view(-1, kv_heads, head_dim)[slots[keep]] = q8(
+        v_new, v_scale).view(torch.uint8)[keep]
+    tileops.kv_cache_append(k_new, v_new, k_pages, v_pages, slots, k_scale=k_scale,
+                            v_scale=v_scale)
+    assert_fp8_equal_within_one_step(k_pages, k_ref)
+    assert_fp8_equal_within_one_step(v_pages, v_ref)
+    assert k_pages.view(-1, kv_heads, head_dim)[5, 0, :2].float().tolist() == [448.0, -448.0]
+
+
+def test_fp8_append_then_decode_and_compile():
+    """The engine's fp8 step: append (quantize) the new token, then attend; under
+    torch.compile the append is the mutating fp8 custom op."""
+    lengths = [9, 300, 1]
+    k8, v8, seqlens, table, k_scale, v_scale, _, _ = fp8_cache(lengths, 2, 64, 32, True)
+    k_new, v_new = (randn(3, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    last = seqlens.long() - 1
+    slots = table.long().gather(1, (last // 32)[:, None])[:, 0] * 32 + last % 32
+
+    @torch.compile(fullgraph=True)
+    def append(k_new, v_new):
+        tileops.kv_cache_append(k_new, v_new, k8, v8, slots, k_scale=k_scale,
+                                v_scale=v_scale)
+
+    append(k_new, v_new)
+    got = torch.stack([gathered(k8.view(torch.uint8), table, b, n)[-1]
+                       for b, n in enumerate(lengths)]).view(FP8)
+    want = (k_new.float() / k_scale.view(1, -1, 1)).clamp(-448, 448).to(FP8)
+    assert_fp8_equal_within_one_step(got, want)
+    q = randn(3, 1, 8, 64, dtype=torch.bfloat16)
+    o, _ = tileops.DecodeAttentionFp8FwdOp()(q, k8, v8, seqlens, table, k_scale, v_scale)
+    k_ref = k8.float() * k_scale.view(1, 1, -1, 1)
+    v_ref = v8.float() * v_scale.view(1, 1, -1, 1)
+    assert_close(o, reference(q, k_ref, v_ref, seqlens, table)[0], scale=2.0)

@@ -321,8 +321,9 @@ def test_launch_arguments(paged, monkeypatch):
     assert splits == choose_splits(2, 2, 1, 4800, 128) > 1
     assert op.kernels_for(op.check((q, k, v, lens, table))) == [  # what the sweep builds
         ("decode_attention", key, splits)]
-    (q_arg, k_arg, _, table_arg, lens_arg, cu_arg, o_arg, lse_arg, o_part, lse_part, blocks,
-     scale) = args
+    (q_arg, k_arg, _, table_arg, lens_arg, cu_arg, k_scale, v_scale, o_arg, lse_arg, o_part,
+     lse_part, blocks, scale) = args
+    assert k_scale.tolist() == v_scale.tolist() == [1.0]  # placeholders
     assert k_arg is k and o_arg is o and lse_arg is lse and lens_arg is lens
     assert table_arg.shape == ((2, 300) if paged else (1, 1)) and cu_arg.shape == (1,)
     assert blocks == 1
@@ -349,8 +350,8 @@ def test_planned_launch_arguments(seq_q, heads, monkeypatch):
     assert key["q_len"] == seq_q and size == 0
     assert op.kernels_for(op.check((q, k, v, lens, table))) == [
         ("decode_attention_planned", key, 0)]
-    (schedule, q_arg, k_arg, _, table_arg, lens_arg, slot_table, split_ends, o_arg, lse_arg,
-     o_part, lse_part, blocks, target, scale) = args
+    (schedule, q_arg, k_arg, _, table_arg, lens_arg, slot_table, split_ends, _, _, o_arg,
+     lse_arg, o_part, lse_part, blocks, target, scale) = args
     assert schedule is True and k_arg is k and table_arg is table and lens_arg is lens
     assert o_arg is o and lse_arg is lse
     assert blocks == -(-heads // 2 * seq_q // ROWS) and target == target_slots(2, blocks, SMS)
@@ -617,10 +618,122 @@ def test_chunked_prefill_launch_arguments(monkeypatch):
     o, lse = op.forward(q, k, v, cu, lens, table)
     (key, splits, args), = log
     assert key["q_len"] == 0 and key["page_size"] == 32 and key["causal"]
-    q_arg, cu_arg, o_arg, lse_arg, blocks = args[0], args[5], args[6], args[7], args[10]
+    q_arg, cu_arg, o_arg, lse_arg, blocks = args[0], args[5], args[8], args[9], args[12]
     assert q_arg.shape == (150, 1, 8, 64) and o_arg.shape == (150, 1, 8, 64)
     assert o_arg.data_ptr() == o.data_ptr() and lse_arg.shape == (150, 8, 1)
     assert cu_arg is cu and blocks == 7
     assert splits == choose_splits(2, 2, 7, 640, 128)
     assert op.kernels_for(op.check((q, k, v, cu, lens, table))) == [
         ("decode_attention", key, splits)]
+
+
+# -- fp8 caches ---------------------------------------------------------------------------
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_paged(batch=4, heads=32, kv_heads=8, head_dim=128, page=16, n_pages=64, max_pages=16,
+              scales=1):
+    return (meta(batch, 1, heads, head_dim), meta(n_pages, page, kv_heads, head_dim, dtype=FP8),
+            meta(n_pages, page, kv_heads, head_dim, dtype=FP8), meta(batch, dtype=torch.int32),
+            meta(batch, max_pages, dtype=torch.int32), meta(scales, dtype=torch.float32),
+            meta(scales, dtype=torch.float32))
+
+
+@pytest.mark.smoke
+def test_fp8_ops_shapes_and_errors():
+    from tileops import DecodeAttentionFp8FwdOp, KVCacheAppendFp8FwdOp
+
+    o, lse = DecodeAttentionFp8FwdOp()(*fp8_paged(scales=8))
+    assert o.shape == (4, 1, 32, 128) and o.dtype == BF16 and lse.shape == (4, 32, 1)
+    with pytest.raises(TileOpsValueError, match=r"argument 'k_scale': expected shapes "
+                                                r"satisfying `k_scale is None or"):
+        DecodeAttentionFp8FwdOp()(*fp8_paged(scales=3))
+    q, k, v, lens, table, ks, vs = fp8_paged()
+    with pytest.raises(TileOpsTypeError, match="argument 'k_cache': expected dtype"):
+        DecodeAttentionFp8FwdOp()(q, meta(64, 16, 8, 128), v, lens, table, ks, vs)
+    with pytest.raises(TileOpsTypeError, match="argument 'k_cache'"):  # the 16-bit op
+        DecodeAttentionFwdOp()(q, k, v, lens, table)
+    with pytest.raises(TileOpsValueError, match="argument 'k_scale': expected None for a "
+                                                "cache in q's dtype"):
+        tileops.decode_attention(q, meta(64, 16, 8, 128), meta(64, 16, 8, 128), lens, table,
+                                 k_scale=ks)
+    pages = meta(64, 16, 8, 128, dtype=FP8)
+    k_out, _ = KVCacheAppendFp8FwdOp()(meta(5, 8, 128), meta(5, 8, 128), pages, pages,
+                                       meta(5, dtype=torch.int64), ks, vs)
+    assert k_out.dtype == FP8 and k_out.shape == pages.shape
+
+
+@pytest.mark.smoke
+def test_fp8_roofline_counts_a_byte_per_cached_element():
+    from tileops import DecodeAttentionFp8FwdOp
+
+    q, k, v, _, table, ks, vs = fp8_paged(batch=3, page=16, n_pages=64, max_pages=20,
+                                          scales=8)
+    lens = torch.tensor([1, 100, 300], dtype=torch.int32)
+    k16, v16 = meta(64, 16, 8, 128), meta(64, 16, 8, 128)
+    _, bytes16 = DecodeAttentionFwdOp().eval_roofline(q, k16, v16, lens, table)
+    flops, bytes8 = DecodeAttentionFp8FwdOp().eval_roofline(q, k, v, lens, table, ks, vs)
+    assert bytes16 - bytes8 == 2 * 401 * 8 * 128 - 2 * 8 * 4
+    assert flops == 4 * 32 * 128 * 401
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("planned", [True, False])
+def test_fp8_launch_arguments(planned, monkeypatch):
+    """The fp8 op's program key names the cache dtype (the 16-bit keys stay as they were)
+    and its scales reach the kernel flattened."""
+    from tileops import DecodeAttentionFp8FwdOp
+
+    op = DecodeAttentionFp8FwdOp()
+    monkeypatch.setattr(op, "planned", planned)
+    log = _recording(op, monkeypatch)
+    q = torch.randn(2, 1, 8, 128).to(BF16)
+    k = v = torch.randn(600, 16, 2, 128).to(FP8)
+    table = torch.randint(0, 600, (2, 300), dtype=torch.int32)
+    lens = torch.tensor([5, 4800], dtype=torch.int32)
+    ks, vs = torch.tensor([[0.5], [0.25]]), torch.tensor([0.125, 0.75])
+    op.forward(q, k, v, lens, table, ks, vs)
+    (key, _, args), = log
+    assert key["kv_dtype"] == "float8_e4m3fn" and key["dtype"] == "bfloat16"
+    k_scale, v_scale = args[8:10] if planned else args[6:8]
+    assert k_scale.tolist() == [0.5, 0.25] and v_scale.tolist() == [0.125, 0.75]
+    with pytest.raises(TileOpsValueError, match="argument 'v_scale': expected as many"):
+        op.forward(q, k, v, lens, table, ks, vs[:1])
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("page_size, head_dim", [(64, 128), (16, 128), (0, 128), (32, 256),
+                                                 (16, 64)])
+def test_fp8_programs_use_tma_and_wgmma(page_size, head_dim, tmp_path):
+    """fp8 tiles land by TMA (128-byte swizzle), the consumers widen them to bf16 for
+    wgmma (TileLang puts a fence.proxy.async before each wgmma that reads them)."""
+    import tilelang
+
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
+                                 q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
+                                 causal=True, kv_dtype="float8_e4m3fn")
+    config = kernel.heuristic_config("planned", "sm_90a")
+    compiled = tilelang.compile(kernel.program(config, "planned")[1], target=kernel.target)
+    source = compiled.get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source and "fence_proxy_async" in source
+    assert "__tl_cvt_e4m3x2_to_bfloat162" in source
+    if shutil.which("ptxas") is None:
+        pytest.skip("needs ptxas (CUDA toolkit)")
+    ptx = tmp_path / "fp8.ptx"
+    compiled.export_ptx(str(ptx))
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
+                            capture_output=True, text=True, check=True).stderr
+    assert "C7511" not in report, report
+
+
+@pytest.mark.compile
+def test_fp8_append_program_saturates_and_vectorizes():
+    from tileops.kernels.attention.kv_cache import KVCacheAppendKernel
+
+    kernel = KVCacheAppendKernel(dtype="bfloat16", slot_dtype="int64", width=1024,
+                                 cache_dtype="float8_e4m3fn", head_dim=128)
+    source = kernel.compile(kernel.heuristic_config("all", "sm_90a"), "all")[0] \
+        .get_kernel_source()
+    assert "__NV_SATFINITE" in source and "4.480000e+02" in source
+    assert "fp8_e4_4_t" in source  # 4-byte vector stores

@@ -94,6 +94,37 @@ def _placeholder(device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """fp32 [1] = 1.0: the scales a cache in q's dtype passes (the programs ignore them)."""
+    t = _placeholders.get((device, "scale"))
+    if t is None:
+        t = _placeholders[(device, "scale")] = torch.ones(1, dtype=torch.float32,
+                                                          device=device)
+    return t
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _scales(op: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+            v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_scale, v_scale) for the programs: an fp8 cache's scales (None: 1.0), fp32 [1] or
+    [Hkv] alike; a cache in q's dtype takes none."""
+    device = k_cache.device
+    if k_cache.dtype != FP8:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is not None:
+                raise op_error(TileOpsValueError, op, name, "None for a cache in q's dtype "
+                               "(scales belong to an fp8 cache)", "a tensor")
+        return _unit_scale(device), _unit_scale(device)
+    k_scale = k_scale if k_scale is not None else _unit_scale(device)
+    v_scale = v_scale if v_scale is not None else _unit_scale(device)
+    if k_scale.numel() != v_scale.numel():
+        raise op_error(TileOpsValueError, op, "v_scale",
+                       f"as many scales as k_scale ({k_scale.numel()})", v_scale.numel())
+    return k_scale.reshape(-1).contiguous(), v_scale.reshape(-1).contiguous()
+
+
 def _contiguous(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise op_error(TileOpsValueError, op, name,
@@ -131,22 +162,30 @@ class DecodeAttentionFwdOp(Op):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor,
                 block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._decode(q, k_cache, v_cache, cache_seqlens, block_table)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         batch, q_len, heads, head_dim = q.shape
         o = torch.empty((batch, q_len, heads, head_dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
         if batch == 0:
             return o, lse
         self._launch(q.contiguous(), k_cache, v_cache, cache_seqlens, block_table, None, o, lse,
-                     q_len)
+                     q_len, None, k_scale, v_scale)
         return o, lse
 
     def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                 cu_seqlens_q: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor,
-                q_len: int, max_tokens: int | None = None) -> None:
+                q_len: int, max_tokens: int | None = None,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> None:
         """One attention launch (and the combine when split): q and o [rows, Sq, H, D], lse
         [rows, H, Sq]; packed queries (cu_seqlens_q given) are rows of one token, q_len 0,
-        at most max_tokens per request."""
+        at most max_tokens per request; k_scale/v_scale for an fp8 cache."""
         name = self.spec.op_name
         k_cache = _contiguous(name, "k_cache", k_cache)
         v_cache = _contiguous(name, "v_cache", v_cache)
@@ -155,13 +194,14 @@ class DecodeAttentionFwdOp(Op):
             self._check_indices(k_cache, cache_seqlens, block_table)
         rows, tokens, heads, head_dim = q.shape
         key = self._kernel_key(q.dtype, heads, k_cache.shape[2], head_dim, q_len,
-                               k_cache.shape[1] if paged else 0)
+                               k_cache.shape[1] if paged else 0, k_cache.dtype)
+        k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale)
         table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
         scale = self.sm_scale if self.sm_scale is not None else head_dim ** -0.5
         if cu_seqlens_q is None and self.planned:
             kernel = self.get_kernel("decode_attention_planned", q.device, **key)
             _planned_launch(kernel, True, q, k_cache, v_cache, table,
-                            cache_seqlens.contiguous(), o, lse,
+                            cache_seqlens.contiguous(), k_scale, v_scale, o, lse,
                             _PlanBuffers.make(rows, q_len, heads, k_cache.shape[2], head_dim,
                                               _sms(q.device), q.device), float(scale))
             return
@@ -178,16 +218,20 @@ class DecodeAttentionFwdOp(Op):
             o_part = lse_part = None
         cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else _placeholder(
             q.device, (1,))
-        kernel(splits, q, k_cache, v_cache, table, cache_seqlens.contiguous(), cu, o, lse,
-               o_part, lse_part, blocks, float(scale))
+        kernel(splits, q, k_cache, v_cache, table, cache_seqlens.contiguous(), cu, k_scale,
+               v_scale, o, lse, o_part, lse_part, blocks, float(scale))
 
     def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                    q_len: int, page_size: int) -> dict[str, Any]:
+                    q_len: int, page_size: int,
+                    kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
         # one query token sees the same keys causal or not: one program for both
-        return {"dtype": DTYPE_NAMES[dtype], "heads": heads, "kv_heads": kv_heads,
-                "head_dim": head_dim, "q_len": q_len, "page_size": page_size,
-                "window_left": self.window_left, "softcap": self.softcap,
-                "causal": self.is_causal or q_len == 1}
+        key = {"dtype": DTYPE_NAMES[dtype], "heads": heads, "kv_heads": kv_heads,
+               "head_dim": head_dim, "q_len": q_len, "page_size": page_size,
+               "window_left": self.window_left, "softcap": self.softcap,
+               "causal": self.is_causal or q_len == 1}
+        if kv_dtype == FP8:  # only then: the other programs keep their keys
+            key["kv_dtype"] = "float8_e4m3fn"
+        return key
 
     @staticmethod
     def _splits(key: Mapping[str, Any], batch: int, blocks: int, max_keys: int) -> int:
@@ -224,7 +268,8 @@ class DecodeAttentionFwdOp(Op):
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         table = ns.get("block_table")
         page = ns["S"] if table is not None else 0
-        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], ns["Sq"], page)
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], ns["Sq"], page,
+                               ns["k_cache"].dtype)
         if self.planned:
             return [("decode_attention_planned", key, 0)]
         max_keys = ns["S"] * (table.shape[1] if table is not None else 1)
@@ -259,6 +304,12 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,
                 block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._chunks(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table)
+
+    def _chunks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,
+                block_table: torch.Tensor | None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         total, heads, head_dim = q.shape
         o = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
         lse = torch.empty((total, heads), dtype=torch.float32, device=q.device)
@@ -268,7 +319,7 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
             self._check_chunks(cu_seqlens_q, cache_seqlens, total)
         self._launch(q.contiguous().view(total, 1, heads, head_dim), k_cache, v_cache,
                      cache_seqlens, block_table, cu_seqlens_q, o.view(total, 1, heads, head_dim),
-                     lse.view(total, heads, 1), 0, self.max_seqlen_q)
+                     lse.view(total, heads, 1), 0, self.max_seqlen_q, k_scale, v_scale)
         return o, lse
 
     def _check_chunks(self, cu: torch.Tensor, cache_seqlens: torch.Tensor, total: int) -> None:
@@ -289,7 +340,8 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         table = ns.get("block_table")
         page = ns["S"] if table is not None else 0
-        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], 0, page)
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], 0, page,
+                               ns["k_cache"].dtype)
         max_keys = ns["S"] * (table.shape[1] if table is not None else 1)
         blocks = row_blocks(ns["H"], ns["Hkv"], self.max_seqlen_q)
         return [("decode_attention", key, self._splits(key, ns["B"], blocks, max_keys))]
@@ -334,6 +386,12 @@ class KVCacheAppendFwdOp(Op):
     def forward(self, k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor,
                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._append(k_new, v_new, k_pages, v_pages, slot_mapping)
+
+    def _append(self, k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
+                v_pages: torch.Tensor, slot_mapping: torch.Tensor,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         name = self.spec.op_name
         if self.inplace:
             k_out = _contiguous(name, "k_pages", k_pages)
@@ -346,19 +404,27 @@ class KVCacheAppendFwdOp(Op):
             return k_out, v_out
         width = kv_heads * head_dim
         kernel = self.get_kernel("kv_cache_append", k_new.device,
-                                 **self._kernel_key(k_new.dtype, slot_mapping.dtype, width))
+                                 **self._kernel_key(k_new.dtype, slot_mapping.dtype, width,
+                                                    k_out.dtype, head_dim))
+        scales = () if k_scale is None else (k_scale, v_scale)
         kernel(tokens, k_new.reshape(tokens, width).contiguous(),
                v_new.reshape(tokens, width).contiguous(), k_out.view(-1, width),
-               v_out.view(-1, width), slot_mapping.contiguous())
+               v_out.view(-1, width), slot_mapping.contiguous(), *scales)
         return k_out, v_out
 
     @staticmethod
-    def _kernel_key(dtype: torch.dtype, slot_dtype: torch.dtype, width: int) -> dict[str, Any]:
-        return {"dtype": DTYPE_NAMES[dtype], "slot_dtype": DTYPE_NAMES[slot_dtype],
-                "width": width}
+    def _kernel_key(dtype: torch.dtype, slot_dtype: torch.dtype, width: int,
+                    cache_dtype: torch.dtype | None = None,
+                    head_dim: int = 0) -> dict[str, Any]:
+        key = {"dtype": DTYPE_NAMES[dtype], "slot_dtype": DTYPE_NAMES[slot_dtype],
+               "width": width}
+        if cache_dtype == FP8:  # the scale of element j is its KV head's, j // head_dim
+            key.update(cache_dtype="float8_e4m3fn", head_dim=head_dim)
+        return key
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
-        key = self._kernel_key(ns["k_new"].dtype, ns["slot_mapping"].dtype, ns["Hkv"] * ns["D"])
+        key = self._kernel_key(ns["k_new"].dtype, ns["slot_mapping"].dtype, ns["Hkv"] * ns["D"],
+                               ns["k_pages"].dtype, ns["D"])
         return [("kv_cache_append", key, ns["T"])]
 
 
@@ -377,6 +443,75 @@ def _(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: 
       slot_mapping: torch.Tensor) -> None:
     _append_inplace.check((k_new, v_new, k_pages, v_pages, slot_mapping))
 
+
+
+# -- fp8 caches ---------------------------------------------------------------------------
+class DecodeAttentionFp8FwdOp(DecodeAttentionFwdOp):
+    """`DecodeAttentionFwdOp` over an fp8 (e4m3) cache with fp32 scales k_scale/v_scale [1]
+    (per tensor) or [Hkv] (per KV head), None meaning 1.0: the attention of q over
+    k_cache * k_scale and v_cache * v_scale. Same programs, K/V tiles widened to q's dtype
+    in shared memory after the load; k_scale folds into the softmax scale and v_scale into
+    the output (exact: a CTA serves one KV head)."""
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._decode(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
+
+
+class ChunkedPrefillAttentionFp8FwdOp(ChunkedPrefillAttentionFwdOp):
+    """`ChunkedPrefillAttentionFwdOp` over an fp8 cache (scales as
+    `DecodeAttentionFp8FwdOp`)."""
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, cache_seqlens: torch.Tensor,
+                block_table: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._chunks(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table,
+                            k_scale, v_scale)
+
+
+class KVCacheAppendFp8FwdOp(KVCacheAppendFwdOp):
+    """`KVCacheAppendFwdOp` into fp8 (e4m3) pools: each element divided by its scale
+    (k_scale/v_scale fp32 [1] or [Hkv]), saturated to +-448 and rounded to e4m3, as
+    vLLM's reshape_and_cache_flash with kv_cache_dtype fp8. In place for an op object and
+    the functional call (`torch.ops.tileops.kv_cache_append_fp8_inplace` under
+    torch.compile)."""
+
+    kernel_map = {"kv_cache_append": KVCacheAppendKernel}
+
+    def __call__(self, *inputs: Any) -> Any:
+        if self.inplace and torch.compiler.is_compiling():
+            torch.ops.tileops.kv_cache_append_fp8_inplace(*inputs)
+            return inputs[2], inputs[3]
+        return Op.__call__(self, *inputs)
+
+    def forward(self, k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
+                v_pages: torch.Tensor, slot_mapping: torch.Tensor,
+                k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._append(k_new, v_new, k_pages, v_pages, slot_mapping,
+                            *_scales(self.spec.op_name, k_pages, k_scale, v_scale))
+
+
+_append_fp8_inplace = KVCacheAppendFp8FwdOp()
+
+
+@torch.library.custom_op(f"{LIBRARY}::kv_cache_append_fp8_inplace",
+                         mutates_args=("k_pages", "v_pages"))
+def _kv_cache_append_fp8_inplace(k_new: torch.Tensor, v_new: torch.Tensor,
+                                 k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+                                 v_scale: torch.Tensor | None) -> None:
+    _append_fp8_inplace.run(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale, v_scale)
+
+
+@_kv_cache_append_fp8_inplace.register_fake
+def _(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+      v_scale: torch.Tensor | None) -> None:
+    _append_fp8_inplace.check((k_new, v_new, k_pages, v_pages, slot_mapping, k_scale, v_scale))
 
 
 # -- the planned decode -------------------------------------------------------------------
@@ -405,10 +540,10 @@ class _PlanBuffers:
 
 
 def _planned_launch(kernel: Kernel, schedule: bool, q, k_cache, v_cache, table, cache_seqlens,
-                    o, lse, buffers: _PlanBuffers, scale: float) -> None:
+                    k_scale, v_scale, o, lse, buffers: _PlanBuffers, scale: float) -> None:
     kernel(0, schedule, q, k_cache, v_cache, table, cache_seqlens, buffers.slot_table,
-           buffers.split_ends, o, lse, buffers.o_part, buffers.lse_part, buffers.blocks,
-           buffers.target, scale)
+           buffers.split_ends, k_scale, v_scale, o, lse, buffers.o_part, buffers.lse_part,
+           buffers.blocks, buffers.target, scale)
 
 
 class DecodePlan:
@@ -444,7 +579,8 @@ class DecodePlan:
                  page_size: int | None = 16, q_len: int = 1,
                  dtype: torch.dtype = torch.bfloat16, device: Any = None,
                  sm_scale: float | None = None, softcap: float = 0.0, window_left: int = -1,
-                 is_causal: bool = True, num_sms: int | None = None):
+                 is_causal: bool = True, num_sms: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         name = "DecodePlan"
         ints = {"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
                 "num_kv_heads": (num_kv_heads, 1), "q_len": (q_len, 1)}
@@ -464,18 +600,24 @@ class DecodePlan:
         if dtype not in (torch.float16, torch.bfloat16):
             raise op_error(TileOpsValueError, name, "dtype", "torch.float16 or torch.bfloat16",
                            dtype)
+        kv_dtype = kv_dtype or dtype
+        if kv_dtype not in (dtype, FP8):
+            raise op_error(TileOpsValueError, name, "kv_dtype",
+                           f"None, {dtype} or torch.float8_e4m3fn", kv_dtype)
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.op = DecodeAttentionFwdOp.cached(sm_scale=sm_scale, softcap=float(softcap),
-                                              window_left=window_left, is_causal=is_causal)
+        op_class = DecodeAttentionFp8FwdOp if kv_dtype == FP8 else DecodeAttentionFwdOp
+        self.op = op_class.cached(sm_scale=sm_scale, softcap=float(softcap),
+                                  window_left=window_left, is_causal=is_causal)
+        self.kv_dtype = kv_dtype
         self.batch_size, self.q_len, self.num_heads = batch_size, q_len, num_heads
         self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
         self.dtype = dtype
         self.num_sms = num_sms if num_sms is not None else _sms(self.device)
         self.scale = float(sm_scale if sm_scale is not None else head_dim ** -0.5)
         self.key = self.op._kernel_key(dtype, num_heads, num_kv_heads, head_dim, q_len,
-                                       page_size or 0)
+                                       page_size or 0, kv_dtype)
         self.buffers = _PlanBuffers.make(batch_size, q_len, num_heads, num_kv_heads, head_dim,
                                          self.num_sms, self.device)
         self._kernel: Kernel | None = None
@@ -497,14 +639,16 @@ class DecodePlan:
         """Recomputes the per-request split counts from cache_seqlens, on the GPU."""
         self._check_lengths(cache_seqlens)
         _planned_launch(self.kernel, True, None, None, None, None, cache_seqlens.contiguous(),
-                        None, None, self.buffers, self.scale)
+                        None, None, None, None, self.buffers, self.scale)
         self._scheduled = True
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None, *,
             out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            schedule: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """(o, lse) of q [B, q_len, H, D] (or [B, H, D] when q_len is 1) over the cache."""
+            schedule: bool = True, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse) of q [B, q_len, H, D] (or [B, H, D] when q_len is 1) over the cache;
+        k_scale/v_scale (fp32 [1] or [Hkv]) for an fp8 cache."""
         name = "DecodePlan.run"
         single = q.dim() == 3
         q4 = q.unsqueeze(1) if single else q
@@ -520,7 +664,9 @@ class DecodePlan:
                            self.page_size else "a contiguous cache and no block_table",
                            f"shape {list(k_cache.shape)}, block_table "
                            f"{'given' if paged else 'None'}")
-        self.op.validate((q4, k_cache, v_cache, cache_seqlens, block_table))
+        inputs = (q4, k_cache, v_cache, cache_seqlens, block_table)
+        self.op.validate(inputs + (k_scale, v_scale) if self.kv_dtype == FP8 else inputs)
+        k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale)
         if self.op.checked and not torch.cuda.is_current_stream_capturing():
             self.op._check_indices(k_cache, cache_seqlens, block_table)
         o = out if out is not None else torch.empty_like(q)
@@ -537,7 +683,7 @@ class DecodePlan:
         _planned_launch(self.kernel, schedule or not self._scheduled, q4.contiguous(),
                         _contiguous(name, "k_cache", k_cache),
                         _contiguous(name, "v_cache", v_cache), table,
-                        cache_seqlens.contiguous(),
+                        cache_seqlens.contiguous(), k_scale, v_scale,
                         o.view(want) if single else o,
                         lse.view(self.batch_size, self.num_heads, self.q_len), self.buffers,
                         self.scale)
@@ -559,31 +705,35 @@ def plan_decode(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: in
                 page_size: int | None = 16, q_len: int = 1, dtype: torch.dtype = torch.bfloat16,
                 device: Any = None, sm_scale: float | None = None, softcap: float = 0.0,
                 window_left: int = -1, is_causal: bool = True,
-                num_sms: int | None = None) -> DecodePlan:
+                num_sms: int | None = None, kv_dtype: torch.dtype | None = None) -> DecodePlan:
     """A reusable `DecodePlan` for a decode batch (see its docstring); page_size None means
-    a contiguous cache [B, S_max, Hkv, D]."""
+    a contiguous cache [B, S_max, Hkv, D]; kv_dtype torch.float8_e4m3fn an fp8 cache."""
     return DecodePlan(batch_size, num_heads, num_kv_heads, head_dim, page_size=page_size,
                       q_len=q_len, dtype=dtype, device=device, sm_scale=sm_scale,
                       softcap=softcap, window_left=window_left, is_causal=is_causal,
-                      num_sms=num_sms)
+                      num_sms=num_sms, kv_dtype=kv_dtype)
 
 # -- functional API -----------------------------------------------------------------------
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
                      sm_scale: float | None = None, softcap: float | None = None,
                      window_left: int | None = None, is_causal: bool = True,
-                     return_lse: bool = False) -> Any:
+                     return_lse: bool = False, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> Any:
     """Attention of q [B, H, D] (one token per request) or [B, q_len, H, D] over a KV cache.
 
     k_cache/v_cache: page pools [num_pages, page_size, Hkv, D] with `block_table`
     [B, max_pages], or a contiguous cache [B, S_max, Hkv, D] (block_table None);
     cache_seqlens [B] int32 counts each request's keys, its new tokens included. Returns o
     shaped like q, and with return_lse also lse [B, H] (or [B, H, q_len]), fp32 natural log.
-    See the module docstring for masks and edge cases.
+    An fp8 (e4m3) cache takes fp32 k_scale/v_scale [1] or [Hkv] (None: 1.0). See the module
+    docstring for masks and edge cases.
     """
     single = q.dim() == 3
-    o, lse = DecodeAttentionFwdOp.apply(
+    fp8 = k_cache.dtype == FP8
+    o, lse = (DecodeAttentionFp8FwdOp if fp8 else DecodeAttentionFwdOp).apply(
         q.unsqueeze(1) if single else q, k_cache, v_cache, cache_seqlens, block_table,
+        *((k_scale, v_scale) if fp8 else _no_scales(k_scale, v_scale)),
         sm_scale=sm_scale, softcap=0.0 if softcap is None else float(softcap),
         window_left=-1 if window_left is None else int(window_left), is_causal=is_causal)
     if single:
@@ -596,27 +746,50 @@ def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               max_seqlen_q: int, block_table: torch.Tensor | None = None,
                               sm_scale: float | None = None, softcap: float | None = None,
                               window_left: int | None = None, is_causal: bool = True,
-                              return_lse: bool = False) -> Any:
+                              return_lse: bool = False, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None) -> Any:
     """Packed new tokens q [T, H, D] (request b: rows cu_seqlens_q[b]:cu_seqlens_q[b + 1],
     at most max_seqlen_q) attending to their KV cache, their own keys already appended;
     cache layouts and options as `decode_attention`. Returns o [T, H, D], and with
-    return_lse also lse [T, H] (fp32, natural log)."""
-    o, lse = ChunkedPrefillAttentionFwdOp.apply(
+    return_lse also lse [T, H] (fp32, natural log); an fp8 cache takes k_scale/v_scale."""
+    fp8 = k_cache.dtype == FP8
+    o, lse = (ChunkedPrefillAttentionFp8FwdOp if fp8 else ChunkedPrefillAttentionFwdOp).apply(
         q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table,
+        *((k_scale, v_scale) if fp8 else _no_scales(k_scale, v_scale)),
         max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
         softcap=0.0 if softcap is None else float(softcap),
         window_left=-1 if window_left is None else int(window_left), is_causal=is_causal)
     return (o, lse) if return_lse else o
 
 
+def _no_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    if k_scale is not None or v_scale is not None:
+        raise op_error(TileOpsValueError, "tileops", "k_scale",
+                       "None for a cache in q's dtype (scales belong to an fp8 cache)",
+                       "a tensor")
+    return ()
+
+
 def kv_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
-                    v_pages: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    v_pages: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """Writes k_new/v_new [T, Hkv, D] into k_pages/v_pages [num_pages, page_size, Hkv, D]
     in place at slot_mapping [T] (int64 or int32; slot = page * page_size + offset, -1
     skips the token), as vLLM's reshape_and_cache. int32 slots are widened first (one
-    small copy)."""
+    small copy). fp8 (e4m3) pools store each element / its scale (k_scale/v_scale fp32 [1]
+    or [Hkv], None: 1.0), saturated to +-448."""
     if slot_mapping.dtype == torch.int32:
         slot_mapping = slot_mapping.long()
+    if k_pages.dtype == FP8:
+        if torch.compiler.is_compiling():
+            torch.ops.tileops.kv_cache_append_fp8_inplace(k_new, v_new, k_pages, v_pages,
+                                                          slot_mapping, k_scale, v_scale)
+        else:
+            _append_fp8_inplace.run(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale,
+                                    v_scale)
+        return
+    _no_scales(k_scale, v_scale)
     if torch.compiler.is_compiling():
         torch.ops.tileops.kv_cache_append_inplace(k_new, v_new, k_pages, v_pages, slot_mapping)
     else:

@@ -633,11 +633,16 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
 
         return fp8_baselines(op_name)
     if op_name in ("DecodeAttentionFwdOp", "ChunkedPrefillAttentionFwdOp",
-                   "KVCacheAppendFwdOp"):
+                   "KVCacheAppendFwdOp", "DecodeAttentionFp8FwdOp",
+                   "ChunkedPrefillAttentionFp8FwdOp", "KVCacheAppendFp8FwdOp"):
         from . import serving_baselines
 
         return {"DecodeAttentionFwdOp": serving_baselines.decode_attention_baselines,
                 "ChunkedPrefillAttentionFwdOp": serving_baselines.chunked_prefill_baselines,
                 "KVCacheAppendFwdOp": serving_baselines.kv_cache_append_baselines,
+                "DecodeAttentionFp8FwdOp": serving_baselines.decode_attention_fp8_baselines,
+                "ChunkedPrefillAttentionFp8FwdOp":
+                    serving_baselines.chunked_prefill_fp8_baselines,
+                "KVCacheAppendFp8FwdOp": serving_baselines.kv_cache_append_fp8_baselines,
                 }[op_name](libs)
     return {}

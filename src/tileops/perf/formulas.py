@@ -74,7 +74,8 @@ def attention_bwd(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: 
 
 
 def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
-                     window_left: int, elem_bytes: int, **_: Any) -> tuple[int, int]:
+                     window_left: int, elem_bytes: int, kv_bytes: int | None = None,
+                     **_: Any) -> tuple[int, int]:
     """Decode over a KV cache: the K/V rows each request's queries can see are read once
     (the window's span when one is set), q read and o written once, the lse, the lengths
     and the block-table entries of the pages read. Lengths come from cache_seqlens' values;
@@ -90,7 +91,8 @@ def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
     keys = [min(n, window_left + seq_q) if window_left >= 0 else n for n in lengths]
     pairs = sum(visible_pairs(seq_q, n, window_left, 0) for n in lengths)
     flops = 4 * heads * head_dim * pairs
-    nbytes = (2 * sum(keys) * kv_heads * head_dim + 2 * q.numel()) * elem_bytes
+    nbytes = (2 * sum(keys) * kv_heads * head_dim * (kv_bytes or elem_bytes)
+              + 2 * q.numel() * elem_bytes)
     nbytes += q.numel() // head_dim * 4 + batch * 4
     if block_table is not None:
         page = k_cache.shape[1]
@@ -100,7 +102,8 @@ def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
 
 def chunked_prefill_attention(q: Any, k_cache: Any, cu_seqlens_q: Any, cache_seqlens: Any,
                               block_table: Any, window_left: int, is_causal: bool,
-                              elem_bytes: int, **_: Any) -> tuple[int, int]:
+                              elem_bytes: int, kv_bytes: int | None = None,
+                              **_: Any) -> tuple[int, int]:
     """Packed chunks over a KV cache: each request's visible (query, key) pairs; the K/V
     rows its chunk can see read once, q read and o written once, the lse, the lengths and
     the block-table entries of the pages read. On meta tensors (no values) the chunks are
@@ -119,8 +122,26 @@ def chunked_prefill_attention(q: Any, k_cache: Any, cu_seqlens_q: Any, cache_seq
     right = 0 if is_causal else -1
     pairs = sum(visible_pairs(n_q, n, window_left, right) for n_q, n in chunks)
     keys = [min(n, window_left + n_q) if window_left >= 0 else n for n_q, n in chunks]
-    nbytes = (2 * sum(keys) * kv_heads * head_dim + 2 * q.numel()) * elem_bytes
+    nbytes = (2 * sum(keys) * kv_heads * head_dim * (kv_bytes or elem_bytes)
+              + 2 * q.numel() * elem_bytes)
     nbytes += total_q * heads * 4 + (2 * batch + 1) * 4
     if block_table is not None:
         nbytes += sum(-(-n // k_cache.shape[1]) for n in keys) * 4
     return 4 * heads * head_dim * pairs, nbytes
+
+
+def _scale_bytes(k_scale: Any, v_scale: Any) -> int:
+    return sum(4 * t.numel() for t in (k_scale, v_scale) if t is not None)
+
+
+def decode_attention_fp8(k_scale: Any = None, v_scale: Any = None, **ns: Any) -> tuple[int, int]:
+    """`decode_attention` over an fp8 cache: a byte per K/V element, and the scales."""
+    flops, nbytes = decode_attention(**ns, kv_bytes=1)
+    return flops, nbytes + _scale_bytes(k_scale, v_scale)
+
+
+def chunked_prefill_attention_fp8(k_scale: Any = None, v_scale: Any = None,
+                                  **ns: Any) -> tuple[int, int]:
+    """`chunked_prefill_attention` over an fp8 cache."""
+    flops, nbytes = chunked_prefill_attention(**ns, kv_bytes=1)
+    return flops, nbytes + _scale_bytes(k_scale, v_scale)

@@ -144,3 +144,106 @@ def _index_copy(k_new, v_new, k_pages, v_pages, slot_mapping):
 
 def kv_cache_append_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
     return {"torch-index-copy": _index_copy}
+
+
+# -- fp8 caches ---------------------------------------------------------------------------
+_widened: dict[tuple, torch.Tensor] = {}
+
+
+def _widen_once(cache: torch.Tensor, scale: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """cache * scale in `dtype`, made on the first call for this cache and reused (outside
+    the timed region after warm-up): the same attention over a 16-bit cache."""
+    key = (cache.data_ptr(), tuple(cache.shape), None if scale is None else scale.data_ptr(),
+           dtype)
+    wide = _widened.get(key)
+    if wide is None:
+        if len(_widened) > 8:
+            _widened.clear()
+        wide = _widened[key] = _dequantize(cache, scale, dtype)
+    return wide
+
+
+def _dequantize(cache: torch.Tensor, scale: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """cache [..., Hkv, D] * scale ([1] or [Hkv]) in `dtype`."""
+    wide = cache.float()
+    if scale is not None:
+        wide = wide * scale.reshape(-1, 1).float()
+    return wide.to(dtype)
+
+
+def _bf16_cache(run: Baseline) -> Baseline:
+    """`run` over the fp8 cache widened once: our own 16-bit kernel on the same shapes."""
+
+    def wrapped(q, k_cache, v_cache, *args, k_scale=None, v_scale=None, **params):
+        return run(q, _widen_once(k_cache, k_scale, q.dtype),
+                   _widen_once(v_cache, v_scale, q.dtype), *args, **params)
+
+    return wrapped
+
+
+def _split_scales(run: Baseline, n_args: int) -> Baseline:
+    """The fp8 op's positional inputs (..., k_scale, v_scale) as keywords for `run`."""
+
+    def wrapped(*args, **params):
+        args = list(args) + [None] * (n_args + 2 - len(args))
+        return run(*args[:n_args], k_scale=args[n_args], v_scale=args[n_args + 1], **params)
+
+    return wrapped
+
+
+def _dequantized_sdpa(run: Baseline) -> Baseline:
+    """`run` on the cache dequantized on every call (what a torch user writes)."""
+
+    def wrapped(q, k_cache, v_cache, *args, k_scale=None, v_scale=None, **params):
+        return run(q, _dequantize(k_cache, k_scale, q.dtype),
+                   _dequantize(v_cache, v_scale, q.dtype), *args, **params)
+
+    return wrapped
+
+
+def _tileops_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_scale=None,
+                    softcap=0.0, window_left=-1, is_causal=True):
+    from tileops import decode_attention
+
+    return decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, sm_scale,
+                            softcap, window_left, is_causal)
+
+
+def _tileops_chunks(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table=None,
+                    max_seqlen_q=0, sm_scale=None, softcap=0.0, window_left=-1,
+                    is_causal=True):
+    from tileops import chunked_prefill_attention
+
+    return chunked_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens,
+                                     max_seqlen_q, block_table, sm_scale, softcap, window_left,
+                                     is_causal)
+
+
+def decode_attention_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
+    """TileOPs' 16-bit decode on the same cache widened once (the issue's fp8 target is
+    >= 1.7x of it), and cuDNN SDPA on the gathered cache dequantized per call."""
+    from torch.nn.attention import SDPBackend
+
+    return {"tileops-16bit-cache": _split_scales(_bf16_cache(_tileops_decode), 5),
+            "sdpa-cudnn-masked-dequantized": _split_scales(
+                _dequantized_sdpa(_sdpa_decode(SDPBackend.CUDNN_ATTENTION, True)), 5)}
+
+
+def chunked_prefill_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
+    return {"tileops-16bit-cache": _split_scales(_bf16_cache(_tileops_chunks), 6)}
+
+
+def _quantize_copy(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale=None, v_scale=None):
+    """Scale, saturate and cast in torch, then the row scatter."""
+    def q8(x, scale):
+        if scale is not None:
+            x = x.float() / scale.reshape(-1, 1).float()
+        return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    return _index_copy(q8(k_new, k_scale), q8(v_new, v_scale), k_pages, v_pages, slot_mapping)
+
+
+def kv_cache_append_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
+    return {"torch-quantize-index-copy": _quantize_copy}

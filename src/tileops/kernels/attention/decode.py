@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from ..base import Kernel
 from ..selection.topk import exclusive_offsets
@@ -38,6 +39,7 @@ ROWS = 64  # query rows per CTA: one wgmma warpgroup tile
 SMS = 132  # H200 SMs; the split rule aims at whole waves of them
 MAX_SPLITS = 64
 SWIZZLE_COLS = 64  # bf16/fp16 columns per 128-byte swizzle atom
+T_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 MAX_PIECES = 16  # TMA copies per paged tile: (pages per tile) x (head_dim / 64)
 MIN_TILES_PER_SPLIT = 2  # fewer and the combine and per-CTA setup outweigh the split
 SCHEDULE_THREADS = 512
@@ -48,7 +50,12 @@ class DecodeConfig:
     block_n: int = 128  # keys per tile
     stages: int = 2  # K/V tiles in flight per CTA
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False) -> int:
+        """q, the K/V stages, and for an fp8 cache the widened K and V tiles besides its
+        fp8 stages."""
+        if fp8:
+            return (ROWS + 2 * self.block_n) * head_dim * elem_bytes + \
+                2 * self.stages * self.block_n * head_dim
         return (ROWS + 2 * self.stages * self.block_n) * head_dim * elem_bytes
 
 
@@ -131,7 +138,7 @@ def tile_keys(head_dim: int) -> int:
 
 def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_size: int,
                    dtype: str, window_left: int, softcap: float, causal: bool, split: bool,
-                   config: DecodeConfig, planned: bool = False):
+                   config: DecodeConfig, planned: bool = False, kv_dtype: str | None = None):
     """The attention kernel; `page_size` 0 means the contiguous cache, `q_len` 0 packed
     queries (chunked prefill: q [T, 1, H, D], request b owning rows cu_seqlens_q[b]:
     cu_seqlens_q[b + 1]), else q [B, q_len, H, D]. With `split`, writes partials
@@ -146,8 +153,17 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     schedule `schedule_program` wrote (slot_table); the grid is (KV heads, row blocks,
     slots), a slot being one run of one request's key tiles (request -1: no work). A request of one
     split writes o and lse directly, the others fp32 partials o_part [slots, Sq, H, D] and
-    lse_part [slots, Sq, H] that `combine_program(planned=True)` merges."""
+    lse_part [slots, Sq, H] that `combine_program(planned=True)` merges.
+
+    `kv_dtype` "float8_e4m3fn": an fp8 cache with fp32 scales k_scale/v_scale [1] (per
+    tensor) or [Hkv] (per KV head; a CTA serves one KV head, so both are exact here). K/V
+    tiles arrive by TMA as fp8 and the consumers widen them to q's dtype in shared memory
+    before the wgmmas; k_scale multiplies the softmax scale, v_scale the output (partials
+    included). Other caches ignore k_scale/v_scale (placeholders)."""
     group = heads // kv_heads
+    kv_dtype = kv_dtype or dtype
+    fp8 = kv_dtype != dtype
+    n_scale = T.dynamic("n_scale")
     packed = q_len == 0
     tokens = 1 if packed else q_len  # q's second dimension
     block_n, stages = config.block_n, config.stages
@@ -173,7 +189,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return b, token
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
-    parts = head_dim // SWIZZLE_COLS
+    # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
+    swizzle_cols = SWIZZLE_COLS * 2 // T_BYTES[kv_dtype]
+    parts = head_dim // swizzle_cols
     assert chunks == 1 or chunks * parts <= MAX_PIECES, (block_n, page_size, head_dim)
 
     def tile_region(cache, table, b, tile, h):
@@ -194,7 +212,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     def load_piece(cache, table, b, tile, h, dst, piece):
         if piece < chunks * parts:
             c, part = piece // parts, piece % parts
-            cols = slice(part * SWIZZLE_COLS, (part + 1) * SWIZZLE_COLS)
+            cols = slice(part * swizzle_cols, (part + 1) * swizzle_cols)
             T.copy(cache[page_of(table, b, tile, c), 0:page_size, h, cols],
                    dst[c * page_size:(c + 1) * page_size, cols])
 
@@ -242,11 +260,37 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                                        seqlen, window_left, causal),
                     st.s[i, j], -T.infinity("float"))
 
+    def alloc_tiles():
+        """(q, K, V, K landing, V landing) shared tiles: an fp8 cache lands in fp8 tiles of
+        its own and is widened into the K/V tiles the wgmmas read."""
+        tiles = (T.alloc_shared((ROWS, head_dim), dtype),
+                 T.alloc_shared((block_n, head_dim), dtype),
+                 T.alloc_shared((block_n, head_dim), dtype))
+        if not fp8:
+            return (*tiles, tiles[1], tiles[2])
+        k_land = T.alloc_shared((block_n, head_dim), kv_dtype)
+        v_land = T.alloc_shared((block_n, head_dim), kv_dtype)
+        # the 128-byte swizzle TMA writes (TileLang infers none for tiles no wgmma reads)
+        T.annotate_layout({k_land: make_swizzled_layout(k_land),
+                           v_land: make_swizzled_layout(v_land)})
+        return (*tiles, k_land, v_land)
+
+    def kv_scale(scales, h):
+        """The KV head's scale: scales [1] per tensor or [Hkv] per head."""
+        return scales[T.min(h, n_scale - 1)]
+
+    def out(st, i, d, v_scale, h):
+        """Row i's output (or partial) element d, V's scale applied."""
+        return st.o[i, d] * kv_scale(v_scale, h) if fp8 else st.o[i, d]
+
     @T.macro
-    def attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st, b, h,
+    def attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b, h,
                q_start, n_q, row0, split_index, n_split, scale):
         """Rows [row0, row0 + ROWS) of request b's n_q * group (token, head) rows, then the
         online softmax over its split of the key tiles they see."""
+        q_shared, k_shared, v_shared, k_land, v_land = tiles
+        if fp8:
+            scale = scale * kv_scale(k_scale, h)
         n_rows = n_q * group
         for i, d in T.Parallel(ROWS, head_dim):
             # rows past the request's repeat its last row (never stored); an empty request
@@ -268,13 +312,17 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         # an empty split walks one masked tile (its loads stay inside the table's row)
         for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
             tile = T.min(begin + t, T.max(first + n_tiles - 1, 0))
-            load_tile(k, block_table, b, tile, h, k_shared)
+            load_tile(k, block_table, b, tile, h, k_land)
+            if fp8:
+                T.copy(k_land, k_shared)
             scores(st, q_shared, k_shared, (begin + t) * block_n, seqlen, n_q, row0, t < mine,
                    scale)
             step.online_softmax(st, scale)
             T.copy(st.s, st.p)
             step.rescale_output(st)
-            load_tile(v, block_table, b, tile, h, v_shared)
+            load_tile(v, block_table, b, tile, h, v_land)
+            if fp8:
+                T.copy(v_land, v_shared)
             T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
         step.finish(st, scale)
 
@@ -292,11 +340,13 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         n_slots = T.dynamic("n_slots")
 
         @T.prim_func
-        def decode_planned(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, dtype),
-                           v: T.Tensor(cache_shape, dtype),
+        def decode_planned(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, kv_dtype),
+                           v: T.Tensor(cache_shape, kv_dtype),
                            block_table: T.Tensor(table_shape, "int32"),
                            cache_seqlens: T.Tensor((batch,), "int32"),
                            slot_table: T.Tensor((n_slots, 4), "int32"),
+                           k_scale: T.Tensor((n_scale,), "float"),
+                           v_scale: T.Tensor((n_scale,), "float"),
                            o: T.Tensor(q_shape, dtype),
                            lse: T.Tensor((q_rows, heads, tokens), "float"),
                            o_part: T.Tensor((n_slots, tokens, heads, head_dim), "float"),
@@ -305,9 +355,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             with T.Kernel(kv_heads, row_blocks, n_slots, threads=128) as (bx, by, bz):
                 h = bx
                 row0 = by * ROWS
-                q_shared = T.alloc_shared((ROWS, head_dim), dtype)
-                k_shared = T.alloc_shared((block_n, head_dim), dtype)
-                v_shared = T.alloc_shared((block_n, head_dim), dtype)
+                tiles = alloc_tiles()
                 (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
                  l_local, lse_local, hold, stale) = step.alloc_state()
                 st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
@@ -318,13 +366,14 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 # slot_table[slot] = (request, first tile, tiles, splits of the request)
                 if slot_table[bz, 0] >= 0:
                     b = slot_table[bz, 0]
-                    attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared,
+                    attend(q, k, v, block_table, cache_seqlens, tiles, k_scale,
                            st, b, h, b, q_len, row0, slot_table[bz, 1], slot_table[bz, 2],
                            scale)
                     if slot_table[bz, 3] == 1:
                         for i, d in T.Parallel(ROWS, head_dim):
                             if row0 + i < q_len * group:
-                                o[b, (row0 + i) // group, head_of(row0 + i, h), d] = st.o[i, d]
+                                o[b, (row0 + i) // group, head_of(row0 + i, h),
+                                  d] = out(st, i, d, v_scale, h)
                         for i in T.Parallel(ROWS):
                             if row0 + i < q_len * group:
                                 lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
@@ -332,7 +381,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                         for i, d in T.Parallel(ROWS, head_dim):
                             if row0 + i < q_len * group:
                                 o_part[bz, (row0 + i) // group, head_of(row0 + i, h),
-                                       d] = st.o[i, d]
+                                       d] = out(st, i, d, v_scale, h)
                         for i in T.Parallel(ROWS):
                             if row0 + i < q_len * group:
                                 lse_part[bz, (row0 + i) // group,
@@ -342,11 +391,13 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
 
     if split:
         @T.prim_func
-        def decode_split(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, dtype),
-                         v: T.Tensor(cache_shape, dtype),
+        def decode_split(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, kv_dtype),
+                         v: T.Tensor(cache_shape, kv_dtype),
                          block_table: T.Tensor(table_shape, "int32"),
                          cache_seqlens: T.Tensor((batch,), "int32"),
                          cu_seqlens_q: T.Tensor((n_cu,), "int32"),
+                         k_scale: T.Tensor((n_scale,), "float"),
+                         v_scale: T.Tensor((n_scale,), "float"),
                          o_part: T.Tensor((q_rows, tokens, heads, n_splits, head_dim), "float"),
                          lse_part: T.Tensor((q_rows, tokens, heads, n_splits), "float"),
                          row_blocks: T.int32, scale: T.float32):
@@ -354,19 +405,18 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 b, h = bz // kv_heads, bz % kv_heads
                 row0 = by * ROWS
                 q_start, n_q = request(cu_seqlens_q, b)
-                q_shared = T.alloc_shared((ROWS, head_dim), dtype)
-                k_shared = T.alloc_shared((block_n, head_dim), dtype)
-                v_shared = T.alloc_shared((block_n, head_dim), dtype)
+                tiles = alloc_tiles()
                 (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
                  l_local, lse_local, hold, stale) = step.alloc_state()
                 st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
                                 row_sum, l_local, lse_local, hold, stale)
-                attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st,
+                attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st,
                        b, h, q_start, n_q, row0, sx, n_splits, scale)
                 for i, d in T.Parallel(ROWS, head_dim):
                     if row0 + i < n_q * group:
                         qb, qt = q_at(b, q_start, (row0 + i) // group)
-                        o_part[qb, qt, head_of(row0 + i, h), sx, d] = st.o[i, d]
+                        o_part[qb, qt, head_of(row0 + i, h), sx, d] = out(st, i, d, v_scale,
+                                                                         h)
                 for i in T.Parallel(ROWS):
                     if row0 + i < n_q * group:
                         qb, qt = q_at(b, q_start, (row0 + i) // group)
@@ -375,11 +425,13 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return decode_split
 
     @T.prim_func
-    def decode_direct(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, dtype),
-                      v: T.Tensor(cache_shape, dtype),
+    def decode_direct(q: T.Tensor(q_shape, dtype), k: T.Tensor(cache_shape, kv_dtype),
+                      v: T.Tensor(cache_shape, kv_dtype),
                       block_table: T.Tensor(table_shape, "int32"),
                       cache_seqlens: T.Tensor((batch,), "int32"),
                       cu_seqlens_q: T.Tensor((n_cu,), "int32"),
+                      k_scale: T.Tensor((n_scale,), "float"),
+                      v_scale: T.Tensor((n_scale,), "float"),
                       o: T.Tensor(q_shape, dtype),
                       lse: T.Tensor((q_rows, heads, tokens), "float"),
                       row_blocks: T.int32, scale: T.float32):
@@ -387,19 +439,17 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             b, h = bz // kv_heads, bz % kv_heads
             row0 = by * ROWS
             q_start, n_q = request(cu_seqlens_q, b)
-            q_shared = T.alloc_shared((ROWS, head_dim), dtype)
-            k_shared = T.alloc_shared((block_n, head_dim), dtype)
-            v_shared = T.alloc_shared((block_n, head_dim), dtype)
+            tiles = alloc_tiles()
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
              l_local, lse_local, hold, stale) = step.alloc_state()
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
                             row_sum, l_local, lse_local, hold, stale)
-            attend(q, k, v, block_table, cache_seqlens, q_shared, k_shared, v_shared, st, b,
+            attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b,
                    h, q_start, n_q, row0, sx, 1, scale)
             for i, d in T.Parallel(ROWS, head_dim):
                 if row0 + i < n_q * group:
                     qb, qt = q_at(b, q_start, (row0 + i) // group)
-                    o[qb, qt, head_of(row0 + i, h), d] = st.o[i, d]
+                    o[qb, qt, head_of(row0 + i, h), d] = out(st, i, d, v_scale, h)
             for i in T.Parallel(ROWS):
                 if row0 + i < n_q * group:
                     qb, qt = q_at(b, q_start, (row0 + i) // group)
@@ -565,7 +615,8 @@ def slot_count(batch: int, kv_heads: int, blocks: int, sms: int = SMS) -> int:
 
 class DecodeAttentionKernel(Kernel):
     """key: dtype, heads, kv_heads, head_dim, q_len, page_size (0: contiguous), window_left
-    (-1: none), softcap (0: none), causal. Bucket: "direct" (one split) or "split"."""
+    (-1: none), softcap (0: none), causal, and kv_dtype for an fp8 cache only (absent: the
+    cache is in q's dtype). Bucket: "direct" (one split) or "split"."""
 
     name = "decode_attention"
     Config = DecodeConfig
@@ -575,7 +626,7 @@ class DecodeAttentionKernel(Kernel):
         split = bucket == "split"
         main = decode_program(k["heads"], k["kv_heads"], k["head_dim"], k["q_len"],
                               k["page_size"], k["dtype"], k["window_left"], k["softcap"],
-                              k["causal"], split, config)
+                              k["causal"], split, config, kv_dtype=k.get("kv_dtype"))
         if not split:
             return main
         # packed queries: the partials are [T, 1, H, splits, D], the one-token layout
@@ -595,18 +646,19 @@ class DecodeAttentionKernel(Kernel):
             for stages in (2, 3, 4):
                 space.append(DecodeConfig(block_n, stages))
         return [c for c in dict.fromkeys(space)
-                if c.smem_bytes(self.key["head_dim"]) <= 227 * 1024
+                if c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key) <= 227 * 1024
                 and (self.key["page_size"] == 0 or self.key["page_size"] >= c.block_n
                      or c.block_n % self.key["page_size"] == 0)]
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
-            cu_seqlens_q, o, lse, o_part, lse_part, row_blocks: int, scale: float) -> None:
+            cu_seqlens_q, k_scale, v_scale, o, lse, o_part, lse_part, row_blocks: int,
+            scale: float) -> None:
         if len(compiled) == 1:
-            compiled[0](q, k, v, block_table, cache_seqlens, cu_seqlens_q, o, lse, row_blocks,
-                        scale)
+            compiled[0](q, k, v, block_table, cache_seqlens, cu_seqlens_q, k_scale, v_scale, o,
+                        lse, row_blocks, scale)
         else:
-            compiled[0](q, k, v, block_table, cache_seqlens, cu_seqlens_q, o_part, lse_part,
-                        row_blocks, scale)
+            compiled[0](q, k, v, block_table, cache_seqlens, cu_seqlens_q, k_scale, v_scale,
+                        o_part, lse_part, row_blocks, scale)
             compiled[1](o_part, lse_part, o, lse)
 
 
@@ -622,7 +674,8 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
         return (schedule_program(k["q_len"], config.block_n, k["window_left"], k["causal"]),
                 decode_program(k["heads"], k["kv_heads"], k["head_dim"], k["q_len"],
                                k["page_size"], k["dtype"], k["window_left"], k["softcap"],
-                               k["causal"], True, config, planned=True),
+                               k["causal"], True, config, planned=True,
+                               kv_dtype=k.get("kv_dtype")),
                 combine_program(k["heads"], k["head_dim"], k["q_len"], k["dtype"],
                                 planned=True))
 
@@ -630,14 +683,14 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
         return "planned"
 
     def run(self, config: DecodeConfig, compiled: tuple, schedule: bool, q, k, v, block_table,
-            cache_seqlens, slot_table, split_ends, o, lse, o_part, lse_part, row_blocks: int,
-            target: int, scale: float) -> None:
+            cache_seqlens, slot_table, split_ends, k_scale, v_scale, o, lse, o_part, lse_part,
+            row_blocks: int, target: int, scale: float) -> None:
         """With `schedule`, recomputes the split counts from cache_seqlens first; q None:
         the schedule only."""
         if schedule:
             compiled[0](cache_seqlens, slot_table, split_ends, target)
         if q is None:
             return
-        compiled[1](q, k, v, block_table, cache_seqlens, slot_table, o, lse, o_part, lse_part,
-                    row_blocks, scale)
+        compiled[1](q, k, v, block_table, cache_seqlens, slot_table, k_scale, v_scale, o, lse,
+                    o_part, lse_part, row_blocks, scale)
         compiled[2](o_part, lse_part, split_ends, o, lse)

@@ -19,11 +19,43 @@ class KVCacheAppendConfig:
     threads: int = 128
 
 
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
 def kv_cache_append_program(width: int, dtype: str, slot_dtype: str,
-                            config: KVCacheAppendConfig):
-    """k_new/v_new [T, width] into rows slot_mapping[t] of k_pages/v_pages [slots, width]."""
-    tokens, slots = T.dynamic("tokens, slots")
+                            config: KVCacheAppendConfig, cache_dtype: str | None = None,
+                            head_dim: int = 0):
+    """k_new/v_new [T, width] into rows slot_mapping[t] of k_pages/v_pages [slots, width].
+
+    `cache_dtype` "float8_e4m3fn": the pools are fp8 and the program takes k_scale/v_scale
+    [1] or [Hkv] (fp32); element j of a row, of KV head j // head_dim, is stored as
+    clamp(x / scale, -448, 448) rounded to e4m3."""
+    tokens, slots, n_scale = T.dynamic("tokens, slots, n_scale")
     block_rows = config.block_rows
+
+    if cache_dtype is not None:
+        def quantize(x, scales, j):
+            return T.Cast(cache_dtype, T.clamp(
+                T.Cast("float", x) / scales[T.min(j // head_dim, n_scale - 1)],
+                -FP8_MAX, FP8_MAX))
+
+        @T.prim_func
+        def kv_cache_append_fp8(k_new: T.Tensor((tokens, width), dtype),
+                                v_new: T.Tensor((tokens, width), dtype),
+                                k_pages: T.Tensor((slots, width), cache_dtype),
+                                v_pages: T.Tensor((slots, width), cache_dtype),
+                                slot_mapping: T.Tensor((tokens,), slot_dtype),
+                                k_scale: T.Tensor((n_scale,), "float"),
+                                v_scale: T.Tensor((n_scale,), "float")):
+            with T.Kernel(T.ceildiv(tokens, block_rows), threads=config.threads) as bx:
+                for i, j in T.Parallel(block_rows, width):
+                    row = bx * block_rows + i
+                    if row < tokens:
+                        if slot_mapping[row] >= 0:
+                            k_pages[slot_mapping[row], j] = quantize(k_new[row, j], k_scale, j)
+                            v_pages[slot_mapping[row], j] = quantize(v_new[row, j], v_scale, j)
+
+        return kv_cache_append_fp8
 
     @T.prim_func
     def kv_cache_append(k_new: T.Tensor((tokens, width), dtype),
@@ -45,14 +77,16 @@ def kv_cache_append_program(width: int, dtype: str, slot_dtype: str,
 
 
 class KVCacheAppendKernel(Kernel):
-    """key: dtype, slot_dtype, width (Hkv * D)."""
+    """key: dtype, slot_dtype, width (Hkv * D); for fp8 pools also cache_dtype and
+    head_dim."""
 
     name = "kv_cache_append"
     Config = KVCacheAppendConfig
 
     def program(self, config: KVCacheAppendConfig, bucket: str):
         k = self.key
-        return kv_cache_append_program(k["width"], k["dtype"], k["slot_dtype"], config)
+        return kv_cache_append_program(k["width"], k["dtype"], k["slot_dtype"], config,
+                                       k.get("cache_dtype"), k.get("head_dim", 0))
 
     def heuristic_config(self, bucket: str, arch: str) -> KVCacheAppendConfig:
         # one 16-byte vector per thread per row at width 1024 (8 KV heads x 128): 4 rows per
@@ -63,5 +97,5 @@ class KVCacheAppendKernel(Kernel):
         return [KVCacheAppendConfig(rows, 128) for rows in (1, 2, 4, 8)]
 
     def run(self, config: KVCacheAppendConfig, compiled: tuple, k_new, v_new, k_pages,
-            v_pages, slot_mapping) -> None:
-        compiled[0](k_new, v_new, k_pages, v_pages, slot_mapping)
+            v_pages, slot_mapping, *scales) -> None:
+        compiled[0](k_new, v_new, k_pages, v_pages, slot_mapping, *scales)
