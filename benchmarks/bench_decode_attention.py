@@ -6,14 +6,26 @@ padded [B, S, Hkv, D] batch with a per-request length mask (what a torch user wi
 paged kernel writes), and flash-attn's flash_attn_with_kvcache when importable; for chunked
 prefill, SDPA request by request on gathered keys, and flash-attn's paged varlen kernel
 when importable; for the append, index_copy_. Decode is memory-bound: the SOL % counts the
-K/V rows each request's length reads, plus q, o and lse.
+K/V rows each request's length reads, plus q, o and lse. fp8 caches: our 16-bit kernel on
+the cache widened once, and SDPA on the dequantized cache. MLA decode: SDPA (efficient
+backend, one latent KV head for all query heads) on the gathered latent cache.
 """
 
 import pytest
 
-from tileops import ChunkedPrefillAttentionFwdOp, DecodeAttentionFwdOp, KVCacheAppendFwdOp
+from tileops import (
+    ChunkedPrefillAttentionFp8FwdOp,
+    ChunkedPrefillAttentionFwdOp,
+    DecodeAttentionFp8FwdOp,
+    DecodeAttentionFwdOp,
+    KVCacheAppendFp8FwdOp,
+    KVCacheAppendFwdOp,
+    MLADecodeFwdOp,
+)
 
-OPS = [DecodeAttentionFwdOp, ChunkedPrefillAttentionFwdOp, KVCacheAppendFwdOp]
+OPS = [DecodeAttentionFwdOp, ChunkedPrefillAttentionFwdOp, KVCacheAppendFwdOp,
+       DecodeAttentionFp8FwdOp, ChunkedPrefillAttentionFp8FwdOp, KVCacheAppendFp8FwdOp,
+       MLADecodeFwdOp]
 
 
 @pytest.mark.gpu

@@ -53,6 +53,7 @@ from .grouped_gemm import (
     grouped_gemm_silu_and_mul,
 )
 from .linear import LinearBwdOp, LinearFwdOp, linear
+from .mla_decode import MLADecodeFwdOp, mla_decode
 from .moe import (
     MoePermuteFwdOp,
     MoeRouteFwdOp,
@@ -115,7 +116,7 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
                                   KVCacheAppendFwdOp, ChunkedPrefillAttentionFwdOp,
                                   DecodeAttentionFp8FwdOp, ChunkedPrefillAttentionFp8FwdOp,
-                                  KVCacheAppendFp8FwdOp,
+                                  KVCacheAppendFp8FwdOp, MLADecodeFwdOp,
                                   QuantizeFp8FwdOp, GemmFp8FwdOp, MoeRouteFwdOp,
                                   MoePermuteFwdOp, MoeUnpermuteFwdOp, GroupedGemmFwdOp,
                                   GroupedGemmBwdOp, GroupedGemmSiluAndMulFwdOp,
@@ -140,6 +141,7 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "DecodeAttentionFwdOp", "KVCacheAppendFwdOp", "decode_attention", "kv_cache_append",
            "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention", "DecodePlan", "plan_decode",
            "DecodeAttentionFp8FwdOp", "ChunkedPrefillAttentionFp8FwdOp", "KVCacheAppendFp8FwdOp",
+           "MLADecodeFwdOp", "mla_decode",
            "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8",
            "MoeRouteFwdOp", "MoePermuteFwdOp", "MoeUnpermuteFwdOp", "moe_route", "moe_permute",
            "moe_unpermute", "GroupedGemmFwdOp", "grouped_gemm", "GroupedGemmBwdOp",

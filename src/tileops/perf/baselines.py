@@ -634,7 +634,8 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return fp8_baselines(op_name)
     if op_name in ("DecodeAttentionFwdOp", "ChunkedPrefillAttentionFwdOp",
                    "KVCacheAppendFwdOp", "DecodeAttentionFp8FwdOp",
-                   "ChunkedPrefillAttentionFp8FwdOp", "KVCacheAppendFp8FwdOp"):
+                   "ChunkedPrefillAttentionFp8FwdOp", "KVCacheAppendFp8FwdOp",
+                   "MLADecodeFwdOp"):
         from . import serving_baselines
 
         return {"DecodeAttentionFwdOp": serving_baselines.decode_attention_baselines,
@@ -644,5 +645,6 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
                 "ChunkedPrefillAttentionFp8FwdOp":
                     serving_baselines.chunked_prefill_fp8_baselines,
                 "KVCacheAppendFp8FwdOp": serving_baselines.kv_cache_append_fp8_baselines,
+                "MLADecodeFwdOp": serving_baselines.mla_decode_baselines,
                 }[op_name](libs)
     return {}

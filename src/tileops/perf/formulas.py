@@ -145,3 +145,24 @@ def chunked_prefill_attention_fp8(k_scale: Any = None, v_scale: Any = None,
     """`chunked_prefill_attention` over an fp8 cache."""
     flops, nbytes = chunked_prefill_attention(**ns, kv_bytes=1)
     return flops, nbytes + _scale_bytes(k_scale, v_scale)
+
+
+def mla_decode(q_nope: Any, q_pe: Any, kv_cache: Any, cache_seqlens: Any, block_table: Any,
+               elem_bytes: int, **_: Any) -> tuple[int, int]:
+    """Absorbed MLA decode: per request of n keys, H heads x n keys x (2 (Dc + Dr) for the
+    scores + 2 Dc for P V) flops; the n latent rows (Dc + Dr) read once for all heads, q
+    read and o written once, the lse, the lengths and the table entries of the pages. On
+    meta tensors every request is taken as full."""
+    batch, heads, dim = q_nope.shape
+    rope = q_pe.shape[2]
+    page = kv_cache.shape[1]
+    if cache_seqlens.device.type == "meta":
+        lengths = [block_table.shape[1] * page] * batch
+    else:
+        lengths = [int(n) for n in cache_seqlens.tolist()]
+    keys = sum(lengths)
+    flops = 2 * heads * (2 * dim + rope) * keys
+    nbytes = (keys * (dim + rope) + q_nope.numel() + q_pe.numel() + batch * heads * dim) \
+        * elem_bytes
+    nbytes += batch * heads * 4 + batch * 4 + sum(-(-n // page) for n in lengths) * 4
+    return flops, nbytes

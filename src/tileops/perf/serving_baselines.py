@@ -247,3 +247,45 @@ def _quantize_copy(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale=None, v
 
 def kv_cache_append_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
     return {"torch-quantize-index-copy": _quantize_copy}
+
+
+# -- MLA decode ---------------------------------------------------------------------------
+def _sdpa_mla(backend: Any) -> Baseline:
+    """SDPA over the gathered latent cache as one KV head (keys c ++ k_pe, values c), a
+    per-request length mask: what a torch user without an MLA kernel runs."""
+
+    def run(q_nope, q_pe, kv_cache, cache_seqlens, block_table, sm_scale=None):
+        from torch.nn.attention import sdpa_kernel
+
+        dim = q_nope.shape[2]
+        keys = _keys_of(kv_cache[:, :, None], block_table)  # [B, S, 1, Dc + Dr]
+        q = torch.cat([q_nope, q_pe], dim=-1)[:, None]  # [B, 1, H, Dc + Dr]
+        mask = _visible(cache_seqlens, 1, keys.shape[1], -1, True)
+        scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), keys[..., :dim].transpose(1, 2),
+                attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)[:, 0]
+
+    return run
+
+
+def _flash_mla(q_nope, q_pe, kv_cache, cache_seqlens, block_table, sm_scale=None):
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    heads, dim = q_nope.shape[1], q_nope.shape[2]
+    q = torch.cat([q_nope, q_pe], dim=-1)[:, None]
+    metadata, splits = get_mla_metadata(cache_seqlens, heads, 1)
+    scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
+    return flash_mla_with_kvcache(q, kv_cache[:, :, None], block_table, cache_seqlens, dim,
+                                  metadata, splits, softmax_scale=scale)[0][:, 0]
+
+
+def mla_decode_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
+    from torch.nn.attention import SDPBackend
+
+    table = {"sdpa-efficient-masked": _sdpa_mla(SDPBackend.EFFICIENT_ATTENTION),
+             "sdpa-math-masked": _sdpa_mla(SDPBackend.MATH)}
+    if libs.get("flash_mla"):
+        table["flash-mla"] = _flash_mla
+    return table

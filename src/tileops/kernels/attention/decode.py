@@ -190,7 +190,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
-    swizzle_cols = SWIZZLE_COLS * 2 // T_BYTES[kv_dtype]
+    swizzle_cols = min(head_dim, SWIZZLE_COLS * 2 // T_BYTES[kv_dtype])
     parts = head_dim // swizzle_cols
     assert chunks == 1 or chunks * parts <= MAX_PIECES, (block_n, page_size, head_dim)
 

@@ -1,0 +1,171 @@
+"""MLA decode (DeepSeek-V2/V3, absorbed form) over a paged latent cache, split-KV.
+
+q_nope [B, H, Dc] (the queries already multiplied by W_UK), q_pe [B, H, Dr], one latent
+cache kv [num_pages, page_size, Dc + Dr] (the compressed KV c, then the rope key k_pe),
+block_table [B, max_pages], cache_seqlens [B]. Every head attends over the same latent
+rows: s = (q_nope . c + q_pe . k_pe) * sm_scale, o = softmax(s) @ c, o [B, H, Dc] (then
+multiplied by W_UV outside). DeepSeek-V3: H = 128 (per GPU without TP), Dc = 512, Dr = 64,
+pages of 64 tokens.
+
+A CTA owns 64 heads of one request and one run of its key tiles (the planned decode's
+slots: `decode.schedule_program` splits each request's tiles on the GPU, the planned
+combine merges the runs). Two consumer warpgroups split both GEMMs by columns (FullCol):
+S = Q K^T gives each half of the 64 key columns, P goes through shared memory so that
+each warpgroup's P V covers 256 of the 512 output columns with every key (the 64 x 512
+fp32 accumulator is 128 registers per thread). A TMA producer streams each 64-key tile as
+its latent part (the P V operand too) and its rope part.
+"""
+
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from ..base import Kernel
+from .attention_fwd import LOG2E
+from .decode import combine_program, schedule_program
+
+BLOCK_H = 64  # heads per CTA: one wgmma M tile
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    block_n: int = 64  # keys per tile (within one page)
+    stages: int = 2
+
+    def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
+        return (BLOCK_H * (dim + rope + self.block_n)
+                + self.stages * self.block_n * (dim + rope)) * elem_bytes
+
+
+def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: str,
+                       config: MLADecodeConfig):
+    """The attention over one slot's run of key tiles (see the module docstring): writes
+    o [B, 1, H, Dc] and lse [B, H, 1] for a request of one split, else fp32 partials
+    o_part [slots, 1, H, Dc] and lse_part [slots, 1, H] for the planned combine."""
+    batch, n_pages, max_pages, n_slots = T.dynamic("batch, n_pages, max_pages, n_slots")
+    block_n, stages = config.block_n, config.stages
+    assert page_size % block_n == 0 and heads % BLOCK_H == 0
+
+    @T.prim_func
+    def mla_decode(q_nope: T.Tensor((batch, heads, dim), dtype),
+                   q_pe: T.Tensor((batch, heads, rope), dtype),
+                   kv: T.Tensor((n_pages, page_size, dim + rope), dtype),
+                   block_table: T.Tensor((batch, max_pages), "int32"),
+                   cache_seqlens: T.Tensor((batch,), "int32"),
+                   slot_table: T.Tensor((n_slots, 4), "int32"),
+                   o: T.Tensor((batch, 1, heads, dim), dtype),
+                   lse: T.Tensor((batch, heads, 1), "float"),
+                   o_part: T.Tensor((n_slots, 1, heads, dim), "float"),
+                   lse_part: T.Tensor((n_slots, 1, heads), "float"),
+                   scale: T.float32):
+        with T.Kernel(heads // BLOCK_H, n_slots, threads=256) as (hx, bz):
+            q_shared = T.alloc_shared((BLOCK_H, dim), dtype)
+            q_pe_shared = T.alloc_shared((BLOCK_H, rope), dtype)
+            kv_shared = T.alloc_shared((block_n, dim), dtype)
+            pe_shared = T.alloc_shared((block_n, rope), dtype)
+            p_shared = T.alloc_shared((BLOCK_H, block_n), dtype)
+            s = T.alloc_fragment((BLOCK_H, block_n), "float")
+            acc = T.alloc_fragment((BLOCK_H, dim), "float")
+            m = T.alloc_fragment((BLOCK_H,), "float")
+            m_prev = T.alloc_fragment((BLOCK_H,), "float")
+            m_safe = T.alloc_fragment((BLOCK_H,), "float")
+            rescale = T.alloc_fragment((BLOCK_H,), "float")
+            row_sum = T.alloc_fragment((BLOCK_H,), "float")
+            total = T.alloc_fragment((BLOCK_H,), "float")
+            # the slot's request and run of tiles are global loads, not registers set
+            # before the key loop (warp specialization copies local state per role)
+            if slot_table[bz, 0] >= 0:
+                b = slot_table[bz, 0]
+                seqlen = cache_seqlens[b]
+                h0 = hx * BLOCK_H
+                T.copy(q_nope[b, h0:h0 + BLOCK_H, :], q_shared)
+                T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_shared)
+                T.fill(acc, 0.0)
+                T.fill(total, 0.0)
+                T.fill(m, -T.infinity("float"))
+                for t in T.Pipelined(T.max(slot_table[bz, 2], 1), num_stages=stages):
+                    # an empty run walks one masked tile inside the request's pages
+                    tile = T.min(slot_table[bz, 1] + t,
+                                 T.max(T.ceildiv(seqlen, block_n) - 1, 0))
+                    page = block_table[b, T.min(tile * block_n // page_size, max_pages - 1)]
+                    row = tile * block_n % page_size
+                    T.copy(kv[page, row:row + block_n, 0:dim], kv_shared)
+                    T.copy(kv[page, row:row + block_n, dim:dim + rope], pe_shared)
+                    T.gemm(q_shared, kv_shared, s, transpose_B=True, clear_accum=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    T.gemm(q_pe_shared, pe_shared, s, transpose_B=True,
+                           policy=T.GemmWarpPolicy.FullCol)
+                    for i, j in T.Parallel(BLOCK_H, block_n):
+                        s[i, j] = T.if_then_else(
+                            (t < slot_table[bz, 2])
+                            & ((slot_table[bz, 1] + t) * block_n + j < seqlen),
+                            s[i, j], -T.infinity("float"))
+                    T.copy(m, m_prev)
+                    T.reduce_max(s, m, dim=1, clear=False)
+                    for i in T.Parallel(BLOCK_H):
+                        m_safe[i] = T.if_then_else(m[i] == -T.infinity("float"), 0.0, m[i])
+                        rescale[i] = T.exp2((m_prev[i] - m_safe[i]) * (scale * LOG2E))
+                    for i, j in T.Parallel(BLOCK_H, block_n):
+                        s[i, j] = T.exp2((s[i, j] - m_safe[i]) * (scale * LOG2E))
+                    T.reduce_sum(s, row_sum, dim=1)
+                    for i in T.Parallel(BLOCK_H):
+                        total[i] = total[i] * rescale[i] + row_sum[i]
+                    T.copy(s, p_shared)
+                    for i, d in T.Parallel(BLOCK_H, dim):
+                        acc[i, d] = acc[i, d] * rescale[i]
+                    T.gemm(p_shared, kv_shared, acc, policy=T.GemmWarpPolicy.FullCol)
+                if slot_table[bz, 3] == 1:
+                    for i, d in T.Parallel(BLOCK_H, dim):
+                        o[b, 0, h0 + i, d] = T.if_then_else(total[i] > 0, acc[i, d] / total[i],
+                                                            0.0)
+                    for i in T.Parallel(BLOCK_H):
+                        lse[b, h0 + i, 0] = T.if_then_else(
+                            total[i] > 0, m_safe[i] * scale + T.log(total[i]),
+                            -T.infinity("float"))
+                else:
+                    for i, d in T.Parallel(BLOCK_H, dim):
+                        o_part[bz, 0, h0 + i, d] = T.if_then_else(
+                            total[i] > 0, acc[i, d] / total[i], 0.0)
+                    for i in T.Parallel(BLOCK_H):
+                        lse_part[bz, 0, h0 + i] = T.if_then_else(
+                            total[i] > 0, m_safe[i] * scale + T.log(total[i]),
+                            -T.infinity("float"))
+
+    return mla_decode
+
+
+class MLADecodeKernel(Kernel):
+    """key: dtype, heads, dim (Dc), rope (Dr), page_size. Programs: the schedule (one
+    64-key tile = one unit of work), the attention, the planned combine; one bucket."""
+
+    name = "mla_decode"
+    Config = MLADecodeConfig
+
+    def program(self, config: MLADecodeConfig, bucket: str):
+        k = self.key
+        return (schedule_program(1, config.block_n, -1, True),
+                mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"], k["dtype"],
+                                   config),
+                combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
+
+    def bucket_of(self, size: int) -> str:
+        return "planned"
+
+    def heuristic_config(self, bucket: str, arch: str) -> MLADecodeConfig:
+        # 64 KB of latent keys per stage, two stages: 224 KB of shared memory with Q
+        return MLADecodeConfig(block_n=64, stages=2)
+
+    def config_space(self, bucket: str) -> list[MLADecodeConfig]:
+        space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
+                 MLADecodeConfig(32, 3)]
+        return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
+                <= 227 * 1024 - 1024]
+
+    def run(self, config: MLADecodeConfig, compiled: tuple, schedule: bool, q_nope, q_pe, kv,
+            block_table, cache_seqlens, slot_table, split_ends, o, lse, o_part, lse_part,
+            target: int, scale: float) -> None:
+        if schedule:
+            compiled[0](cache_seqlens, slot_table, split_ends, target)
+        compiled[1](q_nope, q_pe, kv, block_table, cache_seqlens, slot_table, o, lse, o_part,
+                    lse_part, scale)
+        compiled[2](o_part, lse_part, split_ends, o, lse)

@@ -1,0 +1,147 @@
+"""MLADecodeFwdOp on the GPU against an fp32 reference that gathers each request's latent
+pages and attends over its own length."""
+
+import math
+
+import pytest
+import torch
+
+import tileops
+from tileops import MLADecodeFwdOp
+from tileops.kernels.attention.mla_decode import MLADecodeKernel
+from tileops.kernels.base import Kernel
+
+from ..helpers import assert_close, poison, randn
+
+pytestmark = pytest.mark.gpu
+
+DC, DR = 512, 64
+
+
+def make_latent(lengths, page_size=64, spare_pages=3, dtype=torch.bfloat16):
+    """(kv, cache_seqlens, block_table): pages handed out shuffled, junk past each
+    request's pages (-1, out of range); every row random, past the lengths too."""
+    batch = len(lengths)
+    need = [math.ceil(n / page_size) for n in lengths]
+    max_pages = max(max(need), 1) + 1
+    n_pages = sum(need) + spare_pages
+    kv = randn(n_pages, page_size, DC + DR, dtype=dtype)
+    order = torch.randperm(n_pages, device="cuda").to(torch.int32)
+    table = torch.full((batch, max_pages), -1, dtype=torch.int32, device="cuda")
+    table[:, -1] = n_pages + 5
+    used = 0
+    for b, count in enumerate(need):
+        table[b, :count] = order[used:used + count]
+        used += count
+    return kv, torch.tensor(lengths, dtype=torch.int32, device="cuda"), table
+
+
+def reference(q_nope, q_pe, kv, seqlens, table, sm_scale):
+    batch, heads, _ = q_nope.shape
+    page = kv.shape[1]
+    o = torch.zeros(q_nope.shape, dtype=torch.float32, device=q_nope.device)
+    lse = torch.full((batch, heads), -math.inf, device=q_nope.device)
+    for b in range(batch):
+        n = int(seqlens[b])
+        if n == 0:
+            continue
+        rows = kv[table[b, :math.ceil(n / page)].long()].reshape(-1, DC + DR)[:n].float()
+        s = (q_nope[b].float() @ rows[:, :DC].T + q_pe[b].float() @ rows[:, DC:].T) * sm_scale
+        lse[b] = torch.logsumexp(s, dim=-1)
+        o[b] = torch.softmax(s, dim=-1) @ rows[:, :DC]
+    return o, lse
+
+
+def check(lengths, heads=128, dtype=torch.bfloat16, page_size=64, sm_scale=0.1352, op=None):
+    kv, seqlens, table = make_latent(lengths, page_size, dtype=dtype)
+    q_nope = randn(len(lengths), heads, DC, dtype=dtype)
+    q_pe = randn(len(lengths), heads, DR, dtype=dtype)
+    for _ in range(2):  # NaN blocks the outputs and partials reuse
+        poison(torch.empty(1 << 24, device="cuda"))
+    op = op or MLADecodeFwdOp(sm_scale=sm_scale)
+    o, lse = op(q_nope, q_pe, kv, seqlens, table)
+    o_ref, lse_ref = reference(q_nope, q_pe, kv, seqlens, table, sm_scale)
+    assert_close(o, o_ref, scale=2.0, what="o")
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], atol=2e-3, rtol=1e-4)
+    return op
+
+
+MIXED = [1, 0, 63, 64, 65, 700, 5000, 130]
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_lengths(dtype):
+    check(MIXED, dtype=dtype)
+
+
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+def test_page_sizes(page_size):
+    check([33, 1000, 4097], page_size=page_size)
+
+
+@pytest.mark.parametrize("heads", [64, 256])
+def test_head_counts(heads):
+    check([100, 3000], heads=heads)
+
+
+def test_single_long_request_splits_and_batch_128():
+    check([20000])
+    check([(37 * i) % 2000 for i in range(128)])  # a full batch, a 0 among them
+
+
+def test_default_scale_and_functional_lse():
+    kv, seqlens, table = make_latent([5, 300])
+    q_nope, q_pe = randn(2, 128, DC), randn(2, 128, DR)
+    o, lse = tileops.mla_decode(q_nope, q_pe, kv, seqlens, table, return_lse=True)
+    o_ref, lse_ref = reference(q_nope, q_pe, kv, seqlens, table, (DC + DR) ** -0.5)
+    assert_close(o, o_ref, scale=2.0)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+
+
+def test_cuda_graph_replay_and_no_recompile():
+    kv, seqlens, table = make_latent([100, 2000, 5, 900], spare_pages=100)
+    q_nope, q_pe = randn(4, 128, DC), randn(4, 128, DR)
+    op = MLADecodeFwdOp(sm_scale=0.1)
+    op(q_nope, q_pe, kv, seqlens, table)
+    before = Kernel.compile_count
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = op(q_nope, q_pe, kv, seqlens, table)
+    capacity = table.shape[1] * 64
+    for lengths in ([101, 2001, 6, 901], [0, capacity, 1, 64]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        table.copy_(torch.randint(0, kv.shape[0], table.shape, dtype=torch.int32))
+        q_nope.copy_(randn(*q_nope.shape))
+        poison(o)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(o, reference(q_nope, q_pe, kv, seqlens, table, 0.1)[0], scale=2.0,
+                     what=f"replay with {lengths}")
+    check([7] * 3, op=op, sm_scale=0.1)
+    assert Kernel.compile_count == before
+
+
+def test_torch_compile_fullgraph():
+    kv, seqlens, table = make_latent([40, 900])
+    q_nope, q_pe = randn(2, 128, DC), randn(2, 128, DR)
+
+    @torch.compile(fullgraph=True)
+    def f(q_nope):
+        return tileops.mla_decode(q_nope * 1, q_pe, kv, seqlens, table, sm_scale=0.1) * 2
+
+    assert_close(f(q_nope), reference(q_nope, q_pe, kv, seqlens, table, 0.1)[0] * 2,
+                 scale=4.0)
+
+
+@pytest.mark.parametrize("config", MLADecodeKernel(
+    dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64).config_space("planned"),
+    ids=str)
+def test_every_config_of_the_space(config):
+    kv, seqlens, table = make_latent(MIXED)
+    q_nope, q_pe = randn(len(MIXED), 128, DC), randn(len(MIXED), 128, DR)
+    op = MLADecodeFwdOp(sm_scale=0.1352)
+    op.pin_config(config, q_nope, q_pe, kv, seqlens, table)
+    check(MIXED, op=op)

@@ -1,0 +1,96 @@
+"""MLA decode without a GPU: shape errors naming the argument, meta outputs, the
+roofline, the launch arguments, and (marker `compile`) the generated CUDA."""
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import tileops
+from tileops import MLADecodeFwdOp, TileOpsValueError
+from tileops.kernels.attention.decode import target_slots
+
+from ..helpers import meta
+
+
+def inputs(batch=4, heads=128, dc=512, dr=64, page=64, n_pages=100, max_pages=8):
+    return (meta(batch, heads, dc), meta(batch, heads, dr), meta(n_pages, page, dc + dr),
+            meta(batch, dtype=torch.int32), meta(batch, max_pages, dtype=torch.int32))
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("args, pattern", [
+    (inputs(heads=96), r"argument 'q_nope': expected shapes satisfying `H % 64 == 0`"),
+    (inputs(dc=256), r"`Dc == 512`"),
+    (inputs(page=16), r"argument 'kv_cache': expected shapes satisfying "
+                      r"`S in \(64, 128, 256\)`"),
+    (inputs()[:1] + (meta(4, 64, 64),) + inputs()[2:], r"`Bp == B and Hp == H`"),
+    (inputs()[:3] + (meta(3, dtype=torch.int32),) + inputs()[4:], r"`Bs == B`"),
+])
+def test_bad_shapes_name_the_argument(args, pattern):
+    with pytest.raises(TileOpsValueError, match=pattern):
+        MLADecodeFwdOp()(*args)
+
+
+@pytest.mark.smoke
+def test_meta_outputs_and_roofline():
+    o, lse = tileops.mla_decode(*inputs(), return_lse=True)
+    assert o.shape == (4, 128, 512) and lse.shape == (4, 128) and lse.dtype == torch.float32
+    q_nope, q_pe, kv, _, table = inputs(batch=2)
+    lens = torch.tensor([100, 1000], dtype=torch.int32)
+    flops, nbytes = MLADecodeFwdOp().eval_roofline(q_nope, q_pe, kv, lens, table)
+    assert flops == 2 * 128 * (2 * 512 + 64) * 1100
+    pages = (2 + 16) * 4
+    assert nbytes == (1100 * 576 + 2 * 128 * (512 + 64) + 2 * 128 * 512) * 2 + 2 * 128 * 4 \
+        + 2 * 4 + pages
+
+
+@pytest.mark.smoke
+def test_launch_arguments(monkeypatch):
+    op = MLADecodeFwdOp(sm_scale=0.125)
+    log = []
+
+    class Recorder:
+        def __call__(self, size, *tensors):
+            log.append(tensors)
+
+    monkeypatch.setattr(op, "get_kernel", lambda dispatch, device, **key: Recorder())
+    q_nope = torch.randn(3, 128, 512).to(torch.bfloat16)
+    q_pe = torch.randn(3, 128, 64).to(torch.bfloat16)
+    kv = torch.randn(10, 64, 576).to(torch.bfloat16)
+    lens = torch.tensor([5, 64, 600], dtype=torch.int32)
+    table = torch.zeros(3, 10, dtype=torch.int32)
+    o, lse = op.forward(q_nope, q_pe, kv, lens, table)
+    (args,) = log
+    (schedule, _, _, kv_arg, _, _, slot_table, split_ends, o_arg, lse_arg, o_part, lse_part,
+     target, scale) = args
+    assert schedule is True and kv_arg is kv and scale == 0.125
+    assert target == target_slots(1, 2) == 66 and slot_table.shape == (3 + 66, 4)
+    assert o_arg.shape == (3, 1, 128, 512) and o_arg.data_ptr() == o.data_ptr()
+    assert lse_arg.shape == (3, 128, 1) and o_part.shape == (69, 1, 128, 512)
+    assert lse_part.shape == (69, 1, 128) and split_ends.shape == (3,)
+
+
+@pytest.mark.compile
+@pytest.mark.full
+def test_mla_program_uses_tma_and_wgmma_without_spills(tmp_path):
+    """Both consumer warpgroups run wgmma (S by columns, P V by 256 output columns each),
+    the latent tile arrives by TMA, ptxas: no spills, no serialized wgmma."""
+    import tilelang
+
+    from tileops.kernels.attention.mla_decode import MLADecodeKernel
+
+    kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
+    config = kernel.heuristic_config("planned", "sm_90a")
+    assert config.smem_bytes(512, 64) <= 227 * 1024 - 1024
+    compiled = tilelang.compile(kernel.program(config, "planned")[1], target=kernel.target)
+    source = compiled.get_kernel_source()
+    assert "tma_load" in source and "wgmma_ss" in source and "warpgroup_reg_alloc" in source
+    if shutil.which("ptxas") is None:
+        pytest.skip("needs ptxas (CUDA toolkit)")
+    ptx = tmp_path / "mla.ptx"
+    compiled.export_ptx(str(ptx))
+    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
+                            capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores" in report and "C7511" not in report, report
