@@ -17,14 +17,15 @@ What an engine needs, and what these ops promise:
   4096-token window is window_left=4095); `softcap` is Gemma-2's tanh cap on the scaled
   logits; `sm_scale` defaults to 1/sqrt(D).
 - No host synchronization and no recompilation in the run path: cache_seqlens and
-  block_table are only read on the GPU; the launch grid and the number of KV splits come
-  from shapes (batch, KV heads, max_pages * page_size or S_max, 132 SMs), and batch and
-  lengths are runtime sizes of the compiled programs (per model config at most the
-  one-split program and the split program with its combine). So a CUDA graph captured
-  once replays correctly with new values in cache_seqlens and block_table, and a decode
-  loop whose lengths grow by one each step never compiles. A block table wider than the
-  longest request costs nothing but a possibly higher split count (splits divide each
-  request's own length).
+  block_table are only read on the GPU, and batch and lengths are runtime sizes of the
+  compiled programs. Decode (q [B, Sq, H, D]) runs the planned programs: a small schedule
+  program splits each request's key tiles in proportion to its share of the batch's keys
+  (one wave of CTAs in all, see `DecodePlan`), the grid comes from shapes (B + one wave of
+  slots). Chunked prefill takes one split count for the batch from shapes (batch, KV
+  heads, max_pages * page_size or S_max, 132 SMs). So a CUDA graph captured once replays
+  correctly with new values in cache_seqlens and block_table, and a decode loop whose
+  lengths grow by one each step never compiles. A block table wider than the longest
+  request costs nothing.
 - Edge cases: a request of length 0 gets o = 0 and lse = -inf. Block-table entries past a
   request's last page are never used for data and may hold anything (-1, stale pages). Cache
   rows past a request's length must hold finite values (stale tokens or zeros, as engines
@@ -44,6 +45,14 @@ same layouts, semantics and kernel; it returns o [T, H, D] and lse [T, H].
 
 `kv_cache_append(k_new, v_new, k_pages, v_pages, slot_mapping)` writes new tokens in place
 with vLLM's reshape_and_cache semantics (slot = page * page_size + offset, -1 skipped).
+
+fp8 (e4m3) caches: the same calls with k_scale/v_scale (fp32 [1] or [Hkv]) on e4m3 caches
+(`DecodeAttentionFp8FwdOp`, `ChunkedPrefillAttentionFp8FwdOp`, `KVCacheAppendFp8FwdOp`):
+attention over k_cache * k_scale and v_cache * v_scale, the append storing
+clamp(x / scale, -448, 448) in e4m3.
+
+`tileops.plan_decode(...)` returns a `DecodePlan`: the decode schedule and work buffers
+made once per batch shape, reused by every layer and by CUDA graphs.
 """
 
 from __future__ import annotations
