@@ -502,6 +502,7 @@ def test_training_programs_keep_tma_and_wgmma():
     source = program.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "fence_proxy_async" in source
     assert source.count("wgmma_ss<") == 2  # the pipelined tiles and the partial tile
+    assert "tma_store" in source  # the output tile leaves through shared memory
     _, gemm = silu.compile(silu.heuristic_config("prefill", "sm_90a"), "prefill")
     source = gemm.get_kernel_source()
     assert "tma_load" in source and source.count("wgmma_ss<") == 2 and "expf" in source
