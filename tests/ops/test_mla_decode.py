@@ -16,6 +16,7 @@ from ..helpers import assert_close, poison, randn
 pytestmark = pytest.mark.gpu
 
 DC, DR = 512, 64
+BF16 = torch.bfloat16
 
 
 def make_latent(lengths, page_size=64, spare_pages=3, dtype=torch.bfloat16):
@@ -94,7 +95,7 @@ def test_single_long_request_splits_and_batch_128():
 
 def test_default_scale_and_functional_lse():
     kv, seqlens, table = make_latent([5, 300])
-    q_nope, q_pe = randn(2, 128, DC), randn(2, 128, DR)
+    q_nope, q_pe = randn(2, 128, DC, dtype=BF16), randn(2, 128, DR, dtype=BF16)
     o, lse = tileops.mla_decode(q_nope, q_pe, kv, seqlens, table, return_lse=True)
     o_ref, lse_ref = reference(q_nope, q_pe, kv, seqlens, table, (DC + DR) ** -0.5)
     assert_close(o, o_ref, scale=2.0)
@@ -103,7 +104,7 @@ def test_default_scale_and_functional_lse():
 
 def test_cuda_graph_replay_and_no_recompile():
     kv, seqlens, table = make_latent([100, 2000, 5, 900], spare_pages=100)
-    q_nope, q_pe = randn(4, 128, DC), randn(4, 128, DR)
+    q_nope, q_pe = randn(4, 128, DC, dtype=BF16), randn(4, 128, DR, dtype=BF16)
     op = MLADecodeFwdOp(sm_scale=0.1)
     op(q_nope, q_pe, kv, seqlens, table)
     before = Kernel.compile_count
@@ -114,7 +115,7 @@ def test_cuda_graph_replay_and_no_recompile():
     for lengths in ([101, 2001, 6, 901], [0, capacity, 1, 64]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         table.copy_(torch.randint(0, kv.shape[0], table.shape, dtype=torch.int32))
-        q_nope.copy_(randn(*q_nope.shape))
+        q_nope.copy_(randn(*q_nope.shape, dtype=BF16))
         poison(o)
         graph.replay()
         torch.cuda.synchronize()
@@ -126,7 +127,7 @@ def test_cuda_graph_replay_and_no_recompile():
 
 def test_torch_compile_fullgraph():
     kv, seqlens, table = make_latent([40, 900])
-    q_nope, q_pe = randn(2, 128, DC), randn(2, 128, DR)
+    q_nope, q_pe = randn(2, 128, DC, dtype=BF16), randn(2, 128, DR, dtype=BF16)
 
     @torch.compile(fullgraph=True)
     def f(q_nope):
@@ -141,7 +142,8 @@ def test_torch_compile_fullgraph():
     ids=str)
 def test_every_config_of_the_space(config):
     kv, seqlens, table = make_latent(MIXED)
-    q_nope, q_pe = randn(len(MIXED), 128, DC), randn(len(MIXED), 128, DR)
+    q_nope, q_pe = randn(len(MIXED), 128, DC, dtype=BF16), randn(len(MIXED), 128, DR,
+                                                                     dtype=BF16)
     op = MLADecodeFwdOp(sm_scale=0.1352)
     op.pin_config(config, q_nope, q_pe, kv, seqlens, table)
     check(MIXED, op=op)
