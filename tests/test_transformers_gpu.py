@@ -60,7 +60,8 @@ def counts(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    for name in ("rms_norm", "swiglu", "apply_rotary", "attention", "fused_moe"):
+    for name in ("rms_norm", "swiglu", "apply_rotary", "attention", "fused_moe",
+                 "decode_attention", "chunked_prefill_attention"):
         monkeypatch.setattr(tileops.ops, name, count(name, getattr(tileops.ops, name)))
     monkeypatch.setattr(_patch, "_flce", count("loss", _patch._flce))
     return seen
@@ -147,18 +148,66 @@ def test_trains_under_torch_compile(family):
     assert all(map(math.isfinite, losses_c)) and losses_c[-1] < losses_c[0], losses_c
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-def test_generates_with_static_cache_under_cuda_graphs(family):
+@pytest.mark.parametrize("family,batch", [("llama", 2), ("qwen3", 2), ("gemma2", 2),
+                                          ("mistral", 8), ("gemma3", 8)])
+def test_generates_with_static_cache_under_cuda_graphs(family, batch, counts):
+    """transformers' automatic compile (reduce-overhead: CUDA graphs) of the decode step; the
+    steps read the [B, S_max, Hkv, D] static cache through tileops.decode_attention (gemma2:
+    softcap; mistral/gemma: 16-token sliding layers that fill and roll)."""
+    from tileops.transformers import static_cache
+
     ours, _, fp32 = _models(family)
     ours.eval()
-    prompt = torch.randint(0, 512, (2, 24), device="cuda")
+    torch.manual_seed(3)
+    prompt = torch.randint(1, 512, (batch, 24), device="cuda")
     gen = ours.generate(prompt, max_new_tokens=12, do_sample=False,
                         cache_implementation="static", return_dict_in_generate=True,
-                        output_logits=True)
+                        output_logits=True, pad_token_id=0)
     seq = gen.sequences
-    assert seq.shape == (2, 36)
+    assert seq.shape == (batch, 36)
     step_logits = torch.stack(gen.logits, 1)  # [B, 12, V]: the logits of each new token
     with torch.no_grad():
         ref = fp32.eval()(input_ids=seq).logits[:, 23:35]
         bf16 = copy.deepcopy(fp32).to(torch.bfloat16)(input_ids=seq).logits[:, 23:35]
     _check("generation logits", step_logits, bf16, ref.float())
+    assert counts.get("decode_attention"), counts  # traced into the compiled decode step
+    cache = getattr(gen, "cache", None) or getattr(gen, "past_key_values", None)
+    assert all(static_cache.bshd(layer.keys) for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_static_cache_chunks_and_padding(family, counts):
+    """Eager forwards on a static cache: a 24-token prefill, a 40-token continuation
+    (chunked_prefill_attention), a 5-token step (decode_attention, Sq 5), 1-token steps; then
+    the same cache reset and refilled by a left-padded batch (PyTorch's path). Each output
+    checked against the fp32 model over the whole sequence."""
+    from transformers import StaticCache
+
+    ours, bf16, fp32 = _models(family)
+    torch.manual_seed(4)
+    ids = torch.randint(1, 512, (2, 72), device="cuda")
+    bounds = [(0, 24), (24, 64), (64, 69), (69, 70), (70, 71)]
+    for padded in (False, True):
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[1, :7] = 0
+        caches = {id(m): StaticCache(config=m.config, max_cache_len=96) for m in (ours, bf16)}
+        counts.clear()
+        outs = {id(m): [] for m in (ours, bf16)}
+        with torch.no_grad():
+            for start, end in bounds:
+                for m in (ours, bf16):
+                    outs[id(m)].append(m.eval()(
+                        input_ids=ids[:, start:end], attention_mask=mask[:, :end],
+                        cache=caches[id(m)]).logits)
+            full = fp32.eval()(input_ids=ids[:, :71], attention_mask=mask[:, :71]).logits
+        keep = mask[:, :71].bool()
+        got = torch.cat(outs[id(ours)], 1)
+        base = torch.cat(outs[id(bf16)], 1)
+        _check(f"static cache logits (padded={padded})", got[keep], base[keep],
+               full[keep].float())
+        if padded:
+            assert not counts.get("decode_attention") and not counts.get(
+                "chunked_prefill_attention"), counts
+        else:
+            assert counts.get("chunked_prefill_attention") and counts.get("decode_attention")

@@ -238,6 +238,35 @@ def _ref_attention(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), s
     return (p @ vh).transpose(1, 2)
 
 
+def _ref_decode(q, k, v, lengths, block_table=None, sm_scale=None, softcap=None,
+                window_left=None, is_causal=True, return_lse=False):
+    """decode_attention on a contiguous cache: q [B, Sq, H, D], k/v [B, S_max, Hkv, D]."""
+    assert block_table is None and k.is_contiguous() and v.is_contiguous()
+    assert lengths.dtype == torch.int32 and lengths.shape == (q.shape[0],)
+    batch, sq, heads, d = q.shape
+    rep = heads // k.shape[2]
+    kh = k.transpose(1, 2).repeat_interleave(rep, 1)
+    vh = v.transpose(1, 2).repeat_interleave(rep, 1)
+    s = q.transpose(1, 2) @ kh.transpose(-1, -2) * (sm_scale or d ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    pos = lengths.long()[:, None] - sq + torch.arange(sq)  # [B, Sq]
+    j = torch.arange(k.shape[1])
+    ok = (j <= pos[..., None]) & (j < lengths.long()[:, None, None])
+    if window_left is not None and window_left >= 0:
+        ok &= j >= pos[..., None] - window_left
+    p = torch.softmax(s.masked_fill(~ok[:, None], -math.inf), -1)
+    return (p @ vh).transpose(1, 2)
+
+
+def _ref_chunked(q, k, v, cu, lengths, max_q, **kw):
+    """chunked_prefill_attention where every request has max_q new tokens."""
+    batch = lengths.shape[0]
+    assert torch.equal(cu, torch.arange(batch + 1, dtype=torch.int32) * max_q)
+    o = _ref_decode(q.view(batch, max_q, *q.shape[1:]), k, v, lengths, **kw)
+    return o.reshape(q.shape)
+
+
 def _ref_rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
 
@@ -287,6 +316,8 @@ def spies(monkeypatch):
     op("swiglu", lambda g, u: F.silu(g) * u)
     op("apply_rotary", _ref_rotary, "rope")
     op("attention", _ref_attention)
+    op("decode_attention", _ref_decode)
+    op("chunked_prefill_attention", _ref_chunked)
     op("linear", F.linear)
     op("fused_moe", _ref_fused_moe)
     monkeypatch.setattr(_patch, "_flce", spy("loss", _ref_flce))
@@ -403,10 +434,13 @@ def test_bench_model_cli_usage_errors(capsys):
     assert main(["bench-model", "--variant", "fast"]) == 2
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])
 def test_static_cache_generate_matches(family, spies):
-    """Prefill into an empty static cache skips the mask (the kernel, over the first q_len
-    keys); decode steps get a mask and run PyTorch's attention."""
+    """Prefill into an empty static cache skips the mask (the attention kernel, over the
+    first q_len keys); decode steps read the re-laid-out cache through decode_attention
+    (gemma2: softcap, and its 16-token sliding layers once full and rolled)."""
+    from tileops.transformers import static_cache
+
     model = hf_models.model(family)
     reference = copy.deepcopy(model)
     _apply(model)
@@ -417,7 +451,71 @@ def test_static_cache_generate_matches(family, spies):
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4,
                                atol=1e-4)
-    assert len(spies["attention"]) == model.config.num_hidden_layers  # the prefill only
+    layers = model.config.num_hidden_layers
+    assert len(spies["attention"]) == layers  # the prefill
+    assert len(spies["decode_attention"]) == layers * 4  # every decode step
+    if family == "gemma2":
+        assert {(c["softcap"], c["window_left"]) for c in spies["decode_attention"]} == {
+            (50.0, 15), (50.0, -1)}
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    for layer in cache.layers:  # the cache generate returned, laid out [B, S, Hkv, D]
+        assert static_cache.bshd(layer.keys) and static_cache.bshd(layer.values)
+
+
+def _static_cache(model, max_len):
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def test_static_cache_continuation_and_speculative_steps(spies):
+    """A 20-token prefill onto a filled static cache (chunked_prefill_attention) and a
+    4-token step (decode_attention with Sq 4) match the unpatched model."""
+    model = hf_models.model("qwen3")
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(0, 512, (2, 44))
+    caches = [_static_cache(m, 64) for m in (model, reference)]
+    outs = [[], []]
+    with torch.no_grad():
+        for start, end in ((0, 20), (20, 40), (40, 44)):
+            mask = torch.ones(2, end, dtype=torch.long)
+            for i, m in enumerate((model, reference)):
+                outs[i].append(m.eval()(input_ids=ids[:, start:end], attention_mask=mask,
+                                        cache=caches[i]).logits)
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    layers = model.config.num_hidden_layers
+    assert len(spies["chunked_prefill_attention"]) == layers
+    assert len(spies["decode_attention"]) == layers
+
+
+def test_padded_static_cache_stays_on_pytorch(spies):
+    """A left-padded batch: the prefill's host read of the mask marks the cache, and its
+    decode steps run PyTorch's attention on the mask; a later unpadded generate with the
+    same (reset, reused) cache takes the kernel again, and a padded one leaves it again."""
+    from tileops.transformers import static_cache
+
+    model = hf_models.model("llama")
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(1, 512, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static",
+              disable_compile=True, pad_token_id=0)
+    layers = model.config.num_hidden_layers
+    for padded in (True, False, True):
+        spies.clear()
+        m = mask if padded else torch.ones_like(ids)
+        out = model.generate(ids, attention_mask=m, **kw)
+        ref = reference.generate(ids, attention_mask=m, **kw)
+        assert torch.equal(out, ref)
+        assert len(spies.get("decode_attention", [])) == (0 if padded else 3 * layers)
+        attn = [a for a in model.modules() if hasattr(a, static_cache.MARK)]
+        assert len(attn) == layers
+        marks = [getattr(a, static_cache.MARK) for a in attn]
+        assert marks == [0 if padded else 20 + 4 - 1] * layers, padded  # the cache's slots
 
 
 def test_mask_function_skips_only_plain_causal_masks():

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import TileOpsError, TileOpsUnsupportedError
 from . import attention as attn_impl
+from . import static_cache
 
 KINDS = ("rms_norm", "rope", "attention", "mlp", "cross_entropy", "moe", "linear")
 _MARK = "_tileops_patch"  # instance attribute: the patch kind applied to this module
@@ -395,6 +396,7 @@ def _plan_attention(model: torch.nn.Module, config: Any, dtype: torch.dtype,
             if cfg is not None and getattr(cfg, "_attn_implementation", None) != attn_impl.NAME:
                 cfg._attn_implementation = attn_impl.NAME
         model._tileops_previous_attn = current
+        static_cache.install(model)
 
     plan.append(step)
     report.add("attention", "config")
@@ -619,6 +621,7 @@ def revert(model: torch.nn.Module) -> None:
         if getattr(module, _MARK, None) is not None:
             module.__dict__.pop("forward", None)
             delattr(module, _MARK)
+    static_cache.uninstall(model)
     previous = getattr(model, "_tileops_previous_attn", None)
     if previous is not None:
         setter = getattr(model, "set_attn_implementation", None)

@@ -10,10 +10,13 @@ its masks with `tileops_mask`:
   with sliding windows allowed, since the kernel takes the window itself. Otherwise it
   returns SDPA's boolean [B, 1, Sq, Skv] mask.
 - the attention function runs `tileops.attention` (causal, bottom-right aligned; the
-  layer's sliding window, softcap and scaling) when the mask is None, and transformers' own
-  SDPA (or, for a softcapped layer, the model's eager attention) on the explicit mask
-  otherwise: padded batches and static-cache decoding compute what the unpatched model does,
-  on PyTorch.
+  layer's sliding window, softcap and scaling) when the mask is None;
+  `tileops.decode_attention` (up to 16 new tokens per row; `chunked_prefill_attention`
+  beyond) on a static cache without padding that static_cache.py laid out
+  [B, S_max, Hkv, D], with cache_seqlens read from the mask on the device (CUDA-graph
+  capturable, no host sync); and transformers' own SDPA (or, for a softcapped layer, the
+  model's eager attention) on the explicit mask otherwise: padded batches compute what the
+  unpatched model does, on PyTorch.
 
 transformers is imported by the functions of this module only when they run.
 """
@@ -25,8 +28,12 @@ from typing import Any
 
 import torch
 
+from . import static_cache
+
 NAME = "tileops"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+DECODE_HEAD_DIMS = (64, 128, 256)  # tileops.decode_attention's head sizes
+MAX_DECODE_Q = 16  # its query tokens per request; longer chunks: chunked_prefill_attention
 
 
 def served(*tensors: torch.Tensor | None) -> bool:
@@ -96,8 +103,12 @@ def tileops_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # keys past q_len are unwritten slots): causal over the first q_len keys
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     left = sliding_window - 1 if sliding_window else -1
-    if (attention_mask is None and not dropout and causal and served(query, key, value)
-            and kwargs.get("s_aux") is None and kwargs.get("sinks") is None):
+    kernel_ok = (not dropout and causal and served(query, key, value)
+                 and kwargs.get("s_aux") is None and kwargs.get("sinks") is None)
+    if kernel_ok and _on_static_cache(module, query, key, value, attention_mask):
+        return _static_cache_attention(query, key, value, attention_mask, scaling, left,
+                                       softcap), None
+    if kernel_ok and attention_mask is None:
         from ..ops import attention
 
         out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
@@ -115,6 +126,51 @@ def tileops_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _on_static_cache(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, mask: Any) -> bool:
+    """Whether this call reads a dense static cache laid out [B, S_max, Hkv, D] (see
+    static_cache.py) with the mask transformers built for it: the decode kernel's case."""
+    batch, heads, q_len, head_dim = query.shape
+    s_max = key.shape[2]
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
+            and mask.shape[0] in (1, batch) and tuple(mask.shape[-2:]) == (q_len, s_max)
+            and q_len < s_max and getattr(module, static_cache.MARK, 0) == s_max
+            and static_cache.bshd(key) and static_cache.bshd(value)
+            and head_dim in DECODE_HEAD_DIMS and heads % key.shape[1] == 0)
+
+
+def cache_seqlens(mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """int32 [B]: 1 + the last key the last query may see, read from the boolean mask on the
+    device (no host sync): the keys' count of a cache without padding."""
+    row = mask[:, 0, -1, :]
+    idx = torch.arange(1, row.shape[-1] + 1, dtype=torch.int32, device=row.device)
+    lengths = torch.where(row, idx, 0).amax(-1).to(torch.int32)
+    return lengths.expand(batch).contiguous() if lengths.shape[0] != batch else lengths
+
+
+def _static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            mask: torch.Tensor, scaling: float | None, left: int,
+                            softcap: float | None) -> torch.Tensor:
+    """query [B, H, Sq, D] over the cache views key/value [B, Hkv, S_max, D]: up to 16 new
+    tokens per row through tileops.decode_attention, more (a prefill onto a filled cache)
+    through chunked_prefill_attention; returns [B, Sq, H, D]."""
+    from .. import ops
+
+    batch, heads, q_len, head_dim = query.shape
+    lengths = cache_seqlens(mask, batch)
+    q = query.transpose(1, 2)
+    k, v = key.transpose(1, 2), value.transpose(1, 2)  # contiguous [B, S_max, Hkv, D]
+    cap = float(softcap) if softcap else 0.0
+    if q_len <= MAX_DECODE_Q:
+        return ops.decode_attention(q, k, v, lengths, sm_scale=scaling, softcap=cap,
+                                    window_left=left)
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
+    o = ops.chunked_prefill_attention(q.reshape(batch * q_len, heads, head_dim), k, v, cu,
+                                      lengths, q_len, sm_scale=scaling, softcap=cap,
+                                      window_left=left)
+    return o.view(batch, q_len, heads, head_dim)
 
 
 def _causal_mask(q_len: int, kv_len: int, left: int, device: torch.device) -> torch.Tensor:

@@ -165,7 +165,8 @@ def run_case(case: Case) -> dict[str, Any]:
         model.eval()
         gen = {}
         for batch in case.gen_batches:
-            prompt = torch.randint(0, vocab, (batch, case.prompt), device="cuda")
+            # ids from 1: no pad token (0) in the prompt, so no inferred padding mask
+            prompt = torch.randint(1, vocab, (batch, case.prompt), device="cuda")
             kw = dict(do_sample=False, cache_implementation="static",
                       disable_compile=not compiled, pad_token_id=0)
 
