@@ -534,3 +534,24 @@ def test_mask_function_skips_only_plain_causal_masks():
     none = hf_attention.tileops_mask(2, 8, 8, mask_function=causal_mask_function,
                                      allow_is_causal_skip=False)
     assert none is not None and not none[0, 0, 0, 1]
+
+
+def test_static_cache_decode_step_compiles_in_one_graph(spies):
+    """generate's automatic compile of the decode step (fullgraph, dynamo's eager backend on
+    the CPU): the pre-hook, the mask and the routed decode call trace without a graph
+    break, and the tokens match the unpatched model's."""
+    from transformers import CompileConfig
+
+    model = hf_models.model("llama")
+    reference = copy.deepcopy(model)
+    _apply(model)
+    config = CompileConfig(backend="eager", mode=None, fullgraph=True)
+    config._compile_all_devices = True
+    ids = torch.randint(1, 512, (2, 20))
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    out = model.generate(ids, compile_config=config, **kw)
+    ref = reference.generate(ids, disable_compile=True, **kw)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref)
+    assert spies["decode_attention"]

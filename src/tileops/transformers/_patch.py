@@ -182,6 +182,10 @@ def _rebind_globals(fn: Callable, overrides: dict[str, Any]) -> Callable:
             raise _Unbindable(f"{fn!r} is not a Python function")
         scope = dict(fn.__globals__)
         scope.update(overrides)
+        # without __name__: torch.compile (dynamo) takes a globals dict with a __name__ for
+        # that module's own and guards on the module's attributes (the original
+        # apply_rotary_pos_emb), not on this copy's
+        scope.pop("__name__", None)
         closure = fn.__closure__
     else:
         cells = fn.__closure__ or ()
@@ -197,6 +201,7 @@ def _rebind_globals(fn: Callable, overrides: dict[str, Any]) -> Callable:
     new.__annotations__ = dict(getattr(fn, "__annotations__", None) or {})
     new.__dict__.update(fn.__dict__)
     new.__qualname__ = fn.__qualname__
+    new.__module__ = fn.__module__
     if inner is not None:
         new.__wrapped__ = _cell(closure[held[0]])
     return new
