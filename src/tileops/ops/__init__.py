@@ -1,12 +1,15 @@
 """Op layer: one module per family."""
 
 from .activation import (
+    GegluBwdOp,
+    GegluFwdOp,
     GeluAndMulBwdOp,
     GeluAndMulFwdOp,
     SiluAndMulBwdOp,
     SiluAndMulFwdOp,
     SwigluBwdOp,
     SwigluFwdOp,
+    geglu,
     gelu_and_mul,
     silu_and_mul,
     swiglu,
@@ -52,6 +55,7 @@ from .grouped_gemm import (
     grouped_gemm,
     grouped_gemm_silu_and_mul,
 )
+from .grouped_gemm_fp8 import GroupedGemmFp8FwdOp, grouped_gemm_fp8
 from .linear import LinearBwdOp, LinearFwdOp, linear
 from .mla_decode import MLADecodeFwdOp, mla_decode
 from .moe import (
@@ -107,7 +111,7 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   RMSNormBwdOp, FusedAddRMSNormFwdOp, FusedAddRMSNormBwdOp,
                                   LayerNormFwdOp, LayerNormBwdOp, SiluAndMulFwdOp,
                                   SiluAndMulBwdOp, GeluAndMulFwdOp, GeluAndMulBwdOp,
-                                  SwigluFwdOp, SwigluBwdOp,
+                                  SwigluFwdOp, SwigluBwdOp, GegluFwdOp, GegluBwdOp,
                                   RotaryFwdOp, RotaryBwdOp, RotaryWithCacheFwdOp,
                                   SoftmaxFwdOp, SoftmaxBwdOp, LogSoftmaxFwdOp, LogSoftmaxBwdOp,
                                   LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
@@ -120,7 +124,7 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   QuantizeFp8FwdOp, GemmFp8FwdOp, MoeRouteFwdOp,
                                   MoePermuteFwdOp, MoeUnpermuteFwdOp, GroupedGemmFwdOp,
                                   GroupedGemmBwdOp, GroupedGemmSiluAndMulFwdOp,
-                                  MoeUnpermuteBwdOp, FusedMoeFwdOp)}
+                                  MoeUnpermuteBwdOp, FusedMoeFwdOp, GroupedGemmFp8FwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -128,7 +132,7 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "FusedAddRMSNormBwdOp", "LayerNormFwdOp", "LayerNormBwdOp", "fused_add_rms_norm",
            "fused_add_rms_norm_", "layer_norm", "SiluAndMulFwdOp", "SiluAndMulBwdOp",
            "GeluAndMulFwdOp", "GeluAndMulBwdOp", "SwigluFwdOp", "SwigluBwdOp", "silu_and_mul",
-           "gelu_and_mul", "swiglu",
+           "gelu_and_mul", "swiglu", "GegluFwdOp", "GegluBwdOp", "geglu",
            "RotaryFwdOp", "RotaryBwdOp", "RotaryWithCacheFwdOp", "apply_rotary",
            "apply_rotary_with_cache", "rope_inv_freq",
            "rope_inv_freq_from_config", "rope_cos_sin", "rope_cos_sin_cache",
@@ -146,4 +150,4 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "MoeRouteFwdOp", "MoePermuteFwdOp", "MoeUnpermuteFwdOp", "moe_route", "moe_permute",
            "moe_unpermute", "GroupedGemmFwdOp", "grouped_gemm", "GroupedGemmBwdOp",
            "GroupedGemmSiluAndMulFwdOp", "grouped_gemm_silu_and_mul", "MoeUnpermuteBwdOp",
-           "FusedMoeFwdOp", "fused_moe"]
+           "FusedMoeFwdOp", "fused_moe", "GroupedGemmFp8FwdOp", "grouped_gemm_fp8"]

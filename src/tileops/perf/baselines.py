@@ -628,7 +628,7 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return _cross_entropy_baselines(op_name, libs)
     if op_name == "FusedLinearCrossEntropyFwdOp":
         return _linear_cross_entropy_baselines(libs)
-    if op_name in ("QuantizeFp8FwdOp", "GemmFp8FwdOp"):
+    if op_name in ("QuantizeFp8FwdOp", "GemmFp8FwdOp", "GroupedGemmFp8FwdOp"):
         from .fp8_baselines import fp8_baselines
 
         return fp8_baselines(op_name)

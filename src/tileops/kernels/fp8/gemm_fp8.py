@@ -36,6 +36,31 @@ SCALINGS = ("tensor", "row", "block")
 ROWS = T.GemmWarpPolicy.FullRow
 
 
+# -- block scaling, shared with the grouped fp8 GEMM (grouped_gemm_fp8.py) -----------------
+def a_scale_at(scale_a, m_major: bool, kb, row):
+    """scale_a of `row` in K block `kb`: stored [K/128, M] (M-major) or [M, K/128]."""
+    return scale_a[kb, row] if m_major else scale_a[row, kb]
+
+
+@T.macro
+def load_block_factors(factor, block_m: int, scale_a, m_major: bool, kb, row0, last_row,
+                       b_scale):
+    """factor[i] = scale_a[row0 + i, kb] * b_scale: one K tile's row factors (rows past
+    `last_row` read its scale: they are computed, never stored, and stay finite). Loaded
+    before the tile's wgmma so their latency hides under it."""
+    for i in T.Parallel(block_m):
+        factor[i] = a_scale_at(scale_a, m_major, kb, T.min(row0 + i, last_row)) * b_scale
+
+
+@T.macro
+def promote_block(a_shared, b_shared, part, acc, factor, block_m: int, block_n: int):
+    """One 128-deep K tile by wgmma into a fresh fragment, promoted into the fp32
+    accumulator times its row factors (the fp32 sum never sees an unscaled block)."""
+    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True, policy=ROWS)
+    for i, j in T.Parallel(block_m, block_n):
+        acc[i, j] += part[i, j] * factor[i]
+
+
 @dataclass(frozen=True)
 class Fp8GemmConfig(GemmConfig):
     block_k: int = 128
@@ -80,9 +105,6 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
     def col_of(bx, j):
         return T.min(bx * block_n + j, n - 1)
 
-    def a_scale(scale_a, kt, row):
-        return scale_a[kt, row] if scale_a_m_major else scale_a[row, kt]
-
     @T.macro
     def body(a, b, scale_a, scale_b, bias, d):
         with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), split_k,
@@ -103,18 +125,14 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
                 T.copy(a[by * block_m, kt * block_k], a_shared)
                 T.copy(b[bx * block_n, kt * block_k], b_shared)
                 if block:
-                    # this K tile's row factors, loaded before the wgmma so their latency
-                    # hides under it (the tile's columns share one 128-wide b block)
-                    # (a last split may run past K: its tiles load as zeros, and the
-                    # clamped scale index keeps the factor a finite number)
+                    # the tile's columns share one 128-wide b block; a last split may run
+                    # past K: its tiles load as zeros, and the clamped scale index keeps
+                    # the factor a finite number
                     kb = T.min(kt, k_blocks - 1)
-                    for i in T.Parallel(block_m):
-                        factor[i] = a_scale(scale_a, kb, row_of(by, i)) * scale_b[
-                            T.min(bx, n_blocks - 1), kb]
-                    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True,
-                           policy=ROWS)
-                    for i, j in T.Parallel(block_m, block_n):
-                        acc[i, j] += part[i, j] * factor[i]
+                    load_block_factors(factor, block_m, scale_a, scale_a_m_major, kb,
+                                       by * block_m, m - 1,
+                                       scale_b[T.min(bx, n_blocks - 1), kb])
+                    promote_block(a_shared, b_shared, part, acc, factor, block_m, block_n)
                 else:
                     T.gemm(a_shared, b_shared, acc, transpose_B=True, policy=ROWS)
             if scaling == "tensor":

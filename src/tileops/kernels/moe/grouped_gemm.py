@@ -62,6 +62,45 @@ def _group_start(offsets, e):
     return T.if_then_else(e == 0, 0, offsets[T.max(e - 1, 0)])
 
 
+# -- the persistent grid's tiles, shared with the grouped fp8 GEMM (fp8/grouped_gemm_fp8.py)
+# Tile t = step * ctas + cta walks (m tile, n tile) pairs; every quantity below is an
+# expression of global loads (table, offsets), never a carried register.
+def tile_count(m_tiles, n_tiles: int):
+    return m_tiles * n_tiles
+
+
+def tile_of(step, cta, ctas: int):
+    return step * ctas + cta
+
+
+def tile_live(table, t, n_tiles: int):
+    """The tile's m tile is a real one (the table's entries past the end are -1)."""
+    return table[t // n_tiles] >= 0
+
+
+def tile_expert(table, t, n_tiles: int):
+    return table[t // n_tiles] >> 16
+
+
+def tile_row0(offsets, table, t, n_tiles: int, block_m: int):
+    """The tile's first row: its group's start plus its m tile's offset in the group."""
+    return _group_start(offsets, tile_expert(table, t, n_tiles)) \
+        + (table[t // n_tiles] & 65535) * block_m
+
+
+def tile_col0(t, n_tiles: int, block_n: int):
+    return t % n_tiles * block_n
+
+
+@T.macro
+def store_group_tile(acc, out, row0, row_end, col0, n: int, block_m: int, block_n: int):
+    """out[row0 + i, col0 + j] = acc[i, j] for the rows of the group (< row_end) and the
+    columns < n: a tile's rows past its group belong to the next one."""
+    for i, j in T.Parallel(block_m, block_n):
+        if row0 + i < row_end and col0 + j < n:
+            out[row0 + i, col0 + j] = acc[i, j]
+
+
 def tile_table_program(n_experts: int, block_m: int):
     """table[i] = expert << 16 | its m tile, for each group's m tiles in order; -1 after."""
     m_tiles = T.dynamic("m_tiles")
@@ -115,44 +154,39 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                 up_acc = T.alloc_fragment((bm, bn), "float32")
             # Every index below is an expression of global loads, not a register carried
             # between iterations (see the module docstring).
-            for step in T.serial(T.ceildiv(m_tiles * n_tiles, ctas)):
-                if step * ctas + cta < m_tiles * n_tiles:
-                    if table[(step * ctas + cta) // n_tiles] >= 0:
+            for step in T.serial(T.ceildiv(tile_count(m_tiles, n_tiles), ctas)):
+                if tile_of(step, cta, ctas) < tile_count(m_tiles, n_tiles):
+                    if tile_live(table, tile_of(step, cta, ctas), n_tiles):
                         T.clear(acc)
                         if silu_mul:
                             T.clear(up_acc)
                         for kk in T.Pipelined(T.ceildiv(k, bk), num_stages=config.stages):
-                            T.copy(a[_group_start(offsets,
-                                                  table[(step * ctas + cta) // n_tiles] >> 16)
-                                     + (table[(step * ctas + cta) // n_tiles] & 65535) * bm,
-                                     kk * bk], a_shared)
+                            T.copy(a[tile_row0(offsets, table, tile_of(step, cta, ctas),
+                                               n_tiles, bm), kk * bk], a_shared)
                             if trans_b:
-                                T.copy(b[table[(step * ctas + cta) // n_tiles] >> 16,
-                                         (step * ctas + cta) % n_tiles * bn, kk * bk],
-                                       b_shared)
+                                T.copy(b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
+                                         tile_col0(tile_of(step, cta, ctas), n_tiles, bn),
+                                         kk * bk], b_shared)
                             else:
-                                T.copy(b[table[(step * ctas + cta) // n_tiles] >> 16,
-                                         kk * bk, (step * ctas + cta) % n_tiles * bn],
+                                T.copy(b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
+                                         kk * bk,
+                                         tile_col0(tile_of(step, cta, ctas), n_tiles, bn)],
                                        b_shared)
                             if silu_mul:
-                                T.copy(b[table[(step * ctas + cta) // n_tiles] >> 16,
-                                         n + (step * ctas + cta) % n_tiles * bn, kk * bk],
-                                       up_shared)
+                                T.copy(b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
+                                         n + tile_col0(tile_of(step, cta, ctas), n_tiles, bn),
+                                         kk * bk], up_shared)
                             T.gemm(a_shared, b_shared, acc, transpose_B=trans_b)
                             if silu_mul:
                                 T.gemm(a_shared, up_shared, up_acc, transpose_B=True)
                         if silu_mul:
                             for i, j in T.Parallel(bm, bn):
                                 acc[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up_acc[i, j]
-                        for i, j in T.Parallel(bm, bn):
-                            if _group_start(offsets, table[(step * ctas + cta) // n_tiles] >> 16) \
-                                    + (table[(step * ctas + cta) // n_tiles] & 65535) * bm + i \
-                                    < offsets[table[(step * ctas + cta) // n_tiles] >> 16] \
-                                    and (step * ctas + cta) % n_tiles * bn + j < n:
-                                out[_group_start(offsets,
-                                                 table[(step * ctas + cta) // n_tiles] >> 16)
-                                    + (table[(step * ctas + cta) // n_tiles] & 65535) * bm + i,
-                                    (step * ctas + cta) % n_tiles * bn + j] = acc[i, j]
+                        store_group_tile(
+                            acc, out,
+                            tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles, bm),
+                            offsets[tile_expert(table, tile_of(step, cta, ctas), n_tiles)],
+                            tile_col0(tile_of(step, cta, ctas), n_tiles, bn), n, bm, bn)
 
     @T.prim_func
     def grouped_gemm(a: T.Tensor((m_total, k), dtype),
