@@ -1,12 +1,15 @@
 """Op layer: one module per family."""
 
 from .activation import (
+    GegluBwdOp,
+    GegluFwdOp,
     GeluAndMulBwdOp,
     GeluAndMulFwdOp,
     SiluAndMulBwdOp,
     SiluAndMulFwdOp,
     SwigluBwdOp,
     SwigluFwdOp,
+    geglu,
     gelu_and_mul,
     silu_and_mul,
     swiglu,
@@ -108,7 +111,7 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   RMSNormBwdOp, FusedAddRMSNormFwdOp, FusedAddRMSNormBwdOp,
                                   LayerNormFwdOp, LayerNormBwdOp, SiluAndMulFwdOp,
                                   SiluAndMulBwdOp, GeluAndMulFwdOp, GeluAndMulBwdOp,
-                                  SwigluFwdOp, SwigluBwdOp,
+                                  SwigluFwdOp, SwigluBwdOp, GegluFwdOp, GegluBwdOp,
                                   RotaryFwdOp, RotaryBwdOp, RotaryWithCacheFwdOp,
                                   SoftmaxFwdOp, SoftmaxBwdOp, LogSoftmaxFwdOp, LogSoftmaxBwdOp,
                                   LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
@@ -129,7 +132,7 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "FusedAddRMSNormBwdOp", "LayerNormFwdOp", "LayerNormBwdOp", "fused_add_rms_norm",
            "fused_add_rms_norm_", "layer_norm", "SiluAndMulFwdOp", "SiluAndMulBwdOp",
            "GeluAndMulFwdOp", "GeluAndMulBwdOp", "SwigluFwdOp", "SwigluBwdOp", "silu_and_mul",
-           "gelu_and_mul", "swiglu",
+           "gelu_and_mul", "swiglu", "GegluFwdOp", "GegluBwdOp", "geglu",
            "RotaryFwdOp", "RotaryBwdOp", "RotaryWithCacheFwdOp", "apply_rotary",
            "apply_rotary_with_cache", "rope_inv_freq",
            "rope_inv_freq_from_config", "rope_cos_sin", "rope_cos_sin_cache",

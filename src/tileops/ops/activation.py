@@ -3,9 +3,10 @@
 - `silu_and_mul(x)` / `gelu_and_mul(x, approximate)`: the fused layout of vLLM's
   SiluAndMul / GeluAndMul and FlashInfer's silu_and_mul: x [..., 2N] -> act(x[..., :N]) *
   x[..., N:], [..., N].
-- `swiglu(gate, up)`: silu(gate) * up on two tensors (the Hugging Face MLP form). When gate
-  and up are the two halves of one [..., 2N] tensor (`x.chunk(2, -1)`), the fused kernel
-  reads them in place instead of copying them contiguous.
+- `swiglu(gate, up)`: silu(gate) * up on two tensors (the Hugging Face MLP form), and
+  `geglu(gate, up, approximate)`: gelu(gate) * up (Gemma's MLP, approximate='tanh'). When
+  gate and up are the two halves of one [..., 2N] tensor (`x.chunk(2, -1)`), the fused
+  kernel reads them in place instead of copying them contiguous.
 
 fp16, bf16 and fp32; math in fp32, results in the input dtype, so they can differ from
 torch eager's fp16/bf16 result, which rounds act(gate) before the product, by one rounding.
@@ -179,6 +180,44 @@ class GeluAndMulBwdOp(Op):
         return _fused_kernels(_GELU[self.approximate], True, ns)
 
 
+def _split_forward(op: Op, activation: str, gate: torch.Tensor,
+                   up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up on two [..., N] tensors; the two halves of one [..., 2N] tensor run
+    the fused layout in place."""
+    n = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows = _rows(gate.shape, n)
+    if not rows:
+        return out
+    out2 = out if out.dim() == 2 else out.view(rows, n)
+    x = None if gate.is_contiguous() else _halves_of_one_tensor(gate, up, rows, n)
+    if x is not None:
+        _launch(op, activation, False, True, rows, n, x, out2)
+    else:
+        _launch(op, activation, False, False, rows, n, _as_rows(gate, n), _as_rows(up, n),
+                out2)
+    return out
+
+
+def _split_backward(op: Op, activation: str, grad_out: torch.Tensor, gate: torch.Tensor,
+                    up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = gate.shape[-1]
+    grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    grad_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows = _rows(gate.shape, n)
+    if rows:
+        _launch(op, activation, True, False, rows, n, _as_rows(grad_out, n),
+                _as_rows(gate, n), _as_rows(up, n), grad_gate.view(rows, n),
+                grad_up.view(rows, n))
+    return grad_gate, grad_up
+
+
+def _split_kernels(activation: str, backward: bool,
+                   ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+    key = _kernel_key(ns["gate"].dtype, ns["N"], activation, backward, False)
+    return [("gated_activation", key, ns["rows"])]
+
+
 class SwigluFwdOp(Op):
     """silu(gate) * up for gate, up [..., N] (the Hugging Face gated MLP)."""
 
@@ -189,23 +228,10 @@ class SwigluFwdOp(Op):
         super().__init__(kernel_map=kernel_map, tune=tune)
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        n = gate.shape[-1]
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        rows = _rows(gate.shape, n)
-        if not rows:
-            return out
-        out2 = out if out.dim() == 2 else out.view(rows, n)
-        x = None if gate.is_contiguous() else _halves_of_one_tensor(gate, up, rows, n)
-        if x is not None:
-            _launch(self, "silu", False, True, rows, n, x, out2)
-        else:
-            _launch(self, "silu", False, False, rows, n, _as_rows(gate, n), _as_rows(up, n),
-                    out2)
-        return out
+        return _split_forward(self, "silu", gate, up)
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
-        key = _kernel_key(ns["gate"].dtype, ns["N"], "silu", False, False)
-        return [("gated_activation", key, ns["rows"])]
+        return _split_kernels("silu", False, ns)
 
 
 class SwigluBwdOp(Op):
@@ -219,19 +245,46 @@ class SwigluBwdOp(Op):
 
     def forward(self, grad_out: torch.Tensor, gate: torch.Tensor,
                 up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = gate.shape[-1]
-        grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        grad_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        rows = _rows(gate.shape, n)
-        if rows:
-            _launch(self, "silu", True, False, rows, n, _as_rows(grad_out, n),
-                    _as_rows(gate, n), _as_rows(up, n), grad_gate.view(rows, n),
-                    grad_up.view(rows, n))
-        return grad_gate, grad_up
+        return _split_backward(self, "silu", grad_out, gate, up)
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
-        key = _kernel_key(ns["gate"].dtype, ns["N"], "silu", True, False)
-        return [("gated_activation", key, ns["rows"])]
+        return _split_kernels("silu", True, ns)
+
+
+class GegluFwdOp(Op):
+    """gelu(gate, approximate) * up for gate, up [..., N] (the Hugging Face Gemma MLP:
+    gelu_pytorch_tanh is approximate='tanh')."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, approximate: str = "none",
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
+        _check_approximate(self, approximate)
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _split_forward(self, _GELU[self.approximate], gate, up)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return _split_kernels(_GELU[self.approximate], False, ns)
+
+
+class GegluBwdOp(Op):
+    """grad_gate, grad_up of geglu from grad_out, gate and up (recomputes gelu)."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, approximate: str = "none",
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
+        _check_approximate(self, approximate)
+
+    def forward(self, grad_out: torch.Tensor, gate: torch.Tensor,
+                up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _split_backward(self, _GELU[self.approximate], grad_out, gate, up)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        return _split_kernels(_GELU[self.approximate], True, ns)
 
 
 # -- autograd: each forward custom op runs its backward op -------------------------------
@@ -256,9 +309,15 @@ def _swiglu_backward(ctx: Any, grad: torch.Tensor) -> tuple:
     return tuple(SwigluBwdOp.torch_op(grad, gate, up))
 
 
+def _geglu_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    gate, up = ctx.saved_tensors
+    return (*GegluBwdOp.torch_op(grad, gate, up, *ctx.params), None)
+
+
 for _fwd, _bwd in ((SiluAndMulFwdOp, _silu_and_mul_backward),
                    (GeluAndMulFwdOp, _gelu_and_mul_backward),
-                   (SwigluFwdOp, _swiglu_backward)):
+                   (SwigluFwdOp, _swiglu_backward),
+                   (GegluFwdOp, _geglu_backward)):
     torch.library.register_autograd(_fwd.torch_op, _bwd, setup_context=_save_inputs)
 
 
@@ -275,3 +334,8 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     return SwigluFwdOp.apply(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """gelu(gate, approximate=approximate) * up (Gemma's MLP: approximate='tanh')."""
+    return GegluFwdOp.apply(gate, up, approximate=approximate)
