@@ -1,9 +1,11 @@
-"""The gated activations (silu_and_mul, gelu_and_mul, swiglu; forward and backward) against
-torch eager, torch.compile, Liger and FlashInfer (when importable)."""
+"""The gated activations (silu_and_mul, gelu_and_mul, swiglu, geglu; forward and
+backward) against torch eager, torch.compile, Liger and FlashInfer (when importable)."""
 
 import pytest
 
 from tileops import (
+    GegluBwdOp,
+    GegluFwdOp,
     GeluAndMulBwdOp,
     GeluAndMulFwdOp,
     SiluAndMulBwdOp,
@@ -13,7 +15,7 @@ from tileops import (
 )
 
 OPS = [SiluAndMulFwdOp, SiluAndMulBwdOp, GeluAndMulFwdOp, GeluAndMulBwdOp, SwigluFwdOp,
-       SwigluBwdOp]
+       SwigluBwdOp, GegluFwdOp, GegluBwdOp]
 
 
 @pytest.mark.gpu

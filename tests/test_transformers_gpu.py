@@ -60,7 +60,7 @@ def counts(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    for name in ("rms_norm", "swiglu", "apply_rotary", "attention", "fused_moe",
+    for name in ("rms_norm", "swiglu", "geglu", "apply_rotary", "attention", "fused_moe",
                  "decode_attention", "chunked_prefill_attention"):
         monkeypatch.setattr(tileops.ops, name, count(name, getattr(tileops.ops, name)))
     monkeypatch.setattr(_patch, "_flce", count("loss", _patch._flce))
@@ -106,7 +106,9 @@ def test_logits_loss_and_gradients_match(family, dtype, counts):
     assert counts.get("rms_norm") and counts.get("apply_rotary") and counts.get("attention")
     assert counts.get("loss") == 1
     patched = ours._tileops_report.patched
-    assert bool(counts.get("swiglu")) == bool(patched.get("mlp")), counts
+    gelu = family.startswith("gemma")  # GeLU-tanh MLPs run geglu
+    assert bool(counts.get("geglu" if gelu else "swiglu")) == bool(patched.get("mlp")), counts
+    assert patched.get("mlp") or family in ("mixtral", "qwen3_moe"), patched
     assert bool(counts.get("fused_moe")) == bool(patched.get("moe")), counts
     assert bool(patched.get("moe")) == (family in ("mixtral", "qwen3_moe"))
 

@@ -51,18 +51,12 @@ def test_each_family_patches_its_modules(family):
     assert model.config._attn_implementation == "tileops"
     for name in _names(model, "RMSNorm"):
         assert model.get_submodule(name)._tileops_patch == "rms_norm"
-    gelu = family.startswith("gemma")
     mlps = _names(model, "MLP")
-    if gelu:
-        assert "mlp" not in report.patched
-        assert {n for k, n, _ in report.unpatched if k == "mlp"} == set(mlps)
-        assert "gelu_pytorch_tanh" in report.summary()
-    else:
-        assert sorted(report.patched.get("mlp", [])) == mlps
+    assert sorted(report.patched.get("mlp", [])) == mlps  # Gemma's GeLU-tanh: geglu
+    assert report.unpatched == []
     if family in MOE:
         experts = _names(model, "Experts")
         assert experts and sorted(report.patched["moe"]) == experts
-        assert report.unpatched == []
     if family == "qwen3":  # the per-head q_norm / k_norm are RMSNorms too
         assert "model.layers.0.self_attn.q_norm" in report.patched["rms_norm"]
     assert "linear" not in report.patched  # off by default
@@ -102,12 +96,12 @@ def test_family_helper_refuses_another_family():
 
 
 def test_unpatched_parts_warn_and_strict_raises_before_patching():
-    model = hf_models.model("gemma2", dtype=torch.bfloat16)
+    model = hf_models.model("llama", dtype=torch.bfloat16, hidden_act="relu")  # no relu op
     with pytest.raises(tileops.TileOpsUnsupportedError, match="left on PyTorch mlp"):
         tt.apply(model, strict=True)
     assert all("forward" not in m.__dict__ for m in model.modules())
-    assert model.config._attn_implementation == "eager"
-    with pytest.warns(UserWarning, match="gelu_pytorch_tanh"):
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.warns(UserWarning, match="activation 'relu'"):
         tt.apply(model)
     # with the MLP not requested, strict passes
     tt.revert(model)
@@ -314,6 +308,7 @@ def spies(monkeypatch):
     monkeypatch.setattr(hf_attention, "served", lambda *ts: True)
     op("rms_norm", lambda x, n, w, eps: F.rms_norm(x, (n,) if isinstance(n, int) else n, w, eps))
     op("swiglu", lambda g, u: F.silu(g) * u)
+    op("geglu", lambda g, u, approximate="none": F.gelu(g, approximate=approximate) * u)
     op("apply_rotary", _ref_rotary, "rope")
     op("attention", _ref_attention)
     op("decode_attention", _ref_decode)
@@ -364,6 +359,11 @@ def test_patched_forward_and_backward_match(family, spies):
         assert all(c["scale"] == 64 ** -0.5 for c in spies["attention"])
     if family == "mistral":
         assert {tuple(c["window_size"]) for c in spies["attention"]} == {(15, 0)}
+    if family.startswith("gemma"):  # gelu_pytorch_tanh MLPs, both forwards, every layer
+        assert [c["approximate"] for c in spies["geglu"]] == ["tanh"] * (2 * layers)
+        assert "swiglu" not in spies
+    else:
+        assert "geglu" not in spies
 
 
 def test_padding_mask_goes_to_sdpa(spies):

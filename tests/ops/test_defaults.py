@@ -99,6 +99,11 @@ def _swiglu(dtype):
     return tileops.swiglu(gate, up), F.silu(gate) * up
 
 
+def _geglu(dtype):  # approximate defaults to 'none', as F.gelu
+    gate, up = randn(64, 1000, dtype=dtype), randn(64, 1000, dtype=dtype)
+    return tileops.geglu(gate, up), F.gelu(gate) * up
+
+
 def _gated_grad(ours_fn, ref_fn, *shapes):
     def case(dtype):
         inputs = [randn(*s, dtype=dtype) for s in shapes]
@@ -242,6 +247,9 @@ DEFAULT_CASES = {
     "SwigluFwdOp": _swiglu,
     "SwigluBwdOp": _gated_grad(tileops.swiglu, lambda g, u: F.silu(g) * u, (64, 1000),
                                (64, 1000)),
+    "GegluFwdOp": _geglu,
+    "GegluBwdOp": _gated_grad(tileops.geglu, lambda g, u: F.gelu(g) * u, (64, 1000),
+                              (64, 1000)),
     "RotaryFwdOp": _apply_rotary,
     "RotaryBwdOp": _apply_rotary_grad,
     "RotaryWithCacheFwdOp": _apply_rotary_with_cache,

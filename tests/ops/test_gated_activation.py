@@ -1,5 +1,6 @@
-"""Gated activations on the GPU (silu_and_mul, gelu_and_mul, swiglu; forward and backward)
-against fp32 references: act(x[..., :N]) * x[..., N:] and silu(gate) * up."""
+"""Gated activations on the GPU (silu_and_mul, gelu_and_mul, swiglu, geglu; forward and
+backward) against fp32 references: act(x[..., :N]) * x[..., N:], silu(gate) * up and
+gelu(gate) * up."""
 
 import functools
 import os
@@ -10,7 +11,14 @@ import torch
 import torch.nn.functional as F
 
 import tileops
-from tileops import GeluAndMulBwdOp, SiluAndMulBwdOp, SwigluBwdOp, SwigluFwdOp
+from tileops import (
+    GegluBwdOp,
+    GegluFwdOp,
+    GeluAndMulBwdOp,
+    SiluAndMulBwdOp,
+    SwigluBwdOp,
+    SwigluFwdOp,
+)
 from tileops.kernels.activation import GatedActivationKernel
 from tileops.kernels.base import Kernel
 
@@ -25,7 +33,10 @@ OPS = {"silu_and_mul": (tileops.silu_and_mul, "silu", True),
        "gelu_and_mul": (tileops.gelu_and_mul, "gelu", True),
        "gelu_and_mul_tanh": (functools.partial(tileops.gelu_and_mul, approximate="tanh"),
                              "gelu_tanh", True),
-       "swiglu": (tileops.swiglu, "silu", False)}
+       "swiglu": (tileops.swiglu, "silu", False),
+       "geglu": (tileops.geglu, "gelu", False),
+       "geglu_tanh": (functools.partial(tileops.geglu, approximate="tanh"), "gelu_tanh",
+                      False)}
 
 # (op, rows, N, dtype): each a kernel branch or a size boundary, every dtype and activation
 FORWARD_CASES = [
@@ -40,6 +51,10 @@ FORWARD_CASES = [
     ("swiglu", 257, 14336, BF16),
     ("swiglu", 5, 2, FP32),
     ("swiglu", 300, 1001, FP16),
+    ("geglu_tanh", 257, 14336, BF16),       # gemma-2-9b intermediate
+    ("geglu_tanh", 1, 6912, FP16),          # gemma-3-1b decode batch 1 (small bucket)
+    ("geglu_tanh", 33, 1004, FP32),         # N % 4 == 0 but not 8 in fp32
+    ("geglu", 300, 1001, BF16),             # exact gelu, odd N
 ]
 GRAD_CASES = [
     ("silu_and_mul", 257, 14336, BF16),
@@ -48,6 +63,9 @@ GRAD_CASES = [
     ("gelu_and_mul_tanh", 64, 4096, BF16),
     ("swiglu", 257, 14336, FP16),
     ("swiglu", 7, 1000, FP32),
+    ("geglu_tanh", 257, 14336, BF16),
+    ("geglu_tanh", 5, 1001, FP16),
+    ("geglu", 7, 1000, FP32),
 ]
 # (activation, backward, fused): the 12 programs
 PROGRAMS = [(a, b, f) for a in ACTS for b in (False, True) for f in (True, False)]
@@ -324,3 +342,30 @@ def test_op_objects_match_the_functional_api():
     assert torch.equal(SwigluFwdOp()(*halves(x)), tileops.silu_and_mul(x))  # one kernel
     assert_close(SiluAndMulBwdOp()(dy, x),
                  torch.cat(reference_grads("silu", *halves(x), dy), -1))
+
+
+def test_geglu_op_objects_halves_and_cuda_graph():
+    """GegluFwdOp/BwdOp objects equal the functional API; halves of one tensor run the fused
+    program (bit-equal to gelu_and_mul); a captured graph replays on new inputs."""
+    x = randn(100, 2 * 4096, dtype=BF16)
+    dy = randn(100, 4096, dtype=BF16)
+    fwd, bwd = GegluFwdOp(approximate="tanh"), GegluBwdOp(approximate="tanh")
+    assert torch.equal(fwd(*halves(x)), tileops.geglu(*halves(x), approximate="tanh"))
+    assert torch.equal(fwd(*halves(x)), tileops.gelu_and_mul(x, "tanh"))  # one kernel
+    gate, up = (t.contiguous() for t in halves(x))
+    assert torch.equal(fwd(gate, up), tileops.gelu_and_mul(x, "tanh"))  # same math, split
+    want = reference_grads("gelu_tanh", gate, up, dy)
+    got = bwd(dy, gate, up)
+    assert_close(got[0], want[0], what="grad_gate")
+    assert_close(got[1], want[1], what="grad_up")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, (dgate, dup) = fwd(gate, up), bwd(dy, gate, up)
+    for t in (gate, up, dy):
+        t.copy_(randn(*t.shape, dtype=t.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, reference("gelu_tanh", gate, up))
+    want = reference_grads("gelu_tanh", gate, up, dy)
+    assert_close(dgate, want[0])
+    assert_close(dup, want[1])

@@ -8,6 +8,8 @@ import torch
 
 import tileops
 from tileops import (
+    GegluBwdOp,
+    GegluFwdOp,
     GeluAndMulBwdOp,
     GeluAndMulFwdOp,
     SiluAndMulBwdOp,
@@ -25,7 +27,7 @@ from tileops.ops.activation import _halves_of_one_tensor, _launch
 from tileops.prebuild import build_plan
 
 OP_NAMES = ["SiluAndMulFwdOp", "SiluAndMulBwdOp", "GeluAndMulFwdOp", "GeluAndMulBwdOp",
-            "SwigluFwdOp", "SwigluBwdOp"]
+            "SwigluFwdOp", "SwigluBwdOp", "GegluFwdOp", "GegluBwdOp"]
 
 
 def meta(*shape, dtype=torch.bfloat16, grad=False):
@@ -65,6 +67,14 @@ def meta(*shape, dtype=torch.bfloat16, grad=False):
      r"SwigluBwdOp: argument 'up': expected shapes satisfying"),
     (lambda: SwigluBwdOp()(meta(4, 64, dtype=torch.float16), meta(4, 64), meta(4, 64)),
      TileOpsTypeError, r"SwigluBwdOp: argument 'gate': expected dtype torch.float16"),
+    (lambda: tileops.geglu(meta(4, 64), meta(4, 64), "sigmoid"), TileOpsValueError,
+     r"GegluFwdOp: argument 'approximate': expected 'none' or 'tanh' .*, got 'sigmoid'"),
+    (lambda: tileops.geglu(meta(4, 64), meta(4, 63), "tanh"), TileOpsValueError,
+     r"GegluFwdOp: argument 'up': expected shapes satisfying "
+     r"`tuple\(up.shape\) == tuple\(gate.shape\)`"),
+    (lambda: GegluBwdOp(approximate="tanh")(meta(4, 64), meta(4, 64, dtype=torch.float16),
+                                            meta(4, 64)),
+     TileOpsTypeError, r"GegluBwdOp: argument 'gate': expected dtype torch.bfloat16"),
     (lambda: tileops.silu_and_mul(torch.randn(4, 64).half()), TileOpsValueError,
      r"SiluAndMulFwdOp: argument 'x': expected a CUDA tensor"),
 ])
@@ -85,10 +95,13 @@ def test_meta_outputs_and_autograd_wiring():
             assert x.grad.shape == x.shape and x.grad.dtype == dtype
             x.grad = None
         gate, up = meta(3, 640, dtype=dtype, grad=True), meta(3, 640, dtype=dtype, grad=True)
-        out = tileops.swiglu(gate, up)
-        assert out.shape == gate.shape and out.dtype == dtype
-        out.sum().backward()
-        assert gate.grad.shape == gate.shape and up.grad.shape == up.shape
+        for fn in (tileops.swiglu, lambda g, u: tileops.geglu(g, u, approximate="tanh")):
+            out = fn(gate, up)
+            assert out.shape == gate.shape and out.dtype == dtype and out.requires_grad
+            out.sum().backward()
+            assert gate.grad.shape == gate.shape and up.grad.shape == up.shape
+            assert gate.grad.dtype == up.grad.dtype == dtype
+            gate.grad = up.grad = None
 
 
 @pytest.mark.smoke
@@ -101,7 +114,7 @@ def test_torch_compile_traces_forward_and_backward(dynamic):
     @torch.compile(fullgraph=True, backend="aot_eager", dynamic=dynamic)
     def step(x, gate, up):
         return (tileops.silu_and_mul(x * 2) + tileops.gelu_and_mul(x, approximate="tanh")
-                + tileops.swiglu(gate, up))
+                + tileops.swiglu(gate, up) + tileops.geglu(gate, up, approximate="tanh"))
 
     step(x, gate, up).sum().backward()
     assert x.grad.shape == x.shape and gate.grad.shape == up.grad.shape == gate.shape
@@ -115,6 +128,9 @@ def test_custom_op_schemas():
         "tileops::gelu_and_mul_bwd(Tensor grad_out, Tensor x, str approximate) -> Tensor")
     assert str(torch.ops.tileops.swiglu_bwd.default._schema) == (
         "tileops::swiglu_bwd(Tensor grad_out, Tensor gate, Tensor up) -> (Tensor, Tensor)")
+    assert str(torch.ops.tileops.geglu_bwd.default._schema) == (
+        "tileops::geglu_bwd(Tensor grad_out, Tensor gate, Tensor up, str approximate) -> "
+        "(Tensor, Tensor)")
 
 
 @pytest.mark.smoke
@@ -129,6 +145,9 @@ def test_roofline_matches_hand_counts():
         assert GeluAndMulFwdOp().eval_roofline(x) == (6 * t * n, 3 * t * n * size)
         assert GeluAndMulBwdOp(approximate="tanh").eval_roofline(g, x) == (
             15 * t * n, 5 * t * n * size)
+        assert GegluFwdOp(approximate="tanh").eval_roofline(g, g) == (
+            9 * t * n, 3 * t * n * size)
+        assert GegluBwdOp().eval_roofline(g, g, g) == (12 * t * n, 5 * t * n * size)
     x3 = meta(4, 4096, 2 * n)  # 3-D: rows are every leading dim
     assert SiluAndMulFwdOp().eval_roofline(x3)[1] == 3 * 4 * 4096 * n * 2
 

@@ -208,6 +208,10 @@ def _swiglu_eager(gate, up):
     return F.silu(gate) * up
 
 
+def _geglu_eager(gate, up, approximate="none"):
+    return F.gelu(gate, approximate=approximate) * up
+
+
 # Liger takes gate and up as two tensors (it copies the halves of a fused x contiguous);
 # its GEGLU is the tanh approximation only.
 def _silu_and_mul_liger(x):
@@ -226,6 +230,12 @@ def _swiglu_liger(gate, up):
     return _liger_function("swiglu", "LigerSiLUMulFunction").apply(gate, up)
 
 
+def _geglu_liger(gate, up, approximate="none"):
+    if approximate != "tanh":
+        raise NotImplementedError("Liger's GEGLU has only the tanh approximation")
+    return _liger_function("geglu", "LigerGELUMulFunction").apply(gate, up)
+
+
 def _silu_and_mul_flashinfer(x):
     from flashinfer.activation import silu_and_mul
 
@@ -242,6 +252,7 @@ _GATED_ACTIVATIONS = {  # forward op name -> (eager, liger, flashinfer or None)
     "SiluAndMul": (_silu_and_mul_eager, _silu_and_mul_liger, _silu_and_mul_flashinfer),
     "GeluAndMul": (_gelu_and_mul_eager, _gelu_and_mul_liger, _gelu_and_mul_flashinfer),
     "Swiglu": (_swiglu_eager, _swiglu_liger, None),
+    "Geglu": (_geglu_eager, _geglu_liger, None),
 }
 
 
@@ -259,7 +270,8 @@ def _gated_activation_baselines(op_name: str, libs: dict[str, bool]) -> dict[str
         return table
     if "liger" in table:  # its backward overwrites the saved inputs: give it copies
         table["liger"] = lambda *a, **k: liger(*(t.clone() for t in a), **k)
-    grad_inputs = (0, 1) if stem == "Swiglu" else (0,)  # backward op: (grad_out, *inputs)
+    # backward op: (grad_out, *inputs); the two-tensor forms differentiate gate and up
+    grad_inputs = (0, 1) if stem in ("Swiglu", "Geglu") else (0,)
     return {name: _graph_backward(fn, grad_inputs) for name, fn in table.items()}
 
 

@@ -15,7 +15,8 @@ untouched):
   AttentionInterface and AttentionMaskInterface: tileops.attention (GQA, causal, sliding
   window, softcap) when no explicit mask is needed; SDPA (eager for softcapped layers) on
   padded batches and static-cache decoding.
-- mlp: SiLU gated MLPs -> down_proj(tileops.swiglu(gate_proj(x), up_proj(x))).
+- mlp: gated MLPs -> down_proj(tileops.swiglu(gate_proj(x), up_proj(x))) for SiLU,
+  tileops.geglu(..., approximate='tanh') for Gemma's GeLU-tanh (exact 'gelu' too).
 - cross_entropy: in training with labels, the causal LM's loss through
   fused_linear_cross_entropy on the final hidden states (logits are not materialized and
   the output's `logits` is None); Gemma-2's final logit softcap is applied in the loss.

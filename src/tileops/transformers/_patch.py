@@ -36,7 +36,7 @@ class Family:
 
     name: str
     gemma_norm: bool = False  # RMSNorm scales by (1 + weight), in fp32 before the cast
-    gelu_mlp: bool = False  # GeLU-tanh gated MLP (no two-input GeLU-and-mul op yet)
+    gelu_mlp: bool = False  # its MLP's activation is config.hidden_activation (GeLU-tanh)
     moe: bool = False  # sparse MoE blocks: their experts module runs tileops.fused_moe
 
 
@@ -137,6 +137,28 @@ def _swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     from ..ops import swiglu
 
     return self.down_proj(swiglu(gate, up))
+
+
+# activation name (transformers' ACT2FN) -> the gated op and its parameters
+_GATED = {"silu": ("swiglu", {}), "swish": ("swiglu", {}),
+          "gelu": ("geglu", {"approximate": "none"}),
+          "gelu_pytorch_tanh": ("geglu", {"approximate": "tanh"}),
+          "gelu_new": ("geglu", {"approximate": "tanh"})}
+
+
+def _make_geglu_mlp_forward(approximate: str) -> Callable:
+    def _geglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if not attn_impl.served(gate, up):
+            return self.down_proj(self.act_fn(gate) * up)
+        from ..ops import geglu
+
+        return self.down_proj(geglu(gate, up, approximate=approximate))
+
+    return _geglu_mlp_forward
+
+
+_GEGLU_FORWARDS = {a: _make_geglu_mlp_forward(a) for a in ("none", "tanh")}
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -508,19 +530,21 @@ def _plan_mlp(name: str, module: torch.nn.Module, family: Family, config: Any,
     act = getattr(config, "hidden_act", None)
     if family.gelu_mlp:
         act = getattr(config, "hidden_activation", None) or act
-    if act not in ("silu", "swish"):
-        report.skip("mlp", name, f"activation {act!r}: TileOPs' two-input gated activation "
-                    "is SiLU only (gelu_and_mul reads one [..., 2N] tensor, and concatenating "
-                    "gate and up would cost more than the fusion saves)")
+    if act not in _GATED:
+        report.skip("mlp", name, f"activation {act!r}: TileOPs' two-input gated activations "
+                    f"are {', '.join(sorted(_GATED))}")
         return
+    op_name, params = _GATED[act]
     n = module.gate_proj.out_features
-    from ..ops import swiglu
+    from .. import ops
 
-    why = probe(("mlp", n), swiglu, _meta(4, n, dtype=dtype), _meta(4, n, dtype=dtype))
+    why = probe(("mlp", n, act), getattr(ops, op_name), _meta(4, n, dtype=dtype),
+                _meta(4, n, dtype=dtype), **params)
     if why:
         report.skip("mlp", name, why)
         return
-    plan.append(lambda: _set_forward(module, "mlp", _swiglu_mlp_forward))
+    fn = _swiglu_mlp_forward if op_name == "swiglu" else _GEGLU_FORWARDS[params["approximate"]]
+    plan.append(lambda: _set_forward(module, "mlp", fn))
     report.add("mlp", name)
 
 
