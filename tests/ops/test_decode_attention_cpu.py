@@ -19,6 +19,7 @@ from tileops import (
 )
 from tileops.kernels.attention.decode import (
     MIN_TILES_PER_SPLIT,
+    OPEN_RUN,
     ROWS,
     SCHEDULE_THREADS,
     SMS,
@@ -374,8 +375,10 @@ def schedule_model(lengths, q_len, block_n, window_left, causal, target, n_slots
         count = max(1, min(t * target // max(total, 1), t // MIN_TILES_PER_SPLIT))
         per = -(-t // count)
         for i in range(count):
+            start = 0 if i == 0 else first + i * per
+            tiles = OPEN_RUN if i == count - 1 else first + (i + 1) * per - start
             if slot + i < n_slots:
-                table[slot + i] = [b, first + i * per, max(min(per, t - i * per), 0), count]
+                table[slot + i] = [b, start, tiles, count]
         slot += count
         ends.append(slot)
     return table, ends
@@ -403,15 +406,25 @@ def test_schedule_balances_and_bounds_the_slots(name):
     table, ends = schedule_model(lengths, q_len, 128, window_left, True, target, n_slots)
     assert ends[-1] <= n_slots
     for b, n in enumerate(lengths):
-        first, t = block_tiles(n - q_len, n - 1, n, 128, window_left, True, INT_OPS)
         runs = [row for row in table if row[0] == b]
-        walked = [tile for _, begin, count, _ in runs for tile in range(begin, begin + count)]
-        assert walked == list(range(first, first + t)), (b, n)
         assert all(row[3] == len(runs) for row in runs)
+        # the runs cut to the request's tiles when it runs: every tile once, for the
+        # lengths scheduled and for lengths grown or shrunk since (a stale schedule)
+        for now in (n, n + 1, n + 129, 3 * n + 1000, n // 2, 0):
+            first, t = block_tiles(now - q_len, now - 1, now, 128, window_left, True, INT_OPS)
+            walked = []
+            for _, start, tiles, _ in runs:
+                begin, mine = slot_tiles(first, t, start, tiles, INT_OPS)
+                walked += range(begin, begin + mine)
+            assert walked == list(range(first, first + t)), (b, n, now)
+        if len(runs) > 1:  # balanced for the scheduled lengths
+            first, t = block_tiles(n - q_len, n - 1, n, 128, window_left, True, INT_OPS)
+            sizes = [slot_tiles(first, t, start, tiles, INT_OPS)[1]
+                     for _, start, tiles, _ in runs]
+            assert max(sizes) <= -(-t // len(runs)), (b, sizes)
     if name == "one long request among many short":
         long_runs = [row for row in table if row[0] == 63]
         assert len(long_runs) >= 8  # split, though 64 x 8 CTAs already fill 132 SMs
-        assert max(row[2] for row in long_runs) <= 131072 // 128 // 8
     if name == "batch 1 at 128k":
         assert len(table) - [row[0] for row in table].count(-1) == target == SMS // 8
 
@@ -420,23 +433,25 @@ def test_schedule_balances_and_bounds_the_slots(name):
 @pytest.mark.parametrize("n_q, group, window_left", [(1, 4, -1), (4, 8, -1), (16, 8, 100),
                                                      (3, 2, 5), (8, 16, -1)])
 def test_slot_runs_cover_every_row_block_once(n_q, group, window_left):
-    """A planned slot's run of the request's tiles, cut to a row block's visible tiles
-    (`slot_tiles`): over the request's slots every tile a block sees is walked once."""
+    """A planned slot's run of the request's tiles (the first from tile 0, the last
+    open-ended), cut to a row block's visible tiles (`slot_tiles`): over the request's
+    slots every tile a block sees is walked once."""
     rows = n_q * group
     for seqlen in (n_q, 64, 65, 300, 1000, 5000):
         rfirst, rtiles = block_tiles(seqlen - n_q, seqlen - 1, seqlen, 128, window_left, True,
                                      INT_OPS)
         for count in (1, 2, 3, 7):
             per = -(-rtiles // count)
-            runs = [(rfirst + i * per, max(min(per, rtiles - i * per), 0)) for i in range(count)]
+            starts = [0] + [rfirst + i * per for i in range(1, count)]
+            lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)] + [OPEN_RUN]
             for row0 in range(0, rows, ROWS):
                 last = min(row0 + ROWS, rows) - 1
                 first, n_tiles = block_tiles(seqlen - n_q + row0 // group,
                                              seqlen - n_q + last // group, seqlen, 128,
                                              window_left, True, INT_OPS)
                 walked = []
-                for begin, tiles in runs:
-                    b, mine = slot_tiles(first, n_tiles, begin, tiles, INT_OPS)
+                for start, tiles in zip(starts, lengths, strict=True):
+                    b, mine = slot_tiles(first, n_tiles, start, tiles, INT_OPS)
                     walked += range(b, b + mine)
                 assert walked == list(range(first, first + n_tiles)), (seqlen, count, row0)
 

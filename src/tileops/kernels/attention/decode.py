@@ -38,6 +38,7 @@ from .mask import TIR_OPS
 ROWS = 64  # query rows per CTA: one wgmma warpgroup tile
 SMS = 132  # H200 SMs; the split rule aims at whole waves of them
 MAX_SPLITS = 64
+OPEN_RUN = 1 << 30  # tiles of a request's last planned run: to whatever end it has then
 SWIZZLE_COLS = 64  # bf16/fp16 columns per 128-byte swizzle atom
 T_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 MAX_PIECES = 16  # TMA copies per paged tile: (pages per tile) x (head_dim / 64)
@@ -541,7 +542,11 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
     among many short ones still splits, a batch of equal requests splits evenly. Writes
     split_ends [B] (the inclusive running sum of the counts) and, per slot (one split of
     one request, in order), slot_table[slot] = (request, first tile, tiles, the request's
-    split count); (-1, 0, 0, 0) past the last. One CTA; the batch is walked in chunks of
+    split count); (-1, 0, 0, 0) past the last. A request's first run starts at tile 0 and
+    its last one is open-ended (OPEN_RUN tiles): the attention cuts the runs to the tiles
+    a request sees when it runs, so a stale schedule (lengths grown or shrunk since, not
+    rescheduled) still covers every key once; closed runs missed the tiles a request had
+    gained (the H200's stale-schedule test). One CTA; the batch is walked in chunks of
     its threads."""
     batch, n_slots = T.dynamic("batch, n_slots")
     threads = SCHEDULE_THREADS
@@ -588,11 +593,16 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
                     for i in T.serial(count[0]):
                         if carry[0] + first[0] + i < n_slots:
                             slot_table[carry[0] + first[0] + i, 0] = c * threads + tx
-                            slot_table[carry[0] + first[0] + i, 1] = (
-                                tiles(cache_seqlens, c * threads + tx)[0] + i * per[0])
-                            slot_table[carry[0] + first[0] + i, 2] = T.max(T.min(
-                                per[0], tiles(cache_seqlens, c * threads + tx)[1] - i * per[0]),
-                                0)
+                            # runs [start_i, start_i+1): start_0 = 0, the last open
+                            slot_table[carry[0] + first[0] + i, 1] = T.if_then_else(
+                                i == 0, 0, tiles(cache_seqlens, c * threads + tx)[0]
+                                + i * per[0])
+                            slot_table[carry[0] + first[0] + i, 2] = T.if_then_else(
+                                i == count[0] - 1, OPEN_RUN,
+                                tiles(cache_seqlens, c * threads + tx)[0] + (i + 1) * per[0]
+                                - T.if_then_else(i == 0, 0, tiles(cache_seqlens,
+                                                                  c * threads + tx)[0]
+                                                 + i * per[0]))
                             slot_table[carry[0] + first[0] + i, 3] = count[0]
                 carry[0] = carry[0] + total[0]
                 T.sync_threads()

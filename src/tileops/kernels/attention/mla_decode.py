@@ -83,7 +83,11 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
                 T.fill(acc, 0.0)
                 T.fill(total, 0.0)
                 T.fill(m, -T.infinity("float"))
-                for t in T.Pipelined(T.max(slot_table[bz, 2], 1), num_stages=stages):
+                # the run cut to the request's tiles now (the last run is open-ended: a
+                # stale schedule stays exact, see decode.schedule_program)
+                mine = T.max(T.min(slot_table[bz, 2],
+                                   T.ceildiv(seqlen, block_n) - slot_table[bz, 1]), 0)
+                for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
                     # an empty run walks one masked tile inside the request's pages
                     tile = T.min(slot_table[bz, 1] + t,
                                  T.max(T.ceildiv(seqlen, block_n) - 1, 0))
@@ -97,8 +101,7 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
                            policy=T.GemmWarpPolicy.FullCol)
                     for i, j in T.Parallel(BLOCK_H, block_n):
                         s[i, j] = T.if_then_else(
-                            (t < slot_table[bz, 2])
-                            & ((slot_table[bz, 1] + t) * block_n + j < seqlen),
+                            (t < mine) & ((slot_table[bz, 1] + t) * block_n + j < seqlen),
                             s[i, j], -T.infinity("float"))
                     T.copy(m, m_prev)
                     T.reduce_max(s, m, dim=1, clear=False)
