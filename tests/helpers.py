@@ -69,3 +69,29 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """A tensor with only a shape and dtype: op-layer checks without a GPU."""
     return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def ptxas_report(compiled_kernel, tmp_path) -> str:
+    """ptxas -v's report on a compiled TileLang kernel's PTX for sm_90a (registers, spills,
+    serialized-wgmma warnings); skips the test where the CUDA toolkit has no ptxas."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("ptxas") is None:
+        pytest.skip("needs ptxas (CUDA toolkit)")
+    ptx = tmp_path / "kernel.ptx"
+    compiled_kernel.export_ptx(str(ptx))
+    return subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
+                          capture_output=True, text=True, check=True).stderr
+
+
+def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path, spills: bool = False):
+    """A spilled accumulator would cost a kernel its speed, and so would wgmmas that ptxas
+    serializes (it does so silently when a non-wgmma instruction may touch an in-flight
+    accumulator, e.g. a wgmma under a branch: warning C7511); ptxas reports both.
+    `spills=True` tolerates spills (a known, measured exception) but not serialization."""
+    report = ptxas_report(compiled_kernel, tmp_path)
+    assert spills or "0 bytes spill stores" in report, report
+    assert "serialized" not in report and "C7511" not in report, report

@@ -17,6 +17,8 @@ from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.normalization import RMSNormKernel
 from tileops.prebuild import build_plan
 
+from .helpers import assert_no_spills_or_serialized_wgmma
+
 pytestmark = pytest.mark.compile
 
 # Every distinct program the smoke workloads build, in every dtype (`full`), and the CI set:
@@ -95,23 +97,6 @@ def test_rms_norm_padded_path_compiles(hidden):
     config = kernel.heuristic_config("all", "sm_90a")
     assert (config.block_rows, config.threads) == (1, 128)
     assert "rms_norm_kernel" in kernel.compile(config, "all")[0].get_kernel_source()
-
-
-def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path):
-    """A spilled accumulator would cost an attention kernel its speed, and so would wgmmas
-    that ptxas serializes (it does so silently when a non-wgmma instruction may touch an
-    in-flight accumulator, e.g. a wgmma under a branch); ptxas reports both."""
-    import shutil
-    import subprocess
-
-    if shutil.which("ptxas") is None:
-        pytest.skip("needs ptxas (CUDA toolkit)")
-    ptx = tmp_path / "kernel.ptx"
-    compiled_kernel.export_ptx(str(ptx))
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
-                            capture_output=True, text=True, check=True).stderr
-    assert "0 bytes spill stores" in report, report
-    assert "serialized" not in report, report
 
 
 @pytest.mark.parametrize("kind, n", [("layer", 1024), ("rms", 199)])

@@ -3,8 +3,6 @@ the roofline against a hand count, the split rule, and (marker `compile`) the ge
 of the paged program."""
 
 import math
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -36,7 +34,7 @@ from tileops.kernels.attention.decode import (
 )
 from tileops.kernels.attention.mask import INT_OPS
 
-from ..helpers import meta
+from ..helpers import assert_no_spills_or_serialized_wgmma, meta
 
 BF16 = torch.bfloat16
 
@@ -200,13 +198,7 @@ def test_paged_program_uses_tma_and_wgmma_without_spills(tmp_path):
     source = compiled[0].get_kernel_source()
     assert "tma_load" in source and "wgmma" in source, source
     assert "warpgroup_reg_alloc" in source  # a producer warpgroup feeds the consumers
-    if shutil.which("ptxas") is None:
-        pytest.skip("needs ptxas (CUDA toolkit)")
-    ptx = tmp_path / "decode.ptx"
-    compiled[0].export_ptx(str(ptx))
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
-                            capture_output=True, text=True, check=True).stderr
-    assert "0 bytes spill stores" in report and "C7511" not in report, report
+    assert_no_spills_or_serialized_wgmma(compiled[0], tmp_path)
 
 
 class _HostMath:
@@ -533,13 +525,7 @@ def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_
     compiled = _planned_program(1, q_len, heads, 8, window_left)
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "warpgroup_reg_alloc" in source
-    if shutil.which("ptxas") is None:
-        pytest.skip("needs ptxas (CUDA toolkit)")
-    ptx = tmp_path / "planned.ptx"
-    compiled.export_ptx(str(ptx))
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
-                            capture_output=True, text=True, check=True).stderr
-    assert "0 bytes spill stores" in report and "C7511" not in report, report
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
 @pytest.mark.smoke
@@ -733,13 +719,8 @@ def test_fp8_programs_use_tma_and_wgmma(page_size, head_dim, tmp_path):
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "fence_proxy_async" in source
     assert "__tl_cvt_e4m3x2_to_bfloat162" in source
-    if shutil.which("ptxas") is None:
-        pytest.skip("needs ptxas (CUDA toolkit)")
-    ptx = tmp_path / "fp8.ptx"
-    compiled.export_ptx(str(ptx))
-    report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
-                            capture_output=True, text=True, check=True).stderr
-    assert "C7511" not in report, report
+    # page 16 spills 24 bytes (docs/performance, serving attention): not yet worth a config
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path, spills=True)
 
 
 @pytest.mark.compile

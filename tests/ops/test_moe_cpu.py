@@ -330,7 +330,7 @@ def test_every_grouped_gemm_config_keeps_the_fast_path(bucket, tmp_path):
     """Each config of the space: TMA, wgmma, no spills and no serialized wgmma (ptxas)."""
     from tileops.kernels.moe import GroupedGemmKernel
 
-    from ..test_compile import assert_no_spills_or_serialized_wgmma
+    from ..helpers import assert_no_spills_or_serialized_wgmma
 
     kernel = GroupedGemmKernel(dtype="bfloat16", n=3072, k=4096, n_experts=128)
     for config in kernel.config_space(bucket):
@@ -517,7 +517,7 @@ def test_training_programs_keep_tma_and_wgmma():
 def test_every_training_program_config_keeps_the_fast_path(tmp_path):
     """Each config of the weight-gradient and SiLU spaces: TMA, wgmma, no spills and no
     serialized wgmma (ptxas)."""
-    from ..test_compile import assert_no_spills_or_serialized_wgmma
+    from ..helpers import assert_no_spills_or_serialized_wgmma
 
     weight_grad, silu, grad_input = _training_programs()
     for config in weight_grad.config_space("all"):
