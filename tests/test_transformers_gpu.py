@@ -61,7 +61,7 @@ def counts(monkeypatch):
         return wrapped
 
     for name in ("rms_norm", "swiglu", "geglu", "apply_rotary", "attention", "fused_moe",
-                 "decode_attention", "chunked_prefill_attention"):
+                 "decode_attention", "chunked_prefill_attention", "attention_varlen"):
         monkeypatch.setattr(tileops.ops, name, count(name, getattr(tileops.ops, name)))
     monkeypatch.setattr(_patch, "_flce", count("loss", _patch._flce))
     return seen
@@ -124,6 +124,42 @@ def test_padded_batch_matches(family):
         logits = [m.eval()(input_ids=ids, attention_mask=mask).logits for m in (ours, bf16, fp32)]
     keep = mask.bool()
     _check("logits", logits[0][keep], logits[1][keep], logits[2][keep].float())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_padded_batch_on_attention_varlen(family, counts, monkeypatch):
+    """TILEOPS_HF_PADDED_VARLEN: left and right padding and a hole, unpadded on the device
+    onto attention_varlen (full-attention layers; gemma2's sliding ones stay on PyTorch):
+    valid positions' logits, and the loss and gradients with no label predicted from a
+    padded position, against the fp32 model."""
+    from tileops.transformers import attention as hf_attention
+
+    monkeypatch.setattr(hf_attention, "PADDED_VARLEN", True)
+    ours, bf16, fp32 = _models(family)
+    torch.manual_seed(5)
+    ids = torch.randint(0, 512, (3, 203), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :37] = 0
+    mask[1, 150:] = 0
+    mask[2, 60:64] = 0
+    keep = mask.bool()
+    with torch.no_grad():
+        logits = [m.eval()(input_ids=ids, attention_mask=mask).logits for m in (ours, bf16, fp32)]
+    _check("logits", logits[0][keep], logits[1][keep], logits[2][keep].float())
+    assert counts.get("attention_varlen")
+    labels = ids.masked_fill(~(keep & torch.nn.functional.pad(keep, (1, 0))[:, :-1]), -100)
+    results = []
+    for m in (ours, bf16, fp32):
+        m.train()
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        results.append((out.loss.detach().float(), {
+            n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (l_ours, g_ours), (l_bf16, g_bf16), (l_fp32, g_fp32) = results
+    _check("loss", l_ours.reshape(1), l_bf16.reshape(1), l_fp32.reshape(1))
+    for name in g_fp32:
+        _check(f"grad {name}", g_ours[name], g_bf16[name], g_fp32[name].float())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])

@@ -261,6 +261,19 @@ def _ref_chunked(q, k, v, cu, lengths, max_q, **kw):
     return o.reshape(q.shape)
 
 
+def _ref_varlen(q, k, v, cu_q, cu_kv, max_q, max_kv, is_causal=False, scale=None,
+                window_size=(-1, -1), softcap=0.0):
+    """attention_varlen: each packed sequence through _ref_attention."""
+    assert torch.equal(cu_q, cu_kv) and cu_q.dtype == torch.int32
+    out = torch.zeros_like(q)
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        assert b - a <= max_q
+        if b > a:
+            out[a:b] = _ref_attention(q[None, a:b], k[None, a:b], v[None, a:b], is_causal,
+                                      scale, window_size, softcap)[0]
+    return out
+
+
 def _ref_rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
 
@@ -312,6 +325,7 @@ def spies(monkeypatch):
     op("apply_rotary", _ref_rotary, "rope")
     op("attention", _ref_attention)
     op("decode_attention", _ref_decode)
+    op("attention_varlen", _ref_varlen)
     op("chunked_prefill_attention", _ref_chunked)
     op("linear", F.linear)
     op("fused_moe", _ref_fused_moe)
@@ -378,6 +392,42 @@ def test_padding_mask_goes_to_sdpa(spies):
         ref = reference(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     assert "attention" not in spies and spies["rms_norm"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_padding_mask_on_attention_varlen(family, spies, monkeypatch):
+    """PADDED_VARLEN: left/right padding and a hole, unpadded on the device into two packed
+    sequences per row (valid tokens, then the padding); full-attention layers run
+    attention_varlen, sliding ones (gemma2) stay on PyTorch. Valid positions' logits, the
+    loss and the gradients (no label predicted from a padded position) match the unpatched
+    model."""
+    monkeypatch.setattr(hf_attention, "PADDED_VARLEN", True)
+    model = hf_models.model(family)
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(0, 512, (3, 24))
+    mask = torch.ones(3, 24, dtype=torch.long)
+    mask[0, :5] = 0  # left padding
+    mask[1, 20:] = 0  # right padding
+    mask[2, 7:9] = 0  # a hole
+    keep = mask.bool()
+    with torch.no_grad():
+        out = model.eval()(input_ids=ids, attention_mask=mask).logits
+        ref = reference.eval()(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out[keep], ref[keep], rtol=1e-4, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    calls = spies["attention_varlen"]
+    assert len(calls) == (layers // 2 if family == "gemma2" else layers)
+    assert all(c["is_causal"] for c in calls)
+    # labels predicted from valid positions only (position t - 1 predicts label t): a padded
+    # position's output is not the reference's
+    labels = ids.masked_fill(~(keep & F.pad(keep, (1, 0))[:, :-1]), -100)
+    for m in (model, reference):
+        m.train()
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    grads, ref_grads = _grads(model), _grads(reference)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_generate_matches(spies):

@@ -14,15 +14,23 @@ its masks with `tileops_mask`:
   `tileops.decode_attention` (up to 16 new tokens per row; `chunked_prefill_attention`
   beyond) on a static cache without padding that static_cache.py laid out
   [B, S_max, Hkv, D], with cache_seqlens read from the mask on the device (CUDA-graph
-  capturable, no host sync); and transformers' own SDPA (or, for a softcapped layer, the
-  model's eager attention) on the explicit mask otherwise: padded batches compute what the
-  unpatched model does, on PyTorch.
+  capturable, no host sync); with PADDED_VARLEN (env TILEOPS_HF_PADDED_VARLEN=1; off by
+  default, see below) a padded batch's full-attention layers, eager and without a filled
+  cache, on `tileops.attention_varlen`, unpadded on the device; and transformers' own SDPA
+  (or, for a softcapped layer, the model's eager attention) on the explicit mask otherwise:
+  padded batches compute what the unpatched model does, on PyTorch.
+
+PADDED_VARLEN is off by default: its cu_seqlens are built on the device, but
+GroupedQueryAttentionVarlenFwdOp checks them with a host read per call (two per layer),
+and its backward pads each of the 2B packed sequences to the row length (twice the dense
+backward's work); not yet measured against SDPA.
 
 transformers is imported by the functions of this module only when they run.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -34,6 +42,11 @@ NAME = "tileops"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 DECODE_HEAD_DIMS = (64, 128, 256)  # tileops.decode_attention's head sizes
 MAX_DECODE_Q = 16  # its query tokens per request; longer chunks: chunked_prefill_attention
+# Padded batches (no cache or an empty one, eager only) on tileops.attention_varlen: off by
+# default until measured, since GroupedQueryAttentionVarlenFwdOp reads its cu_seqlens on the
+# host to check them (one sync per call, per layer) although ours are valid by construction
+PADDED_VARLEN = os.environ.get("TILEOPS_HF_PADDED_VARLEN", "0") == "1"
+_VALID = "_tileops_valid"  # on a mask tensor (eager only): the [B, S] padding mask it holds
 
 
 def served(*tensors: torch.Tensor | None) -> bool:
@@ -69,10 +82,24 @@ def tileops_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any =
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if can_skip(padding, q_length, kv_length, q_offset, kv_offset, None):
             return None
+    plain_causal = mask_function is causal_mask_function() and not bidirectional
     if mask_function is not None:
         kwargs["mask_function"] = mask_function
-    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+    mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                      attention_mask=attention_mask, allow_is_causal_skip=False, **kwargs)
+    if (PADDED_VARLEN and plain_causal and isinstance(mask, torch.Tensor)
+            and not torch.compiler.is_compiling() and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length == q_length
+            and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0):
+        # causal & padding, nothing else: the attention function may unpad it on the device
+        setattr(mask, _VALID, attention_mask.bool())
+    return mask
+
+
+def causal_mask_function() -> Any:
+    from transformers.masking_utils import causal_mask_function as fn
+
+    return fn
 
 
 def _eager_fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -108,6 +135,11 @@ def tileops_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kernel_ok and _on_static_cache(module, query, key, value, attention_mask):
         return _static_cache_attention(query, key, value, attention_mask, scaling, left,
                                        softcap), None
+    valid = getattr(attention_mask, _VALID, None) if isinstance(attention_mask,
+                                                                torch.Tensor) else None
+    if (kernel_ok and valid is not None and left < 0 and q_len == kv_len
+            and tuple(valid.shape) == (query.shape[0], q_len)):
+        return _padded_attention(query, key, value, valid, scaling, softcap), None
     if kernel_ok and attention_mask is None:
         from ..ops import attention
 
@@ -171,6 +203,37 @@ def _static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                                       lengths, q_len, sm_scale=scaling, softcap=cap,
                                       window_left=left)
     return o.view(batch, q_len, heads, head_dim)
+
+
+def _padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      valid: torch.Tensor, scaling: float | None,
+                      softcap: float | None) -> torch.Tensor:
+    """Causal attention of a padded batch (query/key/value [B, H, S, D], valid [B, S]) on
+    tileops.attention_varlen, unpadded on the device with static shapes: each row's valid
+    tokens are moved to its front in order (a stable sort), so that every row is two packed
+    sequences, its valid tokens then its padding (cu_seqlens [2B + 1] from the counts), and
+    the outputs are moved back. Exact for any 2D padding mask (holes included) on the valid
+    tokens; padded positions get their own attention, not the reference's."""
+    from .. import ops
+
+    batch, heads, seq, head_dim = query.shape
+    kv_heads = key.shape[1]
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    rows = torch.arange(batch, device=query.device, dtype=torch.int64)[:, None] * seq
+    index = (order + rows).reshape(-1)
+
+    def packed(t: torch.Tensor, h: int) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(batch * seq, h, head_dim).index_select(0, index)
+
+    counts = valid.sum(1, dtype=torch.int32)
+    starts = rows[:, 0].to(torch.int32)
+    cu = torch.cat([torch.stack([starts, starts + counts], 1).reshape(-1),
+                    starts.new_full((1,), batch * seq)])
+    o = ops.attention_varlen(packed(query, heads), packed(key, kv_heads),
+                             packed(value, kv_heads), cu, cu, seq, seq, is_causal=True,
+                             scale=scaling, softcap=float(softcap) if softcap else 0.0)
+    out = torch.zeros_like(o).index_copy(0, index, o)
+    return out.view(batch, seq, heads, head_dim)
 
 
 def _causal_mask(q_len: int, kv_len: int, left: int, device: torch.device) -> torch.Tensor:
