@@ -188,10 +188,13 @@ def test_trains_under_torch_compile(family):
 
 @pytest.mark.parametrize("family,batch", [("llama", 2), ("qwen3", 2), ("gemma2", 2),
                                           ("mistral", 8), ("gemma3", 8)])
-def test_generates_with_static_cache_under_cuda_graphs(family, batch, counts):
+def test_generates_with_static_cache_under_cuda_graphs(family, batch):
     """transformers' automatic compile (reduce-overhead: CUDA graphs) of the decode step; the
     steps read the [B, S_max, Hkv, D] static cache through tileops.decode_attention (gemma2:
-    softcap; mistral/gemma: 16-token sliding layers that fill and roll)."""
+    softcap; mistral/gemma: 16-token sliding layers that fill and roll). No call counter
+    here: a Python counter inside the compiled step would recompile it at every step; the
+    route's conditions (cache layout, the prefill's marks) are checked instead, and the
+    eager test below counts the calls."""
     from tileops.transformers import static_cache
 
     ours, _, fp32 = _models(family)
@@ -208,9 +211,10 @@ def test_generates_with_static_cache_under_cuda_graphs(family, batch, counts):
         ref = fp32.eval()(input_ids=seq).logits[:, 23:35]
         bf16 = copy.deepcopy(fp32).to(torch.bfloat16)(input_ids=seq).logits[:, 23:35]
     _check("generation logits", step_logits, bf16, ref.float())
-    assert counts.get("decode_attention"), counts  # traced into the compiled decode step
     cache = getattr(gen, "cache", None) or getattr(gen, "past_key_values", None)
     assert all(static_cache.bshd(layer.keys) for layer in cache.layers)
+    marks = [getattr(m, static_cache.MARK) for m in ours.model._tileops_attn_modules]
+    assert marks == [layer.max_cache_len for layer in cache.layers], marks
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

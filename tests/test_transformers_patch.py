@@ -101,7 +101,7 @@ def test_unpatched_parts_warn_and_strict_raises_before_patching():
         tt.apply(model, strict=True)
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert model.config._attn_implementation == "sdpa"
-    with pytest.warns(UserWarning, match="activation 'relu'"):
+    with pytest.warns(UserWarning, match="activation 'ReLU'"):
         tt.apply(model)
     # with the MLP not requested, strict passes
     tt.revert(model)
@@ -428,6 +428,25 @@ def test_padding_mask_on_attention_varlen(family, spies, monkeypatch):
     grads, ref_grads = _grads(model), _grads(reference)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("act, approximate", [("gelu", "none"), ("gelu_pytorch_tanh", "tanh"),
+                                              ("gelu_new", "tanh"), ("silu", None)])
+def test_mlp_activation_comes_from_the_module(act, approximate, spies):
+    """The MLP's act_fn module picks the op (a Gemma-1 config runs hidden_act, Gemma-2/3
+    hidden_activation): exact gelu -> geglu('none'), the tanh forms -> geglu('tanh')."""
+    model = hf_models.model("llama", hidden_act=act)
+    reference = copy.deepcopy(model)
+    report = _apply(model)
+    assert sorted(report.patched["mlp"]) == _names(model, "MLP")
+    ids = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids).logits,
+                                   reference.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    if approximate is None:
+        assert spies["swiglu"] and "geglu" not in spies
+    else:
+        assert {c["approximate"] for c in spies["geglu"]} == {approximate}
 
 
 def test_generate_matches(spies):

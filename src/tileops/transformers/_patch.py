@@ -36,7 +36,7 @@ class Family:
 
     name: str
     gemma_norm: bool = False  # RMSNorm scales by (1 + weight), in fp32 before the cast
-    gelu_mlp: bool = False  # its MLP's activation is config.hidden_activation (GeLU-tanh)
+    gelu_mlp: bool = False  # a GeLU-tanh MLP (geglu; the act_fn module decides)
     moe: bool = False  # sparse MoE blocks: their experts module runs tileops.fused_moe
 
 
@@ -139,11 +139,13 @@ def _swiglu_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(gate, up))
 
 
-# activation name (transformers' ACT2FN) -> the gated op and its parameters
-_GATED = {"silu": ("swiglu", {}), "swish": ("swiglu", {}),
-          "gelu": ("geglu", {"approximate": "none"}),
-          "gelu_pytorch_tanh": ("geglu", {"approximate": "tanh"}),
-          "gelu_new": ("geglu", {"approximate": "tanh"})}
+# class of the MLP's act_fn (transformers' ACT2FN: the module, not the config, says what
+# runs: Gemma-1 reads hidden_act, Gemma-2/3 hidden_activation) -> the gated op, its params
+_GATED = {"SiLUActivation": ("swiglu", {}), "SiLU": ("swiglu", {}),
+          "GELUActivation": ("geglu", {"approximate": "none"}),  # gelu (erf)
+          "GELUTanh": ("geglu", {"approximate": "tanh"}),  # gelu_pytorch_tanh
+          "PytorchGELUTanh": ("geglu", {"approximate": "tanh"}),  # its older name
+          "NewGELUActivation": ("geglu", {"approximate": "tanh"})}  # gelu_new: same formula
 
 
 def _make_geglu_mlp_forward(approximate: str) -> Callable:
@@ -527,12 +529,10 @@ def _plan_mlp(name: str, module: torch.nn.Module, family: Family, config: Any,
     if not all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         report.skip("mlp", name, "not a gated MLP (gate_proj, up_proj, down_proj, act_fn)")
         return
-    act = getattr(config, "hidden_act", None)
-    if family.gelu_mlp:
-        act = getattr(config, "hidden_activation", None) or act
+    act = type(module.act_fn).__name__
     if act not in _GATED:
         report.skip("mlp", name, f"activation {act!r}: TileOPs' two-input gated activations "
-                    f"are {', '.join(sorted(_GATED))}")
+                    "are SiLU (swiglu) and GeLU, exact or tanh (geglu)")
         return
     op_name, params = _GATED[act]
     n = module.gate_proj.out_features
