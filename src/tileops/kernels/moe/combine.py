@@ -89,44 +89,40 @@ def weight_grad_program(hidden: int, top_k: int, dtype: str, config: CombineConf
     return combine_weight_grad
 
 
-class MoeCombineWeightGradKernel(Kernel):
-    """key: dtype, hidden, top_k: the combine's gradient w.r.t. its weights."""
+class _RowsOfTopK(Kernel):
+    """The combine's kernels: one program of (hidden, top_k, dtype) over blocks of token
+    rows, every buffer passed in order; subclasses name the builder."""
 
-    name = "moe_combine_weight_grad"
     Config = CombineConfig
+    builder = staticmethod(combine_program)
 
     def program(self, config: CombineConfig, bucket: str):
         k = self.key
-        return weight_grad_program(k["hidden"], k["top_k"], k["dtype"], config)
+        return self.builder(k["hidden"], k["top_k"], k["dtype"], config)
 
     def heuristic_config(self, bucket: str, arch: str) -> CombineConfig:
-        return CombineConfig(block_rows=1, threads=256)
-
-    def config_space(self, bucket: str) -> list[CombineConfig]:
-        return [CombineConfig(rows, threads) for rows in (1, 2) for threads in (128, 256)]
-
-    def run(self, config: CombineConfig, compiled: tuple, grad_out, expert_out, row_index,
-            grad_w) -> None:
-        compiled[0](grad_out, expert_out, row_index, grad_w)
-
-
-class MoeCombineKernel(Kernel):
-    """key: dtype, hidden, top_k."""
-
-    name = "moe_combine"
-    Config = CombineConfig
-
-    def program(self, config: CombineConfig, bucket: str):
-        k = self.key
-        return combine_program(k["hidden"], k["top_k"], k["dtype"], config)
-
-    def heuristic_config(self, bucket: str, arch: str) -> CombineConfig:
-        # a 7168-wide bf16 row is 896 vectors: 7 per thread of 128, each read top_k times
         return CombineConfig()
 
     def config_space(self, bucket: str) -> list[CombineConfig]:
         return [CombineConfig(rows, threads) for rows in (1, 2) for threads in (128, 256)]
 
-    def run(self, config: CombineConfig, compiled: tuple, expert_out, weights, row_index,
-            out) -> None:
-        compiled[0](expert_out, weights, row_index, out)
+    def run(self, config: CombineConfig, compiled: tuple, *buffers) -> None:
+        compiled[0](*buffers)
+
+
+class MoeCombineWeightGradKernel(_RowsOfTopK):
+    """key: dtype, hidden, top_k: the combine's gradient w.r.t. its weights; run with
+    (grad_out, expert_out, row_index, grad_w)."""
+
+    name = "moe_combine_weight_grad"
+    builder = staticmethod(weight_grad_program)
+
+    def heuristic_config(self, bucket: str, arch: str) -> CombineConfig:
+        return CombineConfig(block_rows=1, threads=256)
+
+
+class MoeCombineKernel(_RowsOfTopK):
+    """key: dtype, hidden, top_k; run with (expert_out, weights, row_index, out). A
+    7168-wide bf16 row is 896 vectors: 7 per thread of 128, each read top_k times."""
+
+    name = "moe_combine"
