@@ -587,6 +587,9 @@ def test_fp8_decode_plan_cuda_graph_replay():
         plan.run(q, k8, v8, seqlens, table, out=out, k_scale=k_scale, v_scale=v_scale)
     for new_lengths in ([101, 2001, 6, 901], [0, 1, 2010, 17]):
         seqlens.copy_(torch.tensor(new_lengths, dtype=torch.int32))
+        # 2010 tokens need a 126th page: the table gets valid pages everywhere, as in the
+        # bf16 replay test (make_cache leaves junk past each request's pages).
+        table.copy_(torch.randint(0, k8.shape[0], table.shape, dtype=torch.int32))
         k_scale.mul_(1.5)  # scales are read on the GPU too
         q.copy_(randn(*q.shape, dtype=q.dtype))
         poison(out)

@@ -261,6 +261,14 @@ def test_unpermute_gradient_skips_dropped_slots():
 
 
 # -- fused_moe --------------------------------------------------------------------------
+def magnitude(t):
+    """RMS of a reference, at least 1: the training path rounds the gate-up product and each
+    expert's output to bf16 before summing top_k of them, so an output that cancels to near
+    zero carries errors of an ulp of its terms, not of itself; the absolute tolerance
+    grows with the terms' size."""
+    return max(1.0, t.detach().float().square().mean().sqrt().item())
+
+
 def moe_reference(x, w_gate_up, w_down, weights, ids):
     """float32 loop over experts: each expert's tokens through its gated MLP, weighted,
     summed per token (differentiable w.r.t. every float input)."""
@@ -348,13 +356,13 @@ def test_fused_moe_gradients(name):
     want = moe_reference(*ref_leaves[:3], ref_weights, ids)
     want.backward(g.float())
     tokens_per_expert = torch.bincount(ids.flatten().long()).max().item()
-    assert_close(out, want.detach(), scale=2.0)
+    assert_close(out, want.detach(), scale=2.0 * magnitude(want))
     for name_, t, r, scale in (("hidden", x, ref_leaves[0], 2.0),
                                ("w_gate_up", w_gate_up, ref_leaves[1],
                                 math.sqrt(tokens_per_expert)),
                                ("w_down", w_down, ref_leaves[2], math.sqrt(tokens_per_expert))):
         assert t.grad is not None and t.grad.dtype == t.dtype
-        assert_close(t.grad, r.grad, scale=scale, what=f"grad {name_}")
+        assert_close(t.grad, r.grad, scale=scale * magnitude(r.grad), what=f"grad {name_}")
     # fp32 gradients of bf16 math: compared at bf16 tolerances
     assert_close(leaves[3].grad.to(BF16), ref_leaves[3].grad, scale=4.0, what=f"grad {routing}")
 
@@ -434,4 +442,7 @@ def test_fused_moe_matches_the_pure_pytorch_baseline():
     params = {k: v for k, v in kwargs.items() if k not in ("router_logits", "correction_bias")}
     base = fused_moe_loop(x, w_gate_up, w_down, kwargs["router_logits"], None, None,
                           kwargs["correction_bias"], **params)
-    assert_close(tileops.fused_moe(x, w_gate_up, w_down, **kwargs), base.float(), scale=2.0)
+    # Two bf16 computations with different rounding points: each is an ulp of the terms
+    # from the truth, so the tolerance is twice the one against an fp32 reference.
+    assert_close(tileops.fused_moe(x, w_gate_up, w_down, **kwargs), base.float(),
+                 scale=4.0 * magnitude(base))
