@@ -289,28 +289,27 @@ def _recording(op, monkeypatch):
 
 
 @pytest.mark.smoke
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("paged", [True, False])
-def test_launch_arguments(paged, monkeypatch):
+def test_launch_arguments(paged, kv_layout, monkeypatch):
     """What `forward` hands the kernel (CPU tensors, a recording kernel), the first slice's
     path (`planned` off): the split count from shapes alone, fp32 partials of that many
     splits, the placeholder table for a contiguous cache, the default scale and the program
-    key."""
-    op = DecodeAttentionFwdOp(window_left=255)
+    key (kv_layout in it only when heads-first: the NHD programs keep their keys)."""
+    op = DecodeAttentionFwdOp(window_left=255, kv_layout=kv_layout)
     monkeypatch.setattr(op, "planned", False)
     log = _recording(op, monkeypatch)
     q = torch.randn(2, 1, 8, 128).to(BF16)
-    if paged:
-        k = v = torch.randn(600, 16, 2, 128).to(BF16)
-        table = torch.randint(0, 600, (2, 300), dtype=torch.int32)
-    else:
-        k = v = torch.randn(2, 4800, 2, 128).to(BF16)
-        table = None
+    rows, outer = (16, 600) if paged else (4800, 2)
+    shape = (outer, 2, rows, 128) if kv_layout == "HND" else (outer, rows, 2, 128)
+    k = v = torch.randn(shape).to(BF16)
+    table = torch.randint(0, 600, (2, 300), dtype=torch.int32) if paged else None
     lens = torch.tensor([5, 4800], dtype=torch.int32)
     o, lse = op.forward(q, k, v, lens, table)
     (key, splits, args), = log
     assert key == {"dtype": "bfloat16", "heads": 8, "kv_heads": 2, "head_dim": 128, "q_len": 1,
                    "page_size": 16 if paged else 0, "window_left": 255, "softcap": 0.0,
-                   "causal": True}
+                   "causal": True, **({"kv_layout": "HND"} if kv_layout == "HND" else {})}
     assert splits == choose_splits(2, 2, 1, 4800, 128) > 1
     assert op.kernels_for(op.check((q, k, v, lens, table))) == [  # what the sweep builds
         ("decode_attention", key, splits)]
@@ -593,6 +592,31 @@ def test_chunked_prefill_shapes_and_errors():
 
 
 @pytest.mark.smoke
+@pytest.mark.smoke
+def test_heads_first_layout_checks_and_roofline():
+    """kv_layout "HND" reads S and Hkv from dims 2 and 1: the same roofline as the NHD cache
+    of the same sizes, and shape rules on the right dims; a layout name is checked."""
+    q, k, v, lens, table = paged()
+    kh, vh = meta(64, 8, 16, 128), meta(64, 8, 16, 128)
+    assert (DecodeAttentionFwdOp(kv_layout="HND").eval_roofline(q, kh, vh, lens, table)
+            == DecodeAttentionFwdOp().eval_roofline(q, k, v, lens, table))
+    o, lse = DecodeAttentionFwdOp(kv_layout="HND")(q, kh, vh, lens, table)
+    assert o.shape == q.shape and o.device.type == "meta"
+    with pytest.raises(TileOpsValueError, match="S in \\(16, 32, 64, 128, 256\\)"):
+        DecodeAttentionFwdOp(kv_layout="HND")(q, k, v, lens, table)  # NHD pages: S = 8
+    with pytest.raises(TileOpsValueError, match="kv_layout in"):
+        DecodeAttentionFwdOp(kv_layout="NDH")(q, k, v, lens, table)
+    with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'kv_layout'"):
+        tileops.plan_decode(4, 32, 8, 128, kv_layout="BSHD", device="cpu")
+    contiguous = meta(4, 8, 3000, 128)
+    assert ChunkedPrefillAttentionFwdOp(max_seqlen_q=8, kv_layout="HND").eval_roofline(
+        meta(20, 32, 128), contiguous, contiguous, meta(5, dtype=torch.int32),
+        meta(4, dtype=torch.int32), None) == ChunkedPrefillAttentionFwdOp(
+        max_seqlen_q=8).eval_roofline(meta(20, 32, 128), meta(4, 3000, 8, 128),
+                                      meta(4, 3000, 8, 128), meta(5, dtype=torch.int32),
+                                      meta(4, dtype=torch.int32), None)
+
+
 def test_chunked_prefill_roofline():
     q, k, v, _, _, table = packed(total=300, batch=3, page=16, max_pages=64)
     cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32)

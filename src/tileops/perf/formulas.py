@@ -73,18 +73,18 @@ def attention_bwd(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: 
     return flops * 5 // 2, nbytes
 
 
-def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
+def decode_attention(q: Any, cache_seqlens: Any, block_table: Any, S: int, Hkv: int,
                      window_left: int, elem_bytes: int, kv_bytes: int | None = None,
                      **_: Any) -> tuple[int, int]:
     """Decode over a KV cache: the K/V rows each request's queries can see are read once
     (the window's span when one is set), q read and o written once, the lse, the lengths
     and the block-table entries of the pages read. Lengths come from cache_seqlens' values;
-    on meta tensors every request is taken as full (the cache's capacity per request)."""
+    on meta tensors every request is taken as full (the cache's capacity per request).
+    S: rows per page (or per request), Hkv: KV heads, whatever the cache's layout."""
     batch, seq_q, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = Hkv
     if cache_seqlens.device.type == "meta":
-        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                    else k_cache.shape[1])
+        capacity = block_table.shape[1] * S if block_table is not None else S
         lengths = [capacity] * batch
     else:
         lengths = [int(n) for n in cache_seqlens.tolist()]
@@ -95,25 +95,23 @@ def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
               + 2 * q.numel() * elem_bytes)
     nbytes += q.numel() // head_dim * 4 + batch * 4
     if block_table is not None:
-        page = k_cache.shape[1]
-        nbytes += sum(-(-n // page) for n in keys) * 4
+        nbytes += sum(-(-n // S) for n in keys) * 4
     return flops, nbytes
 
 
-def chunked_prefill_attention(q: Any, k_cache: Any, cu_seqlens_q: Any, cache_seqlens: Any,
-                              block_table: Any, window_left: int, is_causal: bool,
-                              elem_bytes: int, kv_bytes: int | None = None,
+def chunked_prefill_attention(q: Any, cu_seqlens_q: Any, cache_seqlens: Any,
+                              block_table: Any, S: int, Hkv: int, window_left: int,
+                              is_causal: bool, elem_bytes: int, kv_bytes: int | None = None,
                               **_: Any) -> tuple[int, int]:
     """Packed chunks over a KV cache: each request's visible (query, key) pairs; the K/V
     rows its chunk can see read once, q read and o written once, the lse, the lengths and
     the block-table entries of the pages read. On meta tensors (no values) the chunks are
     taken as equal and every request's cache as full."""
     total_q, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = Hkv
     batch = cache_seqlens.shape[0]
     if cache_seqlens.device.type == "meta" or cu_seqlens_q.device.type == "meta":
-        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                    else k_cache.shape[1])
+        capacity = block_table.shape[1] * S if block_table is not None else S
         chunks = [(total_q // max(batch, 1), capacity)] * batch
     else:
         cu = [int(n) for n in cu_seqlens_q.tolist()]
@@ -126,7 +124,7 @@ def chunked_prefill_attention(q: Any, k_cache: Any, cu_seqlens_q: Any, cache_seq
               + 2 * q.numel() * elem_bytes)
     nbytes += total_q * heads * 4 + (2 * batch + 1) * 4
     if block_table is not None:
-        nbytes += sum(-(-n // k_cache.shape[1]) for n in keys) * 4
+        nbytes += sum(-(-n // S) for n in keys) * 4
     return 4 * heads * head_dim * pairs, nbytes
 
 
