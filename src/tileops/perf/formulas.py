@@ -29,15 +29,16 @@ def effective_window(is_causal: bool, window_size: Any) -> tuple[int, int]:
 
 def attention_fwd(q: Any, k: Any, v: Any, is_causal: bool, window_size: Any,
                   elem_bytes: int, **_: Any) -> tuple[int, int]:
-    """FLOPs of QK^T and PV over the visible pairs; bytes of q, k, v, o and the fp32 lse."""
+    """FLOPs of QK^T and PV over the visible pairs; bytes of q, k, v, o and the fp32 lse.
+    V (and O) may be narrower than Q and K (MLA prefill: 192 and 128)."""
     batch, seq_q, heads, head_dim = q.shape
-    seq_kv = k.shape[1]
+    seq_kv, dim_v = k.shape[1], v.shape[-1]
     left, right = effective_window(is_causal, window_size)
     pairs = visible_pairs(seq_q, seq_kv, left, right)
-    flops = 4 * batch * heads * head_dim * pairs
-    n_q = batch * seq_q * heads * head_dim
+    flops = 2 * batch * heads * (head_dim + dim_v) * pairs
+    n_qo = batch * seq_q * heads * (head_dim + dim_v)
     n_kv = k.numel() + v.numel()
-    nbytes = (2 * n_q + n_kv) * elem_bytes + batch * heads * seq_q * 4
+    nbytes = (n_qo + n_kv) * elem_bytes + batch * heads * seq_q * 4
     return flops, nbytes
 
 
@@ -57,9 +58,10 @@ def attention_varlen_fwd(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
         cq, ckv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
         lens = [(cq[i + 1] - cq[i], ckv[i + 1] - ckv[i]) for i in range(n_seq)]
     pairs = sum(visible_pairs(sq, skv, left, right) for sq, skv in lens)
-    flops = 4 * heads * head_dim * pairs
-    nbytes = ((2 * q.numel() + k.numel() + v.numel()) * elem_bytes + heads * total_q * 4
-              + 2 * (n_seq + 1) * 4)
+    dim_v = v.shape[-1]
+    flops = 2 * heads * (head_dim + dim_v) * pairs
+    nbytes = ((q.numel() + total_q * heads * dim_v + k.numel() + v.numel()) * elem_bytes
+              + heads * total_q * 4 + 2 * (n_seq + 1) * 4)
     return flops, nbytes
 
 
