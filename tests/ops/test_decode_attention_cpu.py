@@ -272,6 +272,70 @@ def test_kv_cache_append_program_on_the_cpu():
     assert torch.equal(k_pages, k_want) and torch.equal(v_pages, v_want)
 
 
+def e4m3_ties_and_edges(dtype):
+    """Inputs x (in `dtype`) whose quotients by a scale of 2^-7 (x * 2^7, exact) land where
+    a rounding slip would show: every e4m3 value, every midpoint between neighbours (ties,
+    which go to the even code), the subnormal range, the saturation edge (448, 464 = the
+    midpoint to the NaN code, beyond), and the neighbours of each in `dtype`."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[:-1] + grid[1:]) / 2
+    edges = torch.tensor([452.0, 456.0, 460.0, 464.0, 472.0, 480.0, 2.0 ** 13, 2.0 ** -10,
+                          2.0 ** -11])
+    x = torch.cat([grid, mids, edges]) * 2.0 ** -7
+    assert torch.equal(x.to(dtype).float(), x)  # at most 7 significant bits: exact
+    bits = x.to(dtype).view(torch.int16)
+    x = torch.cat([bits, bits + 1, (bits - 1).clamp(min=0)]).view(dtype)
+    return torch.cat([x, -x])
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16,
+                                   pytest.param(BF16, marks=pytest.mark.full)])
+def test_fp8_append_program_rounds_like_torch(dtype):
+    """The fp8 append kernel's generated code, run on the CPU, stores exactly torch's
+    (x.float() / scale).clamp(-448, 448).to(float8_e4m3fn), bit for bit: IEEE division
+    (no fast math) and a round-to-nearest-even, saturating conversion
+    (cvt.rn.satfinite), over the GPU test's data (randn, scales in [0.002, 0.022], per
+    tensor and per head) and over quotients at every e4m3 tie and edge (x = q * 2^-7 with
+    a scale of 2^-7: exact in fp16 and bf16). The GPU tests compare with equality."""
+    from tileops.kernels.attention.kv_cache import KVCacheAppendKernel
+
+    from ..cuda_emulation import run
+
+    kv_heads, head_dim = 4, 128
+    width = kv_heads * head_dim
+    kernel = KVCacheAppendKernel(dtype=str(dtype).removeprefix("torch."), slot_dtype="int64",
+                                 width=width, cache_dtype="float8_e4m3fn", head_dim=head_dim)
+    config = kernel.heuristic_config("all", "sm_90a")
+    compiled = kernel.compile(config, "all")[0]
+    gen = torch.Generator().manual_seed(0)
+    tokens = 1024
+    x = torch.randn(2, tokens, width, generator=gen)
+    x = x.to(dtype)
+    edges = e4m3_ties_and_edges(dtype)
+    rows = -(-edges.numel() // head_dim)
+    block = torch.zeros(rows * head_dim, dtype=dtype)
+    block[:edges.numel()] = edges
+    x[1, :rows, :head_dim] = block.view(rows, head_dim)  # v, head 0: scale 2^-7
+    for n_scale in (kv_heads, 1):
+        scales = torch.rand(2, n_scale, generator=gen) * 0.02 + 0.002
+        scales[1, 0] = 2.0 ** -7
+        pools = torch.full((2, tokens, width), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        run(compiled, -(-tokens // config.block_rows), config.threads,
+            dict(k_new=x[0], v_new=x[1], k_pages=pools[0], v_pages=pools[1],
+                 slot_mapping=torch.arange(tokens), k_scale=scales[0], v_scale=scales[1]),
+            dict(tokens=tokens, slots=tokens, n_scale=n_scale))
+        for i in range(2):
+            heads = x[i].float().view(tokens, kv_heads, head_dim)
+            want = (heads / scales[i].view(1, -1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+            got = pools[i].view(torch.uint8).view(tokens, kv_heads, head_dim)
+            bad = got != want.view(torch.uint8)
+            assert not bad.any(), (
+                f"{'kv'[i]}, {n_scale} scales: {int(bad.sum())} elements differ, e.g. inputs "
+                f"{heads[bad][:4].tolist()} -> codes {got[bad][:4].tolist()}, torch's "
+                f"{want.view(torch.uint8)[bad][:4].tolist()}")
+
+
 class _Recorder:
     """Stands in for a Kernel: records the runtime size and the tensors of each launch."""
 
