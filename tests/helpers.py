@@ -171,3 +171,10 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path, spills: bool
     report = ptxas_report(compiled_kernel, tmp_path)
     assert spills or "0 bytes spill stores" in report, report
     assert "serialized" not in report and "C7511" not in report, report
+
+
+def poison_allocator(nbytes: int = 1 << 30) -> None:
+    """Leaves NaN in the caching allocator's free blocks, where the next outputs land: an
+    element a kernel never writes stays NaN."""
+    block = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    del block

@@ -15,18 +15,12 @@ import tileops
 from tileops import FusedMoeFwdOp, GroupedGemmBwdOp, GroupedGemmSiluAndMulFwdOp
 from tileops.kernels.base import Kernel
 
-from ..helpers import assert_close, assert_no_worse_than, randn
+from ..helpers import assert_close, assert_no_worse_than, poison_allocator, randn
 from . import moe_reference as ref
 
 pytestmark = pytest.mark.gpu
 
 BF16, FP16, FP32, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
-
-
-def poison_allocator(nbytes=1 << 30):
-    """Leaves NaN in the caching allocator's free blocks, where the next outputs land."""
-    block = torch.empty(nbytes // 4, dtype=FP32, device="cuda").fill_(float("nan"))
-    del block
 
 
 def group_offsets(sizes):

@@ -12,7 +12,7 @@ import tileops
 from tileops import MoePermuteFwdOp, MoeRouteFwdOp, MoeUnpermuteFwdOp
 from tileops.kernels.base import Kernel
 
-from ..helpers import assert_close, randn
+from ..helpers import assert_close, poison_allocator, randn
 from . import moe_reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -303,6 +303,37 @@ def test_grouped_gemm(sizes, n, k, dtype):
     out = tileops.grouped_gemm(a, b, offsets)
     end = int(offsets[-1])
     assert_close(out[:end], grouped_reference(a, b, offsets)[:end])
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_grouped_gemm_every_prefill_config(silu_mul):
+    """Every prefill config of the space (the TMA-stored whole tiles of `tile_store`
+    included) on groups ending mid-tile, empty groups, a lone row and N off the tile; the
+    rows past the last group keep their poison (never written)."""
+    from tileops import GroupedGemmFwdOp, GroupedGemmSiluAndMulFwdOp
+    from tileops.kernels.moe.grouped_gemm import GroupedGemmKernel
+
+    sizes, n, k = [0, 1, 200, 0, 129, 64, 1000, 3, 256], 1000, 512
+    offsets = group_offsets(sizes)
+    end = int(offsets[-1])
+    a = randn(end + 17, k, dtype=BF16)
+    b = randn(len(sizes), 2 * n if silu_mul else n, k, dtype=BF16, std=k ** -0.5)
+    key = dict(dtype="bfloat16", n=n, k=k, n_experts=len(sizes))
+    if silu_mul:
+        key["silu_mul"] = True
+        product = grouped_reference(a, b, offsets)
+        want = torch.nn.functional.silu(product[:, :n]) * product[:, n:]
+    else:
+        want = grouped_reference(a, b, offsets)
+    configs = GroupedGemmKernel(**key).config_space("prefill")
+    assert any(c.tile_store for c in configs)
+    for config in configs:
+        op = GroupedGemmSiluAndMulFwdOp() if silu_mul else GroupedGemmFwdOp()
+        op.pin_config(config, a, b, offsets)
+        poison_allocator()
+        out = op(a, b, offsets)
+        assert_close(out[:end], want[:end], what=str(config))
+        assert torch.isnan(out[end:].float()).all(), f"{config}: rows past the groups written"
 
 
 def test_grouped_gemm_matches_torch_grouped_mm():

@@ -51,6 +51,11 @@ class GroupedGemmConfig:
     stages: int = 3
     threads: int = 256  # consumer threads (a producer warp group is added)
     ctas: int = SMS
+    # A tile wholly inside its group and N leaves through shared memory by one TMA store
+    # instead of guarded row stores from registers (tiles at a group's end still store row
+    # by row): short-K shapes (Qwen3-30B's experts, 12-32 K steps a tile) spend a large share
+    # of each tile in the epilogue. Costs a bm x bn tile of shared memory.
+    tile_store: bool = False
 
 
 def tile_bound(m_total, n_experts: int, block_m: int):
@@ -143,6 +148,12 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
         b_shape = (n_experts, n, k) if trans_b else (n_experts, k, n)
     b_tile = (bn, bk) if trans_b else (bk, bn)
 
+    def whole_tile(offsets, table, t):
+        """The tile's rows lie in its group and its columns in N."""
+        return (tile_row0(offsets, table, t, n_tiles, bm) + bm
+                <= offsets[tile_expert(table, t, n_tiles)]) & (
+                    tile_col0(t, n_tiles, bn) + bn <= n)
+
     @T.macro
     def body(a, b, offsets, table, out):
         with T.Kernel(ctas, threads=config.threads) as cta:
@@ -152,6 +163,8 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
             if silu_mul:
                 up_shared = T.alloc_shared(b_tile, dtype)
                 up_acc = T.alloc_fragment((bm, bn), "float32")
+            if config.tile_store:
+                out_shared = T.alloc_shared((bm, bn), dtype)
             # Every index below is an expression of global loads, not a register carried
             # between iterations (see the module docstring).
             for step in T.serial(T.ceildiv(tile_count(m_tiles, n_tiles), ctas)):
@@ -182,11 +195,20 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                         if silu_mul:
                             for i, j in T.Parallel(bm, bn):
                                 acc[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up_acc[i, j]
-                        store_group_tile(
-                            acc, out,
-                            tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles, bm),
-                            offsets[tile_expert(table, tile_of(step, cta, ctas), n_tiles)],
-                            tile_col0(tile_of(step, cta, ctas), n_tiles, bn), n, bm, bn)
+                        if config.tile_store and whole_tile(offsets, table,
+                                                            tile_of(step, cta, ctas)):
+                            T.copy(acc, out_shared)
+                            T.copy(out_shared, out[
+                                tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles,
+                                          bm),
+                                tile_col0(tile_of(step, cta, ctas), n_tiles, bn)])
+                        else:
+                            store_group_tile(
+                                acc, out,
+                                tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles,
+                                          bm),
+                                offsets[tile_expert(table, tile_of(step, cta, ctas), n_tiles)],
+                                tile_col0(tile_of(step, cta, ctas), n_tiles, bn), n, bm, bn)
 
     @T.prim_func
     def grouped_gemm(a: T.Tensor((m_total, k), dtype),
@@ -341,7 +363,11 @@ class GroupedGemmKernel(Kernel):
             GroupedGemmConfig(block_m=64, block_n=128 // halve, block_k=64, stages=4,
                               threads=128),
             GroupedGemmConfig(block_m=64, block_n=256 // halve, block_k=64, stages=3,
-                              threads=128)]))
+                              threads=128),
+            # whole tiles stored by TMA (see GroupedGemmConfig.tile_store)
+            GroupedGemmConfig(block_n=256 // halve, tile_store=True),
+            GroupedGemmConfig(block_m=128, block_n=128 // halve, block_k=64, stages=4,
+                              threads=256, tile_store=True)]))
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, a, b, offsets, out) -> None:
         import torch
