@@ -1,0 +1,142 @@
+"""GEMM config selection, as data: which config each GEMM call shape selects.
+
+    python3 scripts/gemm_selection.py table [--models TEXT ...]   # models tier: picks vs frozen
+    python3 scripts/gemm_selection.py freeze                      # rewrite the frozen files
+
+`freeze` records, for every manifest workload of the ops built on GemmKernel (and its fp8
+subclass), every dtype and every GEMM the op launches, the config the current code selects
+(tuned table for h200, else the default), plus the models tier's GemmFwdOp picks. The
+manifest file backs tests/ops/test_gemm_select_cpu.py (tuned shapes keep their configs);
+the models file is the "before" column of `table`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MANIFEST_FROZEN = ROOT / "tests" / "ops" / "data" / "gemm_selection_manifest.json"
+MODELS_FROZEN = ROOT / "tests" / "ops" / "data" / "gemm_selection_models.json"
+
+
+def gemm_ops() -> dict[str, type]:
+    from tileops.kernels.gemm import GemmKernel
+    from tileops.ops import OP_CLASSES
+
+    return {name: cls for name, cls in sorted(OP_CLASSES.items())
+            if any(isinstance(k, type) and issubclass(k, GemmKernel)
+                   for k in cls.kernel_map.values())}
+
+
+def selections(op_name: str, cls: type, workloads: list[dict], gpu: str | None = "h200"
+               ) -> list[dict]:
+    """One record per (workload, dtype, GEMM launched): key, runtime size, bucket, config."""
+    from tileops.kernels.base import tuned_table
+    from tileops.kernels.gemm import GemmKernel
+
+    spec = cls.spec
+    out = []
+    for workload in workloads:
+        for dtype in workload["dtypes"]:
+            op = cls(**spec.workload_params(workload))
+            tensors = spec.workload_tensors(workload, dtype)
+            ns = op.check([tensors[n] for n in spec.input_names])
+            for dispatch_key, key, size in op.kernels_for(ns):
+                kernel_cls = op.kernel_map[dispatch_key]
+                if not issubclass(kernel_cls, GemmKernel):
+                    continue
+                kernel = kernel_cls(gpu=gpu, **key)
+                bucket = kernel.bucket_of(size)
+                config = kernel.config_for(bucket)
+                tuned = gpu is not None and tuned_table(gpu).get(
+                    kernel.key_string(bucket)) is not None
+                out.append({"op": op_name, "label": workload["label"], "dtype": dtype,
+                            "tuned": tuned,
+                            "kernel": kernel_cls.__name__, "key": key, "size": size,
+                            "bucket": bucket, "config": dataclasses.asdict(config)})
+    return out
+
+
+def manifest_selections() -> list[dict]:
+    from tileops.manifest import load_workloads
+
+    return [r for name, cls in gemm_ops().items()
+            for r in selections(name, cls, load_workloads(name, None))]
+
+
+def models_selections(models: list[str] | None = None) -> list[dict]:
+    from tileops.ops import OP_CLASSES
+    from tileops.perf import models as model_shapes
+
+    accepted, _ = model_shapes.split_refused(
+        OP_CLASSES["GemmFwdOp"], model_shapes.model_workloads("GemmFwdOp", models))
+    for w in accepted:
+        w["dtypes"] = ["bfloat16"]
+    return selections("GemmFwdOp", OP_CLASSES["GemmFwdOp"], accepted)
+
+
+def record_key(r: dict) -> str:
+    return json.dumps([r["op"], r["label"], r["dtype"], r["key"], r["size"]], sort_keys=True)
+
+
+def short(config: dict) -> str:
+    c = config
+    text = f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['stages']} t{c['threads']}"
+    text += f" r{c['raster']}"
+    if c["split_k"] > 1:
+        text += f" split{c['split_k']}"
+    if not c.get("stage_out", True):
+        text += " regs-out"
+    return text
+
+
+def cmd_freeze(_: argparse.Namespace) -> int:
+    MANIFEST_FROZEN.parent.mkdir(parents=True, exist_ok=True)
+    MANIFEST_FROZEN.write_text(json.dumps(manifest_selections(), indent=1, sort_keys=True) + "\n")
+    MODELS_FROZEN.write_text(json.dumps(models_selections(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {MANIFEST_FROZEN} and {MODELS_FROZEN}")
+    return 0
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    from tileops.kernels.gemm import select
+
+    before = {record_key(r): r for r in json.loads(MODELS_FROZEN.read_text())}
+    rows = models_selections(args.models)
+    changed = 0
+    print("| workload | M | N | K | bucket | before (frozen) | model pick | est. us before | "
+          "est. us pick | source |")
+    print("|---|--:|--:|--:|---|---|---|--:|--:|---|")
+    for r in rows:
+        old = before.get(record_key(r))
+        key, m = r["key"], r["size"]
+        shape = select.Shape(m=m, n=key["n"], k=key["k"], dtype=key["dtype"])
+        est_new = select.estimate_us(shape, select.as_config(r["config"]))
+        est_old = select.estimate_us(shape, select.as_config(old["config"])) if old else None
+        same = old is not None and old["config"] == r["config"]
+        changed += not same
+        print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {r['bucket']} | "
+              f"{short(old['config']) if old else '-'} | {short(r['config'])}"
+              f"{'' if same else ' *'} | {est_old if est_old is None else f'{est_old:.1f}'} | "
+              f"{est_new:.1f} | {select.source_of(r['key'], r['bucket'])} |")
+    print(f"\n{len(rows)} shapes, {changed} with a new config (*)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("freeze").set_defaults(fn=cmd_freeze)
+    table = sub.add_parser("table")
+    table.add_argument("--models", action="append", help="only models whose name contains TEXT")
+    table.set_defaults(fn=cmd_table)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
