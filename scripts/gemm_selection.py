@@ -1,6 +1,7 @@
 """GEMM config selection, as data: which config each GEMM call shape selects.
 
     python3 scripts/gemm_selection.py table [--models TEXT ...]   # models tier: picks vs frozen
+    python3 scripts/gemm_selection.py agreement                   # model vs the tuned table
     python3 scripts/gemm_selection.py freeze                      # rewrite the frozen files
 
 `freeze` records, for every manifest workload of the ops built on GemmKernel (and its fp8
@@ -127,10 +128,27 @@ def cmd_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agreement(_: argparse.Namespace) -> int:
+    from tileops.kernels.gemm import select
+
+    rows = select.agreement()
+    for entry, tuned, pick in rows:
+        verdict = "same" if tuned == pick else "tile" if select.same_tile(tuned, pick) else "DIFF"
+        print(f"{verdict}  {entry}\n      tuned {short(dataclasses.asdict(tuned))}  "
+              f"model {short(dataclasses.asdict(pick))}")
+    tile = sum(select.same_tile(t, p) for _, t, p in rows)
+    full = sum(t == p for _, t, p in rows)
+    total = len(rows)
+    print(f"\nmodel vs tuned table: tile and split agree on {tile}/{total}, "
+          f"the whole config on {full}/{total}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("freeze").set_defaults(fn=cmd_freeze)
+    sub.add_parser("agreement").set_defaults(fn=cmd_agreement)
     table = sub.add_parser("table")
     table.add_argument("--models", action="append", help="only models whose name contains TEXT")
     table.set_defaults(fn=cmd_table)
