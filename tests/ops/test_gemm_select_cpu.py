@@ -4,7 +4,6 @@ The frozen files under data/ were written by `scripts/gemm_selection.py freeze` 
 code before M was bucketed up to 16K rows and untuned buckets went to the cost model.
 """
 
-import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -128,18 +127,7 @@ def test_estimate_prefers_fewer_waves():
 
 
 # -- compile checks of every config form the model can pick (sm_90a, on the CPU) -------------
-def _pickable_forms() -> list[tuple[str, GemmConfig]]:
-    """One config per (tile, block_k, stages, threads, raster, split or not) of the model's
-    candidates, in the buckets 16, 128 and 4096 rows."""
-    forms = {}
-    for rows in (16, 128, 4096):
-        for config in select.candidates(rows, 16384, True):
-            form = dataclasses.replace(config, split_k=min(config.split_k, 2))
-            forms.setdefault(form, f"m{rows}")
-    return [(bucket, form) for form, bucket in forms.items()]
-
-
-PICKABLE = _pickable_forms()
+PICKABLE = select.pickable_forms()
 
 
 @pytest.mark.full

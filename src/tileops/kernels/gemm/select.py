@@ -177,6 +177,17 @@ def candidates(rows: int, k: int | None, splittable: bool) -> list[Any]:
     return [c for c in out if c.valid()]
 
 
+def pickable_forms() -> list[tuple[str, Any]]:
+    """(bucket, config): one config per form the model can pick (tile, block_k, stages,
+    threads, raster; split-K or not), for compile and GPU checks of every form."""
+    forms: dict[Any, str] = {}
+    for rows in (16, 128, 4096):
+        for config in candidates(rows, 1 << 14, True):
+            forms.setdefault(dataclasses.replace(config, split_k=min(config.split_k, 2)),
+                             f"m{rows}")
+    return [(bucket, form) for form, bucket in forms.items()]
+
+
 def ranked(shape: Shape, rows: int, gpu: str | None = None,
            consts: dict[str, Any] | None = None) -> list[tuple[float, Any]]:
     """(estimate us, config) of every candidate at M = rows, in preference order."""
