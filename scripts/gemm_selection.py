@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 
@@ -80,6 +81,16 @@ def models_selections(models: list[str] | None = None) -> list[dict]:
     return selections("GemmFwdOp", OP_CLASSES["GemmFwdOp"], accepted)
 
 
+CONFIG_FIELDS = ("block_m", "block_n", "block_k", "stages", "threads", "split_k", "raster",
+                 "stage_out")
+
+
+def compact(r: dict) -> list:
+    """A models-tier record as [label, M, N, K, config values] (bf16, Linear layout)."""
+    return [r["label"], r["size"], r["key"]["n"], r["key"]["k"],
+            [r["config"][f] for f in CONFIG_FIELDS]]
+
+
 def record_key(r: dict) -> str:
     return json.dumps([r["op"], r["label"], r["dtype"], r["key"], r["size"]], sort_keys=True)
 
@@ -98,7 +109,8 @@ def short(config: dict) -> str:
 def cmd_freeze(_: argparse.Namespace) -> int:
     MANIFEST_FROZEN.parent.mkdir(parents=True, exist_ok=True)
     MANIFEST_FROZEN.write_text(json.dumps(manifest_selections(), indent=1, sort_keys=True) + "\n")
-    MODELS_FROZEN.write_text(json.dumps(models_selections(), indent=1, sort_keys=True) + "\n")
+    rows = [compact(r) for r in models_selections()]
+    MODELS_FROZEN.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
     print(f"wrote {MANIFEST_FROZEN} and {MODELS_FROZEN}")
     return 0
 
@@ -106,25 +118,36 @@ def cmd_freeze(_: argparse.Namespace) -> int:
 def cmd_table(args: argparse.Namespace) -> int:
     from tileops.kernels.gemm import select
 
-    before = {record_key(r): r for r in json.loads(MODELS_FROZEN.read_text())}
+    before = {tuple(r[:4]): dict(zip(CONFIG_FIELDS, r[4], strict=True))
+              for r in json.loads(MODELS_FROZEN.read_text())}
     rows = models_selections(args.models)
     changed = 0
+    ratios: dict[int, list[float]] = {}
     print("| workload | M | N | K | bucket | before (frozen) | model pick | est. us before | "
           "est. us pick | source |")
     print("|---|--:|--:|--:|---|---|---|--:|--:|---|")
     for r in rows:
-        old = before.get(record_key(r))
         key, m = r["key"], r["size"]
+        old_config = before.get((r["label"], m, key["n"], key["k"]))
+        old = {"config": old_config} if old_config else None
         shape = select.Shape(m=m, n=key["n"], k=key["k"], dtype=key["dtype"])
         est_new = select.estimate_us(shape, select.as_config(r["config"]))
         est_old = select.estimate_us(shape, select.as_config(old["config"])) if old else None
         same = old is not None and old["config"] == r["config"]
         changed += not same
+        if est_old is not None:
+            ratios.setdefault(m, []).append(est_old / est_new)
         print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {r['bucket']} | "
               f"{short(old['config']) if old else '-'} | {short(r['config'])}"
               f"{'' if same else ' *'} | {est_old if est_old is None else f'{est_old:.1f}'} | "
               f"{est_new:.1f} | {select.source_of(r['key'], r['bucket'])} |")
     print(f"\n{len(rows)} shapes, {changed} with a new config (*)")
+    print("\nmodel's estimated speed-up of the new picks over the old, per token count "
+          "(geometric mean, worst, best):")
+    for m, values in sorted(ratios.items()):
+        geo = math.exp(sum(math.log(v) for v in values) / len(values))
+        print(f"  M={m}: {geo:.3f}x, {min(values):.3f}x .. {max(values):.3f}x "
+              f"over {len(values)} shapes")
     return 0
 
 
