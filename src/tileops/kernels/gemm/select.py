@@ -19,14 +19,15 @@ The model, for one candidate (tile block_m x block_n x block_k, pipeline stages,
                 CTAs sharing an SM share its tensor cores
     compute   = waves x per CTA
     memory    = (M*K + N*K + M*N) x element bytes / min(HBM bandwidth, busy CTAs x
-                a CTA's rate), a CTA's rate being the bytes its pipeline stages hold in
-                flight per LATENCY_US (Little's law; at most SM_BYTES_PER_S): the floor
-                small M runs into, where few CTAs cannot pull all of HBM's bandwidth
+                a CTA's rate), a CTA's rate being the weight-tile bytes its pipeline
+                stages hold in flight per LATENCY_US (Little's law; at most
+                SM_BYTES_PER_S): the floor small M runs into, where few CTAs cannot pull
+                all of HBM's bandwidth
     split-K   = the fp32 partials written and read back (2 x split x M x N x 4 bytes at
                 the HBM bandwidth) + REDUCE_US for the reduce kernel's launch
     estimate  = max(compute, memory) + split-K
 
-The candidates (`candidates()`) are the kernel's own config space: 64-row tiles below 128
+The candidates (`candidates()`) are the kernel's own config space: 64-row tiles up to 64
 rows, 128-row ones up to 128, and 128 x 256, 128 x 128 or 256 x 128 above; each with every
 split that keeps 4 K steps per split, and stages that fit shared memory. Among those within
 TIE of the fastest estimate the first in that list wins (the list is ordered by what the
@@ -38,7 +39,8 @@ The constants are physical estimates checked against the shipped H200 table
 split for 20 of its 22 plain GEMM entries (the two misses: 16 rows, N 6144, K 4096, where
 tuning kept 48 CTAs of 64 x 128 and the model prefers 96 of 64 x 64); a grid over the
 constants (tile efficiency 0.85-0.95, fill 0.5-2 steps, 0.5-3 us per CTA, 2-8 us per reduce,
-1-3 us latency) finds no setting that matches more, so the table does not pin them further.
+1-3 us latency, 60-200 GB/s per CTA) finds no setting that matches more, and two thirds of
+its 2160 points match as many: the table does not pin the constants further.
 The whole config (block_k, stages, raster too) matches on 13: those three change a tuned
 config's time by a few percent, which the model does not resolve.
 """
