@@ -90,15 +90,16 @@ def test_every_config_the_model_can_pick(flags):
     split-K reduce."""
     dtype = torch.bfloat16
     n, k = 3000, 4192
-    a, b = make_inputs(1001, n, k, dtype)
+    a, b = make_inputs(3001, n, k, dtype)
     bias = randn(n, dtype=dtype)
     kernel = GemmKernel(dtype="bfloat16", n=n, k=k, trans_a=False, trans_b=True, **flags)
     forms = select.pickable_forms()
     for bucket in {b for b, _ in forms}:  # in parallel
         kernel.compile_many([c for b, c in forms if b == bucket], bucket)
     for bucket, config in forms:
-        m = {"m16": 7, "m128": 100}.get(bucket, 1001)
-        kernel.use(config, bucket)
+        m = {"m16": 7, "m128": 100, "m4096": 3001}[bucket]
+        assert kernel.bucket_of(m) == bucket
+        kernel.use(config, bucket)  # pinned: the call below runs this config
         d = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
         want = reference(a[:m], b)
         if flags:
