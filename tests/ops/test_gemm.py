@@ -94,8 +94,8 @@ def test_every_config_the_model_can_pick(flags):
     bias = randn(n, dtype=dtype)
     kernel = GemmKernel(dtype="bfloat16", n=n, k=k, trans_a=False, trans_b=True, **flags)
     forms = select.pickable_forms()
-    for bucket in {b for b, _ in forms}:  # in parallel
-        kernel.compile_many([c for b, c in forms if b == bucket], bucket)
+    for bucket in {where for where, _ in forms}:  # in parallel
+        kernel.compile_many([c for where, c in forms if where == bucket], bucket)
     for bucket, config in forms:
         m = {"m16": 7, "m128": 100, "m4096": 3001}[bucket]
         assert kernel.bucket_of(m) == bucket
