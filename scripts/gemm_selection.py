@@ -3,6 +3,9 @@
     python3 scripts/gemm_selection.py table [--models TEXT ...]   # models tier: picks vs frozen
     python3 scripts/gemm_selection.py agreement                   # model vs the tuned table
     python3 scripts/gemm_selection.py freeze                      # rewrite the frozen files
+    python3 scripts/gemm_selection.py measure [--workload TEXT ...] [--models TEXT ...]
+        # on the GPU: the models-tier shapes whose config changed, old config vs new config
+        # vs cuBLAS in one process (both compiled in parallel first), no branch switch
 
 `freeze` records, for every manifest workload of the ops built on GemmKernel (and its fp8
 subclass), every dtype and every GEMM the op launches, the config the current code selects
@@ -151,6 +154,89 @@ def cmd_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_measure(args: argparse.Namespace) -> int:
+    """Old vs new config of every changed models-tier shape, timed side by side with cuBLAS.
+
+    The kernel code of the old configs is unchanged, so pinning them (`Kernel.use`) runs
+    exactly what the previous selection ran."""
+    import os
+
+    import torch
+
+    from tileops.kernels.gemm import GemmConfig, GemmKernel
+    from tileops.perf.timing import measure_together
+
+    before = {tuple(r[:4]): GemmConfig(**dict(zip(CONFIG_FIELDS, r[4], strict=True)))
+              for r in json.loads(MODELS_FROZEN.read_text())}
+    cases = []
+    for r in models_selections(args.models):
+        if args.workload and not any(t in r["label"] for t in args.workload):
+            continue
+        old = before.get((r["label"], r["size"], r["key"]["n"], r["key"]["k"]))
+        new = GemmConfig(**r["config"])
+        if old is not None and old != new:
+            cases.append((r, old, new))
+    print(f"{len(cases)} changed shapes; compiling their old and new configs", flush=True)
+    kernels = {}
+    jobs = []
+    for r, old, new in cases:
+        kernel = kernels.setdefault(json.dumps(r["key"], sort_keys=True),
+                                    GemmKernel(gpu="h200", **r["key"]))
+        jobs += [(kernel, old, r["bucket"]), (kernel, new, r["bucket"])]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(job):
+        kernel, config, bucket = job
+        try:
+            kernel.compile(config, bucket)
+        except Exception as e:  # noqa: BLE001 - reported with the case
+            print(f"compile failed: {kernel.key} {bucket} {config}: {e}", flush=True)
+
+    with ThreadPoolExecutor(args.jobs or os.cpu_count() or 1) as pool:
+        list(pool.map(build, jobs))
+    print("| workload | M | N | K | old config | new config | old us | new us | cuBLAS us | "
+          "new/old speed-up | new vs cuBLAS | old vs cuBLAS |")
+    print("|---|--:|--:|--:|---|---|--:|--:|--:|--:|--:|--:|")
+    gains, new_vs, old_vs = [], [], []
+    for r, old, new in cases:
+        key, m = r["key"], r["size"]
+        kernel = kernels[json.dumps(key, sort_keys=True)]
+        dtype = getattr(torch, key["dtype"])
+        a = torch.randn(m, key["k"], device="cuda").to(dtype)
+        b = (torch.randn(key["n"], key["k"], device="cuda") * key["k"] ** -0.5).to(dtype)
+        d = torch.empty(m, key["n"], device="cuda", dtype=dtype)
+
+        def ours(config, kernel=kernel, bucket=r["bucket"], a=a, b=b, d=d):
+            compiled = kernel.use(config, bucket)[1]
+            return lambda: kernel.run(config, compiled, a, b, d)
+
+        try:
+            t = measure_together({"old": ours(old), "new": ours(new),
+                                  "cublas": lambda a=a, b=b: torch.matmul(a, b.t())})
+            old_us, new_us, ref_us = (t[n].median_ms * 1e3 for n in ("old", "new", "cublas"))
+        except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
+            print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {short(asdict_(old))} | "
+                  f"{short(asdict_(new))} | error: {type(e).__name__}: {e} |||||||", flush=True)
+            continue
+        gains.append(old_us / new_us)
+        new_vs.append(ref_us / new_us)
+        old_vs.append(ref_us / old_us)
+        print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {short(asdict_(old))} | "
+              f"{short(asdict_(new))} | {old_us:.1f} | {new_us:.1f} | {ref_us:.1f} | "
+              f"{gains[-1]:.3f}x | {new_vs[-1]:.3f}x | {old_vs[-1]:.3f}x |", flush=True)
+    if gains:
+        def geo(v):
+            return math.exp(sum(math.log(x) for x in v) / len(v))
+        print(f"\n{len(gains)} shapes: new/old geomean {geo(gains):.3f}x (worst "
+              f"{min(gains):.3f}x, best {max(gains):.3f}x); vs cuBLAS: new {geo(new_vs):.3f}x "
+              f"(worst {min(new_vs):.3f}x), old {geo(old_vs):.3f}x (worst {min(old_vs):.3f}x)")
+    return 0
+
+
+def asdict_(config) -> dict:
+    return dataclasses.asdict(config)
+
+
 def cmd_agreement(_: argparse.Namespace) -> int:
     from tileops.kernels.gemm import select
 
@@ -172,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("freeze").set_defaults(fn=cmd_freeze)
     sub.add_parser("agreement").set_defaults(fn=cmd_agreement)
+    measure = sub.add_parser("measure")
+    measure.add_argument("--models", action="append", help="only models whose name contains TEXT")
+    measure.add_argument("--workload", action="append",
+                         help="only workloads whose label contains TEXT, e.g. '4096 tokens'")
+    measure.add_argument("--jobs", type=int, default=0, help="parallel compiles (CPU count)")
+    measure.set_defaults(fn=cmd_measure)
     table = sub.add_parser("table")
     table.add_argument("--models", action="append", help="only models whose name contains TEXT")
     table.set_defaults(fn=cmd_table)
