@@ -6,6 +6,7 @@ import torch
 import tileops
 from tileops import GemmFwdOp, TileOpsError
 from tileops.kernels.base import Kernel
+from tileops.kernels.gemm import GemmKernel, select
 
 from ..helpers import assert_close, randn
 
@@ -38,6 +39,9 @@ def reference(a, b, trans_a=False, trans_b=True):
     (32, 2112, 7168),     # deepseek-v3 fused q_a/kv_a decode: N not a multiple of 128
     (200, 1024, 512),     # m256 bucket
     (129, 768, 4096),     # one row past the m128 bucket
+    (2049, 512, 4096),    # m4096 bucket: the cost model's 128 x 128, no split
+    (5000, 1152, 896),    # m8192 bucket, K a few tiles
+    (16385, 512, 2048),   # one row past m16384: "large"
 ])
 def test_matches_reference(m, n, k, dtype):
     a, b = make_inputs(m, n, k, dtype)
@@ -79,6 +83,33 @@ def test_non_contiguous_inputs(dtype):
     assert_close(tileops.gemm(unaligned, b), reference(unaligned, b))
 
 
+@pytest.mark.parametrize("flags", [{}, {"has_bias": True}])
+def test_every_config_the_model_can_pick(flags):
+    """Each config form the cost model may choose for an untuned bucket (select.py), on
+    tails in M, N and K, into a NaN-poisoned output; with a bias through the epilogue or the
+    split-K reduce."""
+    dtype = torch.bfloat16
+    n, k = 3000, 4192
+    a, b = make_inputs(3001, n, k, dtype)
+    bias = randn(n, dtype=dtype)
+    kernel = GemmKernel(dtype="bfloat16", n=n, k=k, trans_a=False, trans_b=True, **flags)
+    forms = select.pickable_forms()
+    for bucket in {where for where, _ in forms}:  # in parallel
+        kernel.compile_many([c for where, c in forms if where == bucket], bucket)
+    for bucket, config in forms:
+        m = {"m16": 7, "m128": 100, "m4096": 3001}[bucket]
+        assert kernel.bucket_of(m) == bucket
+        kernel.use(config, bucket)  # pinned: the call below runs this config
+        d = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        want = reference(a[:m], b)
+        if flags:
+            kernel(m, a[:m].contiguous(), b, bias, d)
+            want = want + bias.float()
+        else:
+            kernel(m, a[:m].contiguous(), b, d)
+        assert_close(d, want, what=f"{bucket} {config}")
+
+
 def test_empty_and_zero_k():
     b = randn(256, 64, dtype=torch.bfloat16)
     assert tileops.gemm(randn(0, 64, dtype=torch.bfloat16), b).shape == (0, 256)
@@ -97,7 +128,9 @@ def test_runtime_m_does_not_recompile():
         a = randn(m, k, dtype=torch.bfloat16)
         assert_close(tileops.gemm(a, b), reference(a, b), what=f"M={m}")
     # one program per M bucket (and a split-K reduce where a bucket splits), never per size
-    assert Kernel.compile_count - before <= 2 * 8
+    buckets = {GemmKernel(dtype="bfloat16", n=n, k=k, trans_a=False,
+                          trans_b=True).bucket_of(m) for m in sizes + [3000]}
+    assert Kernel.compile_count - before <= 2 * len(buckets)
 
 
 def test_torch_compile_fullgraph():

@@ -176,6 +176,9 @@ class Fp8GemmKernel(GemmKernel):
 
     name = "gemm_fp8"
     Config = Fp8GemmConfig
+    # The buckets before the bf16 GEMM's went to 16K rows (its cost model is bf16's).
+    m_buckets = (16, 32, 64, 128, 256, 512, 1024)
+    large_rows = 4096
 
     def program(self, config: Fp8GemmConfig, bucket: str):
         key = self.key

@@ -2,7 +2,8 @@
 
 d[M, N] = op(a) @ op(b) with fp32 accumulation. M (tokens) is symbolic; N and K (weight
 shape) are compiled in. Small M cannot fill 132 SMs with output tiles, so its buckets may
-split K across CTAs: each writes an fp32 partial, and a second kernel sums them.
+split K across CTAs: each writes an fp32 partial, and a second kernel sums them. A bucket
+without a tuned entry takes the cost model's pick (select.py).
 """
 
 
@@ -12,10 +13,14 @@ import tilelang.language as T
 import torch
 
 from ..base import Kernel
+from . import select
 
 NUM_SMS_H200 = 132
 SMEM_LIMIT = 227 * 1024
-M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# M buckets: powers of two up to 16K rows, then "large". Wave quantization makes the best
+# tile differ between 4K and 16K rows for the same N, so each gets its own config.
+M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+LARGE_ROWS = 32768  # the M the cost model assumes for "large"
 
 
 @dataclass(frozen=True)
@@ -165,16 +170,17 @@ class GemmKernel(Kernel):
 
     name = "gemm"
     Config = GemmConfig
+    m_buckets = M_BUCKETS
+    large_rows = LARGE_ROWS
 
     def bucket_of(self, m: int) -> str:
-        for limit in M_BUCKETS:
+        for limit in self.m_buckets:
             if m <= limit:
                 return f"m{limit}"
         return "large"
 
-    @staticmethod
-    def bucket_rows(bucket: str) -> int:
-        return int(bucket[1:]) if bucket != "large" else 4096
+    def bucket_rows(self, bucket: str) -> int:
+        return int(bucket[1:]) if bucket != "large" else self.large_rows
 
     def program(self, config: GemmConfig, bucket: str):
         k = self.key
@@ -213,17 +219,14 @@ class GemmKernel(Kernel):
             split *= 2
         return split
 
+    def model_shape(self) -> select.Shape:
+        key = self.key
+        return select.Shape(m=0, n=key["n"], k=key["k"], dtype=key["dtype"],
+                            splittable=self._splittable())
+
     def heuristic_config(self, bucket: str, arch: str) -> GemmConfig:
-        rows = self.bucket_rows(bucket)
-        if rows <= 64:
-            cfg = dict(block_m=64, block_n=128, block_k=128, stages=4, threads=128)
-        elif rows <= 256:
-            cfg = dict(block_m=128, block_n=128, block_k=64, stages=4, threads=256)
-        else:
-            cfg = dict(block_m=128, block_n=256, block_k=64, stages=3, threads=256)
-        split = 1 if not self._splittable() else self.split_for(
-            rows, cfg["block_m"], cfg["block_n"], cfg["block_k"])
-        return GemmConfig(**cfg, split_k=split)
+        """The cost model's pick for this bucket (select.py), evaluated at its largest M."""
+        return select.choose(self.model_shape(), self.bucket_rows(bucket), self.gpu)
 
     def config_space(self, bucket: str) -> list[GemmConfig]:
         rows = self.bucket_rows(bucket)
@@ -241,6 +244,9 @@ class GemmKernel(Kernel):
                     space.append(GemmConfig(bm, bn, 64, st, 256, 1, raster))
             for bm, bn in ((128, 256), (256, 128)):  # a 4th stage in the epilogue's space
                 space.append(GemmConfig(bm, bn, 64, 4, 256, 1, 8, stage_out=False))
+        # the cost model's runners-up (split-K ones among them)
+        scored = select.ranked(self.model_shape(), rows, self.gpu)
+        space += [c for _, c in sorted(scored, key=lambda s: s[0])[:6]]
         if not self._splittable():
             space = [c for c in space if c.split_k == 1]
         return [c for c in dict.fromkeys(space) if c.valid()]

@@ -1,0 +1,275 @@
+"""GEMM config selection, as data: which config each GEMM call shape selects.
+
+    python3 scripts/gemm_selection.py table [--models TEXT ...]   # models tier: picks vs frozen
+    python3 scripts/gemm_selection.py agreement                   # model vs the tuned table
+    python3 scripts/gemm_selection.py freeze                      # rewrite the frozen files
+    python3 scripts/gemm_selection.py measure [--workload TEXT ...] [--models TEXT ...]
+        # on the GPU: the models-tier shapes whose config changed, old config vs new config
+        # vs cuBLAS in one process (both compiled in parallel first), no branch switch
+
+`freeze` records, for every manifest workload of the ops built on GemmKernel (and its fp8
+subclass), every dtype and every GEMM the op launches, the config the current code selects
+(tuned table for h200, else the default), plus the models tier's GemmFwdOp picks. The
+manifest file backs tests/ops/test_gemm_select_cpu.py (tuned shapes keep their configs);
+the models file is the "before" column of `table`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MANIFEST_FROZEN = ROOT / "tests" / "ops" / "data" / "gemm_selection_manifest.json"
+MODELS_FROZEN = ROOT / "tests" / "ops" / "data" / "gemm_selection_models.json"
+
+
+def gemm_ops() -> dict[str, type]:
+    from tileops.kernels.gemm import GemmKernel
+    from tileops.ops import OP_CLASSES
+
+    return {name: cls for name, cls in sorted(OP_CLASSES.items())
+            if any(isinstance(k, type) and issubclass(k, GemmKernel)
+                   for k in cls.kernel_map.values())}
+
+
+def selections(op_name: str, cls: type, workloads: list[dict], gpu: str | None = "h200"
+               ) -> list[dict]:
+    """One record per (workload, dtype, GEMM launched): key, runtime size, bucket, config."""
+    from tileops.kernels.base import tuned_table
+    from tileops.kernels.gemm import GemmKernel
+
+    spec = cls.spec
+    out = []
+    for workload in workloads:
+        for dtype in workload["dtypes"]:
+            op = cls(**spec.workload_params(workload))
+            tensors = spec.workload_tensors(workload, dtype)
+            ns = op.check([tensors[n] for n in spec.input_names])
+            for dispatch_key, key, size in op.kernels_for(ns):
+                kernel_cls = op.kernel_map[dispatch_key]
+                if not issubclass(kernel_cls, GemmKernel):
+                    continue
+                kernel = kernel_cls(gpu=gpu, **key)
+                bucket = kernel.bucket_of(size)
+                config = kernel.config_for(bucket)
+                tuned = gpu is not None and tuned_table(gpu).get(
+                    kernel.key_string(bucket)) is not None
+                out.append({"op": op_name, "label": workload["label"], "dtype": dtype,
+                            "tuned": tuned,
+                            "kernel": kernel_cls.__name__, "key": key, "size": size,
+                            "bucket": bucket, "config": dataclasses.asdict(config)})
+    return out
+
+
+def manifest_selections() -> list[dict]:
+    from tileops.manifest import load_workloads
+
+    return [r for name, cls in gemm_ops().items()
+            for r in selections(name, cls, load_workloads(name, None))]
+
+
+def models_selections(models: list[str] | None = None) -> list[dict]:
+    from tileops.ops import OP_CLASSES
+    from tileops.perf import models as model_shapes
+
+    accepted, _ = model_shapes.split_refused(
+        OP_CLASSES["GemmFwdOp"], model_shapes.model_workloads("GemmFwdOp", models))
+    for w in accepted:
+        w["dtypes"] = ["bfloat16"]
+    return selections("GemmFwdOp", OP_CLASSES["GemmFwdOp"], accepted)
+
+
+CONFIG_FIELDS = ("block_m", "block_n", "block_k", "stages", "threads", "split_k", "raster",
+                 "stage_out")
+
+
+def compact(r: dict) -> list:
+    """A models-tier record as [label, M, N, K, config values] (bf16, Linear layout)."""
+    return [r["label"], r["size"], r["key"]["n"], r["key"]["k"],
+            [r["config"][f] for f in CONFIG_FIELDS]]
+
+
+def record_key(r: dict) -> str:
+    return json.dumps([r["op"], r["label"], r["dtype"], r["key"], r["size"]], sort_keys=True)
+
+
+def short(config: dict) -> str:
+    c = config
+    text = f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['stages']} t{c['threads']}"
+    text += f" r{c['raster']}"
+    if c["split_k"] > 1:
+        text += f" split{c['split_k']}"
+    if not c.get("stage_out", True):
+        text += " regs-out"
+    return text
+
+
+def cmd_freeze(_: argparse.Namespace) -> int:
+    MANIFEST_FROZEN.parent.mkdir(parents=True, exist_ok=True)
+    MANIFEST_FROZEN.write_text(json.dumps(manifest_selections(), indent=1, sort_keys=True) + "\n")
+    rows = [compact(r) for r in models_selections()]
+    MODELS_FROZEN.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+    print(f"wrote {MANIFEST_FROZEN} and {MODELS_FROZEN}")
+    return 0
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    from tileops.kernels.gemm import select
+
+    before = {tuple(r[:4]): dict(zip(CONFIG_FIELDS, r[4], strict=True))
+              for r in json.loads(MODELS_FROZEN.read_text())}
+    rows = models_selections(args.models)
+    changed = 0
+    ratios: dict[int, list[float]] = {}
+    print("| workload | M | N | K | bucket | before (frozen) | model pick | est. us before | "
+          "est. us pick | source |")
+    print("|---|--:|--:|--:|---|---|---|--:|--:|---|")
+    for r in rows:
+        key, m = r["key"], r["size"]
+        old_config = before.get((r["label"], m, key["n"], key["k"]))
+        old = {"config": old_config} if old_config else None
+        shape = select.Shape(m=m, n=key["n"], k=key["k"], dtype=key["dtype"])
+        est_new = select.estimate_us(shape, select.as_config(r["config"]))
+        est_old = select.estimate_us(shape, select.as_config(old["config"])) if old else None
+        same = old is not None and old["config"] == r["config"]
+        changed += not same
+        if est_old is not None:
+            ratios.setdefault(m, []).append(est_old / est_new)
+        print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {r['bucket']} | "
+              f"{short(old['config']) if old else '-'} | {short(r['config'])}"
+              f"{'' if same else ' *'} | {est_old if est_old is None else f'{est_old:.1f}'} | "
+              f"{est_new:.1f} | {select.source_of(r['key'], r['bucket'])} |")
+    print(f"\n{len(rows)} shapes, {changed} with a new config (*)")
+    print("\nmodel's estimated speed-up of the new picks over the old, per token count "
+          "(geometric mean, worst, best):")
+    for m, values in sorted(ratios.items()):
+        geo = math.exp(sum(math.log(v) for v in values) / len(values))
+        print(f"  M={m}: {geo:.3f}x, {min(values):.3f}x .. {max(values):.3f}x "
+              f"over {len(values)} shapes")
+    return 0
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    """Old vs new config of every changed models-tier shape, timed side by side with cuBLAS.
+
+    The kernel code of the old configs is unchanged, so pinning them (`Kernel.use`) runs
+    exactly what the previous selection ran."""
+    import os
+
+    import torch
+
+    from tileops.kernels.gemm import GemmConfig, GemmKernel
+    from tileops.perf.timing import measure_together
+
+    before = {tuple(r[:4]): GemmConfig(**dict(zip(CONFIG_FIELDS, r[4], strict=True)))
+              for r in json.loads(MODELS_FROZEN.read_text())}
+    cases = []
+    for r in models_selections(args.models):
+        if args.workload and not any(t in r["label"] for t in args.workload):
+            continue
+        old = before.get((r["label"], r["size"], r["key"]["n"], r["key"]["k"]))
+        new = GemmConfig(**r["config"])
+        if old is not None and old != new:
+            cases.append((r, old, new))
+    print(f"{len(cases)} changed shapes; compiling their old and new configs", flush=True)
+    kernels = {}
+    jobs = []
+    for r, old, new in cases:
+        kernel = kernels.setdefault(json.dumps(r["key"], sort_keys=True),
+                                    GemmKernel(gpu="h200", **r["key"]))
+        jobs += [(kernel, old, r["bucket"]), (kernel, new, r["bucket"])]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(job):
+        kernel, config, bucket = job
+        try:
+            kernel.compile(config, bucket)
+        except Exception as e:  # noqa: BLE001 - reported with the case
+            print(f"compile failed: {kernel.key} {bucket} {config}: {e}", flush=True)
+
+    with ThreadPoolExecutor(args.jobs or os.cpu_count() or 1) as pool:
+        list(pool.map(build, jobs))
+    print("| workload | M | N | K | old config | new config | old us | new us | cuBLAS us | "
+          "new/old speed-up | new vs cuBLAS | old vs cuBLAS |")
+    print("|---|--:|--:|--:|---|---|--:|--:|--:|--:|--:|--:|")
+    gains, new_vs, old_vs = [], [], []
+    for r, old, new in cases:
+        key, m = r["key"], r["size"]
+        kernel = kernels[json.dumps(key, sort_keys=True)]
+        dtype = getattr(torch, key["dtype"])
+        a = torch.randn(m, key["k"], device="cuda").to(dtype)
+        b = (torch.randn(key["n"], key["k"], device="cuda") * key["k"] ** -0.5).to(dtype)
+        d = torch.empty(m, key["n"], device="cuda", dtype=dtype)
+
+        def ours(config, kernel=kernel, bucket=r["bucket"], a=a, b=b, d=d):
+            compiled = kernel.use(config, bucket)[1]
+            return lambda: kernel.run(config, compiled, a, b, d)
+
+        try:
+            t = measure_together({"old": ours(old), "new": ours(new),
+                                  "cublas": lambda a=a, b=b: torch.matmul(a, b.t())})
+            old_us, new_us, ref_us = (t[n].median_ms * 1e3 for n in ("old", "new", "cublas"))
+        except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
+            print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {short(asdict_(old))} | "
+                  f"{short(asdict_(new))} | error: {type(e).__name__}: {e} |||||||", flush=True)
+            continue
+        gains.append(old_us / new_us)
+        new_vs.append(ref_us / new_us)
+        old_vs.append(ref_us / old_us)
+        print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {short(asdict_(old))} | "
+              f"{short(asdict_(new))} | {old_us:.1f} | {new_us:.1f} | {ref_us:.1f} | "
+              f"{gains[-1]:.3f}x | {new_vs[-1]:.3f}x | {old_vs[-1]:.3f}x |", flush=True)
+    if gains:
+        def geo(v):
+            return math.exp(sum(math.log(x) for x in v) / len(v))
+        print(f"\n{len(gains)} shapes: new/old geomean {geo(gains):.3f}x (worst "
+              f"{min(gains):.3f}x, best {max(gains):.3f}x); vs cuBLAS: new {geo(new_vs):.3f}x "
+              f"(worst {min(new_vs):.3f}x), old {geo(old_vs):.3f}x (worst {min(old_vs):.3f}x)")
+    return 0
+
+
+def asdict_(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def cmd_agreement(_: argparse.Namespace) -> int:
+    from tileops.kernels.gemm import select
+
+    rows = select.agreement()
+    for entry, tuned, pick in rows:
+        verdict = "same" if tuned == pick else "tile" if select.same_tile(tuned, pick) else "DIFF"
+        print(f"{verdict}  {entry}\n      tuned {short(dataclasses.asdict(tuned))}  "
+              f"model {short(dataclasses.asdict(pick))}")
+    tile = sum(select.same_tile(t, p) for _, t, p in rows)
+    full = sum(t == p for _, t, p in rows)
+    total = len(rows)
+    print(f"\nmodel vs tuned table: tile and split agree on {tile}/{total}, "
+          f"the whole config on {full}/{total}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("freeze").set_defaults(fn=cmd_freeze)
+    sub.add_parser("agreement").set_defaults(fn=cmd_agreement)
+    measure = sub.add_parser("measure")
+    measure.add_argument("--models", action="append", help="only models whose name contains TEXT")
+    measure.add_argument("--workload", action="append",
+                         help="only workloads whose label contains TEXT, e.g. '4096 tokens'")
+    measure.add_argument("--jobs", type=int, default=0, help="parallel compiles (CPU count)")
+    measure.set_defaults(fn=cmd_measure)
+    table = sub.add_parser("table")
+    table.add_argument("--models", action="append", help="only models whose name contains TEXT")
+    table.set_defaults(fn=cmd_table)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

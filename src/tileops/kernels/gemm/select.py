@@ -1,0 +1,239 @@
+"""GEMM config selection for shapes the tuned table does not hold: an explicit cost model.
+
+The dense GEMM compiles N and K in and keeps M (tokens) symbolic, bucketed by powers of two
+up to 16K rows (`M_BUCKETS`, then "large"). A (key, bucket) the autotuner measured takes the
+tuned table's winner; every other one takes `choose()`'s pick, evaluated at the bucket's
+largest M (the bench token counts 1, 8, 64, 512, 4K and 16K are those upper bounds). The
+pick depends on the bucket, N and K only, so one program serves every M of a bucket.
+
+The model, for one candidate (tile block_m x block_n x block_k, pipeline stages, split-K):
+
+    CTAs      = ceil(M / block_m) * ceil(N / block_n) * split_k
+    per SM    = CTAs resident at once (shared memory: one for every tile here but the
+                smallest), so a wave is 132 * per-SM CTAs
+    waves     = ceil(CTAs / wave)
+    per CTA   = (K steps + FILL_STEPS) x one K step's wgmma time at an SM's share of the
+                calibrated peak (perf/profiles/<gpu>.yaml), divided by the tile's
+                efficiency (TILE_EFFICIENCY: how close each tile shape gets to the peak),
+                + CTA_US for the prologue and epilogue (launch, barrier init, TMA store);
+                CTAs sharing an SM share its tensor cores
+    compute   = waves x per CTA
+    memory    = (M*K + N*K + M*N) x element bytes / min(HBM bandwidth, busy CTAs x
+                a CTA's rate), a CTA's rate being the weight-tile bytes its pipeline
+                stages hold in flight per LATENCY_US (Little's law; at most
+                SM_BYTES_PER_S): the floor small M runs into, where few CTAs cannot pull
+                all of HBM's bandwidth
+    split-K   = the fp32 partials written and read back (2 x split x M x N x 4 bytes at
+                the HBM bandwidth) + REDUCE_US for the reduce kernel's launch
+    estimate  = max(compute, memory) + split-K
+
+The candidates (`candidates()`) are the kernel's own config space: 64-row tiles up to 64
+rows, 128-row ones up to 128, and 128 x 256, 128 x 128 or 256 x 128 above; each with every
+split that keeps 4 K steps per split, and stages that fit shared memory. Among those within
+TIE of the fastest estimate the first in that list wins (the list is ordered by what the
+autotuner has preferred: the widest tile, the fewest splits), so near ties resolve the way
+tuning resolved them rather than by noise in the model.
+
+The constants are physical estimates checked against the shipped H200 table
+(`python3 scripts/gemm_selection.py agreement`): the model picks the autotuner's tile and
+split for 20 of its 22 plain GEMM entries (the two misses: 16 rows, N 6144, K 4096, where
+tuning kept 48 CTAs of 64 x 128 and the model prefers 96 of 64 x 64); a grid over the
+constants (tile efficiency 0.85-0.95, fill 0.5-2 steps, 0.5-3 us per CTA, 2-8 us per reduce,
+1-3 us latency, 60-200 GB/s per CTA) finds no setting that matches more, and two thirds of
+its 2160 points match as many: the table does not pin the constants further.
+The whole config (block_k, stages, raster too) matches on 13: those three change a tuned
+config's time by a few percent, which the model does not resolve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+NUM_SMS = 132
+SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each CTA also reserves 1 KB
+# Fraction of the tensor-core peak each tile shape sustains in its K loop (128 x 256 is the
+# shape that reaches cuBLAS' rate here; the narrower tiles re-read more operand bytes from
+# shared memory per FLOP; 64-row tiles run one consumer warpgroup).
+TILE_EFFICIENCY = {(128, 256): 1.0, (256, 128): 0.97, (128, 128): 0.9,
+                   (64, 256): 0.85, (64, 128): 0.8, (64, 64): 0.65}
+FILL_STEPS = 0.5          # pipeline fill and drain of the K loop, in K steps
+CTA_US = 1.0              # a CTA's prologue and epilogue
+REDUCE_US = 4.0           # the split-K reduce launch
+SM_BYTES_PER_S = 100e9    # at most this many HBM bytes per second into one CTA
+LATENCY_US = 2.5          # HBM latency under load: a CTA's bytes in flight per LATENCY_US
+TIE = 0.03                # estimates within 3% of the best count as a tie
+SYMBOLIC_K = 8192         # K assumed for a symbolic-K GEMM (a weight gradient's tokens)
+ELEM_BYTES = {"float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One GEMM call: d[m, n] = a[m, k] @ b[k, n]; k None is a symbolic K."""
+
+    m: int
+    n: int
+    k: int | None
+    dtype: str = "bfloat16"
+    splittable: bool = True  # False: accumulate / symbolic K take split_k = 1
+
+
+@dataclass(frozen=True)
+class Device:
+    flops_per_s: float
+    bytes_per_s: float
+
+
+@functools.cache
+def device(gpu: str | None, dtype: str) -> Device:
+    """Calibrated peaks of `gpu`'s profile (the H200's when None or unknown)."""
+    from ...perf.profiles import load_profile
+
+    try:
+        profile = load_profile(gpu or "h200")
+    except Exception:  # noqa: BLE001 - no profile: the H200's numbers
+        profile = load_profile("h200")
+    return Device(profile.flops_per_s.get(dtype, profile.flops_per_s["float16"]),
+                  profile.bytes_per_s)
+
+
+def as_config(fields: dict[str, Any]) -> Any:
+    from .gemm import GemmConfig
+
+    return GemmConfig(**fields)
+
+
+def smem_bytes(config: Any) -> int:
+    return config.smem_bytes()
+
+
+def ctas_per_sm(config: Any) -> int:
+    return max(1, min(2, SMEM_PER_SM // (smem_bytes(config) + 1024)))
+
+
+def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
+                consts: dict[str, Any] | None = None) -> float:
+    """The model's time for `config` on `shape`, in microseconds (see the module doc)."""
+    c = {**DEFAULTS, **(consts or {})}
+    dev = device(gpu, shape.dtype)
+    k = shape.k if shape.k is not None else SYMBOLIC_K
+    eb = ELEM_BYTES.get(shape.dtype, 2)
+    bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split_k
+    ctas = -(-shape.m // bm) * -(-shape.n // bn) * split
+    per_sm = ctas_per_sm(config)
+    waves = -(-ctas // (NUM_SMS * per_sm))
+    k_tiles = -(-k // bk)
+    k_steps = -(-k_tiles // split)
+    step_us = 2 * bm * bn * bk / (dev.flops_per_s / NUM_SMS) * 1e6
+    step_us /= c["tile_efficiency"].get((bm, bn), 0.6)
+    cta_us = per_sm * (k_steps + c["fill_steps"]) * step_us + c["cta_us"]
+    compute_us = waves * cta_us
+    # Little's law: a CTA streams the weight bytes its pipeline keeps in flight once per HBM
+    # latency (the activation rows are few where this bound matters, and L2-resident)
+    in_flight = config.stages * bn * bk * eb
+    cta_bytes_per_s = min(c["sm_bytes_per_s"], in_flight / (c["latency_us"] * 1e-6))
+    busy = min(ctas, NUM_SMS * per_sm)
+    bandwidth = min(dev.bytes_per_s, busy * cta_bytes_per_s)
+    memory_us = (shape.m * k + shape.n * k + shape.m * shape.n) * eb / bandwidth * 1e6
+    split_us = 0.0
+    if split > 1:
+        split_us = 2 * split * shape.m * shape.n * 4 / dev.bytes_per_s * 1e6 + c["reduce_us"]
+    return max(compute_us, memory_us) + split_us
+
+
+DEFAULTS: dict[str, Any] = {"tile_efficiency": TILE_EFFICIENCY, "fill_steps": FILL_STEPS,
+                            "cta_us": CTA_US, "reduce_us": REDUCE_US,
+                            "sm_bytes_per_s": SM_BYTES_PER_S, "latency_us": LATENCY_US,
+                            "tie": TIE}
+
+
+def splits(k: int | None, block_k: int, splittable: bool) -> list[int]:
+    """1, 2, 4, ... while each split keeps >= 4 K steps (the kernel's split-K rule)."""
+    if not splittable or k is None:
+        return [1]
+    k_tiles = -(-k // block_k)
+    out, split = [1], 2
+    while split <= 16 and k_tiles // split >= 4:
+        out.append(split)
+        split *= 2
+    return out
+
+
+def candidates(rows: int, k: int | None, splittable: bool) -> list[Any]:
+    """The configs the model chooses among for a bucket of `rows`, in preference order."""
+    from .gemm import GemmConfig
+
+    out = []
+    if rows <= 128:
+        block_m, threads = (64, 128) if rows <= 64 else (128, 256)
+        for bn in (128, 64, 256):
+            for bk, stages in ((128, 4), (64, 6), (128, 6), (256, 2)):
+                for split in splits(k, bk, splittable):
+                    out.append(GemmConfig(block_m, bn, bk, stages, threads, split, 8))
+    else:
+        for bm, bn, stages in ((128, 256, 3), (128, 128, 4), (256, 128, 3)):
+            for split in splits(k, 64, splittable):
+                out.append(GemmConfig(bm, bn, 64, stages, 256, split, 8))
+    return [c for c in out if c.valid()]
+
+
+def pickable_forms() -> list[tuple[str, Any]]:
+    """(bucket, config): one config per form the model can pick (tile, block_k, stages,
+    threads, raster; split-K or not), for compile and GPU checks of every form."""
+    forms: dict[Any, str] = {}
+    for rows in (16, 128, 4096):
+        for config in candidates(rows, 1 << 14, True):
+            forms.setdefault(dataclasses.replace(config, split_k=min(config.split_k, 2)),
+                             f"m{rows}")
+    return [(bucket, form) for form, bucket in forms.items()]
+
+
+def ranked(shape: Shape, rows: int, gpu: str | None = None,
+           consts: dict[str, Any] | None = None) -> list[tuple[float, Any]]:
+    """(estimate us, config) of every candidate at M = rows, in preference order."""
+    at = dataclasses.replace(shape, m=rows)
+    return [(estimate_us(at, cfg, gpu, consts), cfg)
+            for cfg in candidates(rows, shape.k, shape.splittable)]
+
+
+def choose(shape: Shape, rows: int, gpu: str | None = None,
+           consts: dict[str, Any] | None = None) -> Any:
+    """The first candidate (preference order) within TIE of the fastest estimate."""
+    tie = (consts or {}).get("tie", TIE)
+    scored = ranked(shape, rows, gpu, consts)
+    best = min(t for t, _ in scored)
+    return next(cfg for t, cfg in scored if t <= best * (1 + tie))
+
+
+def agreement(gpu: str = "h200") -> list[tuple[str, Any, Any]]:
+    """(tuned-table entry, tuned config, model's pick) for every plain GEMM entry of `gpu`'s
+    tuned table: how well the model reproduces what the autotuner measured."""
+    from ..base import tuned_table
+    from .gemm import GemmConfig, GemmKernel
+
+    out = []
+    for entry, fields in sorted(tuned_table(gpu).entries.items()):
+        name, key_text, bucket = entry.split("|")
+        key = dict(item.split("=") for item in key_text.split(","))
+        if name != "gemm" or set(key) != {"dtype", "n", "k", "trans_a", "trans_b"}:
+            continue
+        kernel = GemmKernel(gpu=gpu, dtype=key["dtype"], n=int(key["n"]), k=int(key["k"]),
+                            trans_a=key["trans_a"] == "True", trans_b=key["trans_b"] == "True")
+        pick = choose(kernel.model_shape(), kernel.bucket_rows(bucket), gpu)
+        out.append((entry, GemmConfig(**fields), pick))
+    return out
+
+
+def same_tile(a: Any, b: Any) -> bool:
+    return (a.block_m, a.block_n, a.split_k) == (b.block_m, b.block_n, b.split_k)
+
+
+def source_of(key: dict[str, Any], bucket: str, gpu: str = "h200") -> str:
+    """'tuned' when the (key, bucket) has a tuned entry, else 'model'."""
+    from ..base import tuned_table
+    from .gemm import GemmKernel
+
+    kernel = GemmKernel(gpu=gpu, **key)
+    return "tuned" if tuned_table(gpu).get(kernel.key_string(bucket)) is not None else "model"

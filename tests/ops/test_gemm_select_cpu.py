@@ -1,0 +1,147 @@
+"""GEMM config selection on the CPU: M buckets, the tuned table, the cost model (select.py).
+
+The frozen files under data/ were written by `scripts/gemm_selection.py freeze` from the
+code before M was bucketed up to 16K rows and untuned buckets went to the cost model.
+"""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+from tileops.kernels.base import tuned_table
+from tileops.kernels.fp8.gemm_fp8 import Fp8GemmKernel
+from tileops.kernels.gemm import GemmConfig, GemmKernel, select
+
+from ..helpers import assert_no_spills_or_serialized_wgmma
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("gemm_selection",
+                                               ROOT / "scripts" / "gemm_selection.py")
+gemm_selection = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gemm_selection)
+
+# Manifest GEMMs whose config the cost model changed (none of them tuned), with the reason.
+CHANGED_BY_THE_MODEL = {
+    # 16 rows, N 4608, K 3584: 72 CTAs of 64 x 64 stream the weight at full rate without
+    # the split-K round trip and reduce launch of 36 CTAs x 4 splits
+    ("LinearFwdOp", "qwen2.5-7b decode batch 16 qkv_proj (bias)", "bfloat16", "m16"):
+        GemmConfig(64, 64, 128, 6, 128, 1, 8),
+}
+
+
+def test_tuned_and_manifest_selection_is_unchanged():
+    """Every manifest workload of the GEMM ops (GEMM, Linear forward/backward, fused linear
+    cross-entropy, fp8 GEMM) in every dtype selects the config it selected before; a tuned
+    one always, an untuned one unless listed in CHANGED_BY_THE_MODEL."""
+    frozen = {gemm_selection.record_key(r): r
+              for r in json.loads(gemm_selection.MANIFEST_FROZEN.read_text())}
+    now = gemm_selection.manifest_selections()
+    assert len(now) == len(frozen)
+    changed = {}
+    for record in now:
+        before = frozen[gemm_selection.record_key(record)]
+        if record["config"] == before["config"]:
+            continue
+        where = (record["op"], record["label"], record["dtype"], record["bucket"])
+        assert not before["tuned"], (where, before["config"], record["config"])
+        changed[where] = GemmConfig(**record["config"])
+    assert changed == CHANGED_BY_THE_MODEL
+
+
+def test_m_buckets_go_to_16k_rows():
+    kernel = GemmKernel(dtype="bfloat16", n=4096, k=4096, trans_a=False, trans_b=True)
+    expect = {1: "m16", 16: "m16", 17: "m32", 1024: "m1024", 1025: "m2048", 4096: "m4096",
+              4097: "m8192", 16384: "m16384", 16385: "large", 1 << 20: "large"}
+    assert {m: kernel.bucket_of(m) for m in expect} == expect
+    assert kernel.bucket_rows("m2048") == 2048 and kernel.bucket_rows("large") == 32768
+
+
+def test_fp8_gemm_keeps_its_buckets():
+    kernel = Fp8GemmKernel(n=4096, k=4096, scaling="row", out_dtype="bfloat16",
+                           has_bias=False, scale_a_m_major=False)
+    assert kernel.bucket_of(1025) == kernel.bucket_of(1 << 20) == "large"
+    assert kernel.bucket_rows("large") == 4096
+
+
+def test_tuned_entries_are_keyed_by_the_new_buckets():
+    names = {f"m{b}" for b in GemmKernel.m_buckets} | {"large"}
+    gemm = [e for e in tuned_table("h200").entries if e.startswith("gemm|")]
+    assert gemm and all(e.rsplit("|", 1)[1] in names for e in gemm)
+    # the "large" entries were tuned at 2K-8K rows: they now sit in those buckets
+    assert not [e for e in gemm if e.endswith("|large")]
+
+
+def test_model_agrees_with_the_tuned_table():
+    rows = select.agreement("h200")
+    assert len(rows) == 22
+    assert sum(select.same_tile(tuned, pick) for _, tuned, pick in rows) >= 20
+
+
+@pytest.mark.parametrize("rows, tile, split", [(4096, (128, 128), 1), (16384, (128, 256), 1)])
+def test_wave_quantization_at_n_512(rows, tile, split):
+    """N 512, K 4096: 128 x 256 tiles are 64 CTAs at 4K rows (half the SMs, or split-K 2
+    with its fp32 round trip); 128 x 128 fills one wave. At 16K rows both fill whole waves
+    and the wider tile's rate wins."""
+    pick = select.choose(select.Shape(0, 512, 4096), rows)
+    assert ((pick.block_m, pick.block_n), pick.split_k) == (tile, split)
+
+
+@pytest.mark.parametrize("n, k", [(512, 4096), (4096, 4096), (1024, 14336), (151936, 4096),
+                                  (3000, 777), (2112, 7168), (128, 896)])
+@pytest.mark.parametrize("flags", [{}, {"has_bias": True}, {"accumulate": True}, "symbolic k"])
+def test_every_bucket_gets_a_valid_config_in_its_space(n, k, flags):
+    key = {"dtype": "bfloat16", "n": n, "k": k, "trans_a": False, "trans_b": True}
+    if flags == "symbolic k":
+        key.update(k=None, trans_a=True, trans_b=False)
+    else:
+        key.update(flags)
+    kernel = GemmKernel(gpu=None, **key)
+    for bucket in [f"m{b}" for b in kernel.m_buckets] + ["large"]:
+        config = kernel.config_for(bucket)
+        assert config.valid(), (bucket, config)
+        assert config in kernel.config_space(bucket), (bucket, config)
+        if not kernel._splittable():
+            assert config.split_k == 1
+        elif config.split_k > 1:
+            assert -(-k // config.block_k) // config.split_k >= 4
+
+
+def test_choice_depends_on_the_bucket_only():
+    """One config (one program) per bucket whatever M in it comes first."""
+    a = GemmKernel(gpu="h200", dtype="float16", n=1536, k=8960, trans_a=False, trans_b=True)
+    b = GemmKernel(gpu="h200", dtype="float16", n=1536, k=8960, trans_a=False, trans_b=True)
+    for m_first, m_then in ((2049, 4096), (5000, 8192), (16000, 9000)):
+        assert a.bucket_of(m_first) == b.bucket_of(m_then)
+        assert a.config_for(a.bucket_of(m_first)) == b.config_for(b.bucket_of(m_then))
+
+
+def test_estimate_prefers_fewer_waves():
+    shape = select.Shape(4096, 6144, 4096)
+    wide = GemmConfig(128, 256, 64, 3, 256, 1, 8)
+    narrow = GemmConfig(128, 128, 64, 4, 256, 1, 8)
+    assert select.estimate_us(shape, wide) < select.estimate_us(shape, narrow)
+    # the tuned prefill shape: 768 CTAs are 6 waves of one 128 x 256 x 4096 tile each
+    assert select.estimate_us(shape, wide) == pytest.approx(268, rel=0.05)  # measured
+
+
+# -- compile checks of every config form the model can pick (sm_90a, on the CPU) -------------
+PICKABLE = select.pickable_forms()
+
+
+@pytest.mark.full
+@pytest.mark.compile
+@pytest.mark.parametrize("bucket, config", PICKABLE,
+                         ids=[f"{b}-{c.block_m}x{c.block_n}x{c.block_k}-s{c.stages}-r{c.raster}"
+                              f"-split{c.split_k}" for b, c in PICKABLE])
+def test_model_configs_compile_to_the_fast_path(bucket, config, tmp_path):
+    """Tails in N and K (3000, 4160 + 32), and with a bias when split (the reduce adds it)."""
+    kernel = GemmKernel(dtype="bfloat16", n=3000, k=4192, trans_a=False, trans_b=True,
+                        **({"has_bias": True} if config.split_k > 1 else {}))
+    compiled = kernel.compile(config, bucket)
+    source = compiled[0].get_kernel_source()
+    assert "wgmma" in source and "tma_load" in source
+    if config.stage_out:
+        assert "tma_store" in source
+    assert_no_spills_or_serialized_wgmma(compiled[0], tmp_path)
