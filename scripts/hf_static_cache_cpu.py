@@ -16,11 +16,17 @@ is forced true (the kernels' CUDA/half-precision guard). Per family:
   `cache=` always (what the GPU test did: on 5.17 it is swallowed by **kwargs and the
   model runs a DynamicCache).
 - generate: `model.generate(..., cache_implementation="static", disable_compile=True)`
-  greedy, tokens and logits against the unpatched model's, decode_attention on each step.
+  greedy, tokens and logits against the unpatched model's, decode_attention on each step;
+  with --compile eager inductor, also with transformers' automatic compile of the decode
+  step (fullgraph) on those backends. The decode stub is a torch custom op, opaque to
+  torch.compile like tileops' ops, whose real and fake implementations refuse a
+  non-contiguous cache: under inductor, the in-place cache update is functionalized and
+  the op gets inductor's own buffer in its default (contiguous [B, Hkv, S, D]) layout,
+  which is what broke the old [B, S_max, Hkv, D] re-layout on the GPU.
 
 Run with the installed transformers and with another one (e.g. a venv):
     PYTHONPATH=src python3 scripts/hf_static_cache_cpu.py
-    PYTHONPATH=src /tmp/tf517/bin/python scripts/hf_static_cache_cpu.py
+    PYTHONPATH=src /tmp/tf517/bin/python scripts/hf_static_cache_cpu.py --compile eager inductor
 Exits 1 when a check fails.
 """
 
@@ -68,19 +74,28 @@ def ref_attention(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), so
     return (torch.softmax(s.masked_fill(~ok, -math.inf), -1) @ vh).transpose(1, 2)
 
 
-def ref_decode(q, k, v, lengths, block_table=None, sm_scale=None, softcap=None,
-               window_left=None, is_causal=True, return_lse=False, kv_layout="NHD"):
-    """decode_attention on a contiguous HND cache: q [B, Sq, H, D], k/v [B, Hkv, S_max, D]."""
-    assert kv_layout == "HND", kv_layout
-    assert block_table is None and not return_lse
+def _cache_check(k: torch.Tensor, v: torch.Tensor) -> None:
+    """The kernels' refusal (DecodeAttentionFwdOp checks it in its fake implementation too,
+    so inductor's layouts are checked at compile time)."""
+    if not (k.is_contiguous() and v.is_contiguous()):
+        raise RuntimeError(f"k_cache: expected a contiguous tensor, got strides {k.stride()}")
+
+
+@torch.library.custom_op("tileops_hf_harness::decode", mutates_args=())
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+               sm_scale: float, softcap: float, window_left: int,
+               is_causal: bool) -> torch.Tensor:
+    """q [B, Sq, H, D] over the contiguous HND cache k/v [B, Hkv, S_max, D]; an opaque op
+    to torch.compile, as tileops' ops are (its real implementation counts the call)."""
+    _cache_check(k, v)
+    CALLS.setdefault("decode_op", []).append(tuple(k.shape))
     batch, sq, heads, d = q.shape
     assert k.dim() == 4 and k.shape == v.shape and k.shape[0] == batch and k.shape[3] == d
-    assert k.is_contiguous() and v.is_contiguous(), (k.stride(), v.stride())
     assert lengths.dtype == torch.int32 and tuple(lengths.shape) == (batch,)
     assert bool(((lengths >= sq) & (lengths <= k.shape[2])).all()), lengths
     rep = heads // k.shape[1]
     kh, vh = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q.transpose(1, 2) @ kh.transpose(-1, -2) * (sm_scale or d ** -0.5)
+    s = q.transpose(1, 2) @ kh.transpose(-1, -2) * sm_scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     pos = lengths.long()[:, None] - sq + torch.arange(sq)  # [B, Sq]: each query's position
@@ -88,10 +103,26 @@ def ref_decode(q, k, v, lengths, block_table=None, sm_scale=None, softcap=None,
     ok = (j < lengths.long()[:, None, None]).expand(batch, sq, -1).clone()
     if is_causal:
         ok &= j <= pos[..., None]
-    if window_left is not None and window_left >= 0:
+    if window_left >= 0:
         ok &= j >= pos[..., None] - window_left
     p = torch.softmax(s.masked_fill(~ok[:, None], -math.inf), -1)
-    return (p @ vh).transpose(1, 2)
+    return (p @ vh).transpose(1, 2).contiguous()
+
+
+@_decode_op.register_fake
+def _(q, k, v, lengths, sm_scale, softcap, window_left, is_causal):
+    _cache_check(k, v)
+    return q.new_empty(q.shape)
+
+
+def ref_decode(q, k, v, lengths, block_table=None, sm_scale=None, softcap=None,
+               window_left=None, is_causal=True, return_lse=False, kv_layout="NHD"):
+    """decode_attention on a contiguous HND cache: q [B, Sq, H, D], k/v [B, Hkv, S_max, D]."""
+    assert kv_layout == "HND", kv_layout
+    assert block_table is None and not return_lse
+    return _decode_op(q, k, v, lengths, float(sm_scale or q.shape[-1] ** -0.5),
+                      float(softcap or 0.0), -1 if window_left is None else int(window_left),
+                      is_causal)
 
 
 def ref_chunked(q, k, v, cu, lengths, max_q, **kw):
@@ -107,7 +138,8 @@ def install_stubs() -> None:
         def wrapped(*args, **kwargs):
             if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
                 return real(*args, **kwargs)  # apply's meta probes: the real op's checks
-            CALLS.setdefault(name, []).append(kwargs)
+            if not torch.compiler.is_compiling():
+                CALLS.setdefault(name, []).append(kwargs)
             return fn(*args, **kwargs)
         return wrapped
 
@@ -179,28 +211,42 @@ def eager(family, wrong_kwarg) -> list[str]:
     return fails
 
 
-def generate(family) -> list[str]:
+def generate(family, backend=None) -> list[str]:
+    """Greedy generate on a static cache; backend: None (eager), or transformers' automatic
+    compile of the decode step on that torch.compile backend ("eager": dynamo only;
+    "inductor": inductor's own buffers and layouts, no CUDA graphs on the CPU)."""
     ours, reference = models(family)
     layers = ours.config.num_hidden_layers
     torch.manual_seed(3)
     ids = torch.randint(1, 512, (2, 24))
     kw = dict(max_new_tokens=12, do_sample=False, cache_implementation="static",
-              disable_compile=True, return_dict_in_generate=True, output_logits=True,
-              pad_token_id=0)
+              return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    if backend:
+        from transformers import CompileConfig
+
+        config = CompileConfig(backend=backend, mode=None, fullgraph=True)
+        config._compile_all_devices = True  # the CPU too
+        torch._dynamo.reset()
+        mode = dict(compile_config=config)
+    else:
+        mode = dict(disable_compile=True)
     CALLS.clear()
-    out = ours.generate(ids, **kw)
-    seen = {k: n(k) for k in ("attention", "decode_attention", "chunked_prefill_attention")}
-    ref = reference.generate(ids, **kw)
+    try:
+        out = ours.generate(ids, **mode, **kw)
+    except Exception as e:  # noqa: BLE001 - reported as a failure
+        return [f"{family} generate({backend}): {type(e).__name__}: {str(e)[:400]}"]
+    seen = {k: n(k) for k in ("attention", "decode_op", "chunked_prefill_attention")}
+    ref = reference.generate(ids, disable_compile=True, **kw)
     err = (torch.stack(out.logits) - torch.stack(ref.logits)).abs().max().item()
     same = torch.equal(out.sequences, ref.sequences)
-    print(f"  {family} generate(static): calls {seen} tokens equal {same} "
+    print(f"  {family} generate(static, compile={backend}): calls {seen} tokens equal {same} "
           f"max|dlogits| {err:.1e}")
     fails = []
     if not same or err > 1e-4:
         fails.append(f"{family} generate: tokens equal {same}, logits differ by {err:.2e}")
-    if seen["decode_attention"] != 11 * layers:
-        fails.append(f"{family} generate: decode_attention {seen['decode_attention']} calls, "
-                     f"expected {11 * layers}")
+    if seen["decode_op"] != 11 * layers:
+        fails.append(f"{family} generate({backend}): {seen['decode_op']} decode kernel calls "
+                     f"run, expected {11 * layers}")
     return fails
 
 
@@ -209,6 +255,8 @@ def main() -> int:
     parser.add_argument("--families", nargs="*", default=FAMILIES)
     parser.add_argument("--wrong-kwarg", action="store_true",
                         help="pass the cache as cache= whatever the version takes")
+    parser.add_argument("--compile", nargs="*", default=[], choices=["eager", "inductor"],
+                        help="also generate with the decode step compiled on these backends")
     args = parser.parse_args()
     install_stubs()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
@@ -216,6 +264,8 @@ def main() -> int:
     for family in args.families:
         fails += eager(family, args.wrong_kwarg)
         fails += generate(family)
+        for backend in args.compile:
+            fails += generate(family, backend)
     for f in fails:
         print("FAIL", f)
     print("OK" if not fails else f"{len(fails)} failure(s)")
