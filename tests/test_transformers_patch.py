@@ -673,3 +673,59 @@ def test_static_cache_decode_step_compiles_in_one_graph(spies):
     torch._dynamo.reset()
     assert torch.equal(out, ref)
     assert spies["decode_attention"]
+
+
+@torch.library.custom_op("tileops_test::hnd_decode", mutates_args=())
+def _hnd_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                   sm_scale: float, softcap: float, window_left: int) -> torch.Tensor:
+    _HND_CALLS.append(tuple(k.shape))
+    return _ref_decode(q, k, v, lengths, sm_scale=sm_scale, softcap=softcap,
+                       window_left=window_left, kv_layout="HND").contiguous()
+
+
+@_hnd_decode_op.register_fake
+def _(q, k, v, lengths, sm_scale, softcap, window_left):
+    # DecodeAttentionFwdOp's fake implementation checks the cache too: inductor's layouts
+    # are checked when it compiles
+    assert k.is_contiguous() and v.is_contiguous(), (k.stride(), v.stride())
+    return q.new_empty(q.shape)
+
+
+_HND_CALLS: list = []
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_static_cache_decode_step_under_inductor(family, spies, monkeypatch):
+    """generate's automatic compile of the decode step on inductor (CPU, no CUDA graphs),
+    decode_attention an opaque custom op as tileops' are: inductor functionalizes the
+    cache's in-place update and hands the op its own buffer in the default contiguous
+    [B, Hkv, S_max, D] layout, which the HND route reads (the old [B, S_max, Hkv, D]
+    re-layout got a transposed view of that buffer there and was refused)."""
+    from transformers import CompileConfig
+
+    def decode(q, k, v, lengths, sm_scale=None, softcap=None, window_left=None,
+               kv_layout="NHD", **kw):
+        assert kv_layout == "HND" and not kw.get("return_lse")
+        return _hnd_decode_op(q, k, v, lengths, float(sm_scale or q.shape[-1] ** -0.5),
+                              float(softcap or 0.0),
+                              -1 if window_left is None else int(window_left))
+
+    monkeypatch.setattr(tileops.ops, "decode_attention", decode)
+    model = hf_models.model(family)
+    reference = copy.deepcopy(model)
+    _apply(model)
+    config = CompileConfig(backend="inductor", mode=None, fullgraph=True)
+    config._compile_all_devices = True
+    ids = torch.randint(1, 512, (2, 20))
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static",
+              return_dict_in_generate=True, output_logits=True)
+    _HND_CALLS.clear()
+    torch._dynamo.reset()
+    out = model.generate(ids, compile_config=config, **kw)
+    torch._dynamo.reset()
+    ref = reference.generate(ids, disable_compile=True, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4,
+                               atol=1e-4)
+    assert len(_HND_CALLS) == 4 * model.config.num_hidden_layers  # every decode step ran it
