@@ -36,6 +36,16 @@ template <class A, class B> static inline auto min(A a, B b) { return a < b ? a 
 template <class A, class B> static inline auto max(A a, B b) { return a > b ? a : b; }
 #define __launch_bounds__(...)
 #define __restrict__
+// TileLang's fp8 names and clamp (tl_templates/cuda/cuda_fp8.h, math.h): the fp8 cache
+// kernels store through them; cuda_fp8.h's conversions run on the host too
+#include <cuda_fp8.h>
+typedef __nv_fp8_e4m3 fp8_e4_t;
+struct alignas(4) fp8_e4_4_t { fp8_e4_t x, y, z, w; };
+namespace tl {
+static inline float clamp(float x, float lo, float hi) {
+  return x != x ? x : fminf(fmaxf(x, lo), hi);
+}
+}  // namespace tl
 """
 _KERNEL = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\((.*?)\) \{',
                      re.S)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # (atol, rtol) per output dtype, against an fp32/fp64 reference of the same inputs.
@@ -53,6 +55,80 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, scale: float =
 
 
 _CHUNK = 1 << 24  # elements per float64 comparison chunk (128 MiB per copy)
+
+
+def _error_stats(x: torch.Tensor, reference: torch.Tensor) -> tuple[float, int, float, float]:
+    """(max |x - reference| (inf where x is NaN), its flat index, sum of squared errors,
+    sum of squared reference values), in float64 chunks."""
+    flat_x, flat_r = x.reshape(-1), reference.reshape(-1)
+    worst, worst_at, sq, ref_sq = -1.0, 0, 0.0, 0.0
+    for lo in range(0, flat_x.numel(), _CHUNK):
+        r = flat_r[lo:lo + _CHUNK].double()
+        err = (flat_x[lo:lo + _CHUNK].double() - r).abs()
+        err = torch.where(torch.isnan(err), torch.inf, err)
+        i = int(err.argmax())
+        if err[i].item() > worst:
+            worst, worst_at = err[i].item(), lo + i
+        sq += float(err.square().sum())
+        ref_sq += float(r.square().sum())
+    return worst, worst_at, sq, ref_sq
+
+
+def assert_no_worse_than(actual: torch.Tensor, baseline: torch.Tensor,
+                         reference: torch.Tensor, what: str = "output", *,
+                         factor: float = 2.0, atol: float | None = None,
+                         eps: float | None = None, baseline_rel_max: float = 0.05) -> None:
+    """`actual` is at most `factor` times as far from `reference` as `baseline` is.
+
+    FlashAttention's criterion for low-precision results: `reference` is the exact math
+    (an fp32/fp64 implementation), `baseline` an eager PyTorch implementation in the same
+    low precision that rounds at the same points as the tested code (bf16 GEMM outputs,
+    activations, ...), so its error is what that precision costs on this very data,
+    cancellation included (a sum of large terms that nearly cancels keeps an absolute error
+    of an ulp of its terms, which no fixed atol/rtol pair describes). Requires
+
+        max |actual - reference| <= factor * max |baseline - reference| + atol
+        rel_l2(actual) <= factor * rel_l2(baseline) + eps,
+        rel_l2(x) = ||x - reference||_2 / ||reference||_2
+
+    (with an all-zero reference, the RMS errors in place of the relative ones). The first
+    bounds every element, the second catches a small bias spread over all of them.
+    Defaults: atol = eps(actual.dtype) / 4 * RMS(reference) and eps = eps(actual.dtype) / 8
+    (bf16: 2^-9 x RMS and 2^-10): slack for a baseline that happens to be exact.
+    NaN in `actual` never passes; a NaN in `baseline`, or a baseline whose own relative
+    L2 error exceeds `baseline_rel_max`, is an error of the test (the bound would be
+    vacuous). On failure, reports the worst element of `actual`, the baseline's value there
+    and both errors.
+    """
+    assert actual.shape == baseline.shape == reference.shape, (
+        f"{what}: shapes {actual.shape}, {baseline.shape} (baseline), "
+        f"{reference.shape} (reference)")
+    actual, baseline, reference = actual.detach(), baseline.detach(), reference.detach()
+    finfo = torch.finfo(actual.dtype)
+    n = max(actual.numel(), 1)
+    a_max, a_at, a_sq, ref_sq = _error_stats(actual, reference)
+    b_max, _, b_sq, _ = _error_stats(baseline, reference)
+    ref_norm = ref_sq ** 0.5
+    assert math.isfinite(ref_norm), f"{what}: the reference is not finite"
+    atol = finfo.eps / 4 * ref_norm / n ** 0.5 if atol is None else atol
+    eps = finfo.eps / 8 if eps is None else eps
+    assert b_max != float("inf"), f"{what}: the baseline holds NaN"
+    denom = ref_norm if ref_norm > 0 else n ** 0.5  # all-zero reference: RMS errors
+    a_rel, b_rel = a_sq ** 0.5 / denom, b_sq ** 0.5 / denom
+    assert b_rel <= baseline_rel_max, (
+        f"{what}: the baseline itself is off (relative L2 error {b_rel:.3g}): "
+        "the comparison would be vacuous")
+    bound = factor * b_max + atol
+    if not a_max <= bound:
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(a_at), actual.shape)) \
+            if actual.dim() else ()
+        raise AssertionError(
+            f"{what}: max error {a_max:.4g} at {idx} (got {actual[idx].item():.6g}, "
+            f"expected {reference[idx].item():.6g}, baseline {baseline[idx].item():.6g}) > "
+            f"{factor:g} x the baseline's max error {b_max:.4g} + atol {atol:.3g}")
+    assert a_rel <= factor * b_rel + eps, (
+        f"{what}: relative L2 error {a_rel:.4g} > {factor:g} x the baseline's {b_rel:.4g} "
+        f"+ {eps:.3g}")
 
 
 def randn(*shape: int, dtype: torch.dtype, device: str = "cuda", std: float = 1.0,

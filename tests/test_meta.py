@@ -58,6 +58,18 @@ def test_varlen_attention_returns_meta_outputs():
         tileops.attention_varlen(q, k, v, cu.long(), cu, 40, 50)
 
 
+def test_qk_192_v_128_on_meta_and_its_roofline():
+    """o takes V's width; the roofline counts Q K^T at 192 and P V at 128."""
+    q, k, v = meta(2, 16, 4, 192), meta(2, 16, 4, 192), meta(2, 16, 4, 128)
+    o, lse = GroupedQueryAttentionFwdOp()(q, k, v)
+    assert o.shape == (2, 16, 4, 128) and lse.shape == (2, 4, 16)
+    flops, nbytes = GroupedQueryAttentionFwdOp().eval_roofline(q, k, v)
+    pairs = 16 * 16
+    assert flops == 2 * 2 * 4 * (192 + 128) * pairs
+    assert nbytes == (2 * 16 * 4 * (192 + 128) + k.numel() + v.numel()) * 2 + 2 * 4 * 16 * 4
+    assert tileops.attention(q, k, v).shape == (2, 16, 4, 128)
+
+
 def test_op_objects_return_every_output_on_meta():
     q, k, v = meta(1, 16, 4, 64), meta(1, 16, 4, 64), meta(1, 16, 4, 64)
     o, lse = GroupedQueryAttentionFwdOp()(q, k, v)
@@ -192,7 +204,14 @@ def test_validator_reports_a_bad_call_order():
      r"argument 'k': expected shapes satisfying `Hkv >= 1`, got k.shape=\(1, 8, 0, 128\), "
      r"Hkv=0$"),
     (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 4, 128), {},
-     r"argument 'v': expected shape \[B, Skv, Hkv, D\] with Hkv = 2 \(from k\)"),
+     r"argument 'v': expected shape \[B, Skv, Hkv, Dv\] with Hkv = 2 \(from k\)"),
+    # a narrower V only with q/k 192 (DeepSeek-V3's MLA prefill)
+    (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 64), {},
+     r"argument 'v': expected shapes satisfying `\(Dv == D and D != 192\) or \(D, Dv\) == "
+     r"\(192, 128\)`, got v.shape=\(1, 8, 2, 64\), Dv=64, D=128$"),
+    (meta(1, 8, 8, 192), meta(1, 8, 2, 192), meta(1, 8, 2, 192), {},
+     r"argument 'v': expected shapes satisfying `\(Dv == D and D != 192\) or \(D, Dv\) == "
+     r"\(192, 128\)`, got v.shape=\(1, 8, 2, 192\), Dv=192, D=192$"),
     (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {"softcap": -1.0},
      r"argument 'softcap': expected a value satisfying `softcap >= 0`, got softcap=-1.0$"),
     (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {"window_size": [5]},

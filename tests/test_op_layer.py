@@ -163,9 +163,9 @@ def test_kernel_buckets_are_few():
      r"argument 'k': expected shapes satisfying `H % Hkv == 0`, "
      r"got k.shape=\(1, 8, 4, 128\), H=6, Hkv=4$"),
     (meta(1, 8, 8, 72), meta(1, 8, 2, 72), meta(1, 8, 2, 72), {}, TileOpsValueError,
-     r"`D in \(64, 80, 96, 128, 256\)`, got q.shape=\(1, 8, 8, 72\), D=72"),
+     r"`D in \(64, 80, 96, 128, 192, 256\)`, got q.shape=\(1, 8, 8, 72\), D=72"),
     (meta(1, 8, 8, 128), meta(1, 8, 2, 128), meta(1, 9, 2, 128), {}, TileOpsValueError,
-     r"argument 'v': expected shape \[B, Skv, Hkv, D\] with Skv = 8 \(from k\)"),
+     r"argument 'v': expected shape \[B, Skv, Hkv, Dv\] with Skv = 8 \(from k\)"),
     (meta(8, 8, 128), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {}, TileOpsValueError,
      r"argument 'q': expected shape \[B, Sq, H, D\] \(4 dims\)"),
     (meta(1, 8, 8, 128, dtype=torch.float32), meta(1, 8, 2, 128), meta(1, 8, 2, 128), {},

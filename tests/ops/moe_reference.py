@@ -155,3 +155,34 @@ def zipf_ids(tokens, n_experts, top_k, skew=1.2, generator=None, device="cpu"):
     ids = torch.multinomial(popularity.expand(tokens, -1), top_k, replacement=False,
                             generator=generator)
     return ids.to(torch.int32).to(device)
+
+
+def expert_layer(x, w_gate_up, w_down, weights, ids, dtype=torch.float32,
+                 round_gate_up=True):
+    """Loop over experts: each expert's tokens through its gated MLP, weighted, summed per
+    token (differentiable w.r.t. every float input).
+
+    dtype float32: the reference, fp32 end to end. dtype bf16/fp16: the baseline of
+    `assert_no_worse_than`, what PyTorch computes in that dtype, rounded where fused_moe's
+    training path rounds: the gate-up product, h = silu(gate) * up (fp32 math, one
+    rounding), each expert's output (GEMMs accumulate in fp32), the weighted sum in fp32
+    rounded once; backward alike (the hidden states' gradient summed over experts in fp32
+    and rounded once, as moe_permute's backward does). round_gate_up=False: the inference
+    path's rounding (silu(gate) * up in the gate-up GEMM's epilogue, from the fp32
+    product)."""
+    f = w_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    experts = zip(w_gate_up.unbind(0), w_down.unbind(0), strict=True)
+    for e, (gate_up, down) in enumerate(experts):
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        if round_gate_up:
+            gu = (xf[tok].to(dtype) @ gate_up.to(dtype).t()).float()
+        else:
+            gu = xf[tok] @ gate_up.float().t()
+        h = (torch.nn.functional.silu(gu[:, :f]) * gu[:, f:]).to(dtype)
+        y = h @ down.to(dtype).t()
+        out = out.index_add(0, tok, weights[tok, slot, None].float() * y.float())
+    return out.to(dtype)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tileops
-from tileops import GroupedQueryAttentionFwdOp
+from tileops import GroupedQueryAttentionFwdOp, TileOpsValueError
 from tileops.kernels.attention.attention_fwd import AttentionFwdKernel
 from tileops.kernels.base import Kernel
 
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16]
 
 
-def make_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype):
+def make_qkv(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, head_dim_v=None):
     q = randn(batch, seq_q, heads, head_dim, dtype=dtype)
     k = randn(batch, seq_kv, kv_heads, head_dim, dtype=dtype)
-    v = randn(batch, seq_kv, kv_heads, head_dim, dtype=dtype)
+    v = randn(batch, seq_kv, kv_heads, head_dim_v or head_dim, dtype=dtype)
     return q, k, v
 
 
@@ -77,6 +77,34 @@ def check(q, k, v, config=None, **options):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_head_dims(head_dim, is_causal, dtype):
     check(*make_qkv(2, 1000, 1000, 8, 2, head_dim, dtype), is_causal=is_causal)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_q, seq_kv, is_causal", [(1000, 1000, True), (1000, 1000, False),
+                                                      (300, 5000, True), (4097, 4097, True)])
+def test_qk_192_v_128(seq_q, seq_kv, is_causal, dtype):
+    """DeepSeek-V3's MLA prefill: q/k head_dim 192 (128 nope + 64 rope), v and o 128, its
+    default scale 1/sqrt(192); both key-count buckets (short <= 4096 < long)."""
+    q, k, v = make_qkv(1, seq_q, seq_kv, 16, 16, 192, dtype, head_dim_v=128)
+    assert GroupedQueryAttentionFwdOp(is_causal=is_causal)(q, k, v)[0].shape == (
+        1, seq_q, 16, 128)
+    check(q, k, v, is_causal=is_causal)
+
+
+def test_qk_192_v_128_gqa_window_and_functional_api():
+    q, k, v = make_qkv(2, 700, 700, 16, 4, 192, torch.bfloat16, head_dim_v=128)
+    check(q, k, v, is_causal=True, window_size=(255, 0), softcap=30.0, scale=0.1)
+    o = tileops.attention(q, k, v, is_causal=True)
+    assert_close(o, reference(q, k, v, is_causal=True)[0], scale=2.0)
+
+
+def test_qk_192_v_128_backward_refuses_clearly():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 64, 64, 4, 4, 192, torch.bfloat16,
+                                                    head_dim_v=128))
+    o = tileops.attention(q, k, v, is_causal=True)
+    with pytest.raises(TileOpsValueError, match="argument 'v': expected head dim 192"):
+        o.sum().backward()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,10 +17,10 @@ from .test_attention import config_space, reference
 pytestmark = pytest.mark.gpu
 
 
-def packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype):
+def packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype, head_dim_v=None):
     q = randn(sum(lens_q), heads, head_dim, dtype=dtype)
     k = randn(sum(lens_kv), kv_heads, head_dim, dtype=dtype)
-    v = randn(sum(lens_kv), kv_heads, head_dim, dtype=dtype)
+    v = randn(sum(lens_kv), kv_heads, head_dim_v or head_dim, dtype=dtype)
 
     def cu(lens):
         return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
@@ -30,8 +30,9 @@ def packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype):
 
 
 def check(lens_q, lens_kv, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16,
-          config=None, **opts):
-    q, k, v, cu_q, cu_kv = packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype)
+          config=None, head_dim_v=None, **opts):
+    q, k, v, cu_q, cu_kv = packed(lens_q, lens_kv, heads, kv_heads, head_dim, dtype,
+                                  head_dim_v)
     op = GroupedQueryAttentionVarlenFwdOp(max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv),
                                           **opts)
     if config is not None:  # one config of the kernel's space instead of the default
@@ -87,6 +88,14 @@ def test_chunked_prefill_bottom_right_causal():
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
 def test_head_dims(head_dim):
     check([200, 33, 500], [200, 33, 500], head_dim=head_dim, is_causal=True)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_qk_192_v_128(is_causal):
+    """DeepSeek-V3's MLA prefill widths (q/k 192, v and o 128), packed; a long sequence
+    takes the long-key bucket."""
+    check([200, 0, 33, 5000], [200, 10, 33, 5000], heads=16, kv_heads=16, head_dim=192,
+          head_dim_v=128, is_causal=is_causal)
 
 
 def test_window_and_softcap():

@@ -272,6 +272,70 @@ def test_kv_cache_append_program_on_the_cpu():
     assert torch.equal(k_pages, k_want) and torch.equal(v_pages, v_want)
 
 
+def e4m3_ties_and_edges(dtype):
+    """Inputs x (in `dtype`) whose quotients by a scale of 2^-7 (x * 2^7, exact) land where
+    a rounding slip would show: every e4m3 value, every midpoint between neighbours (ties,
+    which go to the even code), the subnormal range, the saturation edge (448, 464 = the
+    midpoint to the NaN code, beyond), and the neighbours of each in `dtype`."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[:-1] + grid[1:]) / 2
+    edges = torch.tensor([452.0, 456.0, 460.0, 464.0, 472.0, 480.0, 2.0 ** 13, 2.0 ** -10,
+                          2.0 ** -11])
+    x = torch.cat([grid, mids, edges]) * 2.0 ** -7
+    assert torch.equal(x.to(dtype).float(), x)  # at most 7 significant bits: exact
+    bits = x.to(dtype).view(torch.int16)
+    x = torch.cat([bits, bits + 1, (bits - 1).clamp(min=0)]).view(dtype)
+    return torch.cat([x, -x])
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float16,
+                                   pytest.param(BF16, marks=pytest.mark.full)])
+def test_fp8_append_program_rounds_like_torch(dtype):
+    """The fp8 append kernel's generated code, run on the CPU, stores exactly torch's
+    (x.float() / scale).clamp(-448, 448).to(float8_e4m3fn), bit for bit: IEEE division
+    (no fast math) and a round-to-nearest-even, saturating conversion
+    (cvt.rn.satfinite), over the GPU test's data (randn, scales in [0.002, 0.022], per
+    tensor and per head) and over quotients at every e4m3 tie and edge (x = q * 2^-7 with
+    a scale of 2^-7: exact in fp16 and bf16). The GPU tests compare with equality."""
+    from tileops.kernels.attention.kv_cache import KVCacheAppendKernel
+
+    from ..cuda_emulation import run
+
+    kv_heads, head_dim = 4, 128
+    width = kv_heads * head_dim
+    kernel = KVCacheAppendKernel(dtype=str(dtype).removeprefix("torch."), slot_dtype="int64",
+                                 width=width, cache_dtype="float8_e4m3fn", head_dim=head_dim)
+    config = kernel.heuristic_config("all", "sm_90a")
+    compiled = kernel.compile(config, "all")[0]
+    gen = torch.Generator().manual_seed(0)
+    tokens = 1024
+    x = torch.randn(2, tokens, width, generator=gen)
+    x = x.to(dtype)
+    edges = e4m3_ties_and_edges(dtype)
+    rows = -(-edges.numel() // head_dim)
+    block = torch.zeros(rows * head_dim, dtype=dtype)
+    block[:edges.numel()] = edges
+    x[1, :rows, :head_dim] = block.view(rows, head_dim)  # v, head 0: scale 2^-7
+    for n_scale in (kv_heads, 1):
+        scales = torch.rand(2, n_scale, generator=gen) * 0.02 + 0.002
+        scales[1, 0] = 2.0 ** -7
+        pools = torch.full((2, tokens, width), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        run(compiled, -(-tokens // config.block_rows), config.threads,
+            dict(k_new=x[0], v_new=x[1], k_pages=pools[0], v_pages=pools[1],
+                 slot_mapping=torch.arange(tokens), k_scale=scales[0], v_scale=scales[1]),
+            dict(tokens=tokens, slots=tokens, n_scale=n_scale))
+        for i in range(2):
+            heads = x[i].float().view(tokens, kv_heads, head_dim)
+            want = (heads / scales[i].view(1, -1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+            got = pools[i].view(torch.uint8).view(tokens, kv_heads, head_dim)
+            bad = got != want.view(torch.uint8)
+            assert not bad.any(), (
+                f"{'kv'[i]}, {n_scale} scales: {int(bad.sum())} elements differ, e.g. inputs "
+                f"{heads[bad][:4].tolist()} -> codes {got[bad][:4].tolist()}, torch's "
+                f"{want.view(torch.uint8)[bad][:4].tolist()}")
+
+
 class _Recorder:
     """Stands in for a Kernel: records the runtime size and the tensors of each launch."""
 
@@ -289,28 +353,27 @@ def _recording(op, monkeypatch):
 
 
 @pytest.mark.smoke
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("paged", [True, False])
-def test_launch_arguments(paged, monkeypatch):
+def test_launch_arguments(paged, kv_layout, monkeypatch):
     """What `forward` hands the kernel (CPU tensors, a recording kernel), the first slice's
     path (`planned` off): the split count from shapes alone, fp32 partials of that many
     splits, the placeholder table for a contiguous cache, the default scale and the program
-    key."""
-    op = DecodeAttentionFwdOp(window_left=255)
+    key (kv_layout in it only when heads-first: the NHD programs keep their keys)."""
+    op = DecodeAttentionFwdOp(window_left=255, kv_layout=kv_layout)
     monkeypatch.setattr(op, "planned", False)
     log = _recording(op, monkeypatch)
     q = torch.randn(2, 1, 8, 128).to(BF16)
-    if paged:
-        k = v = torch.randn(600, 16, 2, 128).to(BF16)
-        table = torch.randint(0, 600, (2, 300), dtype=torch.int32)
-    else:
-        k = v = torch.randn(2, 4800, 2, 128).to(BF16)
-        table = None
+    rows, outer = (16, 600) if paged else (4800, 2)
+    shape = (outer, 2, rows, 128) if kv_layout == "HND" else (outer, rows, 2, 128)
+    k = v = torch.randn(shape).to(BF16)
+    table = torch.randint(0, 600, (2, 300), dtype=torch.int32) if paged else None
     lens = torch.tensor([5, 4800], dtype=torch.int32)
     o, lse = op.forward(q, k, v, lens, table)
     (key, splits, args), = log
     assert key == {"dtype": "bfloat16", "heads": 8, "kv_heads": 2, "head_dim": 128, "q_len": 1,
                    "page_size": 16 if paged else 0, "window_left": 255, "softcap": 0.0,
-                   "causal": True}
+                   "causal": True, **({"kv_layout": "HND"} if kv_layout == "HND" else {})}
     assert splits == choose_splits(2, 2, 1, 4800, 128) > 1
     assert op.kernels_for(op.check((q, k, v, lens, table))) == [  # what the sweep builds
         ("decode_attention", key, splits)]
@@ -593,6 +656,31 @@ def test_chunked_prefill_shapes_and_errors():
 
 
 @pytest.mark.smoke
+@pytest.mark.smoke
+def test_heads_first_layout_checks_and_roofline():
+    """kv_layout "HND" reads S and Hkv from dims 2 and 1: the same roofline as the NHD cache
+    of the same sizes, and shape rules on the right dims; a layout name is checked."""
+    q, k, v, lens, table = paged()
+    kh, vh = meta(64, 8, 16, 128), meta(64, 8, 16, 128)
+    assert (DecodeAttentionFwdOp(kv_layout="HND").eval_roofline(q, kh, vh, lens, table)
+            == DecodeAttentionFwdOp().eval_roofline(q, k, v, lens, table))
+    o, lse = DecodeAttentionFwdOp(kv_layout="HND")(q, kh, vh, lens, table)
+    assert o.shape == q.shape and o.device.type == "meta"
+    with pytest.raises(TileOpsValueError, match="S in \\(16, 32, 64, 128, 256\\)"):
+        DecodeAttentionFwdOp(kv_layout="HND")(q, k, v, lens, table)  # NHD pages: S = 8
+    with pytest.raises(TileOpsValueError, match="kv_layout in"):
+        DecodeAttentionFwdOp(kv_layout="NDH")(q, k, v, lens, table)
+    with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'kv_layout'"):
+        tileops.plan_decode(4, 32, 8, 128, kv_layout="BSHD", device="cpu")
+    contiguous = meta(4, 8, 3000, 128)
+    assert ChunkedPrefillAttentionFwdOp(max_seqlen_q=8, kv_layout="HND").eval_roofline(
+        meta(20, 32, 128), contiguous, contiguous, meta(5, dtype=torch.int32),
+        meta(4, dtype=torch.int32), None) == ChunkedPrefillAttentionFwdOp(
+        max_seqlen_q=8).eval_roofline(meta(20, 32, 128), meta(4, 3000, 8, 128),
+                                      meta(4, 3000, 8, 128), meta(5, dtype=torch.int32),
+                                      meta(4, dtype=torch.int32), None)
+
+
 def test_chunked_prefill_roofline():
     q, k, v, _, _, table = packed(total=300, batch=3, page=16, max_pages=64)
     cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32)

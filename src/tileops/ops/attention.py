@@ -36,28 +36,32 @@ class GroupedQueryAttentionFwdOp(Op):
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq_q, heads, head_dim = q.shape
-        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        o = torch.empty((batch, seq_q, heads, v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
         if o.numel() == 0:
             return o, lse
         if k.shape[1] == 0:  # no keys: every row attends to nothing
             return o.zero_(), lse.fill_(-math.inf)
         kernel = self.get_kernel("attention_fwd", q.device,
-                                 **self._kernel_key(q.dtype, heads, k.shape[2], head_dim))
+                                 **self._kernel_key(q.dtype, heads, k.shape[2], head_dim,
+                                                    v.shape[-1]))
         scale = self.scale if self.scale is not None else head_dim ** -0.5
         # the key count picks the config bucket: it sets how long each CTA's key loop runs
         kernel(k.shape[1], tma_ready(q), tma_ready(k), tma_ready(v), o, lse, float(scale))
         return o, lse
 
-    def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int,
-                    head_dim: int) -> dict[str, Any]:
+    def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                    head_dim_v: int | None = None) -> dict[str, Any]:
         left, right = effective_window(self.is_causal, self.window_size)
-        return {"dtype": DTYPE_NAMES[dtype], "heads": heads, "kv_heads": kv_heads,
-                "head_dim": head_dim, "window_left": left, "window_right": right,
-                "softcap": self.softcap}
+        key = {"dtype": DTYPE_NAMES[dtype], "heads": heads, "kv_heads": kv_heads,
+               "head_dim": head_dim, "window_left": left, "window_right": right,
+               "softcap": self.softcap}
+        if head_dim_v is not None and head_dim_v != head_dim:  # only then: keys unchanged
+            key["head_dim_v"] = head_dim_v
+        return key
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
-        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], ns.get("Dv"))
         return [("attention_fwd", key, ns["Skv"])]
 
 
@@ -95,8 +99,17 @@ def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.mark_non_differentiable(lse)  # a statistic for the backward, not a model output
 
 
+def _same_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
+    """The backward kernel takes V as wide as Q and K; say so instead of a shape mismatch."""
+    if v.shape[-1] != q.shape[-1]:
+        raise op_error(TileOpsValueError, "GroupedQueryAttentionBwdOp", "v",
+                       f"head dim {q.shape[-1]} like q's (the backward of a narrower V, "
+                       "q/k 192 with v 128, is not built yet)", f"head dim {v.shape[-1]}")
+
+
 def _attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
     q, k, v, o, lse = ctx.saved_tensors
+    _same_head_dims(q, v)
     dq, dk, dv = GroupedQueryAttentionBwdOp.torch_op(grad_o, q, k, v, o, lse, *ctx.params)
     return (dq, dk, dv) + (None,) * len(ctx.params)
 
@@ -128,7 +141,7 @@ class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
                 cu_seqlens_q: torch.Tensor,
                 cu_seqlens_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total_q, heads, head_dim = q.shape
-        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        o = torch.empty((total_q, heads, v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
         if not torch.cuda.is_current_stream_capturing():
             self._check_seqlens(cu_seqlens_q, total_q, self.max_seqlen_q, "cu_seqlens_q")
@@ -136,7 +149,8 @@ class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
         if total_q == 0 or k.shape[0] == 0:
             return o.zero_(), lse.fill_(-math.inf)  # nothing visible, as the kernel would write
         kernel = self.get_kernel("attention_varlen_fwd", q.device,
-                                 **self._kernel_key(q.dtype, heads, k.shape[1], head_dim))
+                                 **self._kernel_key(q.dtype, heads, k.shape[1], head_dim,
+                                                    v.shape[-1]))
         scale = self.scale if self.scale is not None else head_dim ** -0.5
         # the longest key sequence picks the config bucket, as the key count does when dense
         kernel(self.max_seqlen_kv, tma_ready(q), tma_ready(k), tma_ready(v),
@@ -157,7 +171,7 @@ class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
                            cu.tolist())
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
-        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"])
+        key = self._kernel_key(ns["q"].dtype, ns["H"], ns["Hkv"], ns["D"], ns.get("Dv"))
         return [("attention_varlen_fwd", key, self.max_seqlen_kv)]
 
 
@@ -172,6 +186,7 @@ def _save_varlen_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _varlen_attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
     q, k, v, cu_seqlens_q, cu_seqlens_kv, o, lse = ctx.saved_tensors
+    _same_head_dims(q, v)
     dq, dk, dv = varlen_backward(grad_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_kv,
                                  *ctx.max_seqlens, ctx.params,
                                  GroupedQueryAttentionBwdOp.torch_op)
@@ -186,7 +201,9 @@ torch.library.register_autograd(GroupedQueryAttentionVarlenFwdOp.torch_op,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
               scale: float | None = None, window_size: Sequence[int] = (-1, -1),
               softcap: float = 0.0) -> torch.Tensor:
-    """Attention over BSHD tensors (q [B, Sq, H, D], k/v [B, Skv, Hkv, D]); returns o."""
+    """Attention over BSHD tensors (q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv,
+    Dv]; Dv = D, or 128 with D = 192 as in DeepSeek-V3's prefill); returns o [B, Sq, H, Dv].
+    The backward takes Dv = D only."""
     o, _ = GroupedQueryAttentionFwdOp.apply(q, k, v, is_causal=is_causal, scale=scale,
                                             window_size=list(window_size),
                                             softcap=float(softcap))
@@ -197,7 +214,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, max_seqlen_q: int,
                      max_seqlen_kv: int, is_causal: bool = False, scale: float | None = None,
                      window_size: Sequence[int] = (-1, -1), softcap: float = 0.0) -> torch.Tensor:
-    """Attention over packed sequences q [Tq, H, D], k/v [Tkv, Hkv, D]; returns o."""
+    """Attention over packed sequences q [Tq, H, D], k [Tkv, Hkv, D], v [Tkv, Hkv, Dv]
+    (Dv as `attention`); returns o [Tq, H, Dv]."""
     o, _ = GroupedQueryAttentionVarlenFwdOp.apply(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv, is_causal=is_causal, scale=scale,

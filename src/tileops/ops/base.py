@@ -217,10 +217,11 @@ class Op:
         return ns
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         """{input name: n} for integer inputs that index something (class ids, positions):
         random test and benchmark inputs draw them from [0, n). `inputs` maps names to
-        tensors (meta ones too)."""
+        tensors (meta ones too), `params` the call's params (None: the defaults)."""
         return {}
 
     # -- derivations ----------------------------------------------------------------------

@@ -56,7 +56,8 @@ class _CrossEntropy:
                          tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         return {"target": inputs["input"].shape[-1]}
 
     def _key(self, mode: str, dtype: torch.dtype, n: int,

@@ -6,7 +6,9 @@ What an engine needs, and what these ops promise:
   (FlashAttention's `page_table`, FlashInfer's NHD), `block_table` int32 [B, max_pages]
   (request b's key j lives in page block_table[b, j // page_size], row j % page_size),
   `cache_seqlens` int32 [B]; page_size 16, 32, 64, 128 or 256. Contiguous: k/v
-  [B, S_max, Hkv, D] with the same `cache_seqlens`. The caches are read in place and must
+  [B, S_max, Hkv, D] with the same `cache_seqlens`. `kv_layout="HND"` takes the heads-first
+  forms instead: pages [num_pages, Hkv, page_size, D] (FlashInfer's HND) and contiguous
+  [B, Hkv, S_max, D] (transformers' static cache). The caches are read in place and must
   be contiguous (a copy would cost more than the attention; the op refuses instead).
 - Semantics of `flash_attn.flash_attn_with_kvcache` with the new tokens already written
   (`kv_cache_append`): `cache_seqlens[b]` counts request b's keys, its q_len new tokens
@@ -134,6 +136,13 @@ def _scales(op: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
     return k_scale.reshape(-1).contiguous(), v_scale.reshape(-1).contiguous()
 
 
+def cache_dims(k_cache: torch.Tensor, kv_layout: str) -> tuple[int, int]:
+    """(rows per page or per request, KV heads) of a cache in `kv_layout`."""
+    if kv_layout == "HND":
+        return k_cache.shape[2], k_cache.shape[1]
+    return k_cache.shape[1], k_cache.shape[2]
+
+
 def _contiguous(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise op_error(TileOpsValueError, op, name,
@@ -156,17 +165,20 @@ class DecodeAttentionFwdOp(Op):
     planned = os.environ.get("TILEOPS_DECODE_PLANNED", "1") == "1"
 
     def __init__(self, *, sm_scale: float | None = None, softcap: float = 0.0,
-                 window_left: int = -1, is_causal: bool = True,
+                 window_left: int = -1, is_causal: bool = True, kv_layout: str = "NHD",
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
         super().__init__(sm_scale=sm_scale, softcap=float(softcap), window_left=window_left,
-                         is_causal=is_causal, kernel_map=kernel_map, tune=tune)
+                         is_causal=is_causal, kv_layout=kv_layout, kernel_map=kernel_map,
+                         tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         k, table = inputs["k_cache"], inputs.get("block_table")
+        rows, _ = cache_dims(k, (params or {}).get("kv_layout", "NHD"))
         if table is None:
-            return {"cache_seqlens": k.shape[1] + 1}
-        return {"cache_seqlens": table.shape[1] * k.shape[1] + 1, "block_table": k.shape[0]}
+            return {"cache_seqlens": rows + 1}
+        return {"cache_seqlens": table.shape[1] * rows + 1, "block_table": k.shape[0]}
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: torch.Tensor,
@@ -202,8 +214,9 @@ class DecodeAttentionFwdOp(Op):
         if self.checked and not torch.cuda.is_current_stream_capturing():
             self._check_indices(k_cache, cache_seqlens, block_table)
         rows, tokens, heads, head_dim = q.shape
-        key = self._kernel_key(q.dtype, heads, k_cache.shape[2], head_dim, q_len,
-                               k_cache.shape[1] if paged else 0, k_cache.dtype)
+        page_rows, kv_heads = cache_dims(k_cache, self.kv_layout)
+        key = self._kernel_key(q.dtype, heads, kv_heads, head_dim, q_len,
+                               page_rows if paged else 0, k_cache.dtype)
         k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale)
         table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
         scale = self.sm_scale if self.sm_scale is not None else head_dim ** -0.5
@@ -211,13 +224,13 @@ class DecodeAttentionFwdOp(Op):
             kernel = self.get_kernel("decode_attention_planned", q.device, **key)
             _planned_launch(kernel, True, q, k_cache, v_cache, table,
                             cache_seqlens.contiguous(), k_scale, v_scale, o, lse,
-                            _PlanBuffers.make(rows, q_len, heads, k_cache.shape[2], head_dim,
+                            _PlanBuffers.make(rows, q_len, heads, kv_heads, head_dim,
                                               _sms(q.device), q.device), float(scale))
             return
         kernel = self.get_kernel("decode_attention", q.device, **key)
-        blocks = row_blocks(heads, k_cache.shape[2], max_tokens if max_tokens else q_len)
+        blocks = row_blocks(heads, kv_heads, max_tokens if max_tokens else q_len)
         splits = self._splits(key, cache_seqlens.shape[0], blocks,
-                              k_cache.shape[1] * (block_table.shape[1] if paged else 1))
+                              page_rows * (block_table.shape[1] if paged else 1))
         if splits > 1:
             o_part = torch.empty((rows, tokens, heads, splits, head_dim), dtype=torch.float32,
                                  device=q.device)
@@ -240,6 +253,8 @@ class DecodeAttentionFwdOp(Op):
                "causal": self.is_causal or q_len == 1}
         if kv_dtype == FP8:  # only then: the other programs keep their keys
             key["kv_dtype"] = "float8_e4m3fn"
+        if self.kv_layout == "HND":  # likewise
+            key["kv_layout"] = "HND"
         return key
 
     @staticmethod
@@ -252,7 +267,7 @@ class DecodeAttentionFwdOp(Op):
         """Lengths within the cache and used block-table entries within the pool (one
         host sync)."""
         name = self.spec.op_name
-        page = k_cache.shape[1]
+        page, _ = cache_dims(k_cache, self.kv_layout)
         capacity = page * (block_table.shape[1] if block_table is not None else 1)
         lengths = cache_seqlens.long()
         bad_len = ((lengths < 0) | (lengths > capacity)).any()
@@ -299,14 +314,16 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
 
     def __init__(self, *, max_seqlen_q: int, sm_scale: float | None = None,
                  softcap: float = 0.0, window_left: int = -1, is_causal: bool = True,
-                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+                 kv_layout: str = "NHD", kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
         Op.__init__(self, max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
                     softcap=float(softcap), window_left=window_left, is_causal=is_causal,
-                    kernel_map=kernel_map, tune=tune)
+                    kv_layout=kv_layout, kernel_map=kernel_map, tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
-        bounds = super().index_bounds(inputs)
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
+        bounds = super().index_bounds(inputs, params)
         bounds["cu_seqlens_q"] = inputs["q"].shape[0] + 1
         return bounds
 
@@ -388,7 +405,8 @@ class KVCacheAppendFwdOp(Op):
         return super().__call__(*inputs)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         pages = inputs["k_pages"]
         return {"slot_mapping": pages.shape[0] * pages.shape[1]}
 
@@ -589,7 +607,7 @@ class DecodePlan:
                  dtype: torch.dtype = torch.bfloat16, device: Any = None,
                  sm_scale: float | None = None, softcap: float = 0.0, window_left: int = -1,
                  is_causal: bool = True, num_sms: int | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD"):
         name = "DecodePlan"
         ints = {"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
                 "num_kv_heads": (num_kv_heads, 1), "q_len": (q_len, 1)}
@@ -617,8 +635,11 @@ class DecodePlan:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         op_class = DecodeAttentionFp8FwdOp if kv_dtype == FP8 else DecodeAttentionFwdOp
+        if kv_layout not in ("NHD", "HND"):
+            raise op_error(TileOpsValueError, name, "kv_layout", "'NHD' or 'HND'", kv_layout)
         self.op = op_class.cached(sm_scale=sm_scale, softcap=float(softcap),
-                                  window_left=window_left, is_causal=is_causal)
+                                  window_left=window_left, is_causal=is_causal,
+                                  kv_layout=kv_layout)
         self.kv_dtype = kv_dtype
         self.batch_size, self.q_len, self.num_heads = batch_size, q_len, num_heads
         self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
@@ -667,7 +688,7 @@ class DecodePlan:
                            "as planned", f"{list(q.shape)} ({q.dtype})")
         paged = block_table is not None
         if paged != (self.page_size is not None) or k_cache.dim() != 4 or (
-                paged and k_cache.shape[1] != self.page_size):
+                paged and cache_dims(k_cache, self.op.kv_layout)[0] != self.page_size):
             raise op_error(TileOpsValueError, name, "k_cache",
                            f"pages of {self.page_size} keys with a block_table" if
                            self.page_size else "a contiguous cache and no block_table",
@@ -714,13 +735,15 @@ def plan_decode(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: in
                 page_size: int | None = 16, q_len: int = 1, dtype: torch.dtype = torch.bfloat16,
                 device: Any = None, sm_scale: float | None = None, softcap: float = 0.0,
                 window_left: int = -1, is_causal: bool = True,
-                num_sms: int | None = None, kv_dtype: torch.dtype | None = None) -> DecodePlan:
+                num_sms: int | None = None, kv_dtype: torch.dtype | None = None,
+                kv_layout: str = "NHD") -> DecodePlan:
     """A reusable `DecodePlan` for a decode batch (see its docstring); page_size None means
-    a contiguous cache [B, S_max, Hkv, D]; kv_dtype torch.float8_e4m3fn an fp8 cache."""
+    a contiguous cache [B, S_max, Hkv, D] ([B, Hkv, S_max, D] with kv_layout "HND");
+    kv_dtype torch.float8_e4m3fn an fp8 cache."""
     return DecodePlan(batch_size, num_heads, num_kv_heads, head_dim, page_size=page_size,
                       q_len=q_len, dtype=dtype, device=device, sm_scale=sm_scale,
                       softcap=softcap, window_left=window_left, is_causal=is_causal,
-                      num_sms=num_sms, kv_dtype=kv_dtype)
+                      num_sms=num_sms, kv_dtype=kv_dtype, kv_layout=kv_layout)
 
 # -- functional API -----------------------------------------------------------------------
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -728,11 +751,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sm_scale: float | None = None, softcap: float | None = None,
                      window_left: int | None = None, is_causal: bool = True,
                      return_lse: bool = False, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> Any:
+                     v_scale: torch.Tensor | None = None, kv_layout: str = "NHD") -> Any:
     """Attention of q [B, H, D] (one token per request) or [B, q_len, H, D] over a KV cache.
 
     k_cache/v_cache: page pools [num_pages, page_size, Hkv, D] with `block_table`
-    [B, max_pages], or a contiguous cache [B, S_max, Hkv, D] (block_table None);
+    [B, max_pages], or a contiguous cache [B, S_max, Hkv, D] (block_table None); with
+    kv_layout "HND", [num_pages, Hkv, page_size, D] or [B, Hkv, S_max, D];
     cache_seqlens [B] int32 counts each request's keys, its new tokens included. Returns o
     shaped like q, and with return_lse also lse [B, H] (or [B, H, q_len]), fp32 natural log.
     An fp8 (e4m3) cache takes fp32 k_scale/v_scale [1] or [Hkv] (None: 1.0). See the module
@@ -744,7 +768,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.unsqueeze(1) if single else q, k_cache, v_cache, cache_seqlens, block_table,
         *((k_scale, v_scale) if fp8 else _no_scales(k_scale, v_scale)),
         sm_scale=sm_scale, softcap=0.0 if softcap is None else float(softcap),
-        window_left=-1 if window_left is None else int(window_left), is_causal=is_causal)
+        window_left=-1 if window_left is None else int(window_left), is_causal=is_causal,
+        kv_layout=kv_layout)
     if single:
         o, lse = o.squeeze(1), lse.squeeze(2)
     return (o, lse) if return_lse else o
@@ -756,7 +781,8 @@ def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               sm_scale: float | None = None, softcap: float | None = None,
                               window_left: int | None = None, is_causal: bool = True,
                               return_lse: bool = False, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None) -> Any:
+                              v_scale: torch.Tensor | None = None,
+                              kv_layout: str = "NHD") -> Any:
     """Packed new tokens q [T, H, D] (request b: rows cu_seqlens_q[b]:cu_seqlens_q[b + 1],
     at most max_seqlen_q) attending to their KV cache, their own keys already appended;
     cache layouts and options as `decode_attention`. Returns o [T, H, D], and with
@@ -767,7 +793,8 @@ def chunked_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         *((k_scale, v_scale) if fp8 else _no_scales(k_scale, v_scale)),
         max_seqlen_q=max_seqlen_q, sm_scale=sm_scale,
         softcap=0.0 if softcap is None else float(softcap),
-        window_left=-1 if window_left is None else int(window_left), is_causal=is_causal)
+        window_left=-1 if window_left is None else int(window_left), is_causal=is_causal,
+        kv_layout=kv_layout)
     return (o, lse) if return_lse else o
 
 

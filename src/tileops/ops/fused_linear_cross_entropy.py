@@ -59,7 +59,8 @@ class FusedLinearCrossEntropyFwdOp(_CrossEntropy, Op):
                     with_grad=with_grad, kernel_map=kernel_map, tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         return {"target": inputs["weight"].shape[0]}
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

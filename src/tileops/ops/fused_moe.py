@@ -79,7 +79,8 @@ class FusedMoeFwdOp(Op):
         self._combine = MoeUnpermuteFwdOp(tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         return {"topk_ids": inputs["w_gate_up"].shape[0]}
 
     def _permute_op(self, n_experts: int) -> MoePermuteFwdOp:

@@ -43,7 +43,8 @@ class MLADecodeFwdOp(Op):
         super().__init__(sm_scale=sm_scale, kernel_map=kernel_map, tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         kv, table = inputs["kv_cache"], inputs["block_table"]
         return {"cache_seqlens": table.shape[1] * kv.shape[1] + 1, "block_table": kv.shape[0]}
 

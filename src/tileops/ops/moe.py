@@ -120,7 +120,8 @@ class MoePermuteFwdOp(Op):
         super().__init__(num_experts=num_experts, kernel_map=kernel_map, tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         # Random ids index the map. (Without a map the bound is the num_experts param, which
         # this hook cannot see: the manifest's workloads all give a map.)
         expert_map = inputs.get("expert_map")
@@ -173,7 +174,8 @@ class MoeUnpermuteFwdOp(Op):
         super().__init__(kernel_map=kernel_map, tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         return {"row_index": inputs["expert_output"].shape[0]}
 
     def forward(self, expert_output: torch.Tensor, topk_weights: torch.Tensor,
@@ -218,7 +220,8 @@ class MoeUnpermuteBwdOp(Op):
         super().__init__(grad_weights=grad_weights, kernel_map=kernel_map, tune=tune)
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         return {"row_index": inputs["expert_output"].shape[0]}
 
     def forward(self, grad_output: torch.Tensor, expert_output: torch.Tensor,

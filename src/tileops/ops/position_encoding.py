@@ -143,7 +143,8 @@ class RotaryWithCacheFwdOp(Op):
         self.inplace = False
 
     @classmethod
-    def index_bounds(cls, inputs: Mapping[str, Any]) -> dict[str, int]:
+    def index_bounds(cls, inputs: Mapping[str, Any],
+                     params: Mapping[str, Any] | None = None) -> dict[str, int]:
         return {"positions": inputs["cos_sin_cache"].shape[0]}  # rows of the cache
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -63,7 +63,7 @@ def random_inputs(op_cls: Any, workload: dict, dtype: str,
     """A workload's inputs on `device`: fresh random values (never zeros) where the workload
     gives only a shape, its own values where it gives them (a varlen batch's cu_seqlens)."""
     tensors = op_cls.spec.workload_tensors(workload, dtype)
-    bounds = op_cls.index_bounds(tensors)
+    bounds = op_cls.index_bounds(tensors, op_cls.spec.workload_params(workload))
     return [None if t is None else t.to(device) if t.device.type == "cpu"
             else torch.randint(0, bounds[name], t.shape, device=device, dtype=t.dtype)
             if name in bounds else torch.randn(t.shape, device=device).to(t.dtype)

@@ -29,15 +29,16 @@ def effective_window(is_causal: bool, window_size: Any) -> tuple[int, int]:
 
 def attention_fwd(q: Any, k: Any, v: Any, is_causal: bool, window_size: Any,
                   elem_bytes: int, **_: Any) -> tuple[int, int]:
-    """FLOPs of QK^T and PV over the visible pairs; bytes of q, k, v, o and the fp32 lse."""
+    """FLOPs of QK^T and PV over the visible pairs; bytes of q, k, v, o and the fp32 lse.
+    V (and O) may be narrower than Q and K (MLA prefill: 192 and 128)."""
     batch, seq_q, heads, head_dim = q.shape
-    seq_kv = k.shape[1]
+    seq_kv, dim_v = k.shape[1], v.shape[-1]
     left, right = effective_window(is_causal, window_size)
     pairs = visible_pairs(seq_q, seq_kv, left, right)
-    flops = 4 * batch * heads * head_dim * pairs
-    n_q = batch * seq_q * heads * head_dim
+    flops = 2 * batch * heads * (head_dim + dim_v) * pairs
+    n_qo = batch * seq_q * heads * (head_dim + dim_v)
     n_kv = k.numel() + v.numel()
-    nbytes = (2 * n_q + n_kv) * elem_bytes + batch * heads * seq_q * 4
+    nbytes = (n_qo + n_kv) * elem_bytes + batch * heads * seq_q * 4
     return flops, nbytes
 
 
@@ -57,9 +58,10 @@ def attention_varlen_fwd(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k
         cq, ckv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
         lens = [(cq[i + 1] - cq[i], ckv[i + 1] - ckv[i]) for i in range(n_seq)]
     pairs = sum(visible_pairs(sq, skv, left, right) for sq, skv in lens)
-    flops = 4 * heads * head_dim * pairs
-    nbytes = ((2 * q.numel() + k.numel() + v.numel()) * elem_bytes + heads * total_q * 4
-              + 2 * (n_seq + 1) * 4)
+    dim_v = v.shape[-1]
+    flops = 2 * heads * (head_dim + dim_v) * pairs
+    nbytes = ((q.numel() + total_q * heads * dim_v + k.numel() + v.numel()) * elem_bytes
+              + heads * total_q * 4 + 2 * (n_seq + 1) * 4)
     return flops, nbytes
 
 
@@ -73,18 +75,18 @@ def attention_bwd(do: Any, q: Any, k: Any, v: Any, o: Any, lse: Any, is_causal: 
     return flops * 5 // 2, nbytes
 
 
-def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
+def decode_attention(q: Any, cache_seqlens: Any, block_table: Any, S: int, Hkv: int,
                      window_left: int, elem_bytes: int, kv_bytes: int | None = None,
                      **_: Any) -> tuple[int, int]:
     """Decode over a KV cache: the K/V rows each request's queries can see are read once
     (the window's span when one is set), q read and o written once, the lse, the lengths
     and the block-table entries of the pages read. Lengths come from cache_seqlens' values;
-    on meta tensors every request is taken as full (the cache's capacity per request)."""
+    on meta tensors every request is taken as full (the cache's capacity per request).
+    S: rows per page (or per request), Hkv: KV heads, whatever the cache's layout."""
     batch, seq_q, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = Hkv
     if cache_seqlens.device.type == "meta":
-        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                    else k_cache.shape[1])
+        capacity = block_table.shape[1] * S if block_table is not None else S
         lengths = [capacity] * batch
     else:
         lengths = [int(n) for n in cache_seqlens.tolist()]
@@ -95,25 +97,23 @@ def decode_attention(q: Any, k_cache: Any, cache_seqlens: Any, block_table: Any,
               + 2 * q.numel() * elem_bytes)
     nbytes += q.numel() // head_dim * 4 + batch * 4
     if block_table is not None:
-        page = k_cache.shape[1]
-        nbytes += sum(-(-n // page) for n in keys) * 4
+        nbytes += sum(-(-n // S) for n in keys) * 4
     return flops, nbytes
 
 
-def chunked_prefill_attention(q: Any, k_cache: Any, cu_seqlens_q: Any, cache_seqlens: Any,
-                              block_table: Any, window_left: int, is_causal: bool,
-                              elem_bytes: int, kv_bytes: int | None = None,
+def chunked_prefill_attention(q: Any, cu_seqlens_q: Any, cache_seqlens: Any,
+                              block_table: Any, S: int, Hkv: int, window_left: int,
+                              is_causal: bool, elem_bytes: int, kv_bytes: int | None = None,
                               **_: Any) -> tuple[int, int]:
     """Packed chunks over a KV cache: each request's visible (query, key) pairs; the K/V
     rows its chunk can see read once, q read and o written once, the lse, the lengths and
     the block-table entries of the pages read. On meta tensors (no values) the chunks are
     taken as equal and every request's cache as full."""
     total_q, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads = Hkv
     batch = cache_seqlens.shape[0]
     if cache_seqlens.device.type == "meta" or cu_seqlens_q.device.type == "meta":
-        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                    else k_cache.shape[1])
+        capacity = block_table.shape[1] * S if block_table is not None else S
         chunks = [(total_q // max(batch, 1), capacity)] * batch
     else:
         cu = [int(n) for n in cu_seqlens_q.tolist()]
@@ -126,7 +126,7 @@ def chunked_prefill_attention(q: Any, k_cache: Any, cu_seqlens_q: Any, cache_seq
               + 2 * q.numel() * elem_bytes)
     nbytes += total_q * heads * 4 + (2 * batch + 1) * 4
     if block_table is not None:
-        nbytes += sum(-(-n // k_cache.shape[1]) for n in keys) * 4
+        nbytes += sum(-(-n // S) for n in keys) * 4
     return 4 * heads * head_dim * pairs, nbytes
 
 

@@ -21,6 +21,18 @@ def _keys_of(cache: torch.Tensor, block_table: torch.Tensor | None) -> torch.Ten
     return cache[block_table.long()].reshape(batch, max_pages * page, kv_heads, head_dim)
 
 
+def _as_nhd(run: Baseline) -> Baseline:
+    """`run` (written for [N, S, Hkv, D] caches) on a cache of either kv_layout: a
+    heads-first cache is passed as its [N, S, Hkv, D] view (no copy)."""
+
+    def wrapped(q, k_cache, v_cache, *args, kv_layout="NHD", **params):
+        if kv_layout == "HND":
+            k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        return run(q, k_cache, v_cache, *args, **params)
+
+    return wrapped
+
+
 def _visible(cache_seqlens: torch.Tensor, seq_q: int, seq_kv: int, window_left: int,
              is_causal: bool) -> torch.Tensor:
     """[B, 1, Sq, Skv] bool: the keys each query token sees (bottom-right, per length)."""
@@ -79,7 +91,7 @@ def decode_attention_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
                   for name, backend in backends})
     if libs["flash_attn"]:
         table["flash-attn-kvcache"] = _flash_attn_kvcache
-    return table
+    return {name: _as_nhd(run) for name, run in table.items()}
 
 
 def _sdpa_chunks(backend: Any) -> Baseline:
@@ -131,7 +143,7 @@ def chunked_prefill_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
         ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
     if libs["flash_attn"]:
         table["flash-attn-varlen-paged"] = _flash_attn_paged_varlen
-    return table
+    return {name: _as_nhd(run) for name, run in table.items()}
 
 
 def _index_copy(k_new, v_new, k_pages, v_pages, slot_mapping):
@@ -150,8 +162,8 @@ def kv_cache_append_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
 _widened: dict[tuple, torch.Tensor] = {}
 
 
-def _widen_once(cache: torch.Tensor, scale: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+def _widen_once(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                kv_layout: str = "NHD") -> torch.Tensor:
     """cache * scale in `dtype`, made on the first call for this cache and reused (outside
     the timed region after warm-up): the same attention over a 16-bit cache."""
     key = (cache.data_ptr(), tuple(cache.shape), None if scale is None else scale.data_ptr(),
@@ -160,16 +172,16 @@ def _widen_once(cache: torch.Tensor, scale: torch.Tensor | None,
     if wide is None:
         if len(_widened) > 8:
             _widened.clear()
-        wide = _widened[key] = _dequantize(cache, scale, dtype)
+        wide = _widened[key] = _dequantize(cache, scale, dtype, kv_layout)
     return wide
 
 
-def _dequantize(cache: torch.Tensor, scale: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
-    """cache [..., Hkv, D] * scale ([1] or [Hkv]) in `dtype`."""
+def _dequantize(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                kv_layout: str = "NHD") -> torch.Tensor:
+    """cache [..., Hkv, D] (HND: [..., Hkv, S, D]) * scale ([1] or [Hkv]) in `dtype`."""
     wide = cache.float()
     if scale is not None:
-        wide = wide * scale.reshape(-1, 1).float()
+        wide = wide * scale.reshape((-1, 1) if kv_layout == "NHD" else (-1, 1, 1)).float()
     return wide.to(dtype)
 
 
@@ -177,8 +189,9 @@ def _bf16_cache(run: Baseline) -> Baseline:
     """`run` over the fp8 cache widened once: our own 16-bit kernel on the same shapes."""
 
     def wrapped(q, k_cache, v_cache, *args, k_scale=None, v_scale=None, **params):
-        return run(q, _widen_once(k_cache, k_scale, q.dtype),
-                   _widen_once(v_cache, v_scale, q.dtype), *args, **params)
+        layout = params.get("kv_layout", "NHD")
+        return run(q, _widen_once(k_cache, k_scale, q.dtype, layout),
+                   _widen_once(v_cache, v_scale, q.dtype, layout), *args, **params)
 
     return wrapped
 
@@ -204,21 +217,21 @@ def _dequantized_sdpa(run: Baseline) -> Baseline:
 
 
 def _tileops_decode(q, k_cache, v_cache, cache_seqlens, block_table=None, sm_scale=None,
-                    softcap=0.0, window_left=-1, is_causal=True):
+                    softcap=0.0, window_left=-1, is_causal=True, kv_layout="NHD"):
     from tileops import decode_attention
 
     return decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, sm_scale,
-                            softcap, window_left, is_causal)
+                            softcap, window_left, is_causal, kv_layout=kv_layout)
 
 
 def _tileops_chunks(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table=None,
                     max_seqlen_q=0, sm_scale=None, softcap=0.0, window_left=-1,
-                    is_causal=True):
+                    is_causal=True, kv_layout="NHD"):
     from tileops import chunked_prefill_attention
 
     return chunked_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens,
                                      max_seqlen_q, block_table, sm_scale, softcap, window_left,
-                                     is_causal)
+                                     is_causal, kv_layout=kv_layout)
 
 
 def decode_attention_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
@@ -227,8 +240,8 @@ def decode_attention_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]
     from torch.nn.attention import SDPBackend
 
     return {"tileops-16bit-cache": _split_scales(_bf16_cache(_tileops_decode), 5),
-            "sdpa-cudnn-masked-dequantized": _split_scales(
-                _dequantized_sdpa(_sdpa_decode(SDPBackend.CUDNN_ATTENTION, True)), 5)}
+            "sdpa-cudnn-masked-dequantized": _split_scales(_as_nhd(
+                _dequantized_sdpa(_sdpa_decode(SDPBackend.CUDNN_ATTENTION, True))), 5)}
 
 
 def chunked_prefill_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:

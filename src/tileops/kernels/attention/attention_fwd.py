@@ -2,6 +2,8 @@
 
 q [B, Sq, H, D], k/v [B, Skv, Hkv, D] (BSHD), o like q, lse [B, H, Sq] (fp32, natural log).
 B, Sq and Skv are symbolic; head_dim, head counts and the mask options are compiled in.
+`head_dim_v` (DeepSeek-V3's MLA prefill: q/k 192, v and o 128) sets V's and O's width
+apart from Q's and K's; only the shared tiles and the P V product see it.
 Each CTA owns `block_m` query rows of one head and walks the key/value tiles its mask can
 reach (causal and sliding windows skip whole tiles), keeping the running row max and sum in
 fp32. Masks align bottom-right: query i sees key j when j - i - (Skv - Sq) lies in
@@ -70,13 +72,16 @@ class AttentionFwdConfig:
                 raise ValueError(f"AttentionFwdConfig: {name} is not written for the "
                                  "overlap schedule")
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2,
+                   head_dim_v: int | None = None) -> int:
         """Q tile plus `stages` K and V tiles (TileLang reuses the Q buffer for O)."""
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes
+        dim_v = head_dim_v or head_dim
+        return (self.block_m * head_dim
+                + self.stages * self.block_n * (head_dim + dim_v)) * elem_bytes
 
-    def fits(self, head_dim: int) -> bool:
+    def fits(self, head_dim: int, head_dim_v: int | None = None) -> bool:
         """Whether `ctas_per_sm` CTAs of this config fit in one SM's shared memory."""
-        return self.ctas_per_sm * self.smem_bytes(head_dim) <= SMEM_LIMIT
+        return self.ctas_per_sm * self.smem_bytes(head_dim, head_dim_v=head_dim_v) <= SMEM_LIMIT
 
 
 def consumer_registers(threads: int, ctas_per_sm: int) -> int:
@@ -119,7 +124,8 @@ def head_and_sequence(config: AttentionFwdConfig, heads: int, kv_heads: int, bx,
 
 def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right: int,
                       softcap: float, config: AttentionFwdConfig):
-    """The steps the dense and the varlen programs share, as TileLang macros."""
+    """The steps the dense and the varlen programs share, as TileLang macros; `head_dim` is
+    the output's (V's) width, the only one the register state sees."""
     block_m, block_n, stages, threads = (config.block_m, config.block_n, config.stages,
                                          config.threads)
     overlap = config.overlap
@@ -342,21 +348,25 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
 
 def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                           window_left: int, window_right: int, softcap: float,
-                          config: AttentionFwdConfig):
-    """Dense BSHD batch: q [B, Sq, H, D], k/v [B, Skv, Hkv, D], lse [B, H, Sq]."""
+                          config: AttentionFwdConfig, head_dim_v: int | None = None):
+    """Dense BSHD batch: q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv],
+    o [B, Sq, H, Dv], lse [B, H, Sq] (Dv = head_dim_v, default D)."""
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     group = heads // kv_heads
+    dim_v = head_dim_v or head_dim
     q_shape = (batch, seq_q, heads, head_dim)
     kv_shape = (batch, seq_kv, kv_heads, head_dim)
+    v_shape = (batch, seq_kv, kv_heads, dim_v)
+    o_shape = (batch, seq_q, heads, dim_v)
     block_m, block_n, threads = config.block_m, config.block_n, config.threads
-    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, config)
+    step = _attention_macros(dim_v, dtype, window_left, window_right, softcap, config)
 
     def kv_rows(buf, tile, batch_index, head):
         return buf[batch_index, tile * block_n:(tile + 1) * block_n, head, :]
 
     @T.prim_func
     def attention_fwd(q: T.Tensor(q_shape, dtype), k: T.Tensor(kv_shape, dtype),
-                      v: T.Tensor(kv_shape, dtype), o: T.Tensor(q_shape, dtype),
+                      v: T.Tensor(v_shape, dtype), o: T.Tensor(o_shape, dtype),
                       lse: T.Tensor((batch, heads, seq_q), "float"), scale: T.float32):
         # Heads vary fastest and query blocks run last-first, so the first wave takes the
         # blocks a causal mask leaves the most key tiles to (longest-first scheduling), and
@@ -368,8 +378,8 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
             step.share_sm()
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
-            v_shared = T.alloc_shared((block_n, head_dim), dtype)
-            o_shared = T.alloc_shared((block_m, head_dim), dtype)
+            v_shared = T.alloc_shared((block_n, dim_v), dtype)
+            o_shared = T.alloc_shared((block_m, dim_v), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
              lse_local, hold, stale) = step.alloc_state()
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
@@ -395,16 +405,18 @@ def attention_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
 
 def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                                  window_left: int, window_right: int, softcap: float,
-                                 config: AttentionFwdConfig):
-    """Packed sequences: q [Tq, H, D], k/v [Tkv, Hkv, D], cu_seqlens [B + 1], lse [H, Tq].
+                                 config: AttentionFwdConfig, head_dim_v: int | None = None):
+    """Packed sequences: q [Tq, H, D], k [Tkv, Hkv, D], v [Tkv, Hkv, Dv], o [Tq, H, Dv],
+    cu_seqlens [B + 1], lse [H, Tq].
 
     The grid covers max_seqlen_q rows per sequence; blocks past a sequence's end do no
     work, and rows past it are never stored (they belong to the next sequence).
     """
     total_q, total_kv, batch_1 = T.dynamic("total_q, total_kv, batch_1")
     group = heads // kv_heads
+    dim_v = head_dim_v or head_dim
     block_m, block_n, threads = config.block_m, config.block_n, config.threads
-    step = _attention_macros(head_dim, dtype, window_left, window_right, softcap, config)
+    step = _attention_macros(dim_v, dtype, window_left, window_right, softcap, config)
 
     def kv_rows(buf, tile, seq_offset, head):
         return buf[seq_offset + tile * block_n:seq_offset + (tile + 1) * block_n, head, :]
@@ -412,7 +424,7 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     @T.macro
     def store_rows(st, o, lse, q_offset, q_start, seq_q, head):
         """Row by row: rows past the sequence's end belong to the next sequence."""
-        for i, j in T.Parallel(block_m, head_dim):
+        for i, j in T.Parallel(block_m, dim_v):
             if q_start + i < seq_q:
                 o[q_offset + q_start + i, head, j] = st.o[i, j]
         for i in T.Parallel(block_m):
@@ -422,10 +434,10 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
     @T.prim_func
     def attention_varlen_fwd(q: T.Tensor((total_q, heads, head_dim), dtype),
                              k: T.Tensor((total_kv, kv_heads, head_dim), dtype),
-                             v: T.Tensor((total_kv, kv_heads, head_dim), dtype),
+                             v: T.Tensor((total_kv, kv_heads, dim_v), dtype),
                              cu_seqlens_q: T.Tensor((batch_1,), "int32"),
                              cu_seqlens_kv: T.Tensor((batch_1,), "int32"),
-                             o: T.Tensor((total_q, heads, head_dim), dtype),
+                             o: T.Tensor((total_q, heads, dim_v), dtype),
                              lse: T.Tensor((heads, total_q), "float"), max_seqlen_q: T.int32,
                              scale: T.float32):
         n_blocks = T.ceildiv(max_seqlen_q, block_m)  # longest-first, as in the dense grid
@@ -435,9 +447,9 @@ def attention_varlen_fwd_program(heads: int, kv_heads: int, head_dim: int, dtype
             step.share_sm()
             q_shared = T.alloc_shared((block_m, head_dim), dtype)
             k_shared = T.alloc_shared((block_n, head_dim), dtype)
-            v_shared = T.alloc_shared((block_n, head_dim), dtype)
+            v_shared = T.alloc_shared((block_n, dim_v), dtype)
             if config.tile_store:
-                o_shared = T.alloc_shared((block_m, head_dim), dtype)
+                o_shared = T.alloc_shared((block_m, dim_v), dtype)
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum, l_local,
              lse_local, hold, stale) = step.alloc_state()
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
@@ -476,7 +488,8 @@ SHORT_KEYS = 4096  # key counts up to this use the two-CTA forward (measured at 
 
 
 class AttentionFwdKernel(Kernel):
-    """key: dtype, heads, kv_heads, head_dim, window_left, window_right, softcap."""
+    """key: dtype, heads, kv_heads, head_dim, window_left, window_right, softcap, and
+    head_dim_v only when V is narrower than Q/K (so the other keys keep their entries)."""
 
     name = "attention_fwd"
     Config = AttentionFwdConfig
@@ -485,7 +498,7 @@ class AttentionFwdKernel(Kernel):
         k = self.key
         return attention_fwd_program(k["heads"], k["kv_heads"], k["head_dim"], k["dtype"],
                                      k["window_left"], k["window_right"], k["softcap"],
-                                     config)
+                                     config, k.get("head_dim_v"))
 
     def run(self, config: AttentionFwdConfig, compiled: tuple, q, k, v, o, lse,
             scale: float) -> None:
@@ -524,7 +537,8 @@ class AttentionFwdKernel(Kernel):
 
     def config_space(self, bucket: str) -> list[AttentionFwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]
-        two_ctas = self.key["head_dim"] <= 128  # at 256 the O tile alone needs 128 registers
+        # at 256 the O tile alone needs 128 registers (O is V's width: 128 for q/k 192)
+        two_ctas = self.key.get("head_dim_v", self.key["head_dim"]) <= 128
         for block_n in (64, 128, 176):
             for stages in (1, 2):
                 for overlap in (False, True):  # every mask on every tile, as overlap needs
@@ -555,7 +569,8 @@ class AttentionFwdKernel(Kernel):
             for block_n in (128, 176):
                 space.append(AttentionFwdConfig(64, block_n, 1, 128, overlap=True,
                                                 ctas_per_sm=2))
-        return [c for c in dict.fromkeys(space) if c.fits(self.key["head_dim"])]
+        return [c for c in dict.fromkeys(space)
+                if c.fits(self.key["head_dim"], self.key.get("head_dim_v"))]
 
 
 class AttentionVarlenFwdKernel(AttentionFwdKernel):
@@ -567,7 +582,7 @@ class AttentionVarlenFwdKernel(AttentionFwdKernel):
         k = self.key
         return attention_varlen_fwd_program(
             k["heads"], k["kv_heads"], k["head_dim"], k["dtype"], k["window_left"],
-            k["window_right"], k["softcap"], config)
+            k["window_right"], k["softcap"], config, k.get("head_dim_v"))
 
     def heuristic_config(self, bucket: str, arch: str) -> AttentionFwdConfig:
         # The dense default with whole-tile stores for the blocks inside their sequence

@@ -139,7 +139,8 @@ def tile_keys(head_dim: int) -> int:
 
 def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_size: int,
                    dtype: str, window_left: int, softcap: float, causal: bool, split: bool,
-                   config: DecodeConfig, planned: bool = False, kv_dtype: str | None = None):
+                   config: DecodeConfig, planned: bool = False, kv_dtype: str | None = None,
+                   heads_first: bool = False):
     """The attention kernel; `page_size` 0 means the contiguous cache, `q_len` 0 packed
     queries (chunked prefill: q [T, 1, H, D], request b owning rows cu_seqlens_q[b]:
     cu_seqlens_q[b + 1]), else q [B, q_len, H, D]. With `split`, writes partials
@@ -160,7 +161,11 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     tensor) or [Hkv] (per KV head; a CTA serves one KV head, so both are exact here). K/V
     tiles arrive by TMA as fp8 and the consumers widen them to q's dtype in shared memory
     before the wgmmas; k_scale multiplies the softmax scale, v_scale the output (partials
-    included). Other caches ignore k_scale/v_scale (placeholders)."""
+    included). Other caches ignore k_scale/v_scale (placeholders).
+
+    `heads_first` (kv_layout "HND"): the cache is [num_pages, Hkv, page_size, D] or
+    [B, Hkv, S_max, D] (transformers' static cache, FlashInfer's HND); a KV head's keys of
+    one page (or request) are then one contiguous block, the same TMA tiles either way."""
     group = heads // kv_heads
     kv_dtype = kv_dtype or dtype
     fp8 = kv_dtype != dtype
@@ -173,11 +178,14 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     q_rows = T.dynamic("q_rows") if packed else batch
     if paged:
         n_pages, max_pages = T.dynamic("n_pages, max_pages")
-        cache_shape = (n_pages, page_size, kv_heads, head_dim)
+        rows = page_size
+        outer = n_pages
     else:
         max_pages = None
-        s_max = T.dynamic("s_max")
-        cache_shape = (batch, s_max, kv_heads, head_dim)
+        rows = T.dynamic("s_max")
+        outer = batch
+    cache_shape = ((outer, kv_heads, rows, head_dim) if heads_first
+                   else (outer, rows, kv_heads, head_dim))
     table_shape = (batch, max_pages) if paged else (1, 1)
     q_shape = (q_rows, tokens, heads, head_dim)
     fwd_config = AttentionFwdConfig(block_m=ROWS, block_n=block_n, stages=stages, threads=128)
@@ -195,15 +203,23 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     parts = head_dim // swizzle_cols
     assert chunks == 1 or chunks * parts <= MAX_PIECES, (block_n, page_size, head_dim)
 
+    def cache_rows(cache, first, start, stop, h, cols):
+        """Rows [start, stop) of KV head h in page (or request) `first`, columns `cols`."""
+        if heads_first:
+            return cache[first, h, start:stop, cols]
+        return cache[first, start:stop, h, cols]
+
     def tile_region(cache, table, b, tile, h):
         """The cache rows of key tile `tile` when it lies in one page (or contiguous)."""
+        everything = slice(0, head_dim)
         if not paged:
-            return cache[b, tile * block_n:(tile + 1) * block_n, h, :]
+            return cache_rows(cache, b, tile * block_n, (tile + 1) * block_n, h, everything)
         key0 = tile * block_n
         # entries past the request's pages may be anything: TMA zero-fills a page index
         # out of range, and such keys are masked
         page = table[b, T.min(key0 // page_size, max_pages - 1)]
-        return cache[page, key0 % page_size:key0 % page_size + block_n, h, :]
+        return cache_rows(cache, page, key0 % page_size, key0 % page_size + block_n, h,
+                          everything)
 
     def page_of(table, b, tile, c):
         """Page `c` of key tile `tile` when pages are shorter than tiles."""
@@ -214,7 +230,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         if piece < chunks * parts:
             c, part = piece // parts, piece % parts
             cols = slice(part * swizzle_cols, (part + 1) * swizzle_cols)
-            T.copy(cache[page_of(table, b, tile, c), 0:page_size, h, cols],
+            T.copy(cache_rows(cache, page_of(table, b, tile, c), 0, page_size, h, cols),
                    dst[c * page_size:(c + 1) * page_size, cols])
 
     # A loop of copies would keep the key loop out of TileLang's warp specialization (no
@@ -625,8 +641,9 @@ def slot_count(batch: int, kv_heads: int, blocks: int, sms: int = SMS) -> int:
 
 class DecodeAttentionKernel(Kernel):
     """key: dtype, heads, kv_heads, head_dim, q_len, page_size (0: contiguous), window_left
-    (-1: none), softcap (0: none), causal, and kv_dtype for an fp8 cache only (absent: the
-    cache is in q's dtype). Bucket: "direct" (one split) or "split"."""
+    (-1: none), softcap (0: none), causal, kv_dtype for an fp8 cache only (absent: the
+    cache is in q's dtype) and kv_layout "HND" for a heads-first cache only (absent: NHD).
+    Bucket: "direct" (one split) or "split"."""
 
     name = "decode_attention"
     Config = DecodeConfig
@@ -636,7 +653,8 @@ class DecodeAttentionKernel(Kernel):
         split = bucket == "split"
         main = decode_program(k["heads"], k["kv_heads"], k["head_dim"], k["q_len"],
                               k["page_size"], k["dtype"], k["window_left"], k["softcap"],
-                              k["causal"], split, config, kv_dtype=k.get("kv_dtype"))
+                              k["causal"], split, config, kv_dtype=k.get("kv_dtype"),
+                              heads_first=k.get("kv_layout") == "HND")
         if not split:
             return main
         # packed queries: the partials are [T, 1, H, splits, D], the one-token layout
@@ -685,7 +703,8 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
                 decode_program(k["heads"], k["kv_heads"], k["head_dim"], k["q_len"],
                                k["page_size"], k["dtype"], k["window_left"], k["softcap"],
                                k["causal"], True, config, planned=True,
-                               kv_dtype=k.get("kv_dtype")),
+                               kv_dtype=k.get("kv_dtype"),
+                               heads_first=k.get("kv_layout") == "HND"),
                 combine_program(k["heads"], k["head_dim"], k["q_len"], k["dtype"],
                                 planned=True))
 
