@@ -190,7 +190,8 @@ def test_trains_under_torch_compile(family):
                                           ("mistral", 8), ("gemma3", 8)])
 def test_generates_with_static_cache_under_cuda_graphs(family, batch):
     """transformers' automatic compile (reduce-overhead: CUDA graphs) of the decode step; the
-    steps read the [B, S_max, Hkv, D] static cache through tileops.decode_attention (gemma2:
+    steps read the static layers' own [B, Hkv, S_max, D] tensors in place through
+    tileops.decode_attention (kv_layout "HND"; gemma2:
     softcap; mistral/gemma: 16-token sliding layers that fill and roll). No call counter
     here: a Python counter inside the compiled step would recompile it at every step; the
     route's conditions (cache layout, the prefill's marks) are checked instead, and the
@@ -212,20 +213,35 @@ def test_generates_with_static_cache_under_cuda_graphs(family, batch):
         bf16 = copy.deepcopy(fp32).to(torch.bfloat16)(input_ids=seq).logits[:, 23:35]
     _check("generation logits", step_logits, bf16, ref.float())
     cache = getattr(gen, "cache", None) or getattr(gen, "past_key_values", None)
-    assert all(static_cache.bshd(layer.keys) for layer in cache.layers)
+    for layer in cache.layers:  # the kernels' HND cache: transformers' own tensors
+        assert static_cache.hnd(layer.keys) and static_cache.hnd(layer.values)
+        assert layer.keys.shape[:3] == (batch, ours.config.num_key_value_heads,
+                                        layer.max_cache_len)
     marks = [getattr(m, static_cache.MARK) for m in ours.model._tileops_attn_modules]
     assert marks == [layer.max_cache_len for layer in cache.layers], marks
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "mistral", "gemma3"])
 def test_static_cache_chunks_and_padding(family, counts):
     """Eager forwards on a static cache: a 24-token prefill, a 40-token continuation
     (chunked_prefill_attention), a 5-token step (decode_attention, Sq 5), 1-token steps; then
-    the same cache reset and refilled by a left-padded batch (PyTorch's path). Each output
-    checked against the fp32 model over the whole sequence."""
+    a fresh cache filled by a left-padded batch (PyTorch's path). Each output checked
+    against the fp32 model over the whole sequence; the kernels' calls counted per layer
+    (a 16-token sliding layer past its window gets a fresh concatenated tensor from
+    transformers on the 40- and 5-token forwards: PyTorch's path; its 1-token steps roll
+    the cache in place: decode_attention). The cache goes in under the name this
+    transformers version's forward takes (`cache=` on 5.17 lands in **kwargs, unused)."""
     from transformers import StaticCache
 
+    from tileops.transformers import static_cache
+
     ours, bf16, fp32 = _models(family)
+    cache_kw = static_cache.cache_kwarg(ours.model)
+    layers = ours.config.num_hidden_layers
+    types = getattr(ours.config, "layer_types", None) or ["full_attention"] * layers
+    sliding = layers if family == "mistral" else types.count("sliding_attention")
+    want = {"chunked_prefill_attention": layers - sliding,
+            "decode_attention": 3 * (layers - sliding) + 2 * sliding}
     torch.manual_seed(4)
     ids = torch.randint(1, 512, (2, 72), device="cuda")
     bounds = [(0, 24), (24, 64), (64, 69), (69, 70), (70, 71)]
@@ -241,15 +257,15 @@ def test_static_cache_chunks_and_padding(family, counts):
                 for m in (ours, bf16):
                     outs[id(m)].append(m.eval()(
                         input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                        cache=caches[id(m)]).logits)
+                        **{cache_kw: caches[id(m)]}).logits)
             full = fp32.eval()(input_ids=ids[:, :71], attention_mask=mask[:, :71]).logits
         keep = mask[:, :71].bool()
         got = torch.cat(outs[id(ours)], 1)
         base = torch.cat(outs[id(bf16)], 1)
         _check(f"static cache logits (padded={padded})", got[keep], base[keep],
                full[keep].float())
+        got_calls = {k: counts.get(k, 0) for k in want}
         if padded:
-            assert not counts.get("decode_attention") and not counts.get(
-                "chunked_prefill_attention"), counts
+            assert not any(got_calls.values()), counts
         else:
-            assert counts.get("chunked_prefill_attention") and counts.get("decode_attention")
+            assert got_calls == want, counts

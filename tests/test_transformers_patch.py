@@ -233,19 +233,25 @@ def _ref_attention(q, k, v, is_causal=False, scale=None, window_size=(-1, -1), s
 
 
 def _ref_decode(q, k, v, lengths, block_table=None, sm_scale=None, softcap=None,
-                window_left=None, is_causal=True, return_lse=False):
-    """decode_attention on a contiguous cache: q [B, Sq, H, D], k/v [B, S_max, Hkv, D]."""
-    assert block_table is None and k.is_contiguous() and v.is_contiguous()
-    assert lengths.dtype == torch.int32 and lengths.shape == (q.shape[0],)
+                window_left=None, is_causal=True, return_lse=False, kv_layout="NHD"):
+    """decode_attention on a contiguous cache as the static-cache route calls it:
+    kv_layout "HND", q [B, Sq, H, D], k/v the static layer's own contiguous
+    [B, Hkv, S_max, D] tensors, cache_seqlens int32 [B] counting the keys (new ones too)."""
+    assert kv_layout == "HND" and block_table is None
+    assert k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
     batch, sq, heads, d = q.shape
-    rep = heads // k.shape[2]
-    kh = k.transpose(1, 2).repeat_interleave(rep, 1)
-    vh = v.transpose(1, 2).repeat_interleave(rep, 1)
+    assert k.dim() == 4 and k.shape[0] == batch and k.shape[3] == d
+    assert lengths.dtype == torch.int32 and lengths.shape == (batch,)
+    if not torch.compiler.is_compiling():
+        assert bool(((lengths >= sq) & (lengths <= k.shape[2])).all()), lengths
+    rep = heads // k.shape[1]
+    kh = k.repeat_interleave(rep, 1)
+    vh = v.repeat_interleave(rep, 1)
     s = q.transpose(1, 2) @ kh.transpose(-1, -2) * (sm_scale or d ** -0.5)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     pos = lengths.long()[:, None] - sq + torch.arange(sq)  # [B, Sq]
-    j = torch.arange(k.shape[1])
+    j = torch.arange(k.shape[2])
     ok = (j <= pos[..., None]) & (j < lengths.long()[:, None, None])
     if window_left is not None and window_left >= 0:
         ok &= j >= pos[..., None] - window_left
@@ -506,10 +512,9 @@ def test_bench_model_cli_usage_errors(capsys):
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])
 def test_static_cache_generate_matches(family, spies):
     """Prefill into an empty static cache skips the mask (the attention kernel, over the
-    first q_len keys); decode steps read the re-laid-out cache through decode_attention
-    (gemma2: softcap, and its 16-token sliding layers once full and rolled)."""
-    from tileops.transformers import static_cache
-
+    first q_len keys); decode steps read the static layers' own [B, Hkv, S_max, D] tensors
+    in place through decode_attention (kv_layout "HND"; gemma2: softcap, and its 16-token
+    sliding layers once full and rolled)."""
     model = hf_models.model(family)
     reference = copy.deepcopy(model)
     _apply(model)
@@ -526,15 +531,24 @@ def test_static_cache_generate_matches(family, spies):
     if family == "gemma2":
         assert {(c["softcap"], c["window_left"]) for c in spies["decode_attention"]} == {
             (50.0, 15), (50.0, -1)}
+    assert {c["kv_layout"] for c in spies["decode_attention"]} == {"HND"}
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    for layer in cache.layers:  # the cache generate returned, laid out [B, S, Hkv, D]
-        assert static_cache.bshd(layer.keys) and static_cache.bshd(layer.values)
+    for layer in cache.layers:  # transformers' own layout, untouched
+        assert layer.keys.is_contiguous() and layer.keys.shape[:2] == (2, 2)
 
 
 def _static_cache(model, max_len):
     from transformers import StaticCache
 
     return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def _cache_kw(model, cache):
+    """The cache under the name this transformers version's forward takes (`cache` in 5.24,
+    `past_key_values` in 5.17: the other name lands in **kwargs, unused)."""
+    from tileops.transformers import static_cache
+
+    return {static_cache.cache_kwarg(model.model): cache}
 
 
 def test_static_cache_continuation_and_speculative_steps(spies):
@@ -551,12 +565,47 @@ def test_static_cache_continuation_and_speculative_steps(spies):
             mask = torch.ones(2, end, dtype=torch.long)
             for i, m in enumerate((model, reference)):
                 outs[i].append(m.eval()(input_ids=ids[:, start:end], attention_mask=mask,
-                                        cache=caches[i]).logits)
+                                        **_cache_kw(m, caches[i])).logits)
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     layers = model.config.num_hidden_layers
     assert len(spies["chunked_prefill_attention"]) == layers
     assert len(spies["decode_attention"]) == layers
+    assert all(c["kv_layout"] == "HND" for c in spies["chunked_prefill_attention"])
+
+
+@pytest.mark.parametrize("call", ["model", "base"])
+def test_static_cache_under_either_kwarg_name(call, spies):
+    """A static cache passed under the other name: 5.24 maps the deprecated
+    `past_key_values` onto `cache` (the static cache is used, the modules are marked and
+    decode), 5.17 swallows `cache=` into **kwargs and runs a DynamicCache of its own (the
+    pre-hook must not mark the modules from the unused cache). Either way the logits match."""
+    from tileops.transformers import static_cache
+
+    model = hf_models.model("llama")
+    reference = copy.deepcopy(model)
+    _apply(model)
+    right = static_cache.cache_kwarg(model.model)
+    other = next(n for n in static_cache.CACHE_KWARGS if n != right)
+    ids = torch.randint(0, 512, (2, 24))
+    cache = _static_cache(model, 64)
+    m = model.eval() if call == "model" else model.model
+
+    def logits(sl):
+        out = m(input_ids=ids[:, sl], **{other: cache})
+        return out.logits if call == "model" else model.lm_head(out[0])
+
+    with torch.no_grad():
+        outs = [logits(slice(0, 23))]  # a prefill
+        used = bool(getattr(cache.layers[0], "is_initialized", False))
+        if used:  # then a decode step on the cache
+            outs.append(logits(slice(23, 24)))
+        ref = reference.eval()(input_ids=ids[:, :23 + used]).logits
+    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=1e-4, atol=1e-5)
+    assert used == (other == "past_key_values")  # only the deprecated alias is honored
+    marks = [getattr(a, static_cache.MARK) for a in model.model._tileops_attn_modules]
+    assert marks == ([64, 64] if used else [0, 0])
+    assert len(spies.get("decode_attention", [])) == (2 if used else 0)  # 1 step, 2 layers
 
 
 def test_padded_static_cache_stays_on_pytorch(spies):
@@ -624,3 +673,59 @@ def test_static_cache_decode_step_compiles_in_one_graph(spies):
     torch._dynamo.reset()
     assert torch.equal(out, ref)
     assert spies["decode_attention"]
+
+
+@torch.library.custom_op("tileops_test::hnd_decode", mutates_args=())
+def _hnd_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                   sm_scale: float, softcap: float, window_left: int) -> torch.Tensor:
+    _HND_CALLS.append(tuple(k.shape))
+    return _ref_decode(q, k, v, lengths, sm_scale=sm_scale, softcap=softcap,
+                       window_left=window_left, kv_layout="HND").contiguous()
+
+
+@_hnd_decode_op.register_fake
+def _(q, k, v, lengths, sm_scale, softcap, window_left):
+    # DecodeAttentionFwdOp's fake implementation checks the cache too: inductor's layouts
+    # are checked when it compiles
+    assert k.is_contiguous() and v.is_contiguous(), (k.stride(), v.stride())
+    return q.new_empty(q.shape)
+
+
+_HND_CALLS: list = []
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_static_cache_decode_step_under_inductor(family, spies, monkeypatch):
+    """generate's automatic compile of the decode step on inductor (CPU, no CUDA graphs),
+    decode_attention an opaque custom op as tileops' are: inductor functionalizes the
+    cache's in-place update and hands the op its own buffer in the default contiguous
+    [B, Hkv, S_max, D] layout, which the HND route reads (the old [B, S_max, Hkv, D]
+    re-layout got a transposed view of that buffer there and was refused)."""
+    from transformers import CompileConfig
+
+    def decode(q, k, v, lengths, sm_scale=None, softcap=None, window_left=None,
+               kv_layout="NHD", **kw):
+        assert kv_layout == "HND" and not kw.get("return_lse")
+        return _hnd_decode_op(q, k, v, lengths, float(sm_scale or q.shape[-1] ** -0.5),
+                              float(softcap or 0.0),
+                              -1 if window_left is None else int(window_left))
+
+    monkeypatch.setattr(tileops.ops, "decode_attention", decode)
+    model = hf_models.model(family)
+    reference = copy.deepcopy(model)
+    _apply(model)
+    config = CompileConfig(backend="inductor", mode=None, fullgraph=True)
+    config._compile_all_devices = True
+    ids = torch.randint(1, 512, (2, 20))
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static",
+              return_dict_in_generate=True, output_logits=True)
+    _HND_CALLS.clear()
+    torch._dynamo.reset()
+    out = model.generate(ids, compile_config=config, **kw)
+    torch._dynamo.reset()
+    ref = reference.generate(ids, disable_compile=True, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4,
+                               atol=1e-4)
+    assert len(_HND_CALLS) == 4 * model.config.num_hidden_layers  # every decode step ran it

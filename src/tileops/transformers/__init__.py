@@ -13,8 +13,9 @@ untouched):
   forward is a copy of its class's whose global `apply_rotary_pos_emb` is TileOPs').
 - attention: config._attn_implementation = "tileops", registered in transformers'
   AttentionInterface and AttentionMaskInterface: tileops.attention (GQA, causal, sliding
-  window, softcap) when no explicit mask is needed; SDPA (eager for softcapped layers) on
-  padded batches and static-cache decoding.
+  window, softcap) when no explicit mask is needed; tileops.decode_attention /
+  chunked_prefill_attention on a static KV cache without padding (read in place, see
+  static_cache.py); SDPA (eager for softcapped layers) on padded batches.
 - mlp: gated MLPs -> down_proj(tileops.swiglu(gate_proj(x), up_proj(x))) for SiLU,
   tileops.geglu(..., approximate='tanh') for Gemma's GeLU-tanh (exact 'gelu' too).
 - cross_entropy: in training with labels, the causal LM's loss through

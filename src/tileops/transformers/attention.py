@@ -12,9 +12,10 @@ its masks with `tileops_mask`:
 - the attention function runs `tileops.attention` (causal, bottom-right aligned; the
   layer's sliding window, softcap and scaling) when the mask is None;
   `tileops.decode_attention` (up to 16 new tokens per row; `chunked_prefill_attention`
-  beyond) on a static cache without padding that static_cache.py laid out
-  [B, S_max, Hkv, D], with cache_seqlens read from the mask on the device (CUDA-graph
-  capturable, no host sync); with PADDED_VARLEN (env TILEOPS_HF_PADDED_VARLEN=1; off by
+  beyond) on a static cache without padding (static_cache.py's mark), reading the static
+  layer's own [B, Hkv, S_max, D] key/value tensors in place (kv_layout="HND"), with
+  cache_seqlens read from the mask on the device (CUDA-graph capturable, no host sync);
+  with PADDED_VARLEN (env TILEOPS_HF_PADDED_VARLEN=1; off by
   default, see below) a padded batch's full-attention layers, eager and without a filled
   cache, on `tileops.attention_varlen`, unpadded on the device; and transformers' own SDPA
   (or, for a softcapped layer, the model's eager attention) on the explicit mask otherwise:
@@ -162,14 +163,16 @@ def tileops_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 def _on_static_cache(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, mask: Any) -> bool:
-    """Whether this call reads a dense static cache laid out [B, S_max, Hkv, D] (see
-    static_cache.py) with the mask transformers built for it: the decode kernel's case."""
+    """Whether this call reads a static layer without padding (static_cache.py's mark):
+    key/value its contiguous [B, Hkv, S_max, D] tensors, with the mask transformers built
+    for it: the decode kernels' case."""
     batch, heads, q_len, head_dim = query.shape
     s_max = key.shape[2]
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
             and mask.shape[0] in (1, batch) and tuple(mask.shape[-2:]) == (q_len, s_max)
             and q_len < s_max and getattr(module, static_cache.MARK, 0) == s_max
-            and static_cache.bshd(key) and static_cache.bshd(value)
+            and key.shape[0] == batch and value.shape == key.shape
+            and static_cache.hnd(key) and static_cache.hnd(value)
             and head_dim in DECODE_HEAD_DIMS and heads % key.shape[1] == 0)
 
 
@@ -185,23 +188,23 @@ def cache_seqlens(mask: torch.Tensor, batch: int) -> torch.Tensor:
 def _static_cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             mask: torch.Tensor, scaling: float | None, left: int,
                             softcap: float | None) -> torch.Tensor:
-    """query [B, H, Sq, D] over the cache views key/value [B, Hkv, S_max, D]: up to 16 new
-    tokens per row through tileops.decode_attention, more (a prefill onto a filled cache)
-    through chunked_prefill_attention; returns [B, Sq, H, D]."""
+    """query [B, H, Sq, D] over the static layer's key/value [B, Hkv, S_max, D] (read in
+    place, kv_layout="HND"): up to 16 new tokens per row through tileops.decode_attention,
+    more (a prefill onto a filled cache) through chunked_prefill_attention; returns
+    [B, Sq, H, D]."""
     from .. import ops
 
     batch, heads, q_len, head_dim = query.shape
     lengths = cache_seqlens(mask, batch)
     q = query.transpose(1, 2)
-    k, v = key.transpose(1, 2), value.transpose(1, 2)  # contiguous [B, S_max, Hkv, D]
     cap = float(softcap) if softcap else 0.0
     if q_len <= MAX_DECODE_Q:
-        return ops.decode_attention(q, k, v, lengths, sm_scale=scaling, softcap=cap,
-                                    window_left=left)
+        return ops.decode_attention(q, key, value, lengths, sm_scale=scaling, softcap=cap,
+                                    window_left=left, kv_layout="HND")
     cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
-    o = ops.chunked_prefill_attention(q.reshape(batch * q_len, heads, head_dim), k, v, cu,
-                                      lengths, q_len, sm_scale=scaling, softcap=cap,
-                                      window_left=left)
+    o = ops.chunked_prefill_attention(q.reshape(batch * q_len, heads, head_dim), key, value,
+                                      cu, lengths, q_len, sm_scale=scaling, softcap=cap,
+                                      window_left=left, kv_layout="HND")
     return o.view(batch, q_len, heads, head_dim)
 
 

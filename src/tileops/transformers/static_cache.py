@@ -1,43 +1,57 @@
-"""Static KV caches laid out for TileOPs' decode attention, and the per-forward check that a
-cache holds no padding.
+"""Static KV caches on TileOPs' decode attention: the per-forward check that a cache holds no
+padding.
 
-transformers' StaticLayer stores each layer's keys and values as [B, Hkv, S_max, D]
-tensors; `tileops.decode_attention` reads a contiguous [B, S_max, Hkv, D] cache in place
-(a per-step copy into that layout would cost more than the attention saves). So the layers
-of a static cache that a patched model uses get [B, S_max, Hkv, D] storage, exposed to
-transformers as the [B, Hkv, S_max, D] transposed view: transformers' own `update`
-(index_copy_ along dim 2), `reset`, masks and PyTorch attention work on the view
-unchanged, and the attention function hands `key.transpose(1, 2)` (contiguous) to the
-kernel.
+transformers' StaticLayer (and StaticSlidingWindowLayer) keeps each layer's keys and values
+in contiguous [B, Hkv, S_max, D] tensors, written in place (index_copy_ along dim 2; a full
+sliding layer rolls and copies back) and returned by `update` as they are. That is
+`tileops.decode_attention`'s and `chunked_prefill_attention`'s kv_layout="HND" contiguous
+cache, read in place: the attention function hands the layer's key/value tensors to the
+kernel as they come, and nothing here touches the cache (its tensors, their static
+addresses and transformers' own update, reset, reorder and masks stay transformers').
 
 The kernel's cache holds keys 0 .. cache_seqlens[b] - 1 of request b, so it serves a
 cache without padding only. A forward pre-hook on the base model reads the 2D
 attention mask on the host once per prefill (a forward of more than one token, or the
 cache's first forward; transformers' own mask path reads it there too) and marks each
-attention module with the static layer's length when the batch has no padding, 0
-otherwise. Decode steps (one token, the cache already filled) are not read: they keep
-the prefill's mark, so a CUDA-graph-captured or compiled decode step never syncs (the hook
-does nothing while torch.compile traces). The attention function takes the kernel only
-when the mark equals the key tensor's length and the key/value tensors are the
-[B, S_max, Hkv, D] views; anything else (a padded batch, a dynamic cache, a layer of
-another type, a cache reordered by beam search) runs PyTorch's attention on the mask.
+attention module with its static layer's length (S_max) when the batch has no padding, 0
+otherwise (padding, a dynamic cache, no cache, a layer of another type). Decode steps (one
+token, the cache already filled) are not read: they keep the prefill's mark, so a
+CUDA-graph-captured or compiled decode step never syncs (the hook does nothing while
+torch.compile traces). The attention function takes the kernel only when the mark equals
+the key tensor's length and key/value are contiguous [B, Hkv, S_max, D] tensors (a sliding
+layer that concatenates past its window returns a fresh tensor of another length);
+anything else runs PyTorch's attention on the mask.
+
+The cache reaches the base model's forward as `cache` (transformers 5.24, which still maps
+the deprecated `past_key_values` onto it) or `past_key_values` (5.17); the hook reads the
+names the forward's signature takes (`cache_kwarg`): a `cache=` passed to a 5.17 forward
+lands in its **kwargs, unused, and the model runs a DynamicCache of its own.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 
-MARK = "_tileops_static_len"  # on attention modules: S_max of a dense, re-laid-out layer
+MARK = "_tileops_static_len"  # on attention modules: S_max of a static layer without padding
 _DENSE = "_tileops_dense"  # on cache layers: the last prefill had no padding
 _HOOK = "_tileops_cache_hook"  # on the base model: the pre-hook's id (deepcopy-safe)
+CACHE_KWARGS = ("cache", "past_key_values")  # the cache argument's name across 5.x
 
 
-def bshd(t: torch.Tensor | None) -> bool:
-    """Whether `t` [B, H, S, D] is the transposed view of a contiguous [B, S, H, D] tensor."""
-    return t is not None and t.dim() == 4 and t.transpose(1, 2).is_contiguous()
+def hnd(t: torch.Tensor | None) -> bool:
+    """Whether `t` is a contiguous [B, H, S, D] tensor (the kernels' kv_layout="HND")."""
+    return t is not None and t.dim() == 4 and t.is_contiguous()
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which `model`'s forward takes its KV cache ("cache" or
+    "past_key_values", by transformers version)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return next((n for n in CACHE_KWARGS if n in params), CACHE_KWARGS[-1])
 
 
 def _layer_types() -> tuple[type, ...]:
@@ -45,35 +59,6 @@ def _layer_types() -> tuple[type, ...]:
 
     return tuple(getattr(cu, n) for n in ("StaticLayer", "StaticSlidingWindowLayer")
                  if hasattr(cu, n))
-
-
-def _relayout(layer: Any) -> None:
-    """keys/values [B, Hkv, S, D] -> views of new [B, S, Hkv, D] storage, same values."""
-    for name in ("keys", "values"):
-        t = getattr(layer, name)
-        if bshd(t):
-            continue
-        b, h, s, d = t.shape
-        new = torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(1, 2)
-        new.copy_(t)
-        if not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(new)
-        setattr(layer, name, new)
-
-
-def _lazy_initialization(self: Any, key_states: torch.Tensor,
-                         value_states: torch.Tensor) -> None:
-    """The layer's own lazy initialization, then its tensors re-laid out (a transient copy
-    of one layer's empty cache)."""
-    type(self).lazy_initialization(self, key_states, value_states)
-    _relayout(self)
-
-
-def _adopt(layer: Any) -> None:
-    if getattr(layer, "is_initialized", False):
-        _relayout(layer)
-    elif "lazy_initialization" not in vars(layer):
-        layer.lazy_initialization = types.MethodType(_lazy_initialization, layer)
 
 
 def _no_padding(mask: Any) -> bool:
@@ -99,7 +84,11 @@ def _no_padding(mask: Any) -> bool:
 def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():
         return None
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    # only the names the forward takes: a `cache=` that a 5.17 forward swallows into
+    # **kwargs is not the cache it runs on (5.24 takes `cache` and still maps the older name)
+    name = getattr(module, "_tileops_cache_kwarg", CACHE_KWARGS[0])
+    cache = next((kwargs[n] for n in CACHE_KWARGS[CACHE_KWARGS.index(name):]
+                  if kwargs.get(n) is not None), None)
     layers = getattr(cache, "layers", None)
     attn = getattr(module, "_tileops_attn_modules", ())
     if not layers:
@@ -125,11 +114,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if dense is None:
                 dense = _no_padding(kwargs.get("attention_mask"))
             setattr(layer, _DENSE, dense)
-            if dense:
-                _adopt(layer)
-        ok = getattr(layer, _DENSE) and (not getattr(layer, "is_initialized", False) or (
-            bshd(layer.keys) and bshd(layer.values)))
-        setattr(m, MARK, int(layer.max_cache_len) if ok else 0)
+        setattr(m, MARK, int(layer.max_cache_len) if getattr(layer, _DENSE) else 0)
     return None
 
 
@@ -146,6 +131,7 @@ def install(model: torch.nn.Module) -> None:
         for m in attn:
             setattr(m, MARK, 0)
         base._tileops_attn_modules = attn
+        base._tileops_cache_kwarg = cache_kwarg(base)
         setattr(base, _HOOK, base.register_forward_pre_hook(_pre_hook, with_kwargs=True).id)
 
 
@@ -155,5 +141,6 @@ def uninstall(model: torch.nn.Module) -> None:
         if hook is not None:
             base._forward_pre_hooks.pop(hook, None)
             base._forward_pre_hooks_with_kwargs.pop(hook, None)
+            base.__dict__.pop("_tileops_cache_kwarg", None)
             for m in base.__dict__.pop("_tileops_attn_modules", ()):
                 m.__dict__.pop(MARK, None)
