@@ -330,6 +330,35 @@ def test_kv_cache_append_then_decode():
     assert_close(o, reference(check_q, k, v, seqlens, table)[0], scale=2.0)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kv_cache_append_into_heads_first_pools(fp8):
+    """kv_layout "HND" pools [N, Hkv, page, D]: the same slots as the NHD pools of the same
+    values, padding skipped, eager and under torch.compile (fp8: the same e4m3 codes)."""
+    n_pages, page, kv_heads, head_dim, tokens = 40, 16, 4, 128, 37
+    k_nhd, v_nhd = (randn(n_pages, page, kv_heads, head_dim, dtype=torch.bfloat16)
+                    for _ in range(2))
+    if fp8:
+        k_nhd, v_nhd = k_nhd.to(FP8), v_nhd.to(FP8)
+    k_hnd, v_hnd = heads_first(k_nhd, v_nhd)
+    k_new, v_new = (randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(n_pages * page, device="cuda")[:tokens]
+    slots[::5] = -1
+    scales = dict(k_scale=torch.full((kv_heads,), 0.5, device="cuda"),
+                  v_scale=torch.full((kv_heads,), 0.25, device="cuda")) if fp8 else {}
+    tileops.kv_cache_append(k_new, v_new, k_nhd, v_nhd, slots, **scales)
+    tileops.kv_cache_append(k_new, v_new, k_hnd, v_hnd, slots, kv_layout="HND", **scales)
+    assert torch.equal(k_hnd.view(torch.uint8), heads_first(k_nhd)[0].view(torch.uint8))
+    assert torch.equal(v_hnd.view(torch.uint8), heads_first(v_nhd)[0].view(torch.uint8))
+
+    @torch.compile(fullgraph=True)
+    def f(k_new, v_new):
+        tileops.kv_cache_append(k_new, v_new, k_hnd, v_hnd, slots, kv_layout="HND", **scales)
+
+    f(k_new * 2, v_new * 2)
+    tileops.kv_cache_append(k_new * 2, v_new * 2, k_nhd, v_nhd, slots, **scales)
+    assert torch.equal(k_hnd.view(torch.uint8), heads_first(k_nhd)[0].view(torch.uint8))
+
+
 def test_kv_cache_append_torch_compile():
     k_pages = randn(8, 16, 2, 128, dtype=torch.bfloat16)
     v_pages = randn(8, 16, 2, 128, dtype=torch.bfloat16)

@@ -247,6 +247,38 @@ def test_combine_program_on_the_cpu(dtype):
 
 
 @pytest.mark.compile
+def test_heads_first_append_program_on_the_cpu():
+    """kv_layout "HND": pools [N, Hkv, page, D] seen as [N * Hkv, page, D] blocks; a token's
+    head h lands in block page * Hkv + h at its offset, slot -1 and slots past the pool
+    skipped, the other rows untouched."""
+    from tileops.kernels.attention.kv_cache import KVCacheAppendKernel
+
+    from ..cuda_emulation import run
+
+    kv_heads, head_dim, page, n_pages, tokens = 4, 64, 16, 5, 11
+    kernel = KVCacheAppendKernel(dtype="bfloat16", slot_dtype="int64", width=kv_heads * head_dim,
+                                 head_dim=head_dim, page_size=page)
+    config = kernel.heuristic_config("all", "sm_90a")
+    compiled = kernel.compile(config, "all")[0]
+    k_new = torch.randn(tokens, kv_heads, head_dim).to(BF16)
+    v_new = torch.randn(tokens, kv_heads, head_dim).to(BF16)
+    k_pages = torch.randn(n_pages, kv_heads, page, head_dim).to(BF16)
+    v_pages = torch.randn(n_pages, kv_heads, page, head_dim).to(BF16)
+    slots = torch.randperm(n_pages * page)[:tokens]
+    slots[3], slots[7] = -1, n_pages * page + 5
+    k_want, v_want = k_pages.clone(), v_pages.clone()
+    keep = (slots >= 0) & (slots < n_pages * page)
+    for want, new in ((k_want, k_new), (v_want, v_new)):
+        want.transpose(1, 2)[slots[keep] // page, slots[keep] % page] = new[keep]
+    run(compiled, -(-tokens // config.block_rows), config.threads,
+        dict(k_new=k_new.reshape(tokens, -1), v_new=v_new.reshape(tokens, -1),
+             k_pages=k_pages.view(-1, page, head_dim), v_pages=v_pages.view(-1, page, head_dim),
+             slot_mapping=slots),
+        dict(tokens=tokens, slots=n_pages * kv_heads))
+    assert torch.equal(k_pages, k_want) and torch.equal(v_pages, v_want)
+
+
+@pytest.mark.compile
 @pytest.mark.smoke
 def test_kv_cache_append_program_on_the_cpu():
     """The append kernel run thread by thread on the CPU: rows land at their slots, slot -1

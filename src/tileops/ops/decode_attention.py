@@ -387,9 +387,9 @@ class KVCacheAppendFwdOp(Op):
 
     kernel_map = {"kv_cache_append": KVCacheAppendKernel}
 
-    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
-                 tune: bool = False):
-        super().__init__(kernel_map=kernel_map, tune=tune)
+    def __init__(self, *, kv_layout: str = "NHD",
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(kv_layout=kv_layout, kernel_map=kernel_map, tune=tune)
         self.inplace = True
 
     @classmethod
@@ -400,7 +400,7 @@ class KVCacheAppendFwdOp(Op):
 
     def __call__(self, *inputs: Any) -> Any:
         if self.inplace and torch.compiler.is_compiling():
-            torch.ops.tileops.kv_cache_append_inplace(*inputs)
+            torch.ops.tileops.kv_cache_append_inplace(*inputs, self.kv_layout)
             return inputs[2], inputs[3]
         return super().__call__(*inputs)
 
@@ -408,7 +408,8 @@ class KVCacheAppendFwdOp(Op):
     def index_bounds(cls, inputs: Mapping[str, Any],
                      params: Mapping[str, Any] | None = None) -> dict[str, int]:
         pages = inputs["k_pages"]
-        return {"slot_mapping": pages.shape[0] * pages.shape[1]}
+        rows, _ = cache_dims(pages, (params or {}).get("kv_layout", "NHD"))
+        return {"slot_mapping": pages.shape[0] * rows}
 
     def forward(self, k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor,
@@ -430,45 +431,60 @@ class KVCacheAppendFwdOp(Op):
         if tokens == 0 or k_out.numel() == 0:
             return k_out, v_out
         width = kv_heads * head_dim
+        page_size, _ = cache_dims(k_out, self.kv_layout)
         kernel = self.get_kernel("kv_cache_append", k_new.device,
                                  **self._kernel_key(k_new.dtype, slot_mapping.dtype, width,
-                                                    k_out.dtype, head_dim))
+                                                    k_out.dtype, head_dim, page_size))
         scales = () if k_scale is None else (k_scale, v_scale)
+        # the kernel's view of the pools: rows of Hkv * D, or (HND) blocks of one head's page
+        view = (-1, page_size, head_dim) if self.kv_layout == "HND" else (-1, width)
         kernel(tokens, k_new.reshape(tokens, width).contiguous(),
-               v_new.reshape(tokens, width).contiguous(), k_out.view(-1, width),
-               v_out.view(-1, width), slot_mapping.contiguous(), *scales)
+               v_new.reshape(tokens, width).contiguous(), k_out.view(view), v_out.view(view),
+               slot_mapping.contiguous(), *scales)
         return k_out, v_out
 
-    @staticmethod
-    def _kernel_key(dtype: torch.dtype, slot_dtype: torch.dtype, width: int,
-                    cache_dtype: torch.dtype | None = None,
-                    head_dim: int = 0) -> dict[str, Any]:
+    def _kernel_key(self, dtype: torch.dtype, slot_dtype: torch.dtype, width: int,
+                    cache_dtype: torch.dtype | None = None, head_dim: int = 0,
+                    page_size: int = 0) -> dict[str, Any]:
         key = {"dtype": DTYPE_NAMES[dtype], "slot_dtype": DTYPE_NAMES[slot_dtype],
                "width": width}
         if cache_dtype == FP8:  # the scale of element j is its KV head's, j // head_dim
             key.update(cache_dtype="float8_e4m3fn", head_dim=head_dim)
+        if self.kv_layout == "HND":  # only then: the NHD programs keep their keys
+            key.update(head_dim=head_dim, page_size=page_size)
         return key
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["k_new"].dtype, ns["slot_mapping"].dtype, ns["Hkv"] * ns["D"],
-                               ns["k_pages"].dtype, ns["D"])
+                               ns["k_pages"].dtype, ns["D"], ns["S"])
         return [("kv_cache_append", key, ns["T"])]
 
 
-_append_inplace = KVCacheAppendFwdOp()
+def _appender(op_class: type[KVCacheAppendFwdOp], kv_layout: str) -> KVCacheAppendFwdOp:
+    """The in-place op object of a layout, made once (the functional calls' and the
+    mutating custom ops')."""
+    op = _appenders.get((op_class, kv_layout))
+    if op is None:
+        op = _appenders[(op_class, kv_layout)] = op_class(kv_layout=kv_layout)
+    return op
+
+
+_appenders: dict[tuple, KVCacheAppendFwdOp] = {}
 
 
 @torch.library.custom_op(f"{LIBRARY}::kv_cache_append_inplace",
                          mutates_args=("k_pages", "v_pages"))
 def _kv_cache_append_inplace(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
-                             v_pages: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _append_inplace.run(k_new, v_new, k_pages, v_pages, slot_mapping)
+                             v_pages: torch.Tensor, slot_mapping: torch.Tensor,
+                             kv_layout: str = "NHD") -> None:
+    _appender(KVCacheAppendFwdOp, kv_layout).run(k_new, v_new, k_pages, v_pages, slot_mapping)
 
 
 @_kv_cache_append_inplace.register_fake
 def _(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-      slot_mapping: torch.Tensor) -> None:
-    _append_inplace.check((k_new, v_new, k_pages, v_pages, slot_mapping))
+      slot_mapping: torch.Tensor, kv_layout: str = "NHD") -> None:
+    _appender(KVCacheAppendFwdOp, kv_layout).check(
+        (k_new, v_new, k_pages, v_pages, slot_mapping))
 
 
 
@@ -510,7 +526,8 @@ class KVCacheAppendFp8FwdOp(KVCacheAppendFwdOp):
 
     def __call__(self, *inputs: Any) -> Any:
         if self.inplace and torch.compiler.is_compiling():
-            torch.ops.tileops.kv_cache_append_fp8_inplace(*inputs)
+            inputs = inputs + (None,) * (7 - len(inputs))  # k_scale, v_scale default None
+            torch.ops.tileops.kv_cache_append_fp8_inplace(*inputs, self.kv_layout)
             return inputs[2], inputs[3]
         return Op.__call__(self, *inputs)
 
@@ -522,23 +539,22 @@ class KVCacheAppendFp8FwdOp(KVCacheAppendFwdOp):
                             *_scales(self.spec.op_name, k_pages, k_scale, v_scale))
 
 
-_append_fp8_inplace = KVCacheAppendFp8FwdOp()
-
-
 @torch.library.custom_op(f"{LIBRARY}::kv_cache_append_fp8_inplace",
                          mutates_args=("k_pages", "v_pages"))
 def _kv_cache_append_fp8_inplace(k_new: torch.Tensor, v_new: torch.Tensor,
                                  k_pages: torch.Tensor, v_pages: torch.Tensor,
                                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
-                                 v_scale: torch.Tensor | None) -> None:
-    _append_fp8_inplace.run(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale, v_scale)
+                                 v_scale: torch.Tensor | None, kv_layout: str = "NHD") -> None:
+    _appender(KVCacheAppendFp8FwdOp, kv_layout).run(k_new, v_new, k_pages, v_pages,
+                                                    slot_mapping, k_scale, v_scale)
 
 
 @_kv_cache_append_fp8_inplace.register_fake
 def _(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
       slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
-      v_scale: torch.Tensor | None) -> None:
-    _append_fp8_inplace.check((k_new, v_new, k_pages, v_pages, slot_mapping, k_scale, v_scale))
+      v_scale: torch.Tensor | None, kv_layout: str = "NHD") -> None:
+    _appender(KVCacheAppendFp8FwdOp, kv_layout).check(
+        (k_new, v_new, k_pages, v_pages, slot_mapping, k_scale, v_scale))
 
 
 # -- the planned decode -------------------------------------------------------------------
@@ -809,25 +825,29 @@ def _no_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tu
 def kv_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor,
                     v_pages: torch.Tensor, slot_mapping: torch.Tensor,
                     k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> None:
+                    v_scale: torch.Tensor | None = None, kv_layout: str = "NHD") -> None:
     """Writes k_new/v_new [T, Hkv, D] into k_pages/v_pages [num_pages, page_size, Hkv, D]
-    in place at slot_mapping [T] (int64 or int32; slot = page * page_size + offset, -1
-    skips the token), as vLLM's reshape_and_cache. int32 slots are widened first (one
-    small copy). fp8 (e4m3) pools store each element / its scale (k_scale/v_scale fp32 [1]
-    or [Hkv], None: 1.0), saturated to +-448."""
+    ([num_pages, Hkv, page_size, D] with kv_layout "HND") in place at slot_mapping [T]
+    (int64 or int32; slot = page * page_size + offset, -1 skips the token), as vLLM's
+    reshape_and_cache. int32 slots are widened first (one small copy). fp8 (e4m3) pools
+    store each element / its scale (k_scale/v_scale fp32 [1] or [Hkv], None: 1.0),
+    saturated to +-448."""
     if slot_mapping.dtype == torch.int32:
         slot_mapping = slot_mapping.long()
     if k_pages.dtype == FP8:
         if torch.compiler.is_compiling():
             torch.ops.tileops.kv_cache_append_fp8_inplace(k_new, v_new, k_pages, v_pages,
-                                                          slot_mapping, k_scale, v_scale)
+                                                          slot_mapping, k_scale, v_scale,
+                                                          kv_layout)
         else:
-            _append_fp8_inplace.run(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale,
-                                    v_scale)
+            _appender(KVCacheAppendFp8FwdOp, kv_layout).run(
+                k_new, v_new, k_pages, v_pages, slot_mapping, k_scale, v_scale)
         return
     _no_scales(k_scale, v_scale)
     if torch.compiler.is_compiling():
-        torch.ops.tileops.kv_cache_append_inplace(k_new, v_new, k_pages, v_pages, slot_mapping)
+        torch.ops.tileops.kv_cache_append_inplace(k_new, v_new, k_pages, v_pages, slot_mapping,
+                                                  kv_layout)
     else:
-        _append_inplace.run(k_new, v_new, k_pages, v_pages, slot_mapping)
+        _appender(KVCacheAppendFwdOp, kv_layout).run(k_new, v_new, k_pages, v_pages,
+                                                     slot_mapping)
 

@@ -146,9 +146,15 @@ def chunked_prefill_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
     return {name: _as_nhd(run) for name, run in table.items()}
 
 
-def _index_copy(k_new, v_new, k_pages, v_pages, slot_mapping):
-    """Row scatter into the flattened pools (torch has no skip for slot -1)."""
+def _index_copy(k_new, v_new, k_pages, v_pages, slot_mapping, kv_layout="NHD"):
+    """Row scatter into the flattened pools (torch has no skip for slot -1); heads-first
+    pools by an indexed store into their [N, page, Hkv, D] view."""
     kv_heads, head_dim = k_new.shape[1:]
+    if kv_layout == "HND":
+        page = k_pages.shape[2]
+        for new, pages in ((k_new, k_pages), (v_new, v_pages)):
+            pages.transpose(1, 2)[slot_mapping // page, slot_mapping % page] = new
+        return k_pages, v_pages
     k_pages.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k_new)
     v_pages.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v_new)
     return k_pages, v_pages
@@ -248,14 +254,16 @@ def chunked_prefill_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
     return {"tileops-16bit-cache": _split_scales(_bf16_cache(_tileops_chunks), 6)}
 
 
-def _quantize_copy(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale=None, v_scale=None):
+def _quantize_copy(k_new, v_new, k_pages, v_pages, slot_mapping, k_scale=None, v_scale=None,
+                   kv_layout="NHD"):
     """Scale, saturate and cast in torch, then the row scatter."""
     def q8(x, scale):
         if scale is not None:
             x = x.float() / scale.reshape(-1, 1).float()
         return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
-    return _index_copy(q8(k_new, k_scale), q8(v_new, v_scale), k_pages, v_pages, slot_mapping)
+    return _index_copy(q8(k_new, k_scale), q8(v_new, v_scale), k_pages, v_pages, slot_mapping,
+                       kv_layout)
 
 
 def kv_cache_append_fp8_baselines(libs: dict[str, bool]) -> dict[str, Baseline]:
