@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
+from ..attention.attention_fwd import sm_sharing
 from ..base import Kernel
 from ..selection.topk import exclusive_offsets
 
@@ -56,6 +57,9 @@ class GroupedGemmConfig:
     # by row): short-K shapes (Qwen3-30B's experts, 12-32 K steps a tile) spend a large share
     # of each tile in the epilogue. Costs a bm x bn tile of shared memory.
     tile_store: bool = False
+    # 2: two persistent CTAs share an SM (ctas = 2 x SMs), so one's epilogue runs under the
+    # other's mainloop (what CUTLASS's ping-pong schedule gets from two consumer warp groups)
+    ctas_per_sm: int = 1
 
 
 def tile_bound(m_total, n_experts: int, block_m: int):
@@ -148,6 +152,8 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
         b_shape = (n_experts, n, k) if trans_b else (n_experts, k, n)
     b_tile = (bn, bk) if trans_b else (bk, bn)
 
+    share_sm = sm_sharing(config.threads, config.ctas_per_sm)
+
     def whole_tile(offsets, table, t):
         """The tile's rows lie in its group and its columns in N."""
         return (tile_row0(offsets, table, t, n_tiles, bm) + bm
@@ -157,6 +163,7 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
     @T.macro
     def body(a, b, offsets, table, out):
         with T.Kernel(ctas, threads=config.threads) as cta:
+            share_sm()
             a_shared = T.alloc_shared((bm, bk), dtype)
             b_shared = T.alloc_shared(b_tile, dtype)
             acc = T.alloc_fragment((bm, bn), "float32")
@@ -367,7 +374,12 @@ class GroupedGemmKernel(Kernel):
             # whole tiles stored by TMA (see GroupedGemmConfig.tile_store)
             GroupedGemmConfig(block_n=256 // halve, tile_store=True),
             GroupedGemmConfig(block_m=128, block_n=128 // halve, block_k=64, stages=4,
-                              threads=256, tile_store=True)]))
+                              threads=256, tile_store=True),
+            # two CTAs per SM (see GroupedGemmConfig.ctas_per_sm), one consumer warp group
+            # each: their launch bound caps ptxas at 128 registers a thread, which a 64 x 256
+            # or 128 x 128 tile's wgmma exceeds (ptxas asks for 154)
+            GroupedGemmConfig(block_m=64, block_n=128 // halve, block_k=64, stages=4,
+                              threads=128, ctas=2 * SMS, ctas_per_sm=2)]))
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, a, b, offsets, out) -> None:
         import torch
