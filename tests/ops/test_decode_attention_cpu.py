@@ -105,6 +105,23 @@ def test_torch_compile_traces_through_the_custom_ops():
 
 
 @pytest.mark.smoke
+def test_a_strided_cache_is_refused_on_meta_and_while_tracing():
+    """The launch reads the cache in place and refuses a strided one; meta calls and
+    torch.compile's trace say so too (an NHD view of an HND cache is the usual case)."""
+    q, k, v, lens, table = paged()
+    strided = meta(64, 8, 16, 128).transpose(1, 2)
+    with pytest.raises(TileOpsValueError, match="argument 'k_cache': expected a contiguous"):
+        DecodeAttentionFwdOp()(q, strided, v, lens, table)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, k, v):
+        return tileops.decode_attention(q, k, v, lens, table)
+
+    with pytest.raises(Exception, match="argument 'v_cache': expected a contiguous"):
+        step(q[:, 0], k, strided)
+
+
+@pytest.mark.smoke
 def test_roofline_counts_the_rows_each_length_reads():
     q, k, v, _, table = paged(batch=3, page=16, n_pages=64, max_pages=20)
     lens = torch.tensor([1, 100, 300], dtype=torch.int32)  # values on the CPU

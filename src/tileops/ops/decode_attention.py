@@ -171,6 +171,13 @@ class DecodeAttentionFwdOp(Op):
                          is_causal=is_causal, kv_layout=kv_layout, kernel_map=kernel_map,
                          tune=tune)
 
+    def _meta_outputs(self, ns: Mapping[str, Any], device: torch.device) -> Any:
+        # a launch refuses a strided cache (it is read in place), so meta and traced calls
+        # do too: torch.compile then fails while tracing, not at the first run
+        for name in ("k_cache", "v_cache"):
+            _contiguous(self.spec.op_name, name, ns[name])
+        return super()._meta_outputs(ns, device)
+
     @classmethod
     def index_bounds(cls, inputs: Mapping[str, Any],
                      params: Mapping[str, Any] | None = None) -> dict[str, int]:
