@@ -2,8 +2,6 @@
 tracing, rooflines against hand counts, the kernels' split plans, and (marker `compile`) the
 generated CUDA of the programs the heuristics pick."""
 
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from tileops.kernels.selection.topk import MAX_MERGE_SLOTS_PER_THREAD
 from tileops.manifest import load_workloads
 from tileops.prebuild import build_plan
 
-from ..helpers import meta
+from ..helpers import meta, ptxas_report
 
 VOCABS = (32000, 128256, 151936, 256000, 129280)
 
@@ -166,15 +164,6 @@ def test_smoke_plan_covers_both_buckets_and_both_passes():
                      ("topk", "large")}
 
 
-def _ptxas_report(compiled, tmp_path):
-    if shutil.which("ptxas") is None:
-        pytest.skip("needs ptxas (CUDA toolkit)")
-    ptx = tmp_path / "kernel.ptx"
-    compiled.export_ptx(str(ptx))
-    return subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"],
-                          capture_output=True, text=True, check=True).stderr
-
-
 # One dtype per smoke workload in `make test` (as tests/test_compile.py): a dtype changes
 # the vector width, not the code path; the other dtypes run under `make test-full`.
 FAST_PLAN = [i for i in PLAN if i.dtype == "bfloat16"]
@@ -187,7 +176,7 @@ def _check_loads_and_spills(item, tmp_path):
     source = compiled[0].get_kernel_source()
     assert "uint4" in source or "float4" in source, source  # 16-byte logit loads
     for program in compiled:
-        report = _ptxas_report(program, tmp_path)
+        report = ptxas_report(program, tmp_path)
         assert "0 bytes spill stores" in report, report
 
 
@@ -210,5 +199,5 @@ def test_widest_merge_does_not_spill(tmp_path):
     """fp32 Gemma-2 rows at batch 1 with k <= 128: the most candidate keys per thread."""
     kernel = TopkKernel(dtype="float32", vocab=256000, k_cap=MAX_K)
     compiled = kernel.compile(kernel.heuristic_config("small", "sm_90a"), "small")
-    report = _ptxas_report(compiled[1], tmp_path)
+    report = ptxas_report(compiled[1], tmp_path)
     assert "0 bytes spill stores" in report, report

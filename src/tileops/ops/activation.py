@@ -108,10 +108,19 @@ def _fused_kernels(activation: str, backward: bool,
     return [("gated_activation", key, ns["rows"])]
 
 
-def _check_approximate(op: Op, approximate: str) -> None:
-    if approximate not in _GELU:
-        raise op_error(TileOpsValueError, op.spec.op_name, "approximate",
-                       "'none' or 'tanh' (as torch.nn.functional.gelu)", repr(approximate))
+class _GeluGated:
+    """Mixed into the GeLU-gated ops (before Op; every Op subclass is a manifest op): their
+    shared param `approximate`, 'none' or 'tanh' as F.gelu."""
+
+    kernel_map = _KERNELS
+
+    def __init__(self, *, approximate: str = "none",
+                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
+        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
+        if approximate not in _GELU:
+            raise op_error(TileOpsValueError, self.spec.op_name, "approximate",
+                           "'none' or 'tanh' (as torch.nn.functional.gelu)",
+                           repr(approximate))
 
 
 class SiluAndMulFwdOp(Op):
@@ -146,15 +155,8 @@ class SiluAndMulBwdOp(Op):
         return _fused_kernels("silu", True, ns)
 
 
-class GeluAndMulFwdOp(Op):
+class GeluAndMulFwdOp(_GeluGated, Op):
     """gelu(x[..., :N], approximate) * x[..., N:] for x [..., 2N] (vLLM GeluAndMul)."""
-
-    kernel_map = _KERNELS
-
-    def __init__(self, *, approximate: str = "none",
-                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
-        _check_approximate(self, approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _fused_forward(self, _GELU[self.approximate], x)
@@ -163,15 +165,8 @@ class GeluAndMulFwdOp(Op):
         return _fused_kernels(_GELU[self.approximate], False, ns)
 
 
-class GeluAndMulBwdOp(Op):
+class GeluAndMulBwdOp(_GeluGated, Op):
     """grad_x [..., 2N] of gelu_and_mul from grad_out [..., N] and x (recomputes gelu)."""
-
-    kernel_map = _KERNELS
-
-    def __init__(self, *, approximate: str = "none",
-                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
-        _check_approximate(self, approximate)
 
     def forward(self, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return _fused_backward(self, _GELU[self.approximate], grad_out, x)
@@ -251,16 +246,9 @@ class SwigluBwdOp(Op):
         return _split_kernels("silu", True, ns)
 
 
-class GegluFwdOp(Op):
+class GegluFwdOp(_GeluGated, Op):
     """gelu(gate, approximate) * up for gate, up [..., N] (the Hugging Face Gemma MLP:
     gelu_pytorch_tanh is approximate='tanh')."""
-
-    kernel_map = _KERNELS
-
-    def __init__(self, *, approximate: str = "none",
-                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
-        _check_approximate(self, approximate)
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return _split_forward(self, _GELU[self.approximate], gate, up)
@@ -269,15 +257,8 @@ class GegluFwdOp(Op):
         return _split_kernels(_GELU[self.approximate], False, ns)
 
 
-class GegluBwdOp(Op):
+class GegluBwdOp(_GeluGated, Op):
     """grad_gate, grad_up of geglu from grad_out, gate and up (recomputes gelu)."""
-
-    kernel_map = _KERNELS
-
-    def __init__(self, *, approximate: str = "none",
-                 kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
-        super().__init__(approximate=approximate, kernel_map=kernel_map, tune=tune)
-        _check_approximate(self, approximate)
 
     def forward(self, grad_out: torch.Tensor, gate: torch.Tensor,
                 up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
