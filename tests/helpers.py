@@ -175,6 +175,10 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path, spills: bool
 
 def poison_allocator(nbytes: int = 1 << 30) -> None:
     """Leaves NaN in the caching allocator's free blocks, where the next outputs land: an
-    element a kernel never writes stays NaN."""
+    element a kernel never writes stays NaN. The other cached free blocks are released first:
+    the allocator takes the smallest free block that fits, which would otherwise be an
+    earlier test's, holding its values."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     block = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
     del block

@@ -81,7 +81,6 @@ from ..kernels.base import Kernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import LIBRARY, Op
 
-_placeholders: dict[tuple, torch.Tensor] = {}
 _sm_counts: dict[torch.device, int] = {}
 
 
@@ -95,41 +94,35 @@ def _sms(device: torch.device) -> int:
     return count
 
 
-def _placeholder(device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
-    """An int32 tensor a program takes and never reads (the contiguous cache's block
-    table, the decode form's cu_seqlens_q), made once per device."""
-    t = _placeholders.get((device, shape))
-    if t is None:
-        t = _placeholders[(device, shape)] = torch.zeros(shape, dtype=torch.int32,
-                                                         device=device)
-    return t
-
-
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    """fp32 [1] = 1.0: the scales a cache in q's dtype passes (the programs ignore them)."""
-    t = _placeholders.get((device, "scale"))
-    if t is None:
-        t = _placeholders[(device, "scale")] = torch.ones(1, dtype=torch.float32,
-                                                          device=device)
-    return t
+def _unread_ints(cache_seqlens: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An int32 tensor of `shape` that a program takes and never reads (the contiguous
+    cache's block table, the decode form's cu_seqlens_q): a view of the call's own
+    cache_seqlens. Not a tensor cached across calls: one made during the first call under
+    torch.compile's CUDA-graph trees would live in their memory pool, which they refuse."""
+    return cache_seqlens.reshape(-1)[:1].view(shape)
 
 
 FP8 = torch.float8_e4m3fn
 
 
 def _scales(op: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
-            v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            v_scale: torch.Tensor | None, spare: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_scale, v_scale) for the programs: an fp8 cache's scales (None: 1.0), fp32 [1] or
-    [Hkv] alike; a cache in q's dtype takes none."""
-    device = k_cache.device
+    [Hkv] alike; a cache in q's dtype takes none and passes a view of `spare` (an fp32
+    tensor of the call; the programs never read it; see _unread_ints for why not a cached
+    tensor)."""
     if k_cache.dtype != FP8:
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             if t is not None:
                 raise op_error(TileOpsValueError, op, name, "None for a cache in q's dtype "
                                "(scales belong to an fp8 cache)", "a tensor")
-        return _unit_scale(device), _unit_scale(device)
-    k_scale = k_scale if k_scale is not None else _unit_scale(device)
-    v_scale = v_scale if v_scale is not None else _unit_scale(device)
+        unread = spare.reshape(-1)[:1]
+        return unread, unread
+    if k_scale is None or v_scale is None:
+        one = torch.ones(1, dtype=torch.float32, device=k_cache.device)
+        k_scale = k_scale if k_scale is not None else one
+        v_scale = v_scale if v_scale is not None else one
     if k_scale.numel() != v_scale.numel():
         raise op_error(TileOpsValueError, op, "v_scale",
                        f"as many scales as k_scale ({k_scale.numel()})", v_scale.numel())
@@ -224,8 +217,8 @@ class DecodeAttentionFwdOp(Op):
         page_rows, kv_heads = cache_dims(k_cache, self.kv_layout)
         key = self._kernel_key(q.dtype, heads, kv_heads, head_dim, q_len,
                                page_rows if paged else 0, k_cache.dtype)
-        k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale)
-        table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
+        k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale, lse)
+        table = block_table.contiguous() if paged else _unread_ints(cache_seqlens, (1, 1))
         scale = self.sm_scale if self.sm_scale is not None else head_dim ** -0.5
         if cu_seqlens_q is None and self.planned:
             kernel = self.get_kernel("decode_attention_planned", q.device, **key)
@@ -245,8 +238,8 @@ class DecodeAttentionFwdOp(Op):
                                    device=q.device)
         else:
             o_part = lse_part = None
-        cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else _placeholder(
-            q.device, (1,))
+        cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else _unread_ints(
+            cache_seqlens, (1,))
         kernel(splits, q, k_cache, v_cache, table, cache_seqlens.contiguous(), cu, k_scale,
                v_scale, o, lse, o_part, lse_part, blocks, float(scale))
 
@@ -543,7 +536,9 @@ class KVCacheAppendFp8FwdOp(KVCacheAppendFwdOp):
                 k_scale: torch.Tensor | None = None,
                 v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._append(k_new, v_new, k_pages, v_pages, slot_mapping,
-                            *_scales(self.spec.op_name, k_pages, k_scale, v_scale))
+                            *_scales(self.spec.op_name, k_pages, k_scale, v_scale,
+                                     torch.empty(1, dtype=torch.float32,
+                                                 device=k_pages.device)))
 
 
 @torch.library.custom_op(f"{LIBRARY}::kv_cache_append_fp8_inplace",
@@ -719,7 +714,6 @@ class DecodePlan:
                            f"{'given' if paged else 'None'}")
         inputs = (q4, k_cache, v_cache, cache_seqlens, block_table)
         self.op.validate(inputs + (k_scale, v_scale) if self.kv_dtype == FP8 else inputs)
-        k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale)
         if self.op.checked and not torch.cuda.is_current_stream_capturing():
             self.op._check_indices(k_cache, cache_seqlens, block_table)
         o = out if out is not None else torch.empty_like(q)
@@ -732,7 +726,8 @@ class DecodePlan:
                 raise op_error(TileOpsValueError, name, arg,
                                f"a contiguous {dtype} tensor of shape {list(shape)}",
                                f"{list(t.shape)} ({t.dtype})")
-        table = block_table.contiguous() if paged else _placeholder(q.device, (1, 1))
+        k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale, lse)
+        table = block_table.contiguous() if paged else _unread_ints(cache_seqlens, (1, 1))
         _planned_launch(self.kernel, schedule or not self._scheduled, q4.contiguous(),
                         _contiguous(name, "k_cache", k_cache),
                         _contiguous(name, "v_cache", v_cache), table,
