@@ -180,5 +180,7 @@ def poison_allocator(nbytes: int = 1 << 30) -> None:
     earlier test's, holding its values."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    block = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    # all bits set: NaN read as fp32, bf16, fp16 or e4m3 alike (an fp32 NaN's low half is a
+    # bf16 zero)
+    block = torch.full((nbytes // 4,), -1, dtype=torch.int32, device="cuda")
     del block
