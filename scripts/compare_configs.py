@@ -10,6 +10,15 @@ Each --config replaces fields of the default config (see profile_op.py). A varia
 outputs disagree with the default's on the same inputs is reported and not timed, as in
 the tuner. Cheaper than `tileops tune` when only a few configs of a large space matter,
 and it puts the best baseline in the same rounds.
+
+With --compile-only it needs no GPU: it builds the programs the comparison would run (the
+default config's and each variant's, for sm_90a) into the kernel cache under
+$TILEOPS_CACHE_DIR. Built here into .tilecache and carried to the GPU machine
+(`carry: [".gpu", ".whl", ".tilecache"]`; gpu_session.sh reads that cache), the device
+call times instead of compiling:
+
+    TILEOPS_CACHE_DIR=.tilecache python scripts/compare_configs.py LayerNormFwdOp \
+        --workload phi-2 --config '{"threads": 320}' --compile-only
 """
 
 import argparse
@@ -59,6 +68,25 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
         print(f"{line}  {'default' if name == OP_KEY else name}")
 
 
+def compile_only(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
+    """Builds what `compare` runs on this workload, from the shapes alone (meta tensors)."""
+    spec = op_cls.spec
+    op = op_cls(**spec.workload_params(workload))
+    tensors = spec.workload_tensors(workload, dtype)
+    inputs = [tensors[name] for name in spec.input_names]
+    for dispatch_key, key, size in op.kernels_for(op.check(inputs)):
+        kernel = op.kernel_map[dispatch_key](gpu="h200", **key)
+        bucket = kernel.bucket_of(size)
+        kernel.compile(kernel.config_for(bucket), bucket)
+    for overrides in variants:
+        config = config_with(op, inputs, overrides)
+        dispatch_key, key, size = op.kernels_for(op.check(inputs))[0]
+        kernel = op.kernel_map[dispatch_key](gpu="h200", **key)
+        kernel.compile(config, kernel.bucket_of(size))
+    print(f"built {op_cls.__name__} [{workload['label']}] {dtype}: default + "
+          f"{len(variants)} variant(s)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", choices=sorted(OP_CLASSES))
@@ -67,9 +95,14 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--config", type=json.loads, action="append", default=[],
                         metavar="JSON", help="fields of the default config to replace")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="build the programs into the kernel cache (no GPU needed)")
     args = parser.parse_args()
     op_cls = OP_CLASSES[args.op]
     for _, workload, dtype in bench_cases([op_cls], None, args.dtype, args.workload):
+        if args.compile_only:
+            compile_only(op_cls, workload, dtype, args.config)
+            continue
         compare(op_cls, workload, dtype, args.config)
         torch.cuda.empty_cache()
 
