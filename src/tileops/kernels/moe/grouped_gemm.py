@@ -353,6 +353,17 @@ class GroupedGemmKernel(Kernel):
     def bucket_of(self, m_total: int) -> str:
         return "decode" if m_total <= 64 * self.key["n_experts"] else "prefill"
 
+    def pass_configs(self, config: GroupedGemmConfig, program_index: int) -> dict:
+        # The persistent GEMM (program 1) reuses its pipeline's shared stages from tile to
+        # tile under the pipeline's own mbarriers, whose phases carry across tiles; TileLang's
+        # storage-sync pass still put a __syncthreads at the top of every tile, so the TMA
+        # producer could not load the next tile while the consumers ran this one's epilogue.
+        # That barrier is the only one the pass adds here (the generated CUDA differs by that
+        # line alone); the TMA-stored tile (tile_store) needs the pass's consumer barriers.
+        if program_index == 1 and not config.tile_store:
+            return {"tl.disable_thread_storage_sync": True}
+        return {}
+
     def heuristic_config(self, bucket: str, arch: str) -> GroupedGemmConfig:
         halve = 2 if self.key.get("silu_mul", False) else 1  # two accumulators
         if bucket == "decode":
