@@ -28,6 +28,12 @@ CHANGED_BY_THE_MODEL = {
     # the split-K round trip and reduce launch of 36 CTAs x 4 splits
     ("LinearFwdOp", "qwen2.5-7b decode batch 16 qkv_proj (bias)", "bfloat16", "m16"):
         GemmConfig(64, 64, 128, 6, 128, 1, 8),
+    # grad_hidden of a 640-token chunk (N 3584, K 256000), bucket m1024: 112 CTAs of 128 x 256
+    # fill 0.85 of a wave; split 8 gives 896 CTAs, 6.8 waves (the fp32 partials are ~4% of the
+    # K loop). 128 x 256 split-K is in the space since its output staging shares the pipeline's
+    # shared memory (GemmConfig.smem_bytes)
+    ("FusedLinearCrossEntropyFwdOp", "gemma-2-9b head 4k tokens softcap 30", "bfloat16",
+     "m1024"): GemmConfig(128, 256, 64, 3, 256, 8, 8),
 }
 
 
@@ -124,6 +130,27 @@ def test_estimate_prefers_fewer_waves():
     assert select.estimate_us(shape, wide) < select.estimate_us(shape, narrow)
     # the tuned prefill shape: 768 CTAs are 6 waves of one 128 x 256 x 4096 tile each
     assert select.estimate_us(shape, wide) == pytest.approx(268, rel=0.05)  # measured
+
+
+@pytest.mark.full
+@pytest.mark.compile
+@pytest.mark.parametrize("config", [GemmConfig(128, 256, 64, 3, 256, 2, 8),
+                                    GemmConfig(128, 256, 64, 2, 256, 2, 8),
+                                    GemmConfig(128, 128, 64, 4, 256, 1, 8)])
+def test_smem_bytes_bounds_the_compiled_layout(config):
+    """smem_bytes() counts the output staging tile over the pipeline buffers (max, not sum):
+    TileLang's planner overlaps them, and the compiled kernel's buffers end within it."""
+    import re
+
+    kernel = GemmKernel(dtype="bfloat16", n=4096, k=4096, trans_a=False, trans_b=True)
+    source = kernel.compile(config, "m512")[0].get_kernel_source()
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)",
+                              source))
+    sizes = {"a_shared": config.stages * config.block_m * config.block_k * 2,
+             "b_shared": config.stages * config.block_n * config.block_k * 2,
+             "d_shared": config.block_m * config.block_n * (4 if config.split_k > 1 else 2)}
+    assert set(offsets) == set(sizes), offsets
+    assert max(int(offsets[b]) + sizes[b] for b in sizes) <= config.smem_bytes()
 
 
 # -- compile checks of every config form the model can pick (sm_90a, on the CPU) -------------
