@@ -6,6 +6,9 @@
     python3 scripts/gemm_selection.py measure [--workload TEXT ...] [--models TEXT ...]
         # on the GPU: the models-tier shapes whose config changed, old config vs new config
         # vs cuBLAS in one process (both compiled in parallel first), no branch switch
+    python3 scripts/gemm_selection.py fit [MEASURED.md]
+        # the model against a `measure` result: |log(estimate / measured)| per M, and for
+        # each shape whether the model now picks the measured old or new config or a third
 
 `freeze` records, for every manifest workload of the ops built on GemmKernel (and its fp8
 subclass), every dtype and every GEMM the op launches, the config the current code selects
@@ -233,6 +236,69 @@ def cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def measured_rows(path: pathlib.Path) -> list[dict]:
+    """The rows of a `measure` result: label, M, N, K, old and new config, their times."""
+    import re
+
+    from tileops.kernels.gemm import GemmConfig
+
+    def parse(text: str) -> GemmConfig:
+        bm, bn, bk, st, th, ra, sp = re.fullmatch(
+            r"(\d+)x(\d+)x(\d+) s(\d+) t(\d+) r(\d+)(?: split(\d+))?", text).groups()
+        return GemmConfig(int(bm), int(bn), int(bk), int(st), int(th), int(sp or 1), int(ra))
+
+    out = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 12 and cells[1].isdigit():
+            out.append({"label": cells[0], "m": int(cells[1]), "n": int(cells[2]),
+                        "k": int(cells[3]), "old": parse(cells[4]), "new": parse(cells[5]),
+                        "old_us": float(cells[6]), "new_us": float(cells[7])})
+    return out
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from statistics import median
+
+    from tileops.kernels.gemm import select
+
+    rows = measured_rows(pathlib.Path(args.measured))
+    errors: dict[int, list[float]] = {}
+    for r in rows:
+        shape = select.Shape(r["m"], r["n"], r["k"])
+        for config, us in ((r["old"], r["old_us"]), (r["new"], r["new_us"])):
+            errors.setdefault(r["m"], []).append(
+                abs(math.log(select.estimate_us(shape, config) / us)))
+    print("|log(estimate / measured)| per M: median, worst (points)")
+    for m, e in sorted(errors.items()):
+        print(f"  M={m}: {median(e):.3f}, {max(e):.3f} ({len(e)})")
+    every = [x for e in errors.values() for x in e]
+    print(f"  all: {median(every):.3f}, {max(every):.3f} ({len(every)})")
+    kept, third = [], []
+    for r in rows:
+        pick = select.choose(select.Shape(0, r["n"], r["k"]), r["m"])
+        best = min(r["old_us"], r["new_us"])
+        if pick in (r["old"], r["new"]):
+            us = r["old_us"] if pick == r["old"] else r["new_us"]
+            kept.append((us / best, r["old_us"] / us, r, "old" if pick == r["old"] else "new"))
+        else:
+            third.append((r, pick))
+    print(f"\n{len(kept)} shapes pick a measured config "
+          f"({sum(w == 'old' for *_, w in kept)} the old, {sum(w == 'new' for *_, w in kept)} "
+          f"the new), {len(third)} a third one")
+    if kept:
+        geo = math.exp(sum(math.log(x) for x, *_ in kept) / len(kept))
+        print(f"  measured pick / better of the two: geomean {geo:.4f}x, worst "
+              f"{max(x for x, *_ in kept):.3f}x; speed-up over old: worst "
+              f"{min(g for _, g, *_ in kept):.3f}x")
+    for ratio, _, r, which in sorted(kept, key=lambda x: -x[0]):
+        if ratio > 1.0:
+            print(f"  {r['label']} (M {r['m']}): picks the {which} config, {ratio:.3f}x the better")
+    for r, pick in third:
+        print(f"  {r['label']} (M {r['m']}): third config {short(asdict_(pick))}")
+    return 0
+
+
 def asdict_(config) -> dict:
     return dataclasses.asdict(config)
 
@@ -264,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
                          help="only workloads whose label contains TEXT, e.g. '4096 tokens'")
     measure.add_argument("--jobs", type=int, default=0, help="parallel compiles (CPU count)")
     measure.set_defaults(fn=cmd_measure)
+    fit = sub.add_parser("fit")
+    fit.add_argument("measured", nargs="?",
+                     default=str(ROOT / "docs/performance/h200-gemm-selection-2026-12-02.md"))
+    fit.set_defaults(fn=cmd_fit)
     table = sub.add_parser("table")
     table.add_argument("--models", action="append", help="only models whose name contains TEXT")
     table.set_defaults(fn=cmd_table)

@@ -37,9 +37,11 @@ class GemmConfig:
     stage_out: bool = True
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
+        # TileLang's shared-memory planner places the output staging tile over the pipeline
+        # buffers (the K loop is done when the epilogue writes it): the larger of the two
         pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
         out_bytes = 4 if self.split_k > 1 else elem_bytes
-        return pipeline + (self.block_m * self.block_n * out_bytes if self.stage_out else 0)
+        return max(pipeline, self.block_m * self.block_n * out_bytes if self.stage_out else 0)
 
     def valid(self) -> bool:
         warps = self.threads // 32

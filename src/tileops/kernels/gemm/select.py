@@ -24,8 +24,19 @@ The model, for one candidate (tile block_m x block_n x block_k, pipeline stages,
                 SM_BYTES_PER_S): the floor small M runs into, where few CTAs cannot pull
                 all of HBM's bandwidth
     split-K   = the fp32 partials written and read back (2 x split x M x N x 4 bytes at
-                the HBM bandwidth) + REDUCE_US for the reduce kernel's launch
-    estimate  = max(compute, memory) + split-K
+                SPLIT_BYTES_PER_S x the HBM bandwidth) + REDUCE_US for the reduce kernel
+    estimate  = (compute^p + memory^p)^(1/p) + split-K, p = OVERLAP_P = 2: the K loop and
+                the operand stream overlap only partly with one CTA per SM (p = inf would be
+                max(compute, memory), p = 1 their sum)
+
+Buckets above 128 rows use constants fitted to 218 H200 timings (2026-12-02: 109 models-tier
+shapes at 512, 4K and 16K rows, each with the pre-model default and the first model's pick,
+128 x 256 and 128 x 128 tiles, split 1-16; docs/performance/h200-gemm-selection-2026-12-02.md).
+Fitted on the 512- and 16K-row points, checked on the 4K-row ones: median |log(est/measured)|
+0.060 -> 0.024 on the fitted points, 0.043 -> 0.034 on the held-out ones; the worst, 0.50
+(16K rows, N <= 256: activation-streaming shapes the memory term underestimates), was 0.67.
+Buckets up to 128 rows have no measured timings: they keep the first calibration below
+(DECODE_DEFAULTS) and max(compute, memory).
 
 The candidates (`candidates()`) are the kernel's own config space: 64-row tiles up to 64
 rows, 128-row ones up to 128, and 128 x 256, 128 x 128 or 256 x 128 above; each with every
@@ -34,7 +45,7 @@ TIE of the fastest estimate the first in that list wins (the list is ordered by 
 autotuner has preferred: the widest tile, the fewest splits), so near ties resolve the way
 tuning resolved them rather than by noise in the model.
 
-The constants are physical estimates checked against the shipped H200 table
+The decode constants are physical estimates checked against the shipped H200 table
 (`python3 scripts/gemm_selection.py agreement`): the model picks the autotuner's tile and
 split for 20 of its 22 plain GEMM entries (the two misses: 16 rows, N 6144, K 4096, where
 tuning kept 48 CTAs of 64 x 128 and the model prefers 96 of 64 x 64); a grid over the
@@ -54,14 +65,24 @@ from typing import Any
 
 NUM_SMS = 132
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each CTA also reserves 1 KB
-# Fraction of the tensor-core peak each tile shape sustains in its K loop (128 x 256 is the
-# shape that reaches cuBLAS' rate here; the narrower tiles re-read more operand bytes from
-# shared memory per FLOP; 64-row tiles run one consumer warpgroup).
-TILE_EFFICIENCY = {(128, 256): 1.0, (256, 128): 0.97, (128, 128): 0.9,
-                   (64, 256): 0.85, (64, 128): 0.8, (64, 64): 0.65}
-FILL_STEPS = 0.5          # pipeline fill and drain of the K loop, in K steps
-CTA_US = 1.0              # a CTA's prologue and epilogue
-REDUCE_US = 4.0           # the split-K reduce launch
+# Fraction of the profile's tensor-core peak (perf/profiles: the best cuBLAS rate, 790 TFLOP/s
+# on the H200) each tile shape sustains in its K loop. Buckets above 128 rows use constants
+# fitted to the measured H200 runs of 2026-12-02 (docs/performance/
+# h200-gemm-selection-2026-12-02.md: 218 timings of 128 x 256 and 128 x 128 tiles, with and
+# without split-K, at 512, 4K and 16K rows): a wave of 128 x 256 tiles runs at 1.12x that
+# peak (~885 TFLOP/s), 128 x 128 at 0.95x (0.85 of the wider tile: it re-reads more operand
+# bytes from shared memory per FLOP); 256 x 128, never measured, keeps its ratio to 128 x 256.
+TILE_EFFICIENCY = {(128, 256): 1.12, (256, 128): 1.09, (128, 128): 0.95}
+FILL_STEPS = 6.0          # a CTA's prologue (the first loads' latency), fill, drain, epilogue
+CTA_US = 0.0              # a CTA's fixed cost beyond FILL_STEPS (the fit leaves none)
+REDUCE_US = 2.0           # the split-K reduce launch
+SPLIT_BYTES_PER_S = 1.2   # x HBM bandwidth: the fp32 partials' round trip (partly L2 hits)
+OVERLAP_P = 2.0           # estimate = (compute^p + memory^p)^(1/p); None: max(compute, memory)
+# Buckets up to 128 rows (64-row tiles, decode) have no measured timings yet: they keep the
+# first calibration against the tuned table (see the module doc), and max(compute, memory).
+DECODE_ROWS = 128
+DECODE_TILE_EFFICIENCY = {(128, 256): 1.0, (256, 128): 0.97, (128, 128): 0.9,
+                          (64, 256): 0.85, (64, 128): 0.8, (64, 64): 0.65}
 SM_BYTES_PER_S = 100e9    # at most this many HBM bytes per second into one CTA
 LATENCY_US = 2.5          # HBM latency under load: a CTA's bytes in flight per LATENCY_US
 TIE = 0.03                # estimates within 3% of the best count as a tie
@@ -116,7 +137,7 @@ def ctas_per_sm(config: Any) -> int:
 def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
                 consts: dict[str, Any] | None = None) -> float:
     """The model's time for `config` on `shape`, in microseconds (see the module doc)."""
-    c = {**DEFAULTS, **(consts or {})}
+    c = {**(DECODE_DEFAULTS if shape.m <= DECODE_ROWS else DEFAULTS), **(consts or {})}
     dev = device(gpu, shape.dtype)
     k = shape.k if shape.k is not None else SYMBOLIC_K
     eb = ELEM_BYTES.get(shape.dtype, 2)
@@ -139,14 +160,22 @@ def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
     memory_us = (shape.m * k + shape.n * k + shape.m * shape.n) * eb / bandwidth * 1e6
     split_us = 0.0
     if split > 1:
-        split_us = 2 * split * shape.m * shape.n * 4 / dev.bytes_per_s * 1e6 + c["reduce_us"]
-    return max(compute_us, memory_us) + split_us
+        split_us = (2 * split * shape.m * shape.n * 4 / (c["split_bytes_per_s"] * dev.bytes_per_s)
+                    * 1e6 + c["reduce_us"])
+    p = c["overlap_p"]
+    if p is None:
+        return max(compute_us, memory_us) + split_us
+    return (compute_us ** p + memory_us ** p) ** (1 / p) + split_us
 
 
 DEFAULTS: dict[str, Any] = {"tile_efficiency": TILE_EFFICIENCY, "fill_steps": FILL_STEPS,
                             "cta_us": CTA_US, "reduce_us": REDUCE_US,
                             "sm_bytes_per_s": SM_BYTES_PER_S, "latency_us": LATENCY_US,
+                            "split_bytes_per_s": SPLIT_BYTES_PER_S, "overlap_p": OVERLAP_P,
                             "tie": TIE}
+DECODE_DEFAULTS: dict[str, Any] = {**DEFAULTS, "tile_efficiency": DECODE_TILE_EFFICIENCY,
+                                   "fill_steps": 0.5, "cta_us": 1.0, "reduce_us": 4.0,
+                                   "split_bytes_per_s": 1.0, "overlap_p": None}
 
 
 def splits(k: int | None, block_k: int, splittable: bool) -> list[int]:
