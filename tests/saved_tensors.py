@@ -133,6 +133,33 @@ def account(model: torch.nn.Module, ids: torch.Tensor) -> Account:
     return Account(saved, held)
 
 
+def tensors_in_ctx(root: Any) -> list[str]:
+    """Tensors that the Python nodes of the autograd graph under `root` (a grad_fn) hold as
+    attributes (ctx.<name> = ..., in dicts, lists and tuples too): unlike saved tensors,
+    they live as long as the graph, past their node's backward. One line per tensor."""
+    found, seen, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        todo.extend(f for f, _ in getattr(node, "next_functions", ()))
+        for name, value in (vars(node) if hasattr(node, "__dict__") else {}).items():
+            for t in _tensors(value):
+                found.append(f"{type(node).__name__}.{name}: {list(t.shape)} {t.dtype}")
+    return found
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
 @contextlib.contextmanager
 def tileops_on_meta():
     """The patched forwards serve meta tensors (as they do CUDA ones): the ops' fake

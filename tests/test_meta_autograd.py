@@ -7,6 +7,8 @@ import torch
 
 import tileops
 
+from .saved_tensors import tensors_in_ctx
+
 
 def leaf(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta").requires_grad_()
@@ -71,6 +73,16 @@ def test_backward_gives_every_leaf_a_gradient_of_its_shape(name):
     out.sum().backward()
     for t in leaves:
         assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_backward_nodes_hold_no_tensor_attributes(name):
+    """A tensor kept as a ctx attribute lives as long as the graph (through the optimizer
+    step, while the loss is referenced), not until its node's backward as a saved tensor
+    does: each RMSNorm input in ctx.args cost 0.5 GiB at Llama-3.1-8B's training step."""
+    leaves, fn = CASES[name]()
+    out = fn(*leaves)
+    assert tensors_in_ctx(out.grad_fn) == []
 
 
 def test_fused_linear_cross_entropy_backward_gets_no_materialized_zero_gradients(monkeypatch):
