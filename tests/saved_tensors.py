@@ -14,11 +14,12 @@ stays allocated through the optimizer step, the peak of a training step.
 implementations), so that a model patched by tileops.transformers.apply saves on meta what
 it saves on the GPU.
 
-    python3 -m tests.saved_tensors [--layers 2] [--seq 4096]
+    python3 -m tests.saved_tensors [--layers 2] [--seq 4096] [--peaks]
 
 prints the per-layer table for the bench-model Llama-3.1-8B config: the unpatched model
 (SDPA through tileops.attention's autograd: the flash backend's q, k, v, out, lse) and the
-patched one.
+patched one; with --peaks, the peak bytes alive in the forward, backward and AdamW step
+(`step_peaks`: custom ops' internal transients are not seen).
 """
 
 from __future__ import annotations
@@ -160,6 +161,67 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+class LiveBytes(TorchDispatchMode):
+    """Bytes of distinct storages alive, and their peak, over what runs under the mode (and
+    the tensors passed to `track`): the allocator's view of a step on meta tensors, less
+    the transients inside custom ops (their fake implementations allocate only outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        ref = self._refs.get(id(st))
+        if ref is not None and ref() is st:
+            return
+        self._refs[id(st)] = weakref.ref(st)
+        self.live += st.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, st.nbytes())
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reset_peak(self) -> None:
+        gc.collect()
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+def step_peaks(model: torch.nn.Module, ids: torch.Tensor, steps: int = 2) -> dict[str, int]:
+    """bench-model's training step (forward with labels, backward, AdamW, zero_grad) on
+    meta tensors: the peak bytes alive in each phase of the last of `steps` steps (the
+    earlier ones create the optimizer state)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)  # CUDA's default
+    mode = LiveBytes()
+    peaks: dict[str, int] = {}
+    for p in model.parameters():
+        mode.track(p)
+    mode.track(ids)
+    with mode:
+        for _ in range(steps):
+            mode.reset_peak()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            peaks["forward"] = mode.peak
+            mode.reset_peak()
+            loss.backward()
+            peaks["backward"] = mode.peak
+            mode.reset_peak()
+            opt.step()
+            peaks["optimizer step"] = mode.peak
+            opt.zero_grad(set_to_none=True)
+            del loss
+    return peaks
+
+
 @contextlib.contextmanager
 def tileops_on_meta():
     """The patched forwards serve meta tensors (as they do CUDA ones): the ops' fake
@@ -230,31 +292,43 @@ def detail(account_: Account, layer: str = "layers.0") -> str:
     return "\n".join(rows)
 
 
-def _main() -> None:
-    import argparse
-
+def build(name: str, layers: int, variant: str) -> torch.nn.Module:
+    """bench-model's random-init model on meta: "tileops" patched, "eager" on SDPA as its
+    CUDA flash backend saves (q, k, v, out, lse: tileops.attention's autograd on meta).
+    Run it inside `tileops_on_meta()`."""
     import tileops.transformers as tt
     from tileops.transformers import attention as attn_impl
     from tileops.transformers import bench
+
+    model = bench.make_model(name, layers, attn="sdpa", device="meta")
+    model.train()
+    if variant == "tileops":
+        tt.apply(model, verbose=False)
+    else:
+        attn_impl.register()
+        model.set_attn_implementation(attn_impl.NAME)
+    return model
+
+
+def _main() -> None:
+    import argparse
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--peaks", action="store_true",
+                    help="also the peak bytes of each phase of a training step with AdamW")
     args = ap.parse_args()
-    ids = torch.randint(0, 1000, (1, args.seq), device="meta")
+    ids = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
     accounts: dict[str, Account] = {}
     for variant in ("eager", "tileops"):
-        model = bench.make_model(args.model, args.layers, attn="sdpa", device="meta")
-        model.train()
         with tileops_on_meta():
-            if variant == "tileops":
-                tt.apply(model, verbose=False)
-            else:  # SDPA's flash backend saves what tileops.attention saves
-                attn_impl.register()
-                model.config._attn_implementation = "tileops"
-                model.set_attn_implementation("tileops")
-            accounts[variant] = account(model, ids)
+            accounts[variant] = account(build(args.model, args.layers, variant), ids)
+            if args.peaks:
+                peaks = step_peaks(build(args.model, args.layers, variant), ids)
+                print(f"## {variant}, peaks: " + ", ".join(
+                    f"{k} {v / 2 ** 30:.3f} GiB" for k, v in peaks.items()) + "\n")
         print(f"## {variant}, layer 0\n{detail(accounts[variant])}\n")
         print(f"## {variant}, outside the layers\n{detail(accounts[variant], 'other')}\n")
         print(f"## {variant}, held after backward\n" + "\n".join(
