@@ -7,6 +7,8 @@ import torch
 
 import tileops
 
+from .saved_tensors import tensors_in_ctx
+
 
 def leaf(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, dtype=dtype, device="meta").requires_grad_()
@@ -45,6 +47,17 @@ CASES = {
                                                        tileops.fused_add_rms_norm(x, r, w))),
     "silu_and_mul": lambda: ([leaf(4, 512)], lambda x: tileops.silu_and_mul(x)),
     "swiglu": lambda: ([leaf(4, 256), leaf(4, 256)], lambda g, u: tileops.swiglu(g, u)),
+    "geglu": lambda: ([leaf(4, 256), leaf(4, 256)],
+                      lambda g, u: tileops.geglu(g, u, approximate="tanh")),
+    "gelu_and_mul": lambda: ([leaf(4, 512)], lambda x: tileops.gelu_and_mul(x)),
+    "attention": lambda: ([leaf(2, 128, 8, 128), leaf(2, 128, 2, 128), leaf(2, 128, 2, 128)],
+                          lambda q, k, v: tileops.attention(q, k, v, is_causal=True)),
+    "apply_rotary": lambda: ([leaf(2, 16, 8, 128), leaf(2, 16, 2, 128)],
+                             lambda q, k: sum(t.sum() for t in tileops.apply_rotary(
+                                 q, k, torch.empty(1, 16, 128, dtype=torch.bfloat16,
+                                                   device="meta"),
+                                 torch.empty(1, 16, 128, dtype=torch.bfloat16, device="meta"),
+                                 unsqueeze_dim=2))),
     "grouped_gemm": lambda: ([leaf(64, 256), leaf(8, 128, 256)],
                              lambda a, b: tileops.grouped_gemm(a, b, offsets(8))),
     "moe_route": lambda: ([leaf(16, 64, dtype=torch.float32)],
@@ -71,6 +84,16 @@ def test_backward_gives_every_leaf_a_gradient_of_its_shape(name):
     out.sum().backward()
     for t in leaves:
         assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_backward_nodes_hold_no_tensor_attributes(name):
+    """A tensor kept as a ctx attribute lives as long as the graph (through the optimizer
+    step, while the loss is referenced), not until its node's backward as a saved tensor
+    does: each RMSNorm input in ctx.args cost 0.5 GiB at Llama-3.1-8B's training step."""
+    leaves, fn = CASES[name]()
+    out = fn(*leaves)
+    assert tensors_in_ctx(out.grad_fn) == []
 
 
 def test_fused_linear_cross_entropy_backward_gets_no_materialized_zero_gradients(monkeypatch):

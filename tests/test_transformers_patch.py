@@ -491,11 +491,13 @@ def test_bench_model_report(tmp_path):
              "generate": {"8": {"prefill_ms": 20.0, "decode_tokens_per_s": 500.0}}},
             {"model": "llama-3.1-8b", "variant": "tileops", "layers": 8, "note": "",
              "train_tokens_per_s": 1300.0, "train_peak_gib": 30.0,
+             "train_fwd_bwd_peak_gib": 25.0,
              "generate": {"8": {"prefill_ms": 15.0, "decode_tokens_per_s": 600.0}}},
             {"model": "llama-3.1-8b", "variant": "liger", "error": "ImportError: x"}]
     bench._write(rows, tmp_path)
     text = (tmp_path / "bench-model.md").read_text()
-    assert "| llama-3.1-8b | 8 | tileops | 1300 | 1.30x | 30.0 |" in text
+    assert "| llama-3.1-8b | 8 | tileops | 1300 | 1.30x | 30.0 | 25.0 |" in text
+    assert "| llama-3.1-8b | 8 | eager | 1000 | 1.00x | 40.0 | - |" in text
     assert "| llama-3.1-8b | tileops | 8 | 15.0 | 600 | 1.20x |" in text
     assert "liger: ImportError: x" in text
 

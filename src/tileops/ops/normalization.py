@@ -255,10 +255,18 @@ def _named(cls: type[Op], inputs: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(cls.spec.call_order, inputs, strict=True))
 
 
+def _params(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The call's non-tensor arguments, the only ones a ctx attribute may hold. A tensor in a
+    ctx attribute lives as long as the autograd graph (the loss's grad_fn), not until its
+    backward node has run as a saved tensor does: each norm's input [T, N] stayed alive
+    through the optimizer step (17 x 32 MiB at Llama-3.1-8B's 8 layers and 4K tokens)."""
+    return {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}
+
+
 def _save_inputs(cls: type[Op], names: Sequence[str]):
     def setup_context(ctx, inputs, output):
         args = _named(cls, inputs)
-        ctx.args = args
+        ctx.args = _params(args)
         ctx.save_for_backward(*(args[n] for n in names))
     return setup_context
 
@@ -280,7 +288,7 @@ def _fused_add_backward(ctx, grad_output, grad_residual_out):
 
 def _fused_add_setup(ctx, inputs, output):
     args = _named(FusedAddRMSNormFwdOp, inputs)
-    ctx.args = args
+    ctx.args = _params(args)
     ctx.save_for_backward(output[1], args["weight"])  # h: the backward's only row input
 
 
