@@ -17,12 +17,47 @@ written), `grad` (one pass from the saved lse, scaled by dloss per row or one dl
 """
 
 
+import dataclasses
+from dataclasses import dataclass
+
 import tilelang.language as T
 
 from .row_map import NEG_INF, RowMap, exp, tanh
 from .softmax import SM_COUNT, RowConfig, RowKernel
 
 MODES = ("loss", "loss_and_grad", "grad")
+SMEM_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
+
+
+@dataclass(frozen=True)
+class CrossEntropyConfig(RowConfig):
+    """RowConfig, plus `kept_chunks`: in `loss_and_grad` mode, how many leading chunks of each
+    row the statistics pass keeps in shared memory for the gradient pass (0: the gradient
+    pass reads the whole row again from L2 / HBM). The other chunks are read again first,
+    right after the statistics pass read them, so they come from L2."""
+
+    kept_chunks: int = 0
+
+
+def kept_chunks_of(mode: str, rm: RowMap, config: RowConfig) -> int:
+    """The chunks kept in shared memory (none for a one-chunk row: it stays in registers)."""
+    if mode != "loss_and_grad" or rm.chunks == 1:
+        return 0
+    return min(getattr(config, "kept_chunks", 0), rm.chunks)
+
+
+def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
+    """The `loss_and_grad` configs that keep rows in shared memory: one CTA per SM (the kept
+    chunks take most of its shared memory), 512 or 1024 threads on one row, as many chunks
+    kept as fit. Empty for rows of one chunk (kept in registers anyway)."""
+    configs = []
+    for threads, vecs in ((512, 2), (512, 4), (512, 8), (1024, 2), (1024, 4)):
+        config = CrossEntropyConfig(threads, threads, vecs, 1)
+        rm = RowMap(n, dtype, threads, threads, vecs, SM_COUNT)
+        fit = min(rm.chunks, (SMEM_BYTES - 4096) // rm.kept_bytes(1))
+        if rm.chunks > 1 and fit > 0:
+            configs.append(dataclasses.replace(config, kept_chunks=fit))
+    return configs
 
 
 def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothing: bool,
@@ -35,6 +70,12 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
         rm.ctas, rm.chunk
     warps = max(rm.row_warps, 1)
     reload = rm.chunks > 1  # a one-chunk row stays in registers between the passes
+    kept = kept_chunks_of(mode, rm, config)
+    if rm.kept_bytes(kept) * config.ctas_per_sm > SMEM_BYTES:
+        raise ValueError(f"kept_chunks={kept} of {rm.chunk}-element rows x {rpc} rows x "
+                         f"{config.ctas_per_sm} CTAs per SM needs {rm.kept_bytes(kept)} bytes "
+                         f"of shared memory per CTA; an SM has {SMEM_BYTES}")
+    load_keep, load_kept = rm.kept_macros(kept)
 
     @T.macro
     def capped(xl, c, lane, cap, zsum, add_sum):
@@ -48,9 +89,15 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     if add_sum:
                         zsum[0] = zsum[0] + xl[i, j]
 
+    def column_of(t):
+        """The target's column as int32, -1 where it is no column (ignored or out of range:
+        those rows' gradients are scaled by 0 or NaN anyway), so the one-hot compare per
+        element is a 32-bit one."""
+        return T.cast(T.if_then_else((t >= 0) & (t < n), t, T.int64(-1)), "int32")
+
     @T.macro
     def gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss):
-        """xl (soft-capped logits of chunk c) <- d(loss * scale)/dx."""
+        """xl (soft-capped logits of chunk c) <- d(loss * scale)/dx; t: column_of(target)."""
         for i in T.unroll(vecs):
             for j in T.unroll(vec):
                 col = c * chunk + (i * rt + lane) * vec + j
@@ -74,6 +121,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
             red_m = T.alloc_shared((rpc, warps), "float")
             red_s = T.alloc_shared((rpc, warps), "float")
             red_z = T.alloc_shared((rpc, warps), "float")
+            kept_shared = T.alloc_shared((rpc, kept * chunk), dtype) if kept else None
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
@@ -81,7 +129,10 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     s[0] = 0.0
                     zsum[0] = 0.0
                     for c in T.serial(rm.chunks):
-                        load(x, row, c, xl, lane, NEG_INF)  # padding: exp(-inf) = 0
+                        if kept:
+                            load_keep(x, row, c, xl, kept_shared, r, lane, NEG_INF)
+                        else:
+                            load(x, row, c, xl, lane, NEG_INF)  # padding: exp(-inf) = 0
                         capped(xl, c, lane, cap, zsum, smoothing)
                         chunk_max_sum(xl, m, s)
                     t = target[row]
@@ -109,12 +160,21 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     if mode == "loss_and_grad":
                         scale = T.if_then_else(
                             ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), 1.0))
-                        for c in T.serial(rm.chunks):
-                            if reload:  # else the one chunk's z is still in registers
-                                load(x, row, c, xl, lane, 0.0)
+                        tc = column_of(t)
+                        # the chunks not kept first: the statistics pass read them last
+                        if kept < rm.chunks:
+                            for c in T.serial(kept, rm.chunks):
+                                if reload:  # else the one chunk's z is still in registers
+                                    load(x, row, c, xl, lane, 0.0)
+                                    capped(xl, c, lane, cap, None, False)
+                                gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
+                                store(xl, grad, row, c, lane)
+                        if kept:
+                            for c in T.serial(kept):
+                                load_kept(kept_shared, r, c, xl, lane, 0.0)
                                 capped(xl, c, lane, cap, None, False)
-                            gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss)
-                            store(xl, grad, row, c, lane)
+                                gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
+                                store(xl, grad, row, c, lane)
                 if rm.row_warps > 1:
                     T.sync_threads()
 
@@ -134,10 +194,11 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     scale = T.if_then_else(
                         ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), d))
                     lse = lse_in[row]
+                    tc = column_of(t)
                     for c in T.serial(rm.chunks):
                         load(x, row, c, xl, lane, 0.0)
                         capped(xl, c, lane, cap, None, False)
-                        gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss)
+                        gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
                         store(xl, grad, row, c, lane)
 
     R, V = (rows, n), (rows,)
@@ -174,6 +235,18 @@ class CrossEntropyKernel(RowKernel):
     are compiled in), dloss_per_row (`grad` mode: reduction 'none')."""
 
     name = "cross_entropy"
+    Config = CrossEntropyConfig
+
+    def heuristic_config(self, bucket: str, arch: str) -> CrossEntropyConfig:
+        row = super().heuristic_config(bucket, arch)
+        return CrossEntropyConfig(**dataclasses.asdict(row))
+
+    def config_space(self, bucket: str) -> list[CrossEntropyConfig]:
+        space = [CrossEntropyConfig(**dataclasses.asdict(c))
+                 for c in super().config_space(bucket)]
+        if self.key["mode"] == "loss_and_grad":
+            space += kept_row_configs(self.key["n"], self.key["dtype"])
+        return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):
         k = self.key
