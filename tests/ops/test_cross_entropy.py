@@ -122,6 +122,81 @@ def test_one_pass_loss_and_gradient_op(rows, vocab, dtype, params):
     assert torch.equal(loss2, loss) and torch.equal(grad2, grad) and torch.equal(lse2, lse)
 
 
+# (rows, vocab, dtype, params) for every config of the loss_and_grad space that keeps rows
+# in shared memory: vocabularies past and short of a vector multiple (50257 is scalar),
+# ignored rows, each optional term; rows past one wave of 132 CTAs, so a CTA reuses its
+# shared row for a second row
+KEPT_CASES = [
+    (300, 128256, BF16, {}),
+    (140, 32000, FP16, {"label_smoothing": 0.1}),
+    (133, 50257, BF16, {"ignore_index": 5, "lse_square_scale": 1e-4}),
+    (140, 151936, BF16, {"softcap": 30.0}),
+    (136, 256000, BF16, {"label_smoothing": 0.05, "softcap": 30.0}),
+    (135, 128256, FP32, {}),
+]
+
+
+def _kept_configs(vocab, dtype, params):
+    from tileops.kernels.softmax.cross_entropy import CrossEntropyKernel, kept_row_configs
+    name = str(dtype).removeprefix("torch.")
+    kernel = CrossEntropyKernel(mode="loss_and_grad", n=vocab, dtype=name,
+                                softcap="softcap" in params,
+                                smoothing="label_smoothing" in params, dloss_per_row=False)
+    configs = kept_row_configs(vocab, name)
+    assert set(configs) <= set(kernel.config_space("many"))
+    return configs
+
+
+@pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES, ids=_ids(KEPT_CASES))
+def test_every_kept_row_config_matches_float64(rows, vocab, dtype, params):
+    """The one-pass op on each config that keeps rows in shared memory between the passes,
+    into NaN-poisoned outputs, in place and not: loss, lse and gradient."""
+    x = randn(rows, vocab, dtype=dtype, std=2.0)
+    target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
+    ref_leaf = x.double().requires_grad_()
+    ref = reference_rows(ref_leaf, target, **params)
+    ref.sum().backward()
+    for config in _kept_configs(vocab, dtype, params):
+        op = CrossEntropyWithGradFwdOp(**params)
+        op.pin_config(config, x, target)
+        loss, lse = poison(torch.empty(rows, device="cuda")), poison(torch.empty(rows,
+                                                                         device="cuda"))
+        grad = poison(torch.empty_like(x))
+        op._run("loss_and_grad", x, x, target, loss, lse, grad)
+        assert_close(loss, ref, what=f"loss {config}")
+        assert_close(grad, ref_leaf.grad, what=f"grad {config}")
+        inplace = x.clone()  # the gradient written over the logits
+        op._run("loss_and_grad", inplace, inplace, target, loss, lse, inplace)
+        assert torch.equal(inplace, grad), config
+        out = op(x, target)  # the op form, through the pinned kernel
+        assert torch.equal(out[2], grad), config
+
+
+def test_kept_rows_under_cuda_graph_and_non_contiguous_logits():
+    """A kept config captured in a CUDA graph and replayed on new values; a strided input
+    (the op makes it contiguous) gives the contiguous one's result."""
+    vocab = 128256
+    config = _kept_configs(vocab, BF16, {})[-1]
+    x = randn(200, vocab, dtype=BF16, std=2.0)
+    target = make_targets(200, vocab)
+    op = CrossEntropyWithGradFwdOp()
+    op.pin_config(config, x, target)
+    want = op(x, target)
+    wide = randn(200, vocab + 64, dtype=BF16)
+    wide[:, :vocab] = x
+    got = op(wide[:, :vocab], target)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    static_x = x.clone()
+    op(static_x, target)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = op(static_x, target)
+    static_x.copy_(randn(200, vocab, dtype=BF16, std=2.0))
+    graph.replay()
+    want = op(static_x.clone(), target)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
+
+
 def test_out_of_range_targets_are_loud():
     x = randn(8, 1000, dtype=BF16)
     target = torch.randint(0, 1000, (8,), device="cuda")
