@@ -66,13 +66,18 @@ CASES = [
     (4, 3000, FP32, CrossEntropyConfig(128, 64, 2, 1, kept_chunks=6), {"eps": 0.05}),
     (3, 3000, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=0), {}),  # no kept chunks
     (3, 1600, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=4), {}),  # all kept
+    # chunk c + 1 loaded while chunk c is reduced, kept or not
+    (4, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=3, prefetch=True),
+     {"eps": 0.1, "cap": 10.0}),
+    (3, 2001, FP16, CrossEntropyConfig(64, 64, 4, 1, prefetch=True), {"zloss": 1e-4}),
 ]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("rows, vocab, dtype, config, params", [
     pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
-                 id=f"{case[0]}x{case[1]}-{str(case[2])[6:]}-kept{case[3].kept_chunks}")
+                 id=f"{case[0]}x{case[1]}-{str(case[2])[6:]}-kept{case[3].kept_chunks}"
+                    f"{'-prefetch' if case[3].prefetch else ''}")
     for i, case in enumerate(CASES)])
 def test_loss_and_gradient_with_kept_chunks_on_the_cpu(rows, vocab, dtype, config, params):
     gen = torch.Generator().manual_seed(rows * vocab)
@@ -107,8 +112,10 @@ def test_kept_configs_fit_shared_memory(vocab, dtype):
     key = dict(n=vocab, dtype=dtype, softcap=False, smoothing=False, dloss_per_row=False)
     space = CrossEntropyKernel(mode="loss_and_grad", **key).config_space("many")
     assert set(configs) <= set(space)
-    assert not any(c.kept_chunks for c in CrossEntropyKernel(mode="loss", **key)
-                   .config_space("many"))
+    loss_space = CrossEntropyKernel(mode="loss", **key).config_space("many")
+    assert not any(c.kept_chunks for c in loss_space) and any(c.prefetch for c in loss_space)
+    assert not any(c.prefetch or c.kept_chunks for c in CrossEntropyKernel(
+        mode="grad", **key).config_space("many"))
     default = CrossEntropyKernel(mode="loss_and_grad", **key).heuristic_config("many", "sm_90a")
     assert isinstance(default, CrossEntropyConfig)
 

@@ -31,12 +31,17 @@ SMEM_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
 
 @dataclass(frozen=True)
 class CrossEntropyConfig(RowConfig):
-    """RowConfig, plus `kept_chunks`: in `loss_and_grad` mode, how many leading chunks of each
-    row the statistics pass keeps in shared memory for the gradient pass (0: the gradient
-    pass reads the whole row again from L2 / HBM). The other chunks are read again first,
-    right after the statistics pass read them, so they come from L2."""
+    """RowConfig, plus
+    - `kept_chunks`: in `loss_and_grad` mode, how many leading chunks of each row the
+      statistics pass keeps in shared memory for the gradient pass (0: the gradient pass
+      reads the whole row again from L2 / HBM). The other chunks are read again first,
+      right after the statistics pass read them, so they come from L2.
+    - `prefetch`: the statistics pass (`loss`, `loss_and_grad`) loads chunk c + 1 into
+      registers while it reduces chunk c, so loads stay in flight through the arithmetic
+      (a second register buffer of vecs x 16 bytes per thread)."""
 
     kept_chunks: int = 0
+    prefetch: bool = False
 
 
 def kept_chunks_of(mode: str, rm: RowMap, config: RowConfig) -> int:
@@ -57,6 +62,10 @@ def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
         fit = min(rm.chunks, (SMEM_BYTES - 4096) // rm.kept_bytes(1))
         if rm.chunks > 1 and fit > 0:
             configs.append(dataclasses.replace(config, kept_chunks=fit))
+            # the second register buffer (raw vectors, 4 registers each) next to the fp32
+            # chunk, under the launch bound of one CTA per SM (estimate; ptxas checks)
+            if vecs * (rm.vec + 8) + 40 <= 65536 // threads:
+                configs.append(dataclasses.replace(config, kept_chunks=fit, prefetch=True))
     return configs
 
 
@@ -75,7 +84,9 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
         raise ValueError(f"kept_chunks={kept} of {rm.chunk}-element rows x {rpc} rows x "
                          f"{config.ctas_per_sm} CTAs per SM needs {rm.kept_bytes(kept)} bytes "
                          f"of shared memory per CTA; an SM has {SMEM_BYTES}")
-    load_keep, load_kept = rm.kept_macros(kept)
+    load_raw, unpack, load_kept = rm.kept_macros(kept)
+    prefetch = getattr(config, "prefetch", False) and mode != "grad" and rm.chunks > 1
+    raw_path = prefetch or kept > 0  # else the plain `load` (the code of the default)
 
     @T.macro
     def capped(xl, c, lane, cap, zsum, add_sum):
@@ -122,17 +133,29 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
             red_s = T.alloc_shared((rpc, warps), "float")
             red_z = T.alloc_shared((rpc, warps), "float")
             kept_shared = T.alloc_shared((rpc, kept * chunk), dtype) if kept else None
+            raw = T.alloc_local((vecs, vec), dtype) if raw_path else None
+            raw_next = T.alloc_local((vecs, vec), dtype) if prefetch else None
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
                     m[0] = NEG_INF
                     s[0] = 0.0
                     zsum[0] = 0.0
+                    if prefetch:
+                        load_raw(x, row, 0, raw_next, lane)
                     for c in T.serial(rm.chunks):
-                        if kept:
-                            load_keep(x, row, c, xl, kept_shared, r, lane, NEG_INF)
+                        if prefetch:  # chunk c + 1 in flight while chunk c is worked on
+                            for i in T.unroll(vecs):
+                                for j in T.unroll(vec):
+                                    raw[i, j] = raw_next[i, j]
+                            if c + 1 < rm.chunks:
+                                load_raw(x, row, c + 1, raw_next, lane)
+                        elif raw_path:
+                            load_raw(x, row, c, raw, lane)
+                        if raw_path:  # padding: exp(-inf) = 0
+                            unpack(raw, c, xl, kept_shared, r, lane, NEG_INF)
                         else:
-                            load(x, row, c, xl, lane, NEG_INF)  # padding: exp(-inf) = 0
+                            load(x, row, c, xl, lane, NEG_INF)
                         capped(xl, c, lane, cap, zsum, smoothing)
                         chunk_max_sum(xl, m, s)
                     t = target[row]
@@ -246,6 +269,8 @@ class CrossEntropyKernel(RowKernel):
                  for c in super().config_space(bucket)]
         if self.key["mode"] == "loss_and_grad":
             space += kept_row_configs(self.key["n"], self.key["dtype"])
+        if self.key["mode"] != "grad":
+            space += [dataclasses.replace(space[0], prefetch=True)]
         return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):
