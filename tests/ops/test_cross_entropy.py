@@ -3,12 +3,14 @@ reduction, ignore_index, label smoothing, softcap, z-loss, every dtype and the L
 vocabulary sizes; the one-pass loss-and-gradient op; the in-place gradient; bad targets;
 extreme logits; torch.compile."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tileops
-from tileops import CrossEntropyWithGradFwdOp
+from tileops import CrossEntropyFwdOp, CrossEntropyWithGradFwdOp
 from tileops.errors import TileOpsError
 
 from ..helpers import assert_close, poison, randn
@@ -136,13 +138,21 @@ KEPT_CASES = [
 ]
 
 
+def _kernel(mode, vocab, dtype, params):
+    from tileops.kernels.softmax.cross_entropy import CrossEntropyKernel
+    return CrossEntropyKernel(mode=mode, n=vocab, dtype=str(dtype).removeprefix("torch."),
+                              softcap="softcap" in params,
+                              smoothing="label_smoothing" in params, dloss_per_row=False)
+
+
 def _kept_configs(vocab, dtype, params):
-    from tileops.kernels.softmax.cross_entropy import CrossEntropyKernel, kept_row_configs
-    name = str(dtype).removeprefix("torch.")
-    kernel = CrossEntropyKernel(mode="loss_and_grad", n=vocab, dtype=name,
-                                softcap="softcap" in params,
-                                smoothing="label_smoothing" in params, dloss_per_row=False)
-    configs = kept_row_configs(vocab, name)
+    """The loss_and_grad space's configs beyond the row kernels' own: rows kept in shared
+    memory (with and without prefetch), and the default with prefetch."""
+    from tileops.kernels.softmax.cross_entropy import kept_row_configs
+    kernel = _kernel("loss_and_grad", vocab, dtype, params)
+    default = kernel.heuristic_config("many", "sm_90a")
+    configs = kept_row_configs(vocab, str(dtype).removeprefix("torch."))
+    configs.append(dataclasses.replace(default, prefetch=True))
     assert set(configs) <= set(kernel.config_space("many"))
     return configs
 
@@ -172,11 +182,29 @@ def test_every_kept_row_config_matches_float64(rows, vocab, dtype, params):
         assert torch.equal(out[2], grad), config
 
 
+@pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES[:4], ids=_ids(KEPT_CASES[:4]))
+def test_loss_pass_with_prefetch_matches_float64(rows, vocab, dtype, params):
+    """The loss-only pass's prefetch configs (default thread map, and one CTA per SM)."""
+    x = randn(rows, vocab, dtype=dtype, std=2.0)
+    target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
+    ref = reference_rows(x, target, **params)
+    z = x.double() if "softcap" not in params else params["softcap"] * torch.tanh(
+        x.double() / params["softcap"])
+    default = _kernel("loss", vocab, dtype, params).heuristic_config("many", "sm_90a")
+    for config in (dataclasses.replace(default, prefetch=True),
+                   dataclasses.replace(default, prefetch=True, ctas_per_sm=1)):
+        op = CrossEntropyFwdOp(**params)
+        op.pin_config(config, x, target)
+        loss, lse = op(x, target)
+        assert_close(loss, ref, what=f"loss {config}")
+        assert_close(lse, torch.logsumexp(z, -1), what=f"lse {config}")
+
+
 def test_kept_rows_under_cuda_graph_and_non_contiguous_logits():
     """A kept config captured in a CUDA graph and replayed on new values; a strided input
     (the op makes it contiguous) gives the contiguous one's result."""
     vocab = 128256
-    config = _kept_configs(vocab, BF16, {})[-1]
+    config = next(c for c in _kept_configs(vocab, BF16, {}) if c.kept_chunks and c.prefetch)
     x = randn(200, vocab, dtype=BF16, std=2.0)
     target = make_targets(200, vocab)
     op = CrossEntropyWithGradFwdOp()
