@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import tileops
-from tileops import CrossEntropyFwdOp, CrossEntropyWithGradFwdOp
+from tileops import CrossEntropyBwdOp, CrossEntropyFwdOp, CrossEntropyWithGradFwdOp
 from tileops.errors import TileOpsError
 
-from ..helpers import assert_close, poison, randn
+from ..helpers import assert_close, poison, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -147,12 +147,12 @@ def _kernel(mode, vocab, dtype, params):
 
 def _kept_configs(vocab, dtype, params):
     """The loss_and_grad space's configs beyond the row kernels' own: rows kept in shared
-    memory (with and without prefetch), and the default with prefetch."""
-    from tileops.kernels.softmax.cross_entropy import kept_row_configs
+    memory (with and without prefetch), and the default's prefetch / launch-bound variants."""
+    from tileops.kernels.softmax.cross_entropy import default_variants, kept_row_configs
     kernel = _kernel("loss_and_grad", vocab, dtype, params)
     default = kernel.heuristic_config("many", "sm_90a")
     configs = kept_row_configs(vocab, str(dtype).removeprefix("torch."))
-    configs.append(dataclasses.replace(default, prefetch=True))
+    configs += default_variants(default, "loss_and_grad")
     assert set(configs) <= set(kernel.config_space("many"))
     return configs
 
@@ -184,20 +184,46 @@ def test_every_kept_row_config_matches_float64(rows, vocab, dtype, params):
 
 @pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES[:4], ids=_ids(KEPT_CASES[:4]))
 def test_loss_pass_with_prefetch_matches_float64(rows, vocab, dtype, params):
-    """The loss-only pass's prefetch configs (default thread map, and one CTA per SM)."""
+    """The loss-only pass's prefetch and launch-bound variants of its default."""
+    from tileops.kernels.softmax.cross_entropy import default_variants
     x = randn(rows, vocab, dtype=dtype, std=2.0)
     target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
     ref = reference_rows(x, target, **params)
     z = x.double() if "softcap" not in params else params["softcap"] * torch.tanh(
         x.double() / params["softcap"])
     default = _kernel("loss", vocab, dtype, params).heuristic_config("many", "sm_90a")
-    for config in (dataclasses.replace(default, prefetch=True),
-                   dataclasses.replace(default, prefetch=True, ctas_per_sm=1)):
+    for config in default_variants(default, "loss") + [
+            dataclasses.replace(default, prefetch=True, ctas_per_sm=1)]:
         op = CrossEntropyFwdOp(**params)
         op.pin_config(config, x, target)
         loss, lse = op(x, target)
         assert_close(loss, ref, what=f"loss {config}")
         assert_close(lse, torch.logsumexp(z, -1), what=f"lse {config}")
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES[:4], ids=_ids(KEPT_CASES[:4]))
+def test_gradient_pass_variants_match_float64(rows, vocab, dtype, params, per_row):
+    """The gradient pass's prefetch and launch-bound variants of its default, with one
+    grad_loss for every row and one per row, into NaN-poisoned outputs."""
+    from tileops.kernels.softmax.cross_entropy import CrossEntropyKernel, default_variants
+    x = randn(rows, vocab, dtype=dtype, std=2.0)
+    target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
+    leaf = x.double().requires_grad_()
+    ref = reference_rows(leaf, target, **params)
+    grad_loss = randn(rows if per_row else 1, dtype=FP32)
+    ref.backward(grad_loss.double().expand(rows))
+    lse = CrossEntropyFwdOp(**params)(x, target)[1]
+    kernel = CrossEntropyKernel(mode="grad", n=vocab, dtype=str(dtype).removeprefix("torch."),
+                                softcap="softcap" in params,
+                                smoothing="label_smoothing" in params, dloss_per_row=per_row)
+    default = kernel.heuristic_config("many", "sm_90a")
+    for config in default_variants(default, "grad"):
+        assert config in kernel.config_space("many")
+        op = CrossEntropyBwdOp(**params)
+        op.pin_config(config, grad_loss, x, target, lse)
+        poison_allocator()
+        assert_close(op(grad_loss, x, target, lse), leaf.grad, what=f"grad {config}")
 
 
 def test_kept_rows_under_cuda_graph_and_non_contiguous_logits():

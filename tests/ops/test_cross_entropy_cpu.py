@@ -114,8 +114,8 @@ def test_kept_configs_fit_shared_memory(vocab, dtype):
     assert set(configs) <= set(space)
     loss_space = CrossEntropyKernel(mode="loss", **key).config_space("many")
     assert not any(c.kept_chunks for c in loss_space) and any(c.prefetch for c in loss_space)
-    assert not any(c.prefetch or c.kept_chunks for c in CrossEntropyKernel(
-        mode="grad", **key).config_space("many"))
+    grad_space = CrossEntropyKernel(mode="grad", **key).config_space("many")
+    assert not any(c.kept_chunks for c in grad_space) and any(c.prefetch for c in grad_space)
     default = CrossEntropyKernel(mode="loss_and_grad", **key).heuristic_config("many", "sm_90a")
     assert isinstance(default, CrossEntropyConfig)
 
@@ -128,3 +128,33 @@ def test_kept_chunks_over_shared_memory_are_refused():
         kernel.program(config, "many")
     with pytest.raises(ValueError, match="shared memory"):
         kernel.program(dataclasses.replace(config, kept_chunks=6, ctas_per_sm=2), "many")
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("config", [CrossEntropyConfig(64, 64, 2, 1, prefetch=True),
+                                    CrossEntropyConfig(128, 64, 2, 2, launch_bound=True)],
+                         ids=["prefetch", "launch_bound"])
+def test_gradient_pass_variants_on_the_cpu(config):
+    """The gradient-only pass (one dloss per row) with prefetch / the launch bound."""
+    from ..cuda_emulation_threads import run
+
+    rows, n = 5, 3000
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(rows, n, generator=gen) * 2).to(BF16)
+    target = torch.randint(0, n, (rows,), generator=gen)
+    target[2] = -100
+    dloss = torch.randn(rows, generator=gen)
+    want_loss, want_lse, want_grad = _reference(x, target, -100, 0.1, None, 0.0)
+    leaf = x.double().requires_grad_()
+    F.cross_entropy(leaf, target, reduction="none", label_smoothing=0.1).backward(
+        dloss.double())
+    kernel = CrossEntropyKernel(mode="grad", n=n, dtype="bfloat16", softcap=False,
+                                smoothing=True, dloss_per_row=True)
+    compiled = kernel.compile(config, "many")[0]
+    grad = torch.full_like(x, float("nan"))
+    rm = RowMap(n, "bfloat16", config.threads, config.row_threads, config.vecs, 132)
+    run(compiled, min(-(-rows // rm.rows_per_cta), 132 * config.ctas_per_sm), config.threads,
+        dict(dloss=dloss, x=x, target=target, lse=want_lse.float(), grad=grad),
+        dict(rows=rows, ignore_index=-100, cap=1.0, eps=0.1, zloss=0.0))
+    torch.testing.assert_close(grad.double(), leaf.grad, rtol=1e-2, atol=1e-4)

@@ -36,12 +36,18 @@ class CrossEntropyConfig(RowConfig):
       statistics pass keeps in shared memory for the gradient pass (0: the gradient pass
       reads the whole row again from L2 / HBM). The other chunks are read again first,
       right after the statistics pass read them, so they come from L2.
-    - `prefetch`: the statistics pass (`loss`, `loss_and_grad`) loads chunk c + 1 into
-      registers while it reduces chunk c, so loads stay in flight through the arithmetic
-      (a second register buffer of vecs x 16 bytes per thread)."""
+    - `prefetch`: the first pass over a row (statistics; in `grad` mode the only one) loads
+      chunk c + 1 into registers while it works on chunk c, so loads stay in flight through
+      the arithmetic (a second register buffer of vecs x 16 bytes per thread).
+    - `launch_bound`: `ctas_per_sm` CTAs are made resident together (__launch_bounds__'s
+      minimum blocks: registers capped at 65536 / (ctas_per_sm x threads)). Without it the
+      compiler takes what it likes (88-120 registers at 512 threads), so one CTA is
+      resident per SM whatever `ctas_per_sm` says: the grid has that many CTAs per SM, but
+      they run one after another."""
 
     kept_chunks: int = 0
     prefetch: bool = False
+    launch_bound: bool = False
 
 
 def kept_chunks_of(mode: str, rm: RowMap, config: RowConfig) -> int:
@@ -69,6 +75,16 @@ def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
     return configs
 
 
+def default_variants(default: CrossEntropyConfig, mode: str) -> list[CrossEntropyConfig]:
+    """The default thread map with prefetch, with its CTAs per SM made resident, and both
+    (not in `grad` mode: its prefetch buffer spills under the 64-register bound)."""
+    variants = [dataclasses.replace(default, prefetch=True),
+                dataclasses.replace(default, launch_bound=True)]
+    if mode != "grad":
+        variants.append(dataclasses.replace(default, prefetch=True, launch_bound=True))
+    return variants
+
+
 def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothing: bool,
                           dloss_per_row: bool, config: RowConfig):
     rows = T.dynamic("rows")
@@ -85,8 +101,27 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                          f"{config.ctas_per_sm} CTAs per SM needs {rm.kept_bytes(kept)} bytes "
                          f"of shared memory per CTA; an SM has {SMEM_BYTES}")
     load_raw, unpack, load_kept = rm.kept_macros(kept)
-    prefetch = getattr(config, "prefetch", False) and mode != "grad" and rm.chunks > 1
+    prefetch = getattr(config, "prefetch", False) and rm.chunks > 1
+    bound = getattr(config, "launch_bound", False)
+
+    @T.macro
+    def resident():
+        if bound:
+            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
     raw_path = prefetch or kept > 0  # else the plain `load` (the code of the default)
+
+    @T.macro
+    def fetch(x, row, c, raw, raw_next, lane):
+        """raw <- chunk c of x's row. With prefetch it is already in raw_next (the caller
+        loaded chunk 0 there before the loop) and chunk c + 1 goes there now."""
+        if prefetch:
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    raw[i, j] = raw_next[i, j]
+            if c + 1 < rm.chunks:
+                load_raw(x, row, c + 1, raw_next, lane)
+        else:
+            load_raw(x, row, c, raw, lane)
 
     @T.macro
     def capped(xl, c, lane, cap, zsum, add_sum):
@@ -122,6 +157,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
     @T.macro
     def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            resident()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
             xl = T.alloc_local((vecs, vec), "float")
@@ -144,15 +180,8 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     if prefetch:
                         load_raw(x, row, 0, raw_next, lane)
                     for c in T.serial(rm.chunks):
-                        if prefetch:  # chunk c + 1 in flight while chunk c is worked on
-                            for i in T.unroll(vecs):
-                                for j in T.unroll(vec):
-                                    raw[i, j] = raw_next[i, j]
-                            if c + 1 < rm.chunks:
-                                load_raw(x, row, c + 1, raw_next, lane)
-                        elif raw_path:
-                            load_raw(x, row, c, raw, lane)
                         if raw_path:  # padding: exp(-inf) = 0
+                            fetch(x, row, c, raw, raw_next, lane)
                             unpack(raw, c, xl, kept_shared, r, lane, NEG_INF)
                         else:
                             load(x, row, c, xl, lane, NEG_INF)
@@ -204,9 +233,12 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
     @T.macro
     def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            resident()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
             xl = T.alloc_local((vecs, vec), "float")
+            raw = T.alloc_local((vecs, vec), dtype) if prefetch else None
+            raw_next = T.alloc_local((vecs, vec), dtype) if prefetch else None
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
@@ -218,8 +250,14 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                         ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), d))
                     lse = lse_in[row]
                     tc = column_of(t)
+                    if prefetch:
+                        load_raw(x, row, 0, raw_next, lane)
                     for c in T.serial(rm.chunks):
-                        load(x, row, c, xl, lane, 0.0)
+                        if prefetch:
+                            fetch(x, row, c, raw, raw_next, lane)
+                            unpack(raw, c, xl, None, r, lane, 0.0)
+                        else:
+                            load(x, row, c, xl, lane, 0.0)
                         capped(xl, c, lane, cap, None, False)
                         gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
                         store(xl, grad, row, c, lane)
@@ -269,8 +307,7 @@ class CrossEntropyKernel(RowKernel):
                  for c in super().config_space(bucket)]
         if self.key["mode"] == "loss_and_grad":
             space += kept_row_configs(self.key["n"], self.key["dtype"])
-        if self.key["mode"] != "grad":
-            space += [dataclasses.replace(space[0], prefetch=True)]
+        space += default_variants(space[0], self.key["mode"])
         return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):
