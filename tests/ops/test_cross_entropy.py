@@ -154,6 +154,7 @@ def _kept_configs(vocab, dtype, params):
     configs = kept_row_configs(vocab, str(dtype).removeprefix("torch."))
     configs += default_variants(default, "loss_and_grad")
     assert set(configs) <= set(kernel.config_space("many"))
+    kernel.compile_many(configs, "many")  # in parallel; the ops find them compiled
     return configs
 
 
