@@ -40,6 +40,7 @@ static thread_local EmuIndex emu_thread, emu_block;
 #define threadIdx emu_thread
 #define blockIdx emu_block
 #define CUDART_INF_F INFINITY
+#define CUDART_NAN_F NAN
 template <class A, class B> static inline auto min(A a, B b) { return a < b ? a : b; }
 template <class A, class B> static inline auto max(A a, B b) { return a > b ? a : b; }
 static inline unsigned __pack_nv_bfloat162(bfloat16_t x, bfloat16_t y) {
@@ -92,6 +93,8 @@ struct SumOp { template <class T> static T apply(T a, T b) { return a + b; } };
 struct MaxOp { template <class T> static T apply(T a, T b) { return a > b ? a : b; } };
 struct MinOp { template <class T> static T apply(T a, T b) { return a < b ? a : b; } };
 template <int N> struct NamedBarrier {};
+// the approximate reciprocal (rcp.approx.ftz.f32 on the GPU), exact here
+static inline float fast_rcp(float x) { return 1.0f / x; }
 static double emu_reduce_slot[2048];
 template <class Op, int threads, int scale, int offset, class Barrier = void>
 struct AllReduce {

@@ -3,15 +3,17 @@ reduction, ignore_index, label smoothing, softcap, z-loss, every dtype and the L
 vocabulary sizes; the one-pass loss-and-gradient op; the in-place gradient; bad targets;
 extreme logits; torch.compile."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tileops
-from tileops import CrossEntropyWithGradFwdOp
+from tileops import CrossEntropyBwdOp, CrossEntropyFwdOp, CrossEntropyWithGradFwdOp
 from tileops.errors import TileOpsError
 
-from ..helpers import assert_close, poison, randn
+from ..helpers import assert_close, poison, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -120,6 +122,134 @@ def test_one_pass_loss_and_gradient_op(rows, vocab, dtype, params):
     # the functional op form returns the same three
     loss2, lse2, grad2 = op(x, target)
     assert torch.equal(loss2, loss) and torch.equal(grad2, grad) and torch.equal(lse2, lse)
+
+
+# (rows, vocab, dtype, params) for every config of the loss_and_grad space that keeps rows
+# in shared memory: vocabularies past and short of a vector multiple (50257 is scalar),
+# ignored rows, each optional term; rows past one wave of 132 CTAs, so a CTA reuses its
+# shared row for a second row
+KEPT_CASES = [
+    (300, 128256, BF16, {}),
+    (140, 32000, FP16, {"label_smoothing": 0.1}),
+    (133, 50257, BF16, {"ignore_index": 5, "lse_square_scale": 1e-4}),
+    (140, 151936, BF16, {"softcap": 30.0}),
+    (136, 256000, BF16, {"label_smoothing": 0.05, "softcap": 30.0}),
+    (135, 128256, FP32, {}),
+]
+
+
+def _kernel(mode, vocab, dtype, params):
+    from tileops.kernels.softmax.cross_entropy import CrossEntropyKernel
+    return CrossEntropyKernel(mode=mode, n=vocab, dtype=str(dtype).removeprefix("torch."),
+                              softcap="softcap" in params,
+                              smoothing="label_smoothing" in params, dloss_per_row=False)
+
+
+def _kept_configs(vocab, dtype, params):
+    """The loss_and_grad space's configs beyond the row kernels' own: rows kept in shared
+    memory (with and without prefetch), and the default's prefetch / launch-bound variants."""
+    from tileops.kernels.softmax.cross_entropy import default_variants, kept_row_configs
+    kernel = _kernel("loss_and_grad", vocab, dtype, params)
+    default = kernel.heuristic_config("many", "sm_90a")
+    configs = kept_row_configs(vocab, str(dtype).removeprefix("torch."))
+    configs += default_variants(default, "loss_and_grad")
+    assert set(configs) <= set(kernel.config_space("many"))
+    kernel.compile_many(configs, "many")  # in parallel; the ops find them compiled
+    return configs
+
+
+@pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES, ids=_ids(KEPT_CASES))
+def test_every_kept_row_config_matches_float64(rows, vocab, dtype, params):
+    """The one-pass op on each config that keeps rows in shared memory between the passes,
+    into NaN-poisoned outputs, in place and not: loss, lse and gradient."""
+    x = randn(rows, vocab, dtype=dtype, std=2.0)
+    target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
+    ref_leaf = x.double().requires_grad_()
+    ref = reference_rows(ref_leaf, target, **params)
+    ref.sum().backward()
+    for config in _kept_configs(vocab, dtype, params):
+        op = CrossEntropyWithGradFwdOp(**params)
+        op.pin_config(config, x, target)
+        loss, lse = poison(torch.empty(rows, device="cuda")), poison(torch.empty(rows,
+                                                                         device="cuda"))
+        grad = poison(torch.empty_like(x))
+        op._run("loss_and_grad", x, x, target, loss, lse, grad)
+        assert_close(loss, ref, what=f"loss {config}")
+        assert_close(grad, ref_leaf.grad, what=f"grad {config}")
+        inplace = x.clone()  # the gradient written over the logits
+        op._run("loss_and_grad", inplace, inplace, target, loss, lse, inplace)
+        assert torch.equal(inplace, grad), config
+        out = op(x, target)  # the op form, through the pinned kernel
+        assert torch.equal(out[2], grad), config
+
+
+@pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES[:4], ids=_ids(KEPT_CASES[:4]))
+def test_loss_pass_with_prefetch_matches_float64(rows, vocab, dtype, params):
+    """The loss-only pass's prefetch and launch-bound variants of its default."""
+    from tileops.kernels.softmax.cross_entropy import default_variants
+    x = randn(rows, vocab, dtype=dtype, std=2.0)
+    target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
+    ref = reference_rows(x, target, **params)
+    z = x.double() if "softcap" not in params else params["softcap"] * torch.tanh(
+        x.double() / params["softcap"])
+    default = _kernel("loss", vocab, dtype, params).heuristic_config("many", "sm_90a")
+    for config in default_variants(default, "loss") + [
+            dataclasses.replace(default, prefetch=True, ctas_per_sm=1)]:
+        op = CrossEntropyFwdOp(**params)
+        op.pin_config(config, x, target)
+        loss, lse = op(x, target)
+        assert_close(loss, ref, what=f"loss {config}")
+        assert_close(lse, torch.logsumexp(z, -1), what=f"lse {config}")
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES[:4], ids=_ids(KEPT_CASES[:4]))
+def test_gradient_pass_variants_match_float64(rows, vocab, dtype, params, per_row):
+    """The gradient pass's prefetch and launch-bound variants of its default, with one
+    grad_loss for every row and one per row, into NaN-poisoned outputs."""
+    from tileops.kernels.softmax.cross_entropy import CrossEntropyKernel, default_variants
+    x = randn(rows, vocab, dtype=dtype, std=2.0)
+    target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
+    leaf = x.double().requires_grad_()
+    ref = reference_rows(leaf, target, **params)
+    grad_loss = randn(rows if per_row else 1, dtype=FP32)
+    ref.backward(grad_loss.double().expand(rows))
+    lse = CrossEntropyFwdOp(**params)(x, target)[1]
+    kernel = CrossEntropyKernel(mode="grad", n=vocab, dtype=str(dtype).removeprefix("torch."),
+                                softcap="softcap" in params,
+                                smoothing="label_smoothing" in params, dloss_per_row=per_row)
+    default = kernel.heuristic_config("many", "sm_90a")
+    for config in default_variants(default, "grad"):
+        assert config in kernel.config_space("many")
+        op = CrossEntropyBwdOp(**params)
+        op.pin_config(config, grad_loss, x, target, lse)
+        poison_allocator()
+        assert_close(op(grad_loss, x, target, lse), leaf.grad, what=f"grad {config}")
+
+
+def test_kept_rows_under_cuda_graph_and_non_contiguous_logits():
+    """A kept config captured in a CUDA graph and replayed on new values; a strided input
+    (the op makes it contiguous) gives the contiguous one's result."""
+    vocab = 128256
+    config = next(c for c in _kept_configs(vocab, BF16, {}) if c.kept_chunks and c.prefetch)
+    x = randn(200, vocab, dtype=BF16, std=2.0)
+    target = make_targets(200, vocab)
+    op = CrossEntropyWithGradFwdOp()
+    op.pin_config(config, x, target)
+    want = op(x, target)
+    wide = randn(200, vocab + 64, dtype=BF16)
+    wide[:, :vocab] = x
+    got = op(wide[:, :vocab], target)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    static_x = x.clone()
+    op(static_x, target)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = op(static_x, target)
+    static_x.copy_(randn(200, vocab, dtype=BF16, std=2.0))
+    graph.replay()
+    want = op(static_x.clone(), target)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
 
 
 def test_out_of_range_targets_are_loud():

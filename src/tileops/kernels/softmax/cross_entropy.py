@@ -17,12 +17,72 @@ written), `grad` (one pass from the saved lse, scaled by dloss per row or one dl
 """
 
 
+import dataclasses
+from dataclasses import dataclass
+
 import tilelang.language as T
 
 from .row_map import NEG_INF, RowMap, exp, tanh
 from .softmax import SM_COUNT, RowConfig, RowKernel
 
 MODES = ("loss", "loss_and_grad", "grad")
+SMEM_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
+
+
+@dataclass(frozen=True)
+class CrossEntropyConfig(RowConfig):
+    """RowConfig, plus
+    - `kept_chunks`: in `loss_and_grad` mode, how many leading chunks of each row the
+      statistics pass keeps in shared memory for the gradient pass (0: the gradient pass
+      reads the whole row again from L2 / HBM). The other chunks are read again first,
+      right after the statistics pass read them, so they come from L2.
+    - `prefetch`: the first pass over a row (statistics; in `grad` mode the only one) loads
+      chunk c + 1 into registers while it works on chunk c, so loads stay in flight through
+      the arithmetic (a second register buffer of vecs x 16 bytes per thread).
+    - `launch_bound`: `ctas_per_sm` CTAs are made resident together (__launch_bounds__'s
+      minimum blocks: registers capped at 65536 / (ctas_per_sm x threads)). Without it the
+      compiler takes what it likes (88-120 registers at 512 threads), so one CTA is
+      resident per SM whatever `ctas_per_sm` says: the grid has that many CTAs per SM, but
+      they run one after another."""
+
+    kept_chunks: int = 0
+    prefetch: bool = False
+    launch_bound: bool = False
+
+
+def kept_chunks_of(mode: str, rm: RowMap, config: RowConfig) -> int:
+    """The chunks kept in shared memory (none for a one-chunk row: it stays in registers)."""
+    if mode != "loss_and_grad" or rm.chunks == 1:
+        return 0
+    return min(getattr(config, "kept_chunks", 0), rm.chunks)
+
+
+def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
+    """The `loss_and_grad` configs that keep rows in shared memory: one CTA per SM (the kept
+    chunks take most of its shared memory), 512 or 1024 threads on one row, as many chunks
+    kept as fit. Empty for rows of one chunk (kept in registers anyway)."""
+    configs = []
+    for threads, vecs in ((512, 2), (512, 4), (512, 8), (1024, 2), (1024, 4)):
+        config = CrossEntropyConfig(threads, threads, vecs, 1)
+        rm = RowMap(n, dtype, threads, threads, vecs, SM_COUNT)
+        fit = min(rm.chunks, (SMEM_BYTES - 4096) // rm.kept_bytes(1))
+        if rm.chunks > 1 and fit > 0:
+            configs.append(dataclasses.replace(config, kept_chunks=fit))
+            # the second register buffer (raw vectors, 4 registers each) next to the fp32
+            # chunk, under the launch bound of one CTA per SM (estimate; ptxas checks)
+            if vecs * (rm.vec + 8) + 40 <= 65536 // threads:
+                configs.append(dataclasses.replace(config, kept_chunks=fit, prefetch=True))
+    return configs
+
+
+def default_variants(default: CrossEntropyConfig, mode: str) -> list[CrossEntropyConfig]:
+    """The default thread map with prefetch, with its CTAs per SM made resident, and both
+    (not in `grad` mode: its prefetch buffer spills under the 64-register bound)."""
+    variants = [dataclasses.replace(default, prefetch=True),
+                dataclasses.replace(default, launch_bound=True)]
+    if mode != "grad":
+        variants.append(dataclasses.replace(default, prefetch=True, launch_bound=True))
+    return variants
 
 
 def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothing: bool,
@@ -35,6 +95,33 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
         rm.ctas, rm.chunk
     warps = max(rm.row_warps, 1)
     reload = rm.chunks > 1  # a one-chunk row stays in registers between the passes
+    kept = kept_chunks_of(mode, rm, config)
+    if rm.kept_bytes(kept) * config.ctas_per_sm > SMEM_BYTES:
+        raise ValueError(f"kept_chunks={kept} of {rm.chunk}-element rows x {rpc} rows x "
+                         f"{config.ctas_per_sm} CTAs per SM needs {rm.kept_bytes(kept)} bytes "
+                         f"of shared memory per CTA; an SM has {SMEM_BYTES}")
+    load_raw, unpack, load_kept = rm.kept_macros(kept)
+    prefetch = getattr(config, "prefetch", False) and rm.chunks > 1
+    bound = getattr(config, "launch_bound", False)
+
+    @T.macro
+    def resident():
+        if bound:
+            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
+    raw_path = prefetch or kept > 0  # else the plain `load` (the code of the default)
+
+    @T.macro
+    def fetch(x, row, c, raw, raw_next, lane):
+        """raw <- chunk c of x's row. With prefetch it is already in raw_next (the caller
+        loaded chunk 0 there before the loop) and chunk c + 1 goes there now."""
+        if prefetch:
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    raw[i, j] = raw_next[i, j]
+            if c + 1 < rm.chunks:
+                load_raw(x, row, c + 1, raw_next, lane)
+        else:
+            load_raw(x, row, c, raw, lane)
 
     @T.macro
     def capped(xl, c, lane, cap, zsum, add_sum):
@@ -48,9 +135,15 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     if add_sum:
                         zsum[0] = zsum[0] + xl[i, j]
 
+    def column_of(t):
+        """The target's column as int32, -1 where it is no column (ignored or out of range:
+        those rows' gradients are scaled by 0 or NaN anyway), so the one-hot compare per
+        element is a 32-bit one."""
+        return T.cast(T.if_then_else((t >= 0) & (t < n), t, T.int64(-1)), "int32")
+
     @T.macro
     def gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss):
-        """xl (soft-capped logits of chunk c) <- d(loss * scale)/dx."""
+        """xl (soft-capped logits of chunk c) <- d(loss * scale)/dx; t: column_of(target)."""
         for i in T.unroll(vecs):
             for j in T.unroll(vec):
                 col = c * chunk + (i * rt + lane) * vec + j
@@ -64,6 +157,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
     @T.macro
     def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            resident()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
             xl = T.alloc_local((vecs, vec), "float")
@@ -74,14 +168,23 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
             red_m = T.alloc_shared((rpc, warps), "float")
             red_s = T.alloc_shared((rpc, warps), "float")
             red_z = T.alloc_shared((rpc, warps), "float")
+            kept_shared = T.alloc_shared((rpc, kept * chunk), dtype) if kept else None
+            raw = T.alloc_local((vecs, vec), dtype) if raw_path else None
+            raw_next = T.alloc_local((vecs, vec), dtype) if prefetch else None
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
                     m[0] = NEG_INF
                     s[0] = 0.0
                     zsum[0] = 0.0
+                    if prefetch:
+                        load_raw(x, row, 0, raw_next, lane)
                     for c in T.serial(rm.chunks):
-                        load(x, row, c, xl, lane, NEG_INF)  # padding: exp(-inf) = 0
+                        if raw_path:  # padding: exp(-inf) = 0
+                            fetch(x, row, c, raw, raw_next, lane)
+                            unpack(raw, c, xl, kept_shared, r, lane, NEG_INF)
+                        else:
+                            load(x, row, c, xl, lane, NEG_INF)
                         capped(xl, c, lane, cap, zsum, smoothing)
                         chunk_max_sum(xl, m, s)
                     t = target[row]
@@ -109,21 +212,33 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     if mode == "loss_and_grad":
                         scale = T.if_then_else(
                             ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), 1.0))
-                        for c in T.serial(rm.chunks):
-                            if reload:  # else the one chunk's z is still in registers
-                                load(x, row, c, xl, lane, 0.0)
+                        tc = column_of(t)
+                        # the chunks not kept first: the statistics pass read them last
+                        if kept < rm.chunks:
+                            for c in T.serial(kept, rm.chunks):
+                                if reload:  # else the one chunk's z is still in registers
+                                    load(x, row, c, xl, lane, 0.0)
+                                    capped(xl, c, lane, cap, None, False)
+                                gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
+                                store(xl, grad, row, c, lane)
+                        if kept:
+                            for c in T.serial(kept):
+                                load_kept(kept_shared, r, c, xl, lane, 0.0)
                                 capped(xl, c, lane, cap, None, False)
-                            gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss)
-                            store(xl, grad, row, c, lane)
+                                gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
+                                store(xl, grad, row, c, lane)
                 if rm.row_warps > 1:
                     T.sync_threads()
 
     @T.macro
     def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            resident()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
             xl = T.alloc_local((vecs, vec), "float")
+            raw = T.alloc_local((vecs, vec), dtype) if prefetch else None
+            raw_next = T.alloc_local((vecs, vec), dtype) if prefetch else None
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
@@ -134,10 +249,17 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     scale = T.if_then_else(
                         ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), d))
                     lse = lse_in[row]
+                    tc = column_of(t)
+                    if prefetch:
+                        load_raw(x, row, 0, raw_next, lane)
                     for c in T.serial(rm.chunks):
-                        load(x, row, c, xl, lane, 0.0)
+                        if prefetch:
+                            fetch(x, row, c, raw, raw_next, lane)
+                            unpack(raw, c, xl, None, r, lane, 0.0)
+                        else:
+                            load(x, row, c, xl, lane, 0.0)
                         capped(xl, c, lane, cap, None, False)
-                        gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss)
+                        gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
                         store(xl, grad, row, c, lane)
 
     R, V = (rows, n), (rows,)
@@ -174,6 +296,19 @@ class CrossEntropyKernel(RowKernel):
     are compiled in), dloss_per_row (`grad` mode: reduction 'none')."""
 
     name = "cross_entropy"
+    Config = CrossEntropyConfig
+
+    def heuristic_config(self, bucket: str, arch: str) -> CrossEntropyConfig:
+        row = super().heuristic_config(bucket, arch)
+        return CrossEntropyConfig(**dataclasses.asdict(row))
+
+    def config_space(self, bucket: str) -> list[CrossEntropyConfig]:
+        space = [CrossEntropyConfig(**dataclasses.asdict(c))
+                 for c in super().config_space(bucket)]
+        if self.key["mode"] == "loss_and_grad":
+            space += kept_row_configs(self.key["n"], self.key["dtype"])
+        space += default_variants(space[0], self.key["mode"])
+        return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):
         k = self.key

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from ..vectors import vector_width
+from ..vectors import ELEM_BYTES, vector_width
 
 NEG_INF = -math.inf
 LOG2E = 1.4426950408889634
@@ -164,6 +164,63 @@ class RowMap:
             m[0] = hi[0]
 
         return load, store, reduce_sum, reduce_max_sum, chunk_max_sum
+
+    def kept_bytes(self, kept_chunks: int) -> int:
+        """Shared memory of `kept_chunks` chunks of every row a CTA holds, in the row dtype."""
+        return self.rows_per_cta * kept_chunks * self.chunk * ELEM_BYTES[self.dtype]
+
+    def kept_macros(self, kept_chunks: int):
+        """(load_raw, unpack, load_kept) for a two-pass kernel that keeps the first
+        `kept_chunks` chunks of its rows in shared memory between the passes, so its second
+        pass reads them there and not from L2 / HBM (a 256 KB vocabulary row does not stay
+        in L2 while 132 SMs stream theirs), and may load chunk c + 1 into registers while it
+        works on chunk c (`load_raw` into a second buffer: twice the bytes in flight). Each
+        thread keeps and reads back only its own vectors: no barrier."""
+        n, vec, vecs, rt, chunk = self.n, self.vec, self.vecs, self.row_threads, self.chunk
+
+        @T.macro
+        def load_raw(buf, row, c, raw, lane):
+            """raw[vecs, vec] (buf's dtype) <- chunk c of buf's row; zeros past the row (never
+            read: written so that no register carries a value from an earlier chunk)."""
+            for i in T.unroll(vecs):
+                col = c * chunk + (i * rt + lane) * vec
+                if col < n:
+                    for j in T.vectorized(vec):
+                        raw[i, j] = buf[row, col + j]
+                else:
+                    for j in T.unroll(vec):
+                        raw[i, j] = T.cast(0, raw.dtype)
+
+        @T.macro
+        def unpack(raw, c, local, kept, r, lane, fill):
+            """local (float) <- raw (chunk c, `fill` past the row); chunks c < kept_chunks are
+            also copied, as they are, to kept[r, :]."""
+            for i in T.unroll(vecs):
+                col = c * chunk + (i * rt + lane) * vec
+                if col < n:
+                    if kept_chunks > 0:
+                        if c < kept_chunks:
+                            for j in T.vectorized(vec):
+                                kept[r, col + j] = raw[i, j]
+                    for j in T.vectorized(vec):
+                        local[i, j] = T.cast(raw[i, j], "float")
+                else:
+                    for j in T.unroll(vec):
+                        local[i, j] = fill
+
+        @T.macro
+        def load_kept(kept, r, c, local, lane, fill):
+            """local[vecs, vec] (float) <- kept chunk c (< kept_chunks) of row slot r."""
+            for i in T.unroll(vecs):
+                col = c * chunk + (i * rt + lane) * vec
+                if col < n:
+                    for j in T.vectorized(vec):
+                        local[i, j] = T.cast(kept[r, col + j], "float")
+                else:
+                    for j in T.unroll(vec):
+                        local[i, j] = fill
+
+        return load_raw, unpack, load_kept
 
     @staticmethod
     def logsumexp_of(m, s):

@@ -1,0 +1,160 @@
+"""The loss-and-gradient kernel's generated CUDA on the CPU (tests/cuda_emulation_threads.py:
+shuffles, barriers and shared memory run as on the GPU), against a float64 reference: rows
+kept in shared memory between the passes (`kept_chunks`) and read again from global memory,
+tails past the vector width, ignored rows, label smoothing, softcap and z-loss; plus the
+config space's shared-memory bound."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tileops.kernels.softmax.cross_entropy import (
+    SMEM_BYTES,
+    CrossEntropyConfig,
+    CrossEntropyKernel,
+    kept_row_configs,
+)
+from tileops.kernels.softmax.row_map import RowMap
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _reference(x, target, ignore_index, eps, cap, zloss):
+    """(loss, lse, grad) per row in float64, as the kernel defines them (the sum reduction)."""
+    leaf = x.double().requires_grad_()
+    z = leaf if cap is None else cap * torch.tanh(leaf / cap)
+    loss = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=eps)
+    lse = torch.logsumexp(z, -1)
+    loss = loss + zloss * lse.square() * (target != ignore_index)
+    loss.sum().backward()
+    return loss.detach(), lse.detach(), leaf.grad
+
+
+def _run_on_cpu(x, target, config, ignore_index=-100, eps=0.0, cap=None, zloss=0.0):
+    from ..cuda_emulation_threads import run
+
+    rows, n = x.shape
+    dtype = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}[x.dtype]
+    kernel = CrossEntropyKernel(mode="loss_and_grad", n=n, dtype=dtype, softcap=cap is not None,
+                                smoothing=eps != 0.0, dloss_per_row=False)
+    compiled = kernel.compile(config, "many")[0]
+    if config.kept_chunks:  # the kept chunks are in the program
+        assert "kept_shared" in compiled.get_kernel_source()
+    loss = torch.full((rows,), float("nan"))
+    lse = torch.full((rows,), float("nan"))
+    grad = torch.full_like(x, float("nan"))
+    rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs, 132)
+    grid = min(-(-rows // rm.rows_per_cta), 132 * config.ctas_per_sm)
+    run(compiled, grid, config.threads,
+        dict(x=x, target=target, loss=loss, lse=lse, grad=grad),
+        dict(rows=rows, ignore_index=ignore_index, cap=1.0 if cap is None else cap, eps=eps,
+             zloss=zloss))
+    return loss, lse, grad
+
+
+# (rows, vocab, dtype, config, params): each kept case has chunks read again from global
+# memory after the statistics pass, and a last chunk partly past the row
+CASES = [
+    (5, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=3), {}),
+    (4, 4104, FP16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=2),
+     {"eps": 0.1, "zloss": 1e-4}),
+    (3, 2001, BF16, CrossEntropyConfig(64, 64, 4, 1, kept_chunks=5),
+     {"cap": 30.0, "ignore_index": 7}),
+    (4, 3000, FP32, CrossEntropyConfig(128, 64, 2, 1, kept_chunks=6), {"eps": 0.05}),
+    (3, 3000, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=0), {}),  # no kept chunks
+    (3, 1600, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=4), {}),  # all kept
+    # chunk c + 1 loaded while chunk c is reduced, kept or not
+    (4, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=3, prefetch=True),
+     {"eps": 0.1, "cap": 10.0}),
+    (3, 2001, FP16, CrossEntropyConfig(64, 64, 4, 1, prefetch=True), {"zloss": 1e-4}),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("rows, vocab, dtype, config, params", [
+    pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
+                 id=f"{case[0]}x{case[1]}-{str(case[2])[6:]}-kept{case[3].kept_chunks}"
+                    f"{'-prefetch' if case[3].prefetch else ''}")
+    for i, case in enumerate(CASES)])
+def test_loss_and_gradient_with_kept_chunks_on_the_cpu(rows, vocab, dtype, config, params):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = (torch.randn(rows, vocab, generator=gen) * 2).to(dtype)
+    ignore_index = params.get("ignore_index", -100)
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    target[1] = ignore_index
+    loss, lse, grad = _run_on_cpu(x, target, config, ignore_index, params.get("eps", 0.0),
+                                  params.get("cap"), params.get("zloss", 0.0))
+    want_loss, want_lse, want_grad = _reference(x, target, ignore_index,
+                                                params.get("eps", 0.0), params.get("cap"),
+                                                params.get("zloss", 0.0))
+    torch.testing.assert_close(loss.double(), want_loss, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    assert not grad.isnan().any()
+    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
+    torch.testing.assert_close(grad.double(), want_grad, rtol=tol, atol=tol * 1e-2)
+    assert (grad[1] == 0).all()  # the ignored row
+
+
+@pytest.mark.parametrize("vocab", [32000, 50257, 128256, 151936, 256000])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_kept_configs_fit_shared_memory(vocab, dtype):
+    """Every kept config of the space fits an SM's shared memory with the reductions' room,
+    keeps at most the row's chunks, and is in the loss_and_grad kernel's space only."""
+    configs = kept_row_configs(vocab, dtype)
+    assert configs
+    for config in configs:
+        rm = RowMap(vocab, dtype, config.threads, config.row_threads, config.vecs, 132)
+        assert 0 < config.kept_chunks <= rm.chunks and config.ctas_per_sm == 1
+        assert rm.kept_bytes(config.kept_chunks) + 4096 <= SMEM_BYTES
+    key = dict(n=vocab, dtype=dtype, softcap=False, smoothing=False, dloss_per_row=False)
+    space = CrossEntropyKernel(mode="loss_and_grad", **key).config_space("many")
+    assert set(configs) <= set(space)
+    loss_space = CrossEntropyKernel(mode="loss", **key).config_space("many")
+    assert not any(c.kept_chunks for c in loss_space) and any(c.prefetch for c in loss_space)
+    grad_space = CrossEntropyKernel(mode="grad", **key).config_space("many")
+    assert not any(c.kept_chunks for c in grad_space) and any(c.prefetch for c in grad_space)
+    default = CrossEntropyKernel(mode="loss_and_grad", **key).heuristic_config("many", "sm_90a")
+    assert isinstance(default, CrossEntropyConfig)
+
+
+def test_kept_chunks_over_shared_memory_are_refused():
+    kernel = CrossEntropyKernel(mode="loss_and_grad", n=128256, dtype="bfloat16",
+                                softcap=False, smoothing=False, dloss_per_row=False)
+    config = CrossEntropyConfig(512, 512, 4, 1, kept_chunks=8)  # the whole 256 KB row
+    with pytest.raises(ValueError, match="shared memory"):
+        kernel.program(config, "many")
+    with pytest.raises(ValueError, match="shared memory"):
+        kernel.program(dataclasses.replace(config, kept_chunks=6, ctas_per_sm=2), "many")
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("config", [CrossEntropyConfig(64, 64, 2, 1, prefetch=True),
+                                    CrossEntropyConfig(128, 64, 2, 2, launch_bound=True)],
+                         ids=["prefetch", "launch_bound"])
+def test_gradient_pass_variants_on_the_cpu(config):
+    """The gradient-only pass (one dloss per row) with prefetch / the launch bound."""
+    from ..cuda_emulation_threads import run
+
+    rows, n = 5, 3000
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(rows, n, generator=gen) * 2).to(BF16)
+    target = torch.randint(0, n, (rows,), generator=gen)
+    target[2] = -100
+    dloss = torch.randn(rows, generator=gen)
+    want_loss, want_lse, want_grad = _reference(x, target, -100, 0.1, None, 0.0)
+    leaf = x.double().requires_grad_()
+    F.cross_entropy(leaf, target, reduction="none", label_smoothing=0.1).backward(
+        dloss.double())
+    kernel = CrossEntropyKernel(mode="grad", n=n, dtype="bfloat16", softcap=False,
+                                smoothing=True, dloss_per_row=True)
+    compiled = kernel.compile(config, "many")[0]
+    grad = torch.full_like(x, float("nan"))
+    rm = RowMap(n, "bfloat16", config.threads, config.row_threads, config.vecs, 132)
+    run(compiled, min(-(-rows // rm.rows_per_cta), 132 * config.ctas_per_sm), config.threads,
+        dict(dloss=dloss, x=x, target=target, lse=want_lse.float(), grad=grad),
+        dict(rows=rows, ignore_index=-100, cap=1.0, eps=0.1, zloss=0.0))
+    torch.testing.assert_close(grad.double(), leaf.grad, rtol=1e-2, atol=1e-4)
