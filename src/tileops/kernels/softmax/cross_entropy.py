@@ -100,7 +100,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
         raise ValueError(f"kept_chunks={kept} of {rm.chunk}-element rows x {rpc} rows x "
                          f"{config.ctas_per_sm} CTAs per SM needs {rm.kept_bytes(kept)} bytes "
                          f"of shared memory per CTA; an SM has {SMEM_BYTES}")
-    load_raw, unpack, load_kept = rm.kept_macros(kept)
+    load_raw, unpack = rm.kept_macros(kept)
     prefetch = getattr(config, "prefetch", False) and rm.chunks > 1
     bound = getattr(config, "launch_bound", False)
 
@@ -223,7 +223,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                                 store(xl, grad, row, c, lane)
                         if kept:
                             for c in T.serial(kept):
-                                load_kept(kept_shared, r, c, xl, lane, 0.0)
+                                load(kept_shared, r, c, xl, lane, 0.0)  # from shared memory
                                 capped(xl, c, lane, cap, None, False)
                                 gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
                                 store(xl, grad, row, c, lane)

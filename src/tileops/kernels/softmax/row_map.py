@@ -170,7 +170,7 @@ class RowMap:
         return self.rows_per_cta * kept_chunks * self.chunk * ELEM_BYTES[self.dtype]
 
     def kept_macros(self, kept_chunks: int):
-        """(load_raw, unpack, load_kept) for a two-pass kernel that keeps the first
+        """(load_raw, unpack) for a two-pass kernel that keeps the first
         `kept_chunks` chunks of its rows in shared memory between the passes, so its second
         pass reads them there and not from L2 / HBM (a 256 KB vocabulary row does not stay
         in L2 while 132 SMs stream theirs), and may load chunk c + 1 into registers while it
@@ -208,19 +208,7 @@ class RowMap:
                     for j in T.unroll(vec):
                         local[i, j] = fill
 
-        @T.macro
-        def load_kept(kept, r, c, local, lane, fill):
-            """local[vecs, vec] (float) <- kept chunk c (< kept_chunks) of row slot r."""
-            for i in T.unroll(vecs):
-                col = c * chunk + (i * rt + lane) * vec
-                if col < n:
-                    for j in T.vectorized(vec):
-                        local[i, j] = T.cast(kept[r, col + j], "float")
-                else:
-                    for j in T.unroll(vec):
-                        local[i, j] = fill
-
-        return load_raw, unpack, load_kept
+        return load_raw, unpack
 
     @staticmethod
     def logsumexp_of(m, s):
