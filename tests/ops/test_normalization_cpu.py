@@ -165,3 +165,61 @@ def test_lane_map_needs_an_exact_split_of_16_byte_vectors():
     # powers of two keep the tile map they were tuned on
     assert not RMSNormKernel(dtype="bfloat16", n=4096, has_weight=True).heuristic_config(
         "all", "sm_90a").lanes
+
+
+# -- the lane map's generated CUDA on the CPU (threads, shuffles and shared memory) -------
+LANE_CASES = {  # name -> (kind, n, dtype, config, rows)
+    "layer norm 2560, one row per CTA": ("layer", 2560, torch.bfloat16, (1, 160), 3),
+    "layer norm 384, 8 rows of 16 lanes, a last CTA of 3": ("layer", 384, torch.float16,
+                                                             (8, 128), 11),
+    "rms norm 13824, 576 threads": ("rms", 13824, torch.bfloat16, (1, 576), 2),
+    "fused add 5120 in place": ("fused_add", 5120, torch.bfloat16, (1, 320), 2),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.smoke] if i == 0
+                                               else [pytest.mark.full])
+                                  for i, n in enumerate(LANE_CASES)])
+def test_lane_map_program_on_the_cpu(name):
+    """The lane-map kernel, one host thread per CUDA thread, against fp32 torch: row sums
+    across warps through shared memory, rows of fewer lanes than a warp, a partial last
+    CTA whose spare rows are not stored, and the fused add writing over its inputs."""
+    import torch.nn.functional as F
+
+    from tileops.kernels.normalization import FusedAddRMSNormKernel, LayerNormKernel
+    from tileops.kernels.normalization.row_norm_fwd import NormConfig
+
+    from ..cuda_emulation_threads import run
+
+    kind, n, dtype, (block_rows, threads), rows = LANE_CASES[name]
+    name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
+    w = torch.randn(n, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    config = NormConfig(block_rows, threads, lanes=True)
+    grid = -(-rows // block_rows)
+    if kind == "layer":
+        kernel = LayerNormKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
+        y = torch.full_like(x, float("nan"))
+        run(kernel.compile(config, "all")[0], grid, threads, dict(x=x, w=w, b=b, y=y),
+            dict(rows=rows, eps=1e-5))
+        want = F.layer_norm(x.float(), [n], w.float(), b.float(), 1e-5)
+    elif kind == "rms":
+        kernel = RMSNormKernel(dtype=name_of, n=n, has_weight=True)
+        y = torch.full_like(x, float("nan"))
+        run(kernel.compile(config, "all")[0], grid, threads, dict(x=x, w=w, y=y),
+            dict(rows=rows, eps=1e-6))
+        want = F.rms_norm(x.float(), [n], w.float(), 1e-6)
+    else:
+        kernel = FusedAddRMSNormKernel(dtype=name_of, n=n)
+        r = torch.randn(rows, n, generator=gen).to(dtype)
+        h_want = x + r
+        want = F.rms_norm(h_want.float(), [n], w.float(), 1e-6)
+        run(kernel.compile(config, "all")[0], grid, threads,
+            dict(x=x, residual=r, w=w, y=x, residual_out=r), dict(rows=rows, eps=1e-6))
+        assert torch.equal(r, h_want)
+        y = x
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
