@@ -150,7 +150,7 @@ def test_forward_defaults_at_sizes_off_the_powers_of_two_take_the_lane_map(n, dt
             if config.lanes:
                 assert lanes_ok(n, dtype, config.block_rows, config.threads), config
                 assert config.threads % 32 == 0 and config.threads <= 896, config
-                assert 8 <= n * config.block_rows // config.threads <= 32, config
+                assert 8 <= n * config.block_rows // config.threads <= 40, config
 
 
 def test_lane_map_needs_an_exact_split_of_16_byte_vectors():
@@ -174,6 +174,8 @@ LANE_CASES = {  # name -> (kind, n, dtype, config, rows)
                                                              (8, 128), 11),
     "rms norm 13824, 576 threads": ("rms", 13824, torch.bfloat16, (1, 576), 2),
     "fused add 5120 in place": ("fused_add", 5120, torch.bfloat16, (1, 320), 2),
+    "layer norm 6144, weight and bias prefetched": ("layer", 6144, torch.float16,
+                                                    (1, 384, True), 2),
 }
 
 
@@ -192,13 +194,13 @@ def test_lane_map_program_on_the_cpu(name):
 
     from ..cuda_emulation_threads import run
 
-    kind, n, dtype, (block_rows, threads), rows = LANE_CASES[name]
+    kind, n, dtype, (block_rows, threads, *prefetch), rows = LANE_CASES[name]
     name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
     w = torch.randn(n, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
-    config = NormConfig(block_rows, threads, lanes=True)
+    config = NormConfig(block_rows, threads, lanes=True, prefetch=bool(prefetch))
     grid = -(-rows // block_rows)
     if kind == "layer":
         kernel = LayerNormKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)

@@ -18,6 +18,7 @@ gives each row any whole number of warps, each thread a fixed few 16-byte vector
 (2560 = 160 threads x 2 vectors of 8), and reduces by warp shuffles then shared memory.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import tilelang.language as T
@@ -39,6 +40,9 @@ class NormConfig:
     threads: int = 256
     lanes: bool = False
     ctas_per_sm: int = 0  # lane map: a launch bound for that many resident CTAs (0: none)
+    # lane map: the weight and bias loaded with the row (in flight during the row sums, ~8
+    # more registers: 7 instead of 8 CTAs an SM at 2560 columns) instead of after its sums
+    prefetch: bool = False
 
 
 def lanes_ok(n: int, dtype: str, block_rows: int, threads: int) -> bool:
@@ -56,7 +60,8 @@ def lanes_ok(n: int, dtype: str, block_rows: int, threads: int) -> bool:
 
 def lane_configs(n: int, dtype: str, elems_per_thread: tuple[int, int]) -> list[NormConfig]:
     """Lane-map configs whose threads hold a number of elements within `elems_per_thread`:
-    one row per CTA, or rows of fewer than 128 threads stacked up to 512 (whole warps)."""
+    one row per CTA, or rows of fewer than 128 threads stacked up to 256 (whole warps, at
+    least two)."""
     lo, hi = elems_per_thread
     vec = vector_width(n, dtype)
     found = []
@@ -66,8 +71,9 @@ def lane_configs(n: int, dtype: str, elems_per_thread: tuple[int, int]) -> list[
         row_threads = n // vec // vecs
         for block_rows in (1, 2, 4, 8, 16):
             threads = block_rows * row_threads
-            if lanes_ok(n, dtype, block_rows, threads) and threads % 32 == 0 and (
-                    block_rows == 1 or (row_threads < 128 and threads <= 512)):
+            if lanes_ok(n, dtype, block_rows, threads) and threads % 32 == 0 \
+                    and threads >= 64 and (block_rows == 1 or
+                                           (row_threads < 128 and threads <= 256)):
                 found.append(NormConfig(block_rows, threads, lanes=True))
     return found
 
@@ -96,11 +102,11 @@ def default_lanes(n: int, dtype: str) -> NormConfig | None:
 
 def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual: bool, block_rows: int, threads: int, lanes: bool = False,
-                     ctas_per_sm: int = 0):
+                     ctas_per_sm: int = 0, prefetch: bool = False):
     rows = T.dynamic("rows")
     if lanes:
         body = _lanes_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
-                           block_rows, threads, ctas_per_sm)
+                           block_rows, threads, ctas_per_sm, prefetch)
     else:
         body = _tile_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
                           block_rows, threads)
@@ -161,7 +167,8 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
 
 
 def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
-                has_residual: bool, block_rows: int, threads: int, ctas_per_sm: int):
+                has_residual: bool, block_rows: int, threads: int, ctas_per_sm: int,
+                prefetch: bool):
     row_threads = threads // block_rows
     vec = vector_width(n, dtype)
     rm = RowMap(n, dtype, threads, row_threads, n // vec // row_threads, ctas=1)
@@ -208,11 +215,11 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
             if has_residual:
                 r_local = T.alloc_local((vecs, vec), dtype)
                 load_row(residual, r_local, row, lane)
-            # the weight and bias are in flight during the row sums
-            if has_weight:
-                load_vector(w, w_local, lane)
-            if has_bias:
-                load_vector(b, b_local, lane)
+            if prefetch:  # the weight and bias in flight during the row sums
+                if has_weight:
+                    load_vector(w, w_local, lane)
+                if has_bias:
+                    load_vector(b, b_local, lane)
             if has_residual:
                 for i in T.unroll(vecs):
                     for j in T.unroll(vec):  # rounded, as torch's add
@@ -235,6 +242,11 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
                     total[0] = total[0] + d * d
             reduce_sum(total, red, block_rows + r, lane)
             total[0] = T.rsqrt(total[0] / n + eps)
+            if not prefetch:  # from L2 after the row sums: fewer registers live across them
+                if has_weight:
+                    load_vector(w, w_local, lane)
+                if has_bias:
+                    load_vector(b, b_local, lane)
             for i in T.unroll(vecs):
                 for j in T.unroll(vec):
                     v = (T.cast(h_local[i, j], "float") - mean[0]) * total[0]
@@ -300,7 +312,8 @@ class NormFwdKernel(Kernel):
     def program(self, config: NormConfig, bucket: str):
         return norm_fwd_program(self.key["n"], self.key["dtype"], block_rows=config.block_rows,
                                 threads=config.threads, lanes=config.lanes,
-                                ctas_per_sm=config.ctas_per_sm, **self.flags())
+                                ctas_per_sm=config.ctas_per_sm, prefetch=config.prefetch,
+                                **self.flags())
 
     def run(self, config: NormConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*(t for t in tensors if t is not None))
@@ -333,7 +346,9 @@ class NormFwdKernel(Kernel):
         space = [self.heuristic_config(bucket, "sm_90a")]
         space += [NormConfig(r, t) for r, t in row_configs(n, (8, 64))]
         if n & (n - 1):  # the tile map serves powers of two exactly (and was tuned there)
-            space += [c for c in lane_configs(n, dtype, (8, 32)) if c.threads <= 896]
+            space += [c for c in lane_configs(n, dtype, (8, 40)) if c.threads <= 896]
+            if space[0].lanes:
+                space.append(dataclasses.replace(space[0], prefetch=True))
         return list(dict.fromkeys(space))
 
 
