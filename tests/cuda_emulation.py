@@ -36,6 +36,13 @@ template <class A, class B> static inline auto min(A a, B b) { return a < b ? a 
 template <class A, class B> static inline auto max(A a, B b) { return a > b ? a : b; }
 #define __launch_bounds__(...)
 #define __restrict__
+// the zero fill of a guarded 16-byte load (TileLang's common.h, on the device)
+static inline unsigned __pack_nv_bfloat162(bfloat16_t x, bfloat16_t y) {
+  return (unsigned(y.raw()) << 16) | unsigned(x.raw());
+}
+static inline unsigned __pack_half2(half_t x, half_t y) {
+  return (unsigned(y.raw()) << 16) | unsigned(x.raw());
+}
 // TileLang's fp8 names and clamp (tl_templates/cuda/cuda_fp8.h, math.h): the fp8 cache
 // kernels store through them; cuda_fp8.h's conversions run on the host too
 #include <cuda_fp8.h>

@@ -132,14 +132,15 @@ def _library(source: str, threads: int) -> tuple[Any, list[str]]:
                   f"{m.group(3)}[{_DYNAMIC_SHARED_BYTES} / sizeof({m.group(2)})];", body)
     for old, new in _RENAMES.items():
         body = body.replace(old, new)
+    # the driver's own names start with emu_: a kernel parameter may be called b or t
     driver = (f'extern "C" void run_grid(int grid, {params}) {{\n'
               f"  pthread_barrier_init(&emu_block_barrier, nullptr, {threads});\n"
               f"  for (int w = 0; w < {threads // 32}; ++w)\n"
               f"    pthread_barrier_init(&emu_warp_barrier[w], nullptr, 32);\n"
-              f"  for (int b = 0; b < grid; ++b) {{\n"
+              f"  for (int emu_b = 0; emu_b < grid; ++emu_b) {{\n"
               f"    std::vector<std::thread> pool;\n"
-              f"    for (int t = 0; t < {threads}; ++t) pool.emplace_back([=] {{\n"
-              f"      emu_block.x = b; emu_thread.x = t; {name}({', '.join(names)});\n"
+              f"    for (int emu_t = 0; emu_t < {threads}; ++emu_t) pool.emplace_back([=] {{\n"
+              f"      emu_block.x = emu_b; emu_thread.x = emu_t; {name}({', '.join(names)});\n"
               f"    }});\n"
               f"    for (auto &th : pool) th.join();\n  }}\n}}\n")
     return build(_PRELUDE + body + driver, "threads-", ["-O1"], ",-pthread"), \

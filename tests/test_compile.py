@@ -99,6 +99,60 @@ def test_rms_norm_padded_path_compiles(hidden):
     assert "rms_norm_kernel" in kernel.compile(config, "all")[0].get_kernel_source()
 
 
+def norm_forward_kernel(kind: str, n: int, dtype: str = "bfloat16"):
+    from tileops.kernels.normalization import FusedAddRMSNormKernel, LayerNormKernel
+
+    return {"rms": lambda: RMSNormKernel(dtype=dtype, n=n, has_weight=True),
+            "layer": lambda: LayerNormKernel(dtype=dtype, n=n, has_weight=True, has_bias=True),
+            "fused_add": lambda: FusedAddRMSNormKernel(dtype=dtype, n=n)}[kind]()
+
+
+def assert_lane_map_source(compiled, tmp_path, loads: int) -> None:
+    """16-byte loads only (the row, weight and bias vectors), no scalar bf16/fp16 accesses
+    of global memory, two barriers at most (one per row sum), nothing spilled."""
+    source = compiled.get_kernel_source()
+    assert len(re.findall(r"= \*\(uint4\*\)\((?:x|w|b|residual) \+", source)) == loads, source
+    assert not re.search(r"[^_]\b(?:x|w|b|residual)\[", source), source  # no scalar reads
+    assert source.count("__syncthreads()") <= 2, source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.smoke
+def test_layer_norm_forward_at_hidden_2560_reads_whole_16_byte_vectors(tmp_path):
+    """Phi-2's 2560 columns: 160 threads of two 16-byte vectors each (the lane map), where a
+    power-of-two thread count gave 40 elements per thread."""
+    kernel = norm_forward_kernel("layer", 2560)
+    config = kernel.heuristic_config("all", "sm_90a")
+    assert (config.block_rows, config.threads, config.lanes) == (1, 160, True)
+    # x, w and b: two vectors each (the loop is unrolled by nvcc, not in the source)
+    assert_lane_map_source(kernel.compile(config, "all")[0], tmp_path, loads=3)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("kind, n, dtype", [("layer", 6144, "bfloat16"),
+                                            ("layer", 1280, "float16"),
+                                            ("rms", 13824, "bfloat16"),
+                                            ("fused_add", 5120, "float16"),
+                                            ("fused_add", 7168, "bfloat16"),
+                                            ("rms", 2560, "bfloat16")])
+def test_norm_forward_lane_defaults_read_16_byte_vectors(kind, n, dtype, tmp_path):
+    kernel = norm_forward_kernel(kind, n, dtype)
+    config = kernel.heuristic_config("all", "sm_90a")
+    assert config.lanes, config
+    loads = {"layer": 3, "rms": 2, "fused_add": 3}[kind]
+    assert_lane_map_source(kernel.compile(config, "all")[0], tmp_path, loads=loads)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("kind, n", [("layer", 2560), ("layer", 6144), ("fused_add", 5120),
+                                     ("fused_add", 7168), ("rms", 13824)])
+def test_norm_forward_lane_configs_of_the_space_compile_without_spills(kind, n, tmp_path):
+    kernel = norm_forward_kernel(kind, n)
+    for config in kernel.config_space("all"):
+        if config.lanes:
+            assert_no_spills_or_serialized_wgmma(kernel.compile(config, "all")[0], tmp_path)
+
+
 @pytest.mark.parametrize("kind, n", [("layer", 1024), ("rms", 199)])
 def test_norm_backward_reduces_a_threads_rows_in_one_all_reduce(kind, n):
     """Several rows per CTA (1024 columns, 4 rows staged; 199 padded, 20 rows split over

@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 import tileops
-from tileops import FusedAddRMSNormBwdOp, TileOpsError
+from tileops import FusedAddRMSNormBwdOp, FusedAddRMSNormFwdOp, TileOpsError
+from tileops.kernels.normalization import FusedAddRMSNormKernel
 
-from ..helpers import assert_close, randn
+from ..helpers import assert_close, poison, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -61,6 +62,43 @@ def test_non_contiguous_inputs_out_of_place():
     y_ref, h_ref = reference(x, r, w)
     assert torch.equal(h, h_ref)
     assert_close(y, y_ref)
+
+
+def space_cases():
+    """(hidden, config) for every config at Qwen3-32B's 5120 and DeepSeek-V3's 7168 columns
+    (lane maps of 160-896 threads next to the tile map's 128) and Phi-2's 2560."""
+    return [pytest.param(hidden, config, id=f"{hidden}-{config}")
+            for hidden in (2560, 5120, 7168)
+            for config in FusedAddRMSNormKernel(dtype="bfloat16", n=hidden).config_space("all")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, config", space_cases())
+def test_every_config_of_the_space(hidden, config, dtype):
+    """Any config the tuner may ship: row counts off every block size into poisoned outputs,
+    then in place (y over x, h over the residual), then a strided input through the op."""
+    op = FusedAddRMSNormFwdOp()
+    w = randn(hidden, dtype=dtype)
+    op.pin_config(config, randn(1, hidden, dtype=dtype), randn(1, hidden, dtype=dtype), w)
+    kernel = op.get_kernel("fused_add_rms_norm", w.device, **op._kernel_key(dtype, hidden))
+    for bucket in ("few", "all"):
+        kernel.use(config, bucket)
+    for rows in (1, 7, 1000, 4099, 12289):
+        x, r = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype)
+        y, h = poison(torch.empty_like(x)), poison(torch.empty_like(x))
+        kernel(rows, x, r, w, y, h, 1e-6)
+        y_ref, h_ref = reference(x, r, w, 1e-6)
+        assert torch.equal(h, h_ref), f"rows={rows}"
+        assert_close(y, y_ref, what=f"rows={rows}")
+        kernel(rows, x, r, w, x, r, 1e-6)  # in place
+        assert torch.equal(r, h_ref), f"in place, rows={rows}"
+        assert_close(x, y_ref, what=f"in place, rows={rows}")
+    x = randn(3, 2 * hidden, dtype=dtype)[:, ::2]
+    r = randn(3, hidden, dtype=dtype)
+    y, h = op(x, r, w)
+    y_ref, h_ref = reference(x, r, w)
+    assert torch.equal(h, h_ref)
+    assert_close(y, y_ref, what="op, strided")
 
 
 def grads(x, r, w, eps, dy, dh, fn):

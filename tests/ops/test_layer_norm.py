@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 import tileops
-from tileops import LayerNormBwdOp, TileOpsError
-from tileops.kernels.normalization import LayerNormBwdKernel
+from tileops import LayerNormBwdOp, LayerNormFwdOp, TileOpsError
+from tileops.kernels.normalization import LayerNormBwdKernel, LayerNormKernel
 
-from ..helpers import assert_close, randn
+from ..helpers import assert_close, poison, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def check(x, shape, weight, bias, eps=1e-5, what=""):
 @pytest.mark.smoke
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, hidden", [(4099, 4096), (1, 8192), (777, 1280), (333, 128),
-                                          (1000, 199), (3, 2560), (9000, 6144)])
+                                          (1000, 199), (3, 2560), (4097, 2560), (9000, 6144)])
 def test_forward_and_gradients_match_torch(rows, hidden, dtype):
     check(randn(rows, hidden, dtype=dtype), [hidden], randn(hidden, dtype=dtype),
           randn(hidden, dtype=dtype), 1e-5, f"{rows}x{hidden}")
@@ -69,6 +69,39 @@ def test_multi_dim_normalized_shape_and_non_contiguous_input():
     check(x, [8, 128], randn(8, 128, dtype=torch.float16), randn(8, 128, dtype=torch.float16))
     check(randn(2048, 300, dtype=torch.bfloat16).t(), [2048], None,
           randn(4096, dtype=torch.bfloat16)[::2])
+
+
+def forward_space_cases():
+    """(hidden, config) for every forward config at the hidden sizes off the powers of two
+    (the lane map's sizes: ViT-H 1280, Phi-2 2560, GPT-NeoX-20B 6144)."""
+    cases = []
+    for hidden in (1280, 2560, 6144):
+        kernel = LayerNormKernel(dtype="bfloat16", n=hidden, has_weight=True, has_bias=True)
+        for config in kernel.config_space("all"):
+            cases.append(pytest.param(hidden, config, id=f"{hidden}-{config}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, config", forward_space_cases())
+def test_every_forward_config_of_the_space(hidden, config, dtype):
+    """Any config the tuner may ship, on row counts off every block size, poisoned outputs,
+    rows far from zero mean, and a non-contiguous input through the op."""
+    op = LayerNormFwdOp(normalized_shape=[hidden])
+    w, b = randn(hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    op.pin_config(config, randn(1, hidden, dtype=dtype), w, b)
+    kernel = op.get_kernel("layer_norm", w.device, **op._kernel_key(
+        dtype, hidden, has_weight=True, has_bias=True))
+    for bucket in ("few", "all"):  # the decode and the prefill bucket both run `config`
+        kernel.use(config, bucket)
+    for rows, offset in ((1, 0.0), (7, 0.0), (1000, 0.0), (4099, 0.0), (12289, 0.0),
+                         (333, 300.0)):
+        x = (randn(rows, hidden, dtype=torch.float32) + offset).to(dtype)
+        y = poison(torch.empty_like(x))
+        kernel(rows, x, w, b, y, 1e-5)
+        assert_close(y, reference(x, [hidden], w, b), what=f"rows={rows} offset={offset}")
+    x = randn(3, 5, 2 * hidden, dtype=dtype)[..., ::2]  # through the op, on the pinned config
+    assert_close(op(x, w, b), reference(x, [hidden], w, b), what="op, strided")
 
 
 def test_every_backward_config_of_the_space():

@@ -93,7 +93,8 @@ def test_rooflines_count_each_tensor_once():
         meta(rows, n), meta(rows, n), meta(n), None)[1] == (3 * rows * n + 2 * n) * b
 
 
-@pytest.mark.parametrize("n", [128, 199, 1000, 1280, 2560, 4096, 5120, 7168, 8192, 16384])
+@pytest.mark.parametrize("n", [128, 199, 1000, 1280, 2560, 4096, 5120, 6144, 7168, 8192,
+                               13824, 16384])
 def test_default_configs_keep_registers_in_bounds(n):
     """Forward tiles hold at most 64 elements per thread (more spilled); the backward's
     double buffer only where a thread holds at most 16; its grid is whole waves."""
@@ -102,6 +103,8 @@ def test_default_configs_keep_registers_in_bounds(n):
         config = fwd.heuristic_config(bucket, "sm_90a")
         tile = RowTile(n, config.block_rows, config.threads)
         assert tile.n_tile * config.block_rows <= 64 * config.threads, (bucket, config)
+        if config.lanes:
+            assert n * config.block_rows <= 32 * config.threads, (bucket, config)
     for cls, key in ((RMSNormBwdKernel, {"has_weight": True}),
                      (LayerNormBwdKernel, {"has_weight": True, "has_bias": True})):
         bwd = cls(dtype="bfloat16", n=n, **key)
@@ -117,3 +120,108 @@ def test_default_configs_keep_registers_in_bounds(n):
                 assert config.threads == (512 if config.from_shared else 256), config
                 assert stageable(n, config.block_rows, config.threads), config
     assert bwd.bucket_of(4096) == "few" and bwd.bucket_of(4097) == "many"
+
+
+@pytest.mark.parametrize("n, dtype, block_rows, threads", [
+    (1280, "bfloat16", 1, 160),    # ViT-H: one vector per thread (two would be 80 threads)
+    (2560, "bfloat16", 1, 160),    # Phi-2
+    (5120, "float16", 1, 320),     # Qwen3-32B
+    (6144, "bfloat16", 1, 384),    # GPT-NeoX-20B
+    (7168, "bfloat16", 1, 448),    # DeepSeek-V3
+    (13824, "bfloat16", 1, 576),   # three vectors: 864 threads would fit one CTA per SM
+    (3072, "bfloat16", 1, 192),
+    (384, "bfloat16", 8, 128),     # 24 threads a row is no lane group: three vectors, 16
+])
+def test_forward_defaults_at_sizes_off_the_powers_of_two_take_the_lane_map(n, dtype,
+                                                                            block_rows,
+                                                                            threads):
+    """Whole 16-byte vectors split exactly over any whole number of warps per row."""
+    from tileops.kernels.normalization import FusedAddRMSNormKernel, LayerNormKernel
+    from tileops.kernels.normalization.row_norm_fwd import NormConfig, lanes_ok
+
+    for kernel in (RMSNormKernel(dtype=dtype, n=n, has_weight=True),
+                   FusedAddRMSNormKernel(dtype=dtype, n=n),
+                   LayerNormKernel(dtype=dtype, n=n, has_weight=True, has_bias=False)):
+        for bucket in ("few", "all"):
+            config = kernel.heuristic_config(bucket, "sm_90a")
+            assert config == NormConfig(block_rows, threads, lanes=True), (kernel.name, config)
+            assert config in kernel.config_space(bucket)
+        for config in kernel.config_space("all"):
+            if config.lanes:
+                assert lanes_ok(n, dtype, config.block_rows, config.threads), config
+                assert config.threads % 32 == 0 and config.threads <= 896, config
+                assert 8 <= n * config.block_rows // config.threads <= 40, config
+
+
+def test_lane_map_needs_an_exact_split_of_16_byte_vectors():
+    from tileops.kernels.normalization.row_norm_fwd import default_lanes, lanes_ok
+
+    assert lanes_ok(2560, "bfloat16", 1, 320) and lanes_ok(2560, "bfloat16", 2, 320)
+    assert not lanes_ok(2560, "bfloat16", 1, 96)   # 320 vectors over 96 threads
+    assert not lanes_ok(2560, "bfloat16", 1, 80)   # not whole warps
+    assert not lanes_ok(1000, "bfloat16", 1, 125)  # 8-byte vectors only
+    for n in (199, 1000, 24):
+        assert default_lanes(n, "float16") is None
+    # powers of two keep the tile map they were tuned on
+    assert not RMSNormKernel(dtype="bfloat16", n=4096, has_weight=True).heuristic_config(
+        "all", "sm_90a").lanes
+
+
+# -- the lane map's generated CUDA on the CPU (threads, shuffles and shared memory) -------
+LANE_CASES = {  # name -> (kind, n, dtype, config, rows)
+    "layer norm 2560, one row per CTA": ("layer", 2560, torch.bfloat16, (1, 160), 3),
+    "layer norm 384, 8 rows of 16 lanes, a last CTA of 3": ("layer", 384, torch.float16,
+                                                             (8, 128), 11),
+    "rms norm 13824, 576 threads": ("rms", 13824, torch.bfloat16, (1, 576), 2),
+    "fused add 5120 in place": ("fused_add", 5120, torch.bfloat16, (1, 320), 2),
+    "layer norm 6144, weight and bias prefetched": ("layer", 6144, torch.float16,
+                                                    (1, 384, True), 2),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.smoke] if i == 0
+                                               else [pytest.mark.full])
+                                  for i, n in enumerate(LANE_CASES)])
+def test_lane_map_program_on_the_cpu(name):
+    """The lane-map kernel, one host thread per CUDA thread, against fp32 torch: row sums
+    across warps through shared memory, rows of fewer lanes than a warp, a partial last
+    CTA whose spare rows are not stored, and the fused add writing over its inputs."""
+    import torch.nn.functional as F
+
+    from tileops.kernels.normalization import FusedAddRMSNormKernel, LayerNormKernel
+    from tileops.kernels.normalization.row_norm_fwd import NormConfig
+
+    from ..cuda_emulation_threads import run
+
+    kind, n, dtype, (block_rows, threads, *prefetch), rows = LANE_CASES[name]
+    name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
+    w = torch.randn(n, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    config = NormConfig(block_rows, threads, lanes=True, prefetch=bool(prefetch))
+    grid = -(-rows // block_rows)
+    if kind == "layer":
+        kernel = LayerNormKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
+        y = torch.full_like(x, float("nan"))
+        run(kernel.compile(config, "all")[0], grid, threads, dict(x=x, w=w, b=b, y=y),
+            dict(rows=rows, eps=1e-5))
+        want = F.layer_norm(x.float(), [n], w.float(), b.float(), 1e-5)
+    elif kind == "rms":
+        kernel = RMSNormKernel(dtype=name_of, n=n, has_weight=True)
+        y = torch.full_like(x, float("nan"))
+        run(kernel.compile(config, "all")[0], grid, threads, dict(x=x, w=w, y=y),
+            dict(rows=rows, eps=1e-6))
+        want = F.rms_norm(x.float(), [n], w.float(), 1e-6)
+    else:
+        kernel = FusedAddRMSNormKernel(dtype=name_of, n=n)
+        r = torch.randn(rows, n, generator=gen).to(dtype)
+        h_want = x + r
+        want = F.rms_norm(h_want.float(), [n], w.float(), 1e-6)
+        run(kernel.compile(config, "all")[0], grid, threads,
+            dict(x=x, residual=r, w=w, y=x, residual_out=r), dict(rows=rows, eps=1e-6))
+        assert torch.equal(r, h_want)
+        y = x
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)

@@ -54,10 +54,11 @@ def test_every_element_written(dtype):
 
 def space_cases():
     """(hidden, has_weight, config) for every config of each space: the manifest's hidden
-    sizes and a short one with several rows per CTA."""
+    sizes, the lane map's (2560, 6144, 13824), and a short one with several rows per CTA."""
     cases = []
-    for hidden in (128, 4096, 5120, 7168, 8192, 16384):
-        for has_weight in (True, False):
+    for hidden in (128, 2560, 4096, 5120, 6144, 7168, 8192, 13824, 16384):
+        # the lane map's sizes off the powers of two (and the tuned ones) with a weight only
+        for has_weight in (True,) if hidden in (2560, 6144, 13824) else (True, False):
             kernel = RMSNormKernel(dtype="bfloat16", n=hidden, has_weight=has_weight)
             for config in kernel.config_space("all"):
                 cases.append(pytest.param(hidden, has_weight, config,

@@ -304,15 +304,19 @@ def test_runtime_token_counts_do_not_recompile():
 
 def space_cases():
     """(q heads, k heads, head_dim, rot, interleaved, backward, config) for every config of
-    two spaces: Llama-3.1-8B's forward and DeepSeek-V3's interleaved rope-part backward."""
+    three spaces: Llama-3.1-8B's and -70B's forward and DeepSeek-V3's interleaved rope-part
+    backward (70B: its default and the head-chunk configs, the rest are 8B's kinds)."""
     cases = []
     for q_heads, k_heads, head_dim, rot, interleaved, backward in (
-            (32, 8, 128, 128, False, False), (128, 1, 64, 64, True, True)):
+            (32, 8, 128, 128, False, False), (64, 8, 128, 128, False, False),
+            (128, 1, 64, 64, True, True)):
         kernel = RotaryKernel(form="hf", dtype="bfloat16", table_dtype="bfloat16",
                               q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
                               rotary_dim=rot, interleaved=interleaved, backward=backward,
                               bhsd=False, inplace=False)
-        for config in kernel.config_space("all"):
+        for i, config in enumerate(kernel.config_space("all")):
+            if q_heads == 64 and i and config.head_chunks == 1:
+                continue
             cases.append(pytest.param(q_heads, k_heads, head_dim, rot, interleaved, backward,
                                       config, id=f"{q_heads}-{k_heads}-{head_dim}-{config}"))
     return cases
@@ -601,8 +605,9 @@ def test_kernel_configs_are_launchable():
         for config in kernel.config_space("all"):
             groups, threads = thread_layout(heads, units, config)
             assert threads % 32 == 0 and threads <= 1024, (heads, units, config)
-            assert groups * config.heads_per_thread >= heads
+            assert groups * config.heads_per_thread * config.head_chunks >= heads
             assert config.block_tokens * groups * units <= threads
+            assert heads % config.head_chunks == 0, config
 
 
 def test_vector_width():
@@ -674,7 +679,7 @@ def emulate(kernel, config):
                 want.append(torch.autograd.grad(ref, leaf, dy.float())[0])
         else:
             want = hf_reference(q, k, cos, sin, unsqueeze_dim, interleaved)
-        run(compiled, -(-batch * seq // config.block_tokens), threads,
+        run(compiled, -(-batch * seq // config.block_tokens) * config.head_chunks, threads,
             dict(q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out),
             dict(batch=batch, seq=seq, table_batch=table_batch))
     else:
@@ -684,7 +689,7 @@ def emulate(kernel, config):
         positions = torch.randint(0, max_pos, (tokens,))
         want = cache_reference(positions, q, k, cache, interleaved)
         q_out, k_out = outputs(q, k)
-        run(compiled, -(-tokens // config.block_tokens), threads,
+        run(compiled, -(-tokens // config.block_tokens) * config.head_chunks, threads,
             dict(positions=positions, q=q, k=k, cos_sin_cache=cache, q_out=q_out, k_out=k_out),
             dict(tokens=tokens, max_pos=max_pos))
     assert_close(q_out, want[0], what="q")
@@ -715,8 +720,12 @@ def test_smoke_programs_on_the_cpu():
     ("hf", "float16", "float16", 2, 1, 40, 24, False, True, False, False, (1, 2)),
     ("cache", "bfloat16", "float32", 4, 2, 64, 32, True, False, False, False, (2, 1)),
     ("cache", "bfloat16", "bfloat16", 8, 1, 64, 64, False, False, False, True, (3, 2)),
+    ("hf", "bfloat16", "bfloat16", 16, 2, 32, 32, False, False, True, False, (2, 4, 3)),
+    ("hf", "float16", "float16", 14, 2, 64, 32, True, True, False, False, (4, 2, 2)),
+    ("cache", "bfloat16", "bfloat16", 12, 4, 64, 64, False, False, False, True, (2, 4, 2)),
 ], ids=["bhsd", "bhsd-gptj-partial", "bshd-gptj-bwd", "partial-24-bwd", "cache-f32",
-        "cache-in-place"])
+        "cache-in-place", "bhsd-head-chunks", "bshd-gptj-bwd-head-chunks",
+        "cache-in-place-head-chunks"])
 def test_generated_cuda_on_the_cpu(form, dtype, table_dtype, q_heads, k_heads, head_dim, rot,
                                    interleaved, backward, bhsd, inplace, config):
     """Small shapes off every vector and CTA boundary, each flag of the program."""

@@ -9,13 +9,23 @@ sums and the scaling, so each input is read from HBM once and each output writte
 The row count is symbolic; the hidden size is compiled in (it decides the vector width and
 the thread map). Math in fp32, cast at the store. The backward recomputes the row
 statistics from h, so the forward saves nothing.
+
+Two thread maps. The tile map (`RowTile`) lets TileLang lay a [block_rows, n] fragment over
+the threads and reduce it with its all-reduce, which needs a power-of-two thread count: at
+hidden sizes such as 2560, 5120, 6144, 7168 or 13824 that means many elements per thread
+(40-64) or the padded scalar path. The lane map (`lanes`, the softmax family's `RowMap`)
+gives each row any whole number of warps, each thread a fixed few 16-byte vectors of it
+(2560 = 160 threads x 2 vectors of 8), and reduces by warp shuffles then shared memory.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import tilelang.language as T
 
 from ..base import Kernel
+from ..softmax.row_map import RowMap
+from ..vectors import ELEM_BYTES, vector_width
 from .rows import RowTile, row_configs, vector_map_ok
 
 FEW_ROWS = 1024
@@ -23,13 +33,88 @@ FEW_ROWS = 1024
 
 @dataclass(frozen=True)
 class NormConfig:
+    """block_rows rows per CTA of `threads` threads. `lanes`: the lane map (threads //
+    block_rows threads per row, any whole number of warps) instead of the tile map."""
+
     block_rows: int = 1
     threads: int = 256
+    lanes: bool = False
+    ctas_per_sm: int = 0  # lane map: a launch bound for that many resident CTAs (0: none)
+    # lane map: the weight and bias loaded with the row (in flight during the row sums, ~8
+    # more registers: 7 instead of 8 CTAs an SM at 2560 columns) instead of after its sums
+    prefetch: bool = False
+
+
+def lanes_ok(n: int, dtype: str, block_rows: int, threads: int) -> bool:
+    """Whether the lane map splits a [block_rows, n] tile exactly: 16-byte vectors, whole
+    rows per thread group, the same number of vectors per thread, whole warps (or a power
+    of two below a warp) per row."""
+    vec = vector_width(n, dtype)
+    if vec * ELEM_BYTES[dtype] < 16 or threads % block_rows or threads > 1024:
+        return False
+    row_threads = threads // block_rows
+    if row_threads % 32 if row_threads >= 32 else row_threads & (row_threads - 1):
+        return False
+    return (n // vec) % row_threads == 0
+
+
+def lane_configs(n: int, dtype: str, elems_per_thread: tuple[int, int]) -> list[NormConfig]:
+    """Lane-map configs whose threads hold a number of elements within `elems_per_thread`:
+    one row per CTA, or rows of fewer than 128 threads stacked up to 256 (whole warps, at
+    least two)."""
+    lo, hi = elems_per_thread
+    vec = vector_width(n, dtype)
+    found = []
+    for vecs in range(max(1, lo // vec), hi // vec + 1):
+        if n % (vec * vecs):
+            continue
+        row_threads = n // vec // vecs
+        for block_rows in (1, 2, 4, 8, 16):
+            threads = block_rows * row_threads
+            if lanes_ok(n, dtype, block_rows, threads) and threads % 32 == 0 \
+                    and threads >= 64 and (block_rows == 1 or
+                                           (row_threads < 128 and threads <= 256)):
+                found.append(NormConfig(block_rows, threads, lanes=True))
+    return found
+
+
+def default_lanes(n: int, dtype: str) -> NormConfig | None:
+    """The lane map with about 16 elements per thread (two 16-byte vectors; then one, three,
+    four, six), one row per CTA of at most 576 threads, or None where no such split exists.
+    Small per-thread shares leave registers for several rows per SM (16 elements per thread
+    won the H200 tuning at hidden 4096), each CTA with its loads in flight while others
+    reduce. ~55 registers a thread: 576 threads still fit two CTAs per SM (13824 columns),
+    864 would fit one. A short row (8 threads or more) shares its CTA with others, up to ~128
+    threads; shorter rows keep the tile map."""
+    vec = vector_width(n, dtype)
+    if vec * ELEM_BYTES[dtype] < 16 or n % vec:
+        return None
+    for vecs in (2, 1, 3, 4, 6):
+        if (n // vec) % vecs:
+            continue
+        row_threads = n // vec // vecs
+        block_rows = max(1, 128 // row_threads)
+        if 8 <= row_threads <= 576 and lanes_ok(n, dtype, block_rows,
+                                                block_rows * row_threads):
+            return NormConfig(block_rows, block_rows * row_threads, lanes=True)
+    return None
 
 
 def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
-                     has_residual: bool, block_rows: int, threads: int):
+                     has_residual: bool, block_rows: int, threads: int, lanes: bool = False,
+                     ctas_per_sm: int = 0, prefetch: bool = False):
     rows = T.dynamic("rows")
+    if lanes:
+        body = _lanes_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
+                           block_rows, threads, ctas_per_sm, prefetch)
+    else:
+        body = _tile_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
+                          block_rows, threads)
+    return _signature(body, rows, n, dtype, has_weight, has_bias, has_residual)
+
+
+def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
+               has_residual: bool, block_rows: int, threads: int):
     tile = RowTile(n, block_rows, threads)
     load, store = tile.macros(rows)
     n_tile = tile.n_tile
@@ -78,6 +163,106 @@ def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                 y_local[i, j] = T.cast(v, dtype)
             store(y_local, y, row0)
 
+    return body
+
+
+def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
+                has_residual: bool, block_rows: int, threads: int, ctas_per_sm: int,
+                prefetch: bool):
+    row_threads = threads // block_rows
+    vec = vector_width(n, dtype)
+    rm = RowMap(n, dtype, threads, row_threads, n // vec // row_threads, ctas=1)
+    load, store, reduce_sum, _, _ = rm.macros(rows)
+    vecs, warps = rm.vecs, max(rm.row_warps, 1)
+
+    def col(i, j, lane):  # vector i of a thread's share of a row (a warp's are contiguous)
+        return (i * row_threads + lane) * vec + j
+
+    @T.macro
+    def load_row(gmem, local, row, lane):
+        for i in T.unroll(vecs):
+            for j in T.vectorized(vec):
+                local[i, j] = gmem[row, col(i, j, lane)]
+
+    @T.macro
+    def load_vector(gmem, local, lane):
+        for i in T.unroll(vecs):
+            for j in T.vectorized(vec):
+                local[i, j] = gmem[col(i, j, lane)]
+
+    @T.macro
+    def body(x, residual, w, b, y, residual_out, eps):
+        with T.Kernel(T.ceildiv(rows, block_rows), threads=threads) as bx:
+            if ctas_per_sm:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+            tx = T.get_thread_binding()
+            r, lane = tx // row_threads, tx % row_threads
+            row_in = bx * block_rows + r
+            # a last CTA's spare rows re-read the last row, so that every thread meets the
+            # barriers of the row sums; only their stores are skipped
+            row = T.min(row_in, rows - 1)
+            # rows held in the input dtype (half the registers of fp32), widened per use
+            h_local = T.alloc_local((vecs, vec), dtype)
+            w_local = T.alloc_local((vecs, vec), dtype)
+            b_local = T.alloc_local((vecs, vec), dtype)
+            total = T.alloc_local((1,), "float")
+            mean = T.alloc_local((1,), "float")
+            # rows [0, block_rows) of the mean, [block_rows, 2 block_rows) of the squares: one
+            # buffer, so the second sum needs no barrier after the first one's reads
+            red = T.alloc_shared((2 * block_rows, warps), "float")
+
+            load_row(x, h_local, row, lane)
+            if has_residual:
+                r_local = T.alloc_local((vecs, vec), dtype)
+                load_row(residual, r_local, row, lane)
+            if prefetch:  # the weight and bias in flight during the row sums
+                if has_weight:
+                    load_vector(w, w_local, lane)
+                if has_bias:
+                    load_vector(b, b_local, lane)
+            if has_residual:
+                for i in T.unroll(vecs):
+                    for j in T.unroll(vec):  # rounded, as torch's add
+                        h_local[i, j] = T.cast(T.cast(h_local[i, j], "float")
+                                               + T.cast(r_local[i, j], "float"), dtype)
+                if row_in < rows:
+                    store(h_local, residual_out, row, 0, lane)
+            mean[0] = 0.0
+            if centered:
+                total[0] = 0.0
+                for i in T.unroll(vecs):
+                    for j in T.unroll(vec):
+                        total[0] = total[0] + T.cast(h_local[i, j], "float")
+                reduce_sum(total, red, r, lane)
+                mean[0] = total[0] / n
+            total[0] = 0.0
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    d = T.cast(h_local[i, j], "float") - mean[0]
+                    total[0] = total[0] + d * d
+            reduce_sum(total, red, block_rows + r, lane)
+            total[0] = T.rsqrt(total[0] / n + eps)
+            if not prefetch:  # from L2 after the row sums: fewer registers live across them
+                if has_weight:
+                    load_vector(w, w_local, lane)
+                if has_bias:
+                    load_vector(b, b_local, lane)
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    v = (T.cast(h_local[i, j], "float") - mean[0]) * total[0]
+                    if has_weight:
+                        v = v * T.cast(w_local[i, j], "float")
+                    if has_bias:
+                        v = v + T.cast(b_local[i, j], "float")
+                    h_local[i, j] = T.cast(v, dtype)
+            if row_in < rows:
+                store(h_local, y, row, 0, lane)
+
+    return body
+
+
+def _signature(body, rows, n: int, dtype: str, has_weight: bool, has_bias: bool,
+               has_residual: bool):
     # One prim_func signature per combination of optional tensors (TileLang binds every
     # declared tensor), all sharing `body`. Each parameter needs its own annotation object:
     # TileLang makes one buffer per object, so a shared one would alias x and y.
@@ -126,7 +311,9 @@ class NormFwdKernel(Kernel):
 
     def program(self, config: NormConfig, bucket: str):
         return norm_fwd_program(self.key["n"], self.key["dtype"], block_rows=config.block_rows,
-                                threads=config.threads, **self.flags())
+                                threads=config.threads, lanes=config.lanes,
+                                ctas_per_sm=config.ctas_per_sm, prefetch=config.prefetch,
+                                **self.flags())
 
     def run(self, config: NormConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*(t for t in tensors if t is not None))
@@ -136,6 +323,10 @@ class NormFwdKernel(Kernel):
 
     def heuristic_config(self, bucket: str, arch: str) -> NormConfig:
         n = self.key["n"]
+        if n & (n - 1):  # 2560, 5120, 6144, 7168, 13824 ...: threads need not be a power of 2
+            lanes = default_lanes(n, self.key["dtype"])
+            if lanes is not None:
+                return lanes
         # ~16K elements per CTA keeps several 16-byte loads in flight per thread (the H200
         # tuning winners for hidden 8192 and 16384 hold 8 vectors per thread); a decode
         # batch spreads its few rows over more CTAs instead (~2K elements each). At most
@@ -151,8 +342,13 @@ class NormFwdKernel(Kernel):
     def config_space(self, bucket: str) -> list[NormConfig]:
         # 1024 threads left out: a tuning run on the H200 stalled in this space once, and
         # 1024-thread reductions are the untested corner.
+        n, dtype = self.key["n"], self.key["dtype"]
         space = [self.heuristic_config(bucket, "sm_90a")]
-        space += [NormConfig(r, t) for r, t in row_configs(self.key["n"], (8, 64))]
+        space += [NormConfig(r, t) for r, t in row_configs(n, (8, 64))]
+        if n & (n - 1):  # the tile map serves powers of two exactly (and was tuned there)
+            space += [c for c in lane_configs(n, dtype, (8, 40)) if c.threads <= 896]
+            if space[0].lanes:
+                space.append(dataclasses.replace(space[0], prefetch=True))
         return list(dict.fromkeys(space))
 
 

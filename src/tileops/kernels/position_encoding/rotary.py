@@ -39,15 +39,24 @@ def vector_width(dtype: str, rotary_dim: int, head_dim: int) -> int:
 @dataclass(frozen=True)
 class RotaryConfig:
     """heads_per_thread: heads a thread rotates (its loads in flight); block_tokens: tokens
-    per CTA. A CTA runs block_tokens * ceil(heads / heads_per_thread) * units threads."""
+    per CTA; head_chunks: CTAs sharing a token's heads (each takes ceil(heads / head_chunks)
+    of them). A CTA runs block_tokens * ceil(chunk heads / heads_per_thread) * units
+    threads. The grid is chunk-major: the CTAs resident at once work on one chunk of heads
+    over many consecutive tokens, so in the [B, H, S, D] layout they stream a few heads'
+    contiguous planes instead of all heads' at once (72 for Llama-3.1-70B)."""
 
     heads_per_thread: int = 4
     block_tokens: int = 1
+    head_chunks: int = 1
+
+
+def chunk_heads(heads: int, config: RotaryConfig) -> int:
+    return -(-heads // config.head_chunks)
 
 
 def thread_layout(heads: int, units: int, config: RotaryConfig) -> tuple[int, int]:
-    """(head groups per token, threads per CTA, a multiple of the warp size)."""
-    groups = -(-heads // config.heads_per_thread)
+    """(head groups per token of one chunk, threads per CTA, a multiple of the warp size)."""
+    groups = -(-chunk_heads(heads, config) // config.heads_per_thread)
     used = config.block_tokens * groups * units
     return groups, -(-used // 32) * 32
 
@@ -55,14 +64,15 @@ def thread_layout(heads: int, units: int, config: RotaryConfig) -> tuple[int, in
 def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_heads: int,
                    head_dim: int, rotary_dim: int, interleaved: bool, backward: bool,
                    bhsd: bool, inplace: bool, vec: int, heads_per_thread: int,
-                   block_tokens: int):
+                   block_tokens: int, head_chunks: int = 1):
     """The prim_func of one (form, shape, flags, config).
 
     hf:    (q, k, cos, sin, q_out, k_out)
     cache: (positions, q, k, cos_sin_cache[, q_out, k_out]); `inplace` writes q and k.
     """
-    config = RotaryConfig(heads_per_thread, block_tokens)
+    config = RotaryConfig(heads_per_thread, block_tokens, head_chunks)
     heads = q_heads + k_heads
+    per_chunk = chunk_heads(heads, config)
     half = rotary_dim // 2
     units = half // vec
     groups, threads = thread_layout(heads, units, config)
@@ -72,6 +82,12 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
     pass_iters = -(-pass_vecs // units) if not inplace else 0
     hpt = heads_per_thread
     accum = "float"
+
+    def head_of(g, i, h0):
+        """Head slot i of group g in the chunk from head h0; `heads` (none) past the chunk."""
+        if head_chunks == 1:
+            return g + i * groups
+        return T.if_then_else(g + i * groups < per_chunk, h0 + g + i * groups, heads)
 
     def unit_offsets(u):
         """Element offsets of the unit's two vectors within a head."""
@@ -107,13 +123,14 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
                     y_local[vec + e] = T.cast(b * c_local[vec + e] + a * s_local[vec + e], dtype)
 
     @T.macro
-    def heads_body(q, k, q_out, k_out, token, u, g, c_local, s_local, index):
-        """A thread's heads of one token: `index(token, h, d)` is a head element's index."""
+    def heads_body(q, k, q_out, k_out, token, u, g, c_local, s_local, index, h0):
+        """A thread's heads of one token (of the chunk from head h0): `index(token, h, d)` is
+        a head element's index."""
         oa, ob = unit_offsets(u)
         x_local = T.alloc_local((hpt, width), dtype)
         y_local = T.alloc_local((width,), dtype)
         for i in T.unroll(hpt):
-            h = g + i * groups
+            h = head_of(g, i, h0)
             if h < q_heads:
                 for e in T.vectorized(vec):
                     x_local[i, e] = q[index(token, h, oa + e)]
@@ -125,7 +142,7 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
                 for e in T.vectorized(vec):
                     x_local[i, vec + e] = k[index(token, h - q_heads, ob + e)]
         for i in T.unroll(hpt):
-            h = g + i * groups
+            h = head_of(g, i, h0)
             if h < heads:
                 rotate(x_local, c_local, s_local, y_local, i)
                 if h < q_heads:
@@ -142,7 +159,7 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
             p = rotary_dim + (u + j * units) * vec
             if p < head_dim:
                 for i in T.unroll(hpt):
-                    h = g + i * groups
+                    h = head_of(g, i, h0)
                     if h < q_heads:
                         for e in T.vectorized(vec):
                             x_local[i, e] = q[index(token, h, p + e)]
@@ -150,7 +167,7 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
                         for e in T.vectorized(vec):
                             x_local[i, e] = k[index(token, h - q_heads, p + e)]
                 for i in T.unroll(hpt):
-                    h = g + i * groups
+                    h = head_of(g, i, h0)
                     if h < q_heads:
                         for e in T.vectorized(vec):
                             q_out[index(token, h, p + e)] = x_local[i, e]
@@ -159,7 +176,8 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
                             k_out[index(token, h - q_heads, p + e)] = x_local[i, e]
 
     shared = dict(units=units, groups=groups, threads=threads, used=used, width=width,
-                  unit_offsets=unit_offsets, heads_body=heads_body, accum=accum)
+                  unit_offsets=unit_offsets, heads_body=heads_body, accum=accum,
+                  head_chunks=head_chunks, per_chunk=per_chunk)
     if form == "hf":
         return _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec,
                            block_tokens, **shared)
@@ -168,7 +186,8 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
 
 
 def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_tokens, *,
-                units, groups, threads, used, width, unit_offsets, heads_body, accum):
+                units, groups, threads, used, width, unit_offsets, heads_body, accum,
+                head_chunks, per_chunk):
     batch, seq, table_batch = T.dynamic("batch, seq, table_batch")
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh = T.dynamic("q_sb, q_ss, q_sh, k_sb, k_ss, k_sh",
                                                    "int64")
@@ -191,7 +210,8 @@ def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_
             sin: T.StridedTensor((table_batch, seq, rotary_dim), (s_sb, s_ss, 1), dtype),
             q_out: T.Tensor(dims(q_heads), dtype),
             k_out: T.Tensor(dims(k_heads), dtype)):
-        with T.Kernel(T.ceildiv(batch * seq, block_tokens), threads=threads) as bx:
+        token_blocks = T.ceildiv(batch * seq, block_tokens)
+        with T.Kernel(token_blocks * head_chunks, threads=threads) as bx:
             for stride in (q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, c_sb, c_ss, s_sb, s_ss):
                 T.assume(stride % vec == 0)
             T.assume(seq > 0)
@@ -199,7 +219,9 @@ def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_
             tx = T.get_thread_binding()
             u = tx % units
             g = (tx // units) % groups
-            token = bx * block_tokens + tx // (units * groups)
+            chunk, block = (bx // token_blocks, bx % token_blocks) if head_chunks > 1 \
+                else (0, bx)
+            token = block * block_tokens + tx // (units * groups)
             c_local = T.alloc_local((width,), accum)
             s_local = T.alloc_local((width,), accum)
             if tx < used and token < batch * seq:
@@ -215,14 +237,15 @@ def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_
                     s_local[e] = sin[bc, s, oa + e]
                 for e in T.vectorized(vec):
                     s_local[vec + e] = sin[bc, s, ob + e]
-                heads_body(q, k, q_out, k_out, (b, s), u, g, c_local, s_local, index)
+                heads_body(q, k, q_out, k_out, (b, s), u, g, c_local, s_local, index,
+                           chunk * per_chunk)
 
     return rotary_hf
 
 
 def _cache_program(dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim, interleaved,
                    inplace, vec, block_tokens, *, units, groups, threads, used, width,
-                   unit_offsets, heads_body, accum):
+                   unit_offsets, heads_body, accum, head_chunks, per_chunk):
     tokens, max_pos = T.dynamic("tokens, max_pos")
     q_st, q_sh, k_st, k_sh = T.dynamic("q_st, q_sh, k_st, k_sh", "int64")
     half = rotary_dim // 2
@@ -232,14 +255,17 @@ def _cache_program(dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim, i
 
     @T.macro
     def body(positions, q, k, cos_sin_cache, q_out, k_out):
-        with T.Kernel(T.ceildiv(tokens, block_tokens), threads=threads) as bx:
+        token_blocks = T.ceildiv(tokens, block_tokens)
+        with T.Kernel(token_blocks * head_chunks, threads=threads) as bx:
             for stride in (q_st, q_sh, k_st, k_sh):
                 T.assume(stride % vec == 0)
             T.assume(max_pos > 0)
             tx = T.get_thread_binding()
             u = tx % units
             g = (tx // units) % groups
-            t = bx * block_tokens + tx // (units * groups)
+            chunk, block = (bx // token_blocks, bx % token_blocks) if head_chunks > 1 \
+                else (0, bx)
+            t = block * block_tokens + tx // (units * groups)
             c_local = T.alloc_local((width,), accum)
             s_local = T.alloc_local((width,), accum)
             pair_cos = T.alloc_local((vec,), accum)
@@ -257,7 +283,8 @@ def _cache_program(dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim, i
                 for e in T.unroll(width):
                     c_local[e] = pair_cos[e // 2 if interleaved else e % vec]
                     s_local[e] = pair_sin[e // 2 if interleaved else e % vec]
-                heads_body(q, k, q_out, k_out, (t,), u, g, c_local, s_local, index)
+                heads_body(q, k, q_out, k_out, (t,), u, g, c_local, s_local, index,
+                           chunk * per_chunk)
 
     if inplace:
         @T.prim_func
@@ -321,7 +348,8 @@ class RotaryKernel(Kernel):
     def program(self, config: RotaryConfig, bucket: str):
         return rotary_program(**self.key, vec=self.vec,
                               heads_per_thread=config.heads_per_thread,
-                              block_tokens=config.block_tokens)
+                              block_tokens=config.block_tokens,
+                              head_chunks=config.head_chunks)
 
     def run(self, config: RotaryConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*tensors)
@@ -339,5 +367,17 @@ class RotaryKernel(Kernel):
                 if hpt > heads or threads > 1024 or (block_tokens > 1 and threads > 512):
                     continue
                 if block_tokens * heads * units >= 0.75 * threads * hpt:
+                    space.append(config)
+        # chunks of 8-24 whole heads (no CTA idles on a short last chunk), with several
+        # tokens per CTA sharing its cos/sin loads
+        for head_chunks in range(2, heads // 8 + 1):
+            per_chunk = heads // head_chunks
+            if heads % head_chunks or not 8 <= per_chunk <= 24:
+                continue
+            for hpt, block_tokens in ((2, 4), (4, 4), (2, 8)):
+                config = RotaryConfig(hpt, block_tokens, head_chunks)
+                groups, threads = thread_layout(heads, units, config)
+                if 64 <= threads <= 512 and \
+                        block_tokens * per_chunk * units >= 0.75 * threads * hpt:
                     space.append(config)
         return list(dict.fromkeys(space))

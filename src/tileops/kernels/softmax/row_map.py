@@ -1,14 +1,14 @@
 """How the softmax-family kernels spread rows of any length (128 to 256K columns) over a
 CTA, and the per-row reductions they share.
 
-A CTA runs `threads` threads; `row_threads` of them (a power of two, at least a warp) share
-one row, so a CTA holds `threads // row_threads` rows at a time. A row is walked in chunks
-of `row_threads * vecs` vectors: thread `lane` of the row loads vectors `i * row_threads +
-lane` of the chunk (i < vecs), so a warp's accesses are contiguous. A vector is the widest
-power of two <= 16 bytes that divides the row length, so it never crosses a row; only
-vectors past the row's end (last chunk) are guarded. Row sums and maxima run per thread
-across chunks and are combined once per row: warp shuffles, then shared memory across the
-row's warps.
+A CTA runs `threads` threads; `row_threads` of them (whole warps, or a power of two below
+a warp) share one row, so a CTA holds `threads // row_threads` rows at a time. A row is
+walked in chunks of `row_threads * vecs` vectors: thread `lane` of the row loads vectors
+`i * row_threads + lane` of the chunk (i < vecs), so a warp's accesses are contiguous. A
+vector is the widest power of two <= 16 bytes that divides the row length, so it never
+crosses a row; only vectors past the row's end (last chunk) are guarded. Row sums and
+maxima run per thread across chunks and are combined once per row: warp shuffles, then
+shared memory across the row's warps.
 
 The grid is persistent: at most `ctas` CTAs (a config value, a multiple of the SM count)
 each take every `ctas`-th group of rows. The two-pass kernels (statistics, then outputs)
@@ -49,10 +49,12 @@ class RowMap:
     ctas: int
 
     def __post_init__(self):
-        if self.row_threads < 32 or self.row_threads & (self.row_threads - 1) \
-                or self.threads % self.row_threads:
-            raise ValueError(f"row_threads={self.row_threads} must be a power of two >= 32 "
-                             f"dividing threads={self.threads}")
+        rt = self.row_threads
+        # lanes past the first warp meet in shared memory, so any whole number of warps works;
+        # a row of fewer threads is reduced by shuffles inside its aligned lane group
+        if (rt % 32 if rt >= 32 else rt & (rt - 1)) or rt < 1 or self.threads % rt:
+            raise ValueError(f"row_threads={rt} must be a multiple of 32 or a power of two "
+                             f"below 32, dividing threads={self.threads}")
 
     @property
     def vec(self) -> int:
