@@ -124,13 +124,13 @@ def test_default_configs_keep_registers_in_bounds(n):
 
 @pytest.mark.parametrize("n, dtype, block_rows, threads", [
     (1280, "bfloat16", 1, 160),    # ViT-H: one vector per thread (two would be 80 threads)
-    (2560, "bfloat16", 1, 160),    # Phi-2
-    (5120, "float16", 1, 320),     # Qwen3-32B
-    (6144, "bfloat16", 1, 384),    # GPT-NeoX-20B
-    (7168, "bfloat16", 1, 448),    # DeepSeek-V3
+    (2560, "bfloat16", 1, 160),    # Phi-2: two vectors (three or four split into no warps)
+    (5120, "float16", 1, 160),     # Qwen3-32B: four vectors
+    (6144, "bfloat16", 1, 256),    # GPT-NeoX-20B: three vectors (17% over two on the H200)
+    (7168, "bfloat16", 1, 224),    # DeepSeek-V3: four vectors
     (13824, "bfloat16", 1, 576),   # three vectors: 864 threads would fit one CTA per SM
-    (3072, "bfloat16", 1, 192),
-    (384, "bfloat16", 8, 128),     # 24 threads a row is no lane group: three vectors, 16
+    (3072, "bfloat16", 1, 128),
+    (384, "bfloat16", 8, 128),     # 16 threads a row, three vectors, 8 rows a CTA
 ])
 def test_forward_defaults_at_sizes_off_the_powers_of_two_take_the_lane_map(n, dtype,
                                                                             block_rows,

@@ -79,17 +79,18 @@ def lane_configs(n: int, dtype: str, elems_per_thread: tuple[int, int]) -> list[
 
 
 def default_lanes(n: int, dtype: str) -> NormConfig | None:
-    """The lane map with about 16 elements per thread (two 16-byte vectors; then one, three,
-    four, six), one row per CTA of at most 576 threads, or None where no such split exists.
-    Small per-thread shares leave registers for several rows per SM (16 elements per thread
-    won the H200 tuning at hidden 4096), each CTA with its loads in flight while others
-    reduce. ~55 registers a thread: 576 threads still fit two CTAs per SM (13824 columns),
-    864 would fit one. A short row (8 threads or more) shares its CTA with others, up to ~128
+    """The lane map with three or four 16-byte vectors a thread (then two, one, six), one row
+    per CTA of at most 576 threads, or None where no such split exists. On the H200 (bf16,
+    2026-12-02) three vectors beat two by 17% at 6144 columns (256 threads: 52.2 us, 384:
+    61.0) and five were level with two at 2560 (22.9 / 23.4 us): more bytes in flight a
+    thread, while small shares still leave registers for several rows per SM. ~55
+    registers a thread: 576 threads still fit two CTAs per SM (13824 columns), 864 would fit
+    one. A short row (8 threads or more) shares its CTA with others, up to ~128
     threads; shorter rows keep the tile map."""
     vec = vector_width(n, dtype)
     if vec * ELEM_BYTES[dtype] < 16 or n % vec:
         return None
-    for vecs in (2, 1, 3, 4, 6):
+    for vecs in (3, 4, 2, 1, 6):
         if (n // vec) % vecs:
             continue
         row_threads = n // vec // vecs
