@@ -17,6 +17,11 @@
 # print; a cut-off run exits 124) and BENCH_SECONDS a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as
 # TILEOPS_COMMIT=<hash> so the bench JSON names it.
+# Device time goes to timing, not compiling, when the kernels are built here first:
+# `TILEOPS_CACHE_DIR=.tilecache python3 scripts/compare_configs.py ... --compile-only` or
+# `TILEOPS_CACHE_DIR=.tilecache python3 -m tileops.cli compile --op ... --tier full`, then
+# carry [".gpu", ".whl", ".tilecache"] (this script reads $PWD/.tilecache; leave out
+# .tilecache/tilelang/*/cuda-binaries: each kernel's executable.so holds its cubin).
 # Wheels the device image lacks (jsonschema and its deps) travel in .whl/ when present; make
 # it with: mkdir .whl && cd .whl && pip download --no-deps jsonschema jsonschema-specifications
 #   referencing attrs && pip download --no-deps --python-version 3.12 --only-binary=:all:
