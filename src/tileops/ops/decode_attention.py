@@ -94,12 +94,13 @@ def _sms(device: torch.device) -> int:
     return count
 
 
-def _unread_ints(cache_seqlens: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """An int32 tensor of `shape` that a program takes and never reads (the contiguous
-    cache's block table, the decode form's cu_seqlens_q): a view of the call's own
-    cache_seqlens. Not a tensor cached across calls: one made during the first call under
-    torch.compile's CUDA-graph trees would live in their memory pool, which they refuse."""
-    return cache_seqlens.reshape(-1)[:1].view(shape)
+def _unread_table(cache_seqlens: torch.Tensor) -> torch.Tensor:
+    """The int32 [1, 1] block table a contiguous cache's program takes and never reads: a
+    view of the call's own cache_seqlens (one op, ~1 us of host time). Not a tensor cached
+    across calls: one made during the first call under torch.compile's CUDA-graph trees
+    would live in their memory pool, which they refuse. (The decode form's unread
+    cu_seqlens_q is cache_seqlens itself: its length is symbolic.)"""
+    return cache_seqlens.as_strided((1, 1), (1, 1))
 
 
 FP8 = torch.float8_e4m3fn
@@ -109,15 +110,15 @@ def _scales(op: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
             v_scale: torch.Tensor | None, spare: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_scale, v_scale) for the programs: an fp8 cache's scales (None: 1.0), fp32 [1] or
-    [Hkv] alike; a cache in q's dtype takes none and passes a view of `spare` (an fp32
-    tensor of the call; the programs never read it; see _unread_ints for why not a cached
-    tensor)."""
+    [Hkv] alike; a cache in q's dtype takes none and passes a view of `spare` (a contiguous
+    fp32 tensor of the call; the programs never read it; see _unread_table for why not a
+    cached tensor)."""
     if k_cache.dtype != FP8:
         for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
             if t is not None:
                 raise op_error(TileOpsValueError, op, name, "None for a cache in q's dtype "
                                "(scales belong to an fp8 cache)", "a tensor")
-        unread = spare.reshape(-1)[:1]
+        unread = spare.view(-1)  # any length: the scales' length is symbolic
         return unread, unread
     if k_scale is None or v_scale is None:
         one = torch.ones(1, dtype=torch.float32, device=k_cache.device)
@@ -210,6 +211,7 @@ class DecodeAttentionFwdOp(Op):
         name = self.spec.op_name
         k_cache = _contiguous(name, "k_cache", k_cache)
         v_cache = _contiguous(name, "v_cache", v_cache)
+        cache_seqlens = cache_seqlens.contiguous()
         paged = block_table is not None
         if self.checked and not torch.cuda.is_current_stream_capturing():
             self._check_indices(k_cache, cache_seqlens, block_table)
@@ -218,12 +220,12 @@ class DecodeAttentionFwdOp(Op):
         key = self._kernel_key(q.dtype, heads, kv_heads, head_dim, q_len,
                                page_rows if paged else 0, k_cache.dtype)
         k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale, lse)
-        table = block_table.contiguous() if paged else _unread_ints(cache_seqlens, (1, 1))
+        table = block_table.contiguous() if paged else _unread_table(cache_seqlens)
         scale = self.sm_scale if self.sm_scale is not None else head_dim ** -0.5
         if cu_seqlens_q is None and self.planned:
             kernel = self.get_kernel("decode_attention_planned", q.device, **key)
             _planned_launch(kernel, True, q, k_cache, v_cache, table,
-                            cache_seqlens.contiguous(), k_scale, v_scale, o, lse,
+                            cache_seqlens, k_scale, v_scale, o, lse,
                             _PlanBuffers.make(rows, q_len, heads, kv_heads, head_dim,
                                               _sms(q.device), q.device), float(scale))
             return
@@ -238,9 +240,8 @@ class DecodeAttentionFwdOp(Op):
                                    device=q.device)
         else:
             o_part = lse_part = None
-        cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else _unread_ints(
-            cache_seqlens, (1,))
-        kernel(splits, q, k_cache, v_cache, table, cache_seqlens.contiguous(), cu, k_scale,
+        cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else cache_seqlens
+        kernel(splits, q, k_cache, v_cache, table, cache_seqlens, cu, k_scale,
                v_scale, o, lse, o_part, lse_part, blocks, float(scale))
 
     def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
@@ -727,7 +728,7 @@ class DecodePlan:
                                f"a contiguous {dtype} tensor of shape {list(shape)}",
                                f"{list(t.shape)} ({t.dtype})")
         k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale, lse)
-        table = block_table.contiguous() if paged else _unread_ints(cache_seqlens, (1, 1))
+        table = block_table.contiguous() if paged else _unread_table(cache_seqlens)
         _planned_launch(self.kernel, schedule or not self._scheduled, q4.contiguous(),
                         _contiguous(name, "k_cache", k_cache),
                         _contiguous(name, "v_cache", v_cache), table,
