@@ -382,7 +382,7 @@ def test_kv_cache_append_op_object_in_place_custom_op_copies():
     assert k_out is k_pages and v_out is v_pages
     assert torch.equal(k_pages.view(-1, 2, 128)[77], k_new[1])
     before = k_pages.clone()
-    k_copy, _ = torch.ops.tileops.kv_cache_append_fwd(v_new, k_new, k_pages, v_pages, slots)
+    k_copy, _ = torch.ops.tileops.kv_cache_append_fwd(v_new, k_new, k_pages, v_pages, slots, "NHD")
     assert torch.equal(k_pages, before)  # the pure custom op leaves its inputs alone
     assert torch.equal(k_copy.view(-1, 2, 128)[3], v_new[0])
 
