@@ -174,13 +174,23 @@ def assert_no_spills_or_serialized_wgmma(compiled_kernel, tmp_path, spills: bool
 
 
 def poison_allocator(nbytes: int = 1 << 30) -> None:
-    """Leaves NaN in the caching allocator's free blocks, where the next outputs land: an
-    element a kernel never writes stays NaN. The other cached free blocks are released first:
-    the allocator takes the smallest free block that fits, which would otherwise be an
-    earlier test's, holding its values."""
+    """Leaves NaN in every free block of the caching allocator, where the next outputs land:
+    an element a kernel never writes stays NaN.
+
+    Releasing the cache is not enough: `empty_cache` keeps the free tails of segments that
+    still hold live tensors, and the allocator's best fit picks such a tail (an earlier
+    tensor's values, or zeros) before a fresh poisoned block (what made the grouped GEMM's
+    rows-past-the-groups check fail on a kernel that never wrote them). So each remaining
+    free block is taken by an allocation of its exact size, largest first (best fit hands
+    out that block), filled, and handed back with one more block of `nbytes`."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    sizes = sorted((block["size"] for segment in torch.cuda.memory_snapshot()
+                    for block in segment["blocks"] if block["state"] == "inactive"),
+                   reverse=True)
     # all bits set: NaN read as fp32, bf16, fp16 or e4m3 alike (an fp32 NaN's low half is a
     # bf16 zero)
-    block = torch.full((nbytes // 4,), -1, dtype=torch.int32, device="cuda")
-    del block
+    held = [torch.full((size // 4,), -1, dtype=torch.int32, device="cuda")
+            for size in [*sizes, nbytes]]
+    torch.cuda.synchronize()
+    del held

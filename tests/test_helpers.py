@@ -106,3 +106,20 @@ def test_nan_and_a_broken_baseline(layer):
         assert_no_worse_than(base, poisoned, out)
     with pytest.raises(AssertionError, match="baseline itself is off"):
         assert_no_worse_than(base, base * 1.2, out)  # a vacuous bound is an error
+
+
+@pytest.mark.gpu
+def test_poison_allocator_reaches_the_free_tail_of_a_live_segment():
+    """An output that fits in the free tail of a segment holding a live tensor (the block
+    best fit picks) comes out NaN after poison_allocator, in every float dtype."""
+    from .helpers import poison_allocator
+
+    live = torch.zeros(3 << 20, dtype=torch.uint8, device="cuda")  # 3 MiB of a 20 MiB segment
+    stale = torch.ones(5 << 20, dtype=torch.uint8, device="cuda")  # freed: a stale tail
+    del stale
+    poison_allocator(nbytes=64 << 20)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.empty((4 << 20) // dtype.itemsize, dtype=dtype, device="cuda")
+        assert torch.isnan(out.float()).all(), dtype
+        del out
+    assert live.eq(0).all()  # live tensors untouched
