@@ -15,7 +15,8 @@ Programs (one builder each, flags for the variants):
   A tile table (one small CTA: a scan over the experts) lists each expert's m tiles; a
   persistent grid walks (m tile, n tile) pairs from it, each tile stateless (its expert and
   first row re-read from the table: TileLang's warp specialization gives the producer and
-  the consumers separate copies of loop-carried registers). The number of m tiles is
+  the consumers separate copies of loop-carried registers); or (`persistent=False`) a CTA
+  per tile of the bound runs that same tile body once. The number of m tiles is
   bounded from shapes, ceil(M_total / block_m) + E (each group adds at most one partial
   tile), so the launch never waits for the host; tiles past the real end are skipped.
   Each tile: TMA loads of a's rows (a tile may read past its group: those rows are
@@ -34,6 +35,7 @@ Programs (one builder each, flags for the variants):
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 
@@ -60,6 +62,9 @@ class GroupedGemmConfig:
     # 2: two persistent CTAs share an SM (ctas = 2 x SMs), so one's epilogue runs under the
     # other's mainloop (what CUTLASS's ping-pong schedule gets from two consumer warp groups)
     ctas_per_sm: int = 1
+    # False: a CTA per tile of the bound (the dense GEMM's launch: the hardware starts the
+    # next tile's CTA as one finishes) instead of `ctas` persistent CTAs walking the tiles
+    persistent: bool = True
 
 
 def tile_bound(m_total, n_experts: int, block_m: int):
@@ -161,61 +166,67 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                     tile_col0(t, n_tiles, bn) + bn <= n)
 
     @T.macro
-    def body(a, b, offsets, table, out):
-        with T.Kernel(ctas, threads=config.threads) as cta:
-            share_sm()
-            a_shared = T.alloc_shared((bm, bk), dtype)
-            b_shared = T.alloc_shared(b_tile, dtype)
-            acc = T.alloc_fragment((bm, bn), "float32")
+    def one_tile(a, b, offsets, table, out, t, bufs):
+        """Tile t (a live one) from its table entry: the K loop, the epilogue, the store."""
+        T.clear(bufs.acc)
+        if silu_mul:
+            T.clear(bufs.up_acc)
+        for kk in T.Pipelined(T.ceildiv(k, bk), num_stages=config.stages):
+            T.copy(a[tile_row0(offsets, table, t, n_tiles, bm), kk * bk], bufs.a_shared)
+            if trans_b:
+                T.copy(b[tile_expert(table, t, n_tiles), tile_col0(t, n_tiles, bn), kk * bk],
+                       bufs.b_shared)
+            else:
+                T.copy(b[tile_expert(table, t, n_tiles), kk * bk, tile_col0(t, n_tiles, bn)],
+                       bufs.b_shared)
             if silu_mul:
-                up_shared = T.alloc_shared(b_tile, dtype)
-                up_acc = T.alloc_fragment((bm, bn), "float32")
-            if config.tile_store:
-                out_shared = T.alloc_shared((bm, bn), dtype)
-            # Every index below is an expression of global loads, not a register carried
-            # between iterations (see the module docstring).
-            for step in T.serial(T.ceildiv(tile_count(m_tiles, n_tiles), ctas)):
-                if tile_of(step, cta, ctas) < tile_count(m_tiles, n_tiles):
-                    if tile_live(table, tile_of(step, cta, ctas), n_tiles):
-                        T.clear(acc)
-                        if silu_mul:
-                            T.clear(up_acc)
-                        for kk in T.Pipelined(T.ceildiv(k, bk), num_stages=config.stages):
-                            T.copy(a[tile_row0(offsets, table, tile_of(step, cta, ctas),
-                                               n_tiles, bm), kk * bk], a_shared)
-                            if trans_b:
-                                T.copy(b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
-                                         tile_col0(tile_of(step, cta, ctas), n_tiles, bn),
-                                         kk * bk], b_shared)
-                            else:
-                                T.copy(b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
-                                         kk * bk,
-                                         tile_col0(tile_of(step, cta, ctas), n_tiles, bn)],
-                                       b_shared)
-                            if silu_mul:
-                                T.copy(b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
-                                         n + tile_col0(tile_of(step, cta, ctas), n_tiles, bn),
-                                         kk * bk], up_shared)
-                            T.gemm(a_shared, b_shared, acc, transpose_B=trans_b)
-                            if silu_mul:
-                                T.gemm(a_shared, up_shared, up_acc, transpose_B=True)
-                        if silu_mul:
-                            for i, j in T.Parallel(bm, bn):
-                                acc[i, j] = acc[i, j] / (1.0 + T.exp(-acc[i, j])) * up_acc[i, j]
-                        if config.tile_store and whole_tile(offsets, table,
-                                                            tile_of(step, cta, ctas)):
-                            T.copy(acc, out_shared)
-                            T.copy(out_shared, out[
-                                tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles,
-                                          bm),
-                                tile_col0(tile_of(step, cta, ctas), n_tiles, bn)])
-                        else:
-                            store_group_tile(
-                                acc, out,
-                                tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles,
-                                          bm),
-                                offsets[tile_expert(table, tile_of(step, cta, ctas), n_tiles)],
-                                tile_col0(tile_of(step, cta, ctas), n_tiles, bn), n, bm, bn)
+                T.copy(b[tile_expert(table, t, n_tiles), n + tile_col0(t, n_tiles, bn),
+                         kk * bk], bufs.up_shared)
+            T.gemm(bufs.a_shared, bufs.b_shared, bufs.acc, transpose_B=trans_b)
+            if silu_mul:
+                T.gemm(bufs.a_shared, bufs.up_shared, bufs.up_acc, transpose_B=True)
+        if silu_mul:
+            for i, j in T.Parallel(bm, bn):
+                bufs.acc[i, j] = bufs.acc[i, j] / (1.0 + T.exp(-bufs.acc[i, j])) \
+                    * bufs.up_acc[i, j]
+        if config.tile_store and whole_tile(offsets, table, t):
+            T.copy(bufs.acc, bufs.out_shared)
+            T.copy(bufs.out_shared, out[tile_row0(offsets, table, t, n_tiles, bm),
+                                        tile_col0(t, n_tiles, bn)])
+        else:
+            store_group_tile(bufs.acc, out, tile_row0(offsets, table, t, n_tiles, bm),
+                             offsets[tile_expert(table, t, n_tiles)],
+                             tile_col0(t, n_tiles, bn), n, bm, bn)
+
+    def alloc_tile_buffers():
+        return SimpleNamespace(
+            a_shared=T.alloc_shared((bm, bk), dtype),
+            b_shared=T.alloc_shared(b_tile, dtype),
+            acc=T.alloc_fragment((bm, bn), "float32"),
+            up_shared=T.alloc_shared(b_tile, dtype) if silu_mul else None,
+            up_acc=T.alloc_fragment((bm, bn), "float32") if silu_mul else None,
+            out_shared=T.alloc_shared((bm, bn), dtype) if config.tile_store else None)
+
+    @T.macro
+    def body(a, b, offsets, table, out):
+        if config.persistent:
+            with T.Kernel(ctas, threads=config.threads) as cta:
+                share_sm()
+                bufs = alloc_tile_buffers()
+                # Every index is an expression of global loads, not a register carried
+                # between iterations (see the module docstring).
+                for step in T.serial(T.ceildiv(tile_count(m_tiles, n_tiles), ctas)):
+                    if tile_of(step, cta, ctas) < tile_count(m_tiles, n_tiles):
+                        if tile_live(table, tile_of(step, cta, ctas), n_tiles):
+                            one_tile(a, b, offsets, table, out, tile_of(step, cta, ctas), bufs)
+        else:
+            # One CTA per (n tile, m tile) of the bound, the n tiles of an m tile adjacent
+            # (their a rows shared in L2); the bound's dead tiles, all at the end, exit.
+            with T.Kernel(n_tiles, m_tiles, threads=config.threads) as (bx, by):
+                share_sm()
+                bufs = alloc_tile_buffers()
+                if tile_live(table, by * n_tiles + bx, n_tiles):
+                    one_tile(a, b, offsets, table, out, by * n_tiles + bx, bufs)
 
     @T.prim_func
     def grouped_gemm(a: T.Tensor((m_total, k), dtype),
@@ -360,7 +371,7 @@ class GroupedGemmKernel(Kernel):
         # producer could not load the next tile while the consumers ran this one's epilogue.
         # That barrier is the only one the pass adds here (the generated CUDA differs by that
         # line alone); the TMA-stored tile (tile_store) needs the pass's consumer barriers.
-        if program_index == 1 and not config.tile_store:
+        if program_index == 1 and config.persistent and not config.tile_store:
             return {"tl.disable_thread_storage_sync": True}
         return {}
 
@@ -390,7 +401,10 @@ class GroupedGemmKernel(Kernel):
             # each: their launch bound caps ptxas at 128 registers a thread, which a 64 x 256
             # or 128 x 128 tile's wgmma exceeds (ptxas asks for 154)
             GroupedGemmConfig(block_m=64, block_n=128 // halve, block_k=64, stages=4,
-                              threads=128, ctas=2 * SMS, ctas_per_sm=2)]))
+                              threads=128, ctas=2 * SMS, ctas_per_sm=2),
+            # a CTA per tile, as the dense GEMM launches (see GroupedGemmConfig.persistent)
+            GroupedGemmConfig(block_n=256 // halve, persistent=False),
+            GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False)]))
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, a, b, offsets, out) -> None:
         import torch
