@@ -170,3 +170,27 @@ def test_decode_variants_compile_to_the_fast_path(scaling, tmp_path):
             assert "warpgroup_reg_alloc<224>" in source, config
         if config.prefetch_scales:
             assert "sb[0] = " in source, config
+
+
+@pytest.mark.compile
+def test_unrolled_reduce_program_on_the_cpu():
+    """The decode variants' split-K reduce (one output row a CTA, the splits unrolled), run
+    thread by thread on the CPU (tests/cuda_emulation.py; its grid is 1-D, so M = 1): the
+    sum of the splits plus the bias in bf16, N = 576 leaving the second CTA 64 columns."""
+    import tilelang
+
+    from tileops.kernels.gemm.gemm import split_k_reduce_program
+
+    from ..cuda_emulation import run
+
+    program = split_k_reduce_program(576, 3, "bfloat16", block_m=1, has_bias=True,
+                                     unroll_splits=True)
+    compiled = tilelang.compile(program, target={"kind": "cuda", "arch": "sm_90a"})
+    assert "#pragma unroll" in compiled.get_kernel_source()
+    torch.manual_seed(0)
+    w = torch.randn(3, 1, 576)
+    bias = torch.randn(576).to(torch.bfloat16)
+    d = torch.full((1, 576), float("nan")).to(torch.bfloat16)
+    run(compiled, 2, 128, dict(w=w, bias=bias, d=d), dict(m=1))
+    want = (w.sum(0) + bias.float()).to(torch.bfloat16)
+    torch.testing.assert_close(d, want, atol=0, rtol=0)
