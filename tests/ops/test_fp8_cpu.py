@@ -137,8 +137,9 @@ def test_decode_variants_are_valid_and_fit_two_ctas_an_sm():
                            has_bias=False, scale_a_m_major=True)
     variants = kernel.decode_variants(16)
     assert all(c.valid() and c in kernel.config_space("m16") for c in variants)
-    assert [(c.prefetch_scales, c.ctas_per_sm, c.split_k) for c in variants] == [
-        (True, 1, 7), (True, 2, 14)]  # 2 an SM: 56 tiles x 14 splits = 784 CTAs, 3 x 264
+    # 2 an SM: 56 tiles x 14 splits = 784 CTAs, 3 x 264 slots
+    assert [(c.block_k, c.prefetch_scales, c.ctas_per_sm, c.split_k) for c in variants] == [
+        (128, True, 1, 7), (128, True, 2, 14), (256, True, 1, 7)]
     two = Fp8GemmConfig(64, 128, 128, 4, 128, 14, 0, ctas_per_sm=2)
     assert two.valid()
     assert not dataclasses.replace(two, stages=6).valid()
@@ -153,7 +154,9 @@ def test_decode_variants_are_valid_and_fit_two_ctas_an_sm():
 @pytest.mark.parametrize("scaling", ["tensor", "block"])
 def test_decode_variants_compile_to_the_fast_path(scaling, tmp_path):
     """wgmma + TMA, no spills; two CTAs an SM get __launch_bounds__(256, 2) and the 24/224
-    register split; the prefetching promotion multiplies the scales only at the promotion."""
+    register split; the prefetching promotion multiplies the scales only at the promotion;
+    a 256-deep block-scaled tile runs one m64n128k32 x 4 wgmma batch per 128-deep half, the
+    second from the halves' offsets (8 KB into a's stage, 16 KB into b's)."""
     from tileops.kernels.fp8 import Fp8GemmKernel
 
     from ..helpers import assert_no_spills_or_serialized_wgmma
@@ -170,6 +173,9 @@ def test_decode_variants_compile_to_the_fast_path(scaling, tmp_path):
             assert "warpgroup_reg_alloc<224>" in source, config
         if config.prefetch_scales:
             assert "sb[0] = " in source, config
+        if scaling == "block" and config.block_k == 256:
+            assert "(h * 8192)" in source and "(h * 16384)" in source, config
+            assert "ki < 4" in source and "ki < 8" not in source, config
 
 
 @pytest.mark.compile

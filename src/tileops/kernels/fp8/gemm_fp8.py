@@ -77,9 +77,15 @@ def load_block_scales(sa, sb, block_m: int, scale_a, m_major: bool, kb, row0, la
 
 
 @T.macro
-def promote_block_raw(a_shared, b_shared, part, acc, sa, sb, block_m: int, block_n: int):
-    """promote_block with the factors as raw scale pairs (sa[i] * sb[0])."""
-    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True, policy=ROWS)
+def add_scaled(part, acc, factor, block_m: int, block_n: int):
+    """acc += part * factor[row]: the promotion of one 128-deep K block."""
+    for i, j in T.Parallel(block_m, block_n):
+        acc[i, j] += part[i, j] * factor[i]
+
+
+@T.macro
+def add_scaled_raw(part, acc, sa, sb, block_m: int, block_n: int):
+    """add_scaled with the factors as raw scale pairs (sa[i] * sb[0])."""
     for i, j in T.Parallel(block_m, block_n):
         acc[i, j] += part[i, j] * (sa[i] * sb[0])
 
@@ -129,7 +135,10 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
     m = T.dynamic("m")
     block = scaling == "block"
     if block:
-        assert block_k == SCALE_BLOCK == block_n and k % SCALE_BLOCK == 0
+        assert block_k % SCALE_BLOCK == 0 and block_n == SCALE_BLOCK and k % SCALE_BLOCK == 0
+    # 128-deep K blocks a tile: a 256-deep tile (two TMA boxes of 128 bytes a row, adjacent in
+    # the weight) is promoted block by block from its two halves in shared memory
+    sub = block_k // SCALE_BLOCK if block else 1
     prefetch = block and prefetch_scales
     tiles = k_tiles_per_split(k, block_k, split_k)
     k_blocks = k // SCALE_BLOCK
@@ -170,16 +179,36 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
                 T.use_swizzle(raster)
             T.clear(acc)
             if prefetch:  # the first tile's scales (factor holds raw scale_a values)
-                kb0 = T.min(bz * tiles, k_blocks - 1)
+                kb0 = T.min(bz * tiles * sub if sub > 1 else bz * tiles, k_blocks - 1)
                 load_block_scales(factor, sb, block_m, scale_a, scale_a_m_major, kb0,
                                   by * block_m, m - 1, scale_b[T.min(bx, n_blocks - 1), kb0])
             for ko in T.Pipelined(tiles, num_stages=stages):
                 kt = bz * tiles + ko
                 T.copy(a[by * block_m, kt * block_k], a_shared)
                 T.copy(b[bx * block_n, kt * block_k], b_shared)
-                if prefetch:
-                    promote_block_raw(a_shared, b_shared, part, acc, factor, sb, block_m,
-                                      block_n)
+                if sub > 1:
+                    for h in T.serial(sub):
+                        g = kt * sub + h  # the K block (past K: zeros, clamped scales)
+                        # the halves sliced here: a macro argument would drop the slice
+                        T.gemm(a_shared[:, h * SCALE_BLOCK:(h + 1) * SCALE_BLOCK],
+                               b_shared[:, h * SCALE_BLOCK:(h + 1) * SCALE_BLOCK], part,
+                               transpose_B=True, clear_accum=True, policy=ROWS)
+                        if prefetch:
+                            add_scaled_raw(part, acc, factor, sb, block_m, block_n)
+                            kn = T.min(g + 1, k_blocks - 1)
+                            load_block_scales(factor, sb, block_m, scale_a, scale_a_m_major,
+                                              kn, by * block_m, m - 1,
+                                              scale_b[T.min(bx, n_blocks - 1), kn])
+                        else:
+                            kb = T.min(g, k_blocks - 1)
+                            load_block_factors(factor, block_m, scale_a, scale_a_m_major, kb,
+                                               by * block_m, m - 1,
+                                               scale_b[T.min(bx, n_blocks - 1), kb])
+                            add_scaled(part, acc, factor, block_m, block_n)
+                elif prefetch:
+                    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True,
+                           policy=ROWS)
+                    add_scaled_raw(part, acc, factor, sb, block_m, block_n)
                     kn = T.min(kt + 1, k_blocks - 1)  # the next tile's (clamped past K)
                     load_block_scales(factor, sb, block_m, scale_a, scale_a_m_major, kn,
                                       by * block_m, m - 1,
@@ -306,7 +335,7 @@ class Fp8GemmKernel(GemmKernel):
             space += self.decode_variants(rows)
         if rows <= 128:
             block_m, threads = (64, 128) if rows <= 64 else (128, 256)
-            for bn in (128,) if block else (64, 128, 256):  # block: one b block per tile
+            for bn in (128,) if block else (64, 128, 256):  # block: one b block a tile
                 for st in (4, 6, 8):
                     split = self.split_for(rows, block_m, bn, 128)
                     for s in sorted({1, split, max(1, split // 2), split * 2}):
@@ -323,8 +352,9 @@ class Fp8GemmKernel(GemmKernel):
     def decode_variants(self, rows: int) -> list[Fp8GemmConfig]:
         """The decode (M <= 64) programs beside the default: block scaling's scales
         prefetched a tile ahead, two CTAs an SM (4 stages each, the split filling 264
-        slots), a 256-deep K tile (per tensor / per row: 256 contiguous bytes of each
-        weight row a stage); each split-K one with the unrolled reduce."""
+        slots), a 256-deep K tile (256 contiguous bytes of each weight row a stage, block
+        scaling promoting its two 128-deep halves); each split-K one with the unrolled
+        reduce."""
         block = self.key["scaling"] == "block"
 
         def variant(block_k: int, stages: int, ctas_per_sm: int) -> Fp8GemmConfig:
@@ -333,7 +363,4 @@ class Fp8GemmKernel(GemmKernel):
                                  prefetch_scales=block, ctas_per_sm=ctas_per_sm,
                                  reduce_unrolled=split > 1)
 
-        found = [variant(128, 6, 1), variant(128, 4, 2)]
-        if not block:
-            found.append(variant(256, 3, 1))
-        return found
+        return [variant(128, 6, 1), variant(128, 4, 2), variant(256, 3, 1)]
