@@ -7,12 +7,15 @@ in tileops.ops.fp8 (wgmma's ~14-bit fp8 accumulation, promoted every 128 K for b
 scaling, plus the output rounding): `check_gemm`.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import tileops
 from tileops import GemmFp8FwdOp, QuantizeFp8FwdOp
 from tileops.kernels.base import Kernel
+from tileops.kernels.fp8 import Fp8GemmKernel
 
 from ..helpers import TOLERANCES, randn
 
@@ -245,6 +248,37 @@ def test_gemm_every_element_written(scaling):
         sb_k = sb.reshape(-1).contiguous() if scaling != "block" else sb
         kernel(m, a, b, sa_k, sb_k, d)
         check_gemm(d, want, scaling, k, what=f"M={m}")
+
+
+@pytest.mark.parametrize("scaling, m_major", [("tensor", False), ("row", False),
+                                              ("block", False), ("block", True)])
+def test_every_decode_config_into_poisoned_output(scaling, m_major):
+    """The decode programs of the space (M <= 64: block scales prefetched a tile ahead, two
+    CTAs an SM, 256-deep K tiles, the unrolled one-row reduce), each also with one split (no
+    reduce) and with 3 splits (K = 1408: 11 K tiles of 128, the last split 3 of them and 1
+    past K; 5.5 of 256, the last tile's second half past K), at M = 1, 7 (bucket m16) and 50
+    (m64), N = 576 (4.5 blocks of 128), with a bias (the reduce adds it), launched on the
+    kernel into NaN-poisoned outputs. Block scaling with scale_a row-major and M-major."""
+    n, k = 576, 1408
+    kernel = Fp8GemmKernel(n=n, k=k, scaling=scaling, out_dtype="bfloat16", has_bias=True,
+                           scale_a_m_major=m_major)
+    for m in (1, 7, 50):
+        a, b, sa, sb, (ref, mag) = make_gemm(m, n, k, scaling)
+        bias = randn(n, dtype=torch.bfloat16)
+        want = (ref + bias.float(), mag + bias.float().abs())
+        if scaling == "block":
+            sa_k, sb_k = (sa.t().contiguous() if m_major else sa.contiguous()), sb.contiguous()
+        else:
+            sa_k, sb_k = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
+        bucket = kernel.bucket_of(m)
+        variants = kernel.decode_variants(kernel.bucket_rows(bucket))
+        configs = variants + [dataclasses.replace(c, split_k=s) for c in variants for s in (1, 3)]
+        for config in dict.fromkeys(configs):
+            assert config.valid(), config
+            kernel.use(config, bucket)
+            d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            kernel(m, a, b, sa_k, sb_k, bias, d)
+            check_gemm(d, want, scaling, k, what=f"M={m} {config}")
 
 
 def test_gemm_matches_torch_scaled_mm():

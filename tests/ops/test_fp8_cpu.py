@@ -1,6 +1,8 @@
 """quantize_fp8 and gemm_fp8 without a GPU: meta outputs (shapes, dtypes, the M-major group
 scale layout), errors that name the op and argument, the kernels a call runs, rooflines."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -122,3 +124,79 @@ def test_decode_split_fills_the_waves():
     assert split(1536, 7168, 32) == 11
     assert split(576, 1024, 7) == 2  # 8 K tiles: at most 2 splits of >= 4
     assert split(24576, 1536, 4096) == 1
+
+
+def test_decode_variants_are_valid_and_fit_two_ctas_an_sm():
+    """The decode programs beside the default are valid configs of the space; two CTAs an SM
+    need one consumer warpgroup and half an SM's shared memory each (4 stages of 64 x 128 +
+    128 x 128 fp8 fit, 6 do not)."""
+    from tileops.kernels.fp8 import Fp8GemmKernel
+    from tileops.kernels.fp8.gemm_fp8 import Fp8GemmConfig
+
+    kernel = Fp8GemmKernel(n=7168, k=18432, scaling="block", out_dtype="bfloat16",
+                           has_bias=False, scale_a_m_major=True)
+    variants = kernel.decode_variants(16)
+    assert all(c.valid() and c in kernel.config_space("m16") for c in variants)
+    # 2 an SM: 56 tiles x 14 splits = 784 CTAs, 3 x 264 slots
+    assert [(c.block_k, c.prefetch_scales, c.ctas_per_sm, c.split_k) for c in variants] == [
+        (128, True, 1, 7), (128, True, 2, 14), (256, True, 1, 7)]
+    two = Fp8GemmConfig(64, 128, 128, 4, 128, 14, 0, ctas_per_sm=2)
+    assert two.valid()
+    assert not dataclasses.replace(two, stages=6).valid()
+    assert not dataclasses.replace(two, block_m=128, threads=256).valid()
+    tensor = Fp8GemmKernel(n=8192, k=8192, scaling="tensor", out_dtype="bfloat16",
+                           has_bias=False, scale_a_m_major=False)
+    assert {c.block_k for c in tensor.decode_variants(16)} == {128, 256}
+
+
+@pytest.mark.full
+@pytest.mark.compile
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+def test_decode_variants_compile_to_the_fast_path(scaling, tmp_path):
+    """wgmma + TMA, no spills; two CTAs an SM get __launch_bounds__(256, 2) and the 24/224
+    register split; the prefetching promotion multiplies the scales only at the promotion;
+    a 256-deep block-scaled tile runs one m64n128k32 x 4 wgmma batch per 128-deep half, the
+    second from the halves' offsets (8 KB into a's stage, 16 KB into b's)."""
+    from tileops.kernels.fp8 import Fp8GemmKernel
+
+    from ..helpers import assert_no_spills_or_serialized_wgmma
+
+    kernel = Fp8GemmKernel(n=7168, k=18432, scaling=scaling, out_dtype="bfloat16",
+                           has_bias=False, scale_a_m_major=scaling == "block")
+    for config in kernel.decode_variants(16):
+        compiled = kernel.compile(config, "m16")
+        source = compiled[0].get_kernel_source()
+        assert "wgmma" in source and "tma_load" in source, config
+        assert_no_spills_or_serialized_wgmma(compiled[0], tmp_path)
+        if config.ctas_per_sm == 2:
+            assert "__launch_bounds__(256, 2)" in source, config
+            assert "warpgroup_reg_alloc<224>" in source, config
+        if config.prefetch_scales:
+            assert "sb[0] = " in source, config
+        if scaling == "block" and config.block_k == 256:
+            assert "(h * 8192)" in source and "(h * 16384)" in source, config
+            assert "ki < 4" in source and "ki < 8" not in source, config
+
+
+@pytest.mark.compile
+def test_unrolled_reduce_program_on_the_cpu():
+    """The decode variants' split-K reduce (one output row a CTA, the splits unrolled), run
+    thread by thread on the CPU (tests/cuda_emulation.py; its grid is 1-D, so M = 1): the
+    sum of the splits plus the bias in bf16, N = 576 leaving the second CTA 64 columns."""
+    import tilelang
+
+    from tileops.kernels.gemm.gemm import split_k_reduce_program
+
+    from ..cuda_emulation import run
+
+    program = split_k_reduce_program(576, 3, "bfloat16", block_m=1, has_bias=True,
+                                     unroll_splits=True)
+    compiled = tilelang.compile(program, target={"kind": "cuda", "arch": "sm_90a"})
+    assert "#pragma unroll" in compiled.get_kernel_source()
+    torch.manual_seed(0)
+    w = torch.randn(3, 1, 576)
+    bias = torch.randn(576).to(torch.bfloat16)
+    d = torch.full((1, 576), float("nan")).to(torch.bfloat16)
+    run(compiled, 2, 128, dict(w=w, bias=bias, d=d), dict(m=1))
+    want = (w.sum(0) + bias.float()).to(torch.bfloat16)
+    torch.testing.assert_close(d, want, atol=0, rtol=0)

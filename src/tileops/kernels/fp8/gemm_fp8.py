@@ -31,6 +31,10 @@ from ..gemm.gemm import (
 FP8 = "float8_e4m3fn"
 SCALE_BLOCK = 128  # DeepSeek-V3's quantization block (1x128 for a, 128x128 for b)
 SCALINGS = ("tensor", "row", "block")
+SMEM_PER_SM = 228 * 1024  # the per-SM pool that ctas_per_sm CTAs share
+# Two CTAs of one consumer warpgroup an SM: producer 24 + consumer 224 registers a thread,
+# x 128 threads each, x 2 CTAs = 63488 of the 64K register file.
+PRODUCER_REGS_2, CONSUMER_REGS_2 = 24, 224
 # Warpgroups split the tile by rows: each issues m64 x block_n wgmmas (the widest), and a
 # thread's rows, hence its per-row scales, are few.
 ROWS = T.GemmWarpPolicy.FullRow
@@ -61,9 +65,44 @@ def promote_block(a_shared, b_shared, part, acc, factor, block_m: int, block_n: 
         acc[i, j] += part[i, j] * factor[i]
 
 
+@T.macro
+def load_block_scales(sa, sb, block_m: int, scale_a, m_major: bool, kb, row0, last_row,
+                      b_scale):
+    """The raw scales of one K tile, not yet multiplied: sa[i] = scale_a[row0 + i, kb],
+    sb[0] = b_scale (the prefetching promotion's: a product here would wait for the loads
+    at once; unused until the next tile's promotion, they arrive under its wgmma)."""
+    for i in T.Parallel(block_m):
+        sa[i] = a_scale_at(scale_a, m_major, kb, T.min(row0 + i, last_row))
+    sb[0] = b_scale
+
+
+@T.macro
+def add_scaled(part, acc, factor, block_m: int, block_n: int):
+    """acc += part * factor[row]: the promotion of one 128-deep K block."""
+    for i, j in T.Parallel(block_m, block_n):
+        acc[i, j] += part[i, j] * factor[i]
+
+
+@T.macro
+def add_scaled_raw(part, acc, sa, sb, block_m: int, block_n: int):
+    """add_scaled with the factors as raw scale pairs (sa[i] * sb[0])."""
+    for i, j in T.Parallel(block_m, block_n):
+        acc[i, j] += part[i, j] * (sa[i] * sb[0])
+
+
 @dataclass(frozen=True)
 class Fp8GemmConfig(GemmConfig):
     block_k: int = 128
+    # Block scaling: load tile k+1's scales while tile k's wgmma runs (the plain promotion
+    # multiplies them before its barrier wait, so every K tile waits one global load).
+    prefetch_scales: bool = False
+    # CTAs an SM holds (__launch_bounds__(threads + 128, n), registers split to fit): with 2,
+    # one CTA's pipeline fill and epilogue run under the other's stream. Shared memory
+    # must fit n times.
+    ctas_per_sm: int = 1
+    # split-K: the reduce program one output row a CTA with every split's load in flight
+    # (the shared reduce, 4 rows a CTA, waits one L2 round trip per split)
+    reduce_unrolled: bool = False
 
     def smem_bytes(self, elem_bytes: int = 1) -> int:
         pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
@@ -72,14 +111,23 @@ class Fp8GemmConfig(GemmConfig):
 
     def valid(self) -> bool:
         warps = self.threads // 32
-        return (self.smem_bytes() <= SMEM_LIMIT and warps % 4 == 0 and self.block_m >= 64
+        fits = self.smem_bytes() <= SMEM_LIMIT
+        if self.ctas_per_sm != 1:
+            # two CTAs of one consumer warpgroup (the register split above); the planner
+            # lays the output staging tile over the pipeline (GemmConfig.smem_bytes)
+            pipeline = self.stages * (self.block_m + self.block_n) * self.block_k
+            out = self.block_m * self.block_n * (4 if self.split_k > 1 else 2)
+            fits = (self.ctas_per_sm == 2 and self.threads == 128
+                    and max(pipeline, out if self.stage_out else 0) <= SMEM_PER_SM // 2 - 1024)
+        return (fits and warps % 4 == 0 and self.block_m >= 64
                 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
                 and self.block_n % 64 == 0 and self.block_k % 32 == 0)
 
 
 def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: bool,
                      block_m: int, block_n: int, block_k: int, stages: int, threads: int,
-                     split_k: int, raster: int, stage_out: bool, scale_a_m_major: bool = True):
+                     split_k: int, raster: int, stage_out: bool, scale_a_m_major: bool = True,
+                     prefetch_scales: bool = False, ctas_per_sm: int = 1):
     """The main program: (a, b, scale_a, scale_b[, bias], d); with split_k > 1 d is the fp32
     partials [split_k, M, N] (scaled; the reduce adds the bias). Block scaling reads scale_a
     as [K/128, M] (M-major: a warp's rows are adjacent) or, without `scale_a_m_major`, as the
@@ -87,7 +135,11 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
     m = T.dynamic("m")
     block = scaling == "block"
     if block:
-        assert block_k == SCALE_BLOCK == block_n and k % SCALE_BLOCK == 0
+        assert block_k % SCALE_BLOCK == 0 and block_n == SCALE_BLOCK and k % SCALE_BLOCK == 0
+    # 128-deep K blocks a tile: a 256-deep tile (two TMA boxes of 128 bytes a row, adjacent in
+    # the weight) is promoted block by block from its two halves in shared memory
+    sub = block_k // SCALE_BLOCK if block else 1
+    prefetch = block and prefetch_scales
     tiles = k_tiles_per_split(k, block_k, split_k)
     k_blocks = k // SCALE_BLOCK
     n_blocks = -(-n // SCALE_BLOCK)
@@ -115,16 +167,53 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
             if block:
                 part = T.alloc_fragment((block_m, block_n), acc_dtype)
                 factor = T.alloc_fragment((block_m,), acc_dtype)
+            if prefetch:
+                sb = T.alloc_local((1,), acc_dtype)
             if stage_out:
                 d_shared = T.alloc_shared((block_m, block_n), d_dtype)
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+                T.annotate_producer_reg_dealloc(PRODUCER_REGS_2)
+                T.annotate_consumer_reg_alloc(CONSUMER_REGS_2)
             if raster > 0:
                 T.use_swizzle(raster)
             T.clear(acc)
+            if prefetch:  # the first tile's scales (factor holds raw scale_a values)
+                kb0 = T.min(bz * tiles * sub if sub > 1 else bz * tiles, k_blocks - 1)
+                load_block_scales(factor, sb, block_m, scale_a, scale_a_m_major, kb0,
+                                  by * block_m, m - 1, scale_b[T.min(bx, n_blocks - 1), kb0])
             for ko in T.Pipelined(tiles, num_stages=stages):
                 kt = bz * tiles + ko
                 T.copy(a[by * block_m, kt * block_k], a_shared)
                 T.copy(b[bx * block_n, kt * block_k], b_shared)
-                if block:
+                if sub > 1:
+                    for h in T.serial(sub):
+                        g = kt * sub + h  # the K block (past K: zeros, clamped scales)
+                        # the halves sliced here: a macro argument would drop the slice
+                        T.gemm(a_shared[:, h * SCALE_BLOCK:(h + 1) * SCALE_BLOCK],
+                               b_shared[:, h * SCALE_BLOCK:(h + 1) * SCALE_BLOCK], part,
+                               transpose_B=True, clear_accum=True, policy=ROWS)
+                        if prefetch:
+                            add_scaled_raw(part, acc, factor, sb, block_m, block_n)
+                            kn = T.min(g + 1, k_blocks - 1)
+                            load_block_scales(factor, sb, block_m, scale_a, scale_a_m_major,
+                                              kn, by * block_m, m - 1,
+                                              scale_b[T.min(bx, n_blocks - 1), kn])
+                        else:
+                            kb = T.min(g, k_blocks - 1)
+                            load_block_factors(factor, block_m, scale_a, scale_a_m_major, kb,
+                                               by * block_m, m - 1,
+                                               scale_b[T.min(bx, n_blocks - 1), kb])
+                            add_scaled(part, acc, factor, block_m, block_n)
+                elif prefetch:
+                    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True,
+                           policy=ROWS)
+                    add_scaled_raw(part, acc, factor, sb, block_m, block_n)
+                    kn = T.min(kt + 1, k_blocks - 1)  # the next tile's (clamped past K)
+                    load_block_scales(factor, sb, block_m, scale_a, scale_a_m_major, kn,
+                                      by * block_m, m - 1,
+                                      scale_b[T.min(bx, n_blocks - 1), kn])
+                elif block:
                     # the tile's columns share one 128-wide b block; a last split may run
                     # past K: its tiles load as zeros, and the clamped scale index keeps
                     # the factor a finite number
@@ -185,11 +274,13 @@ class Fp8GemmKernel(GemmKernel):
         main = gemm_fp8_program(key["n"], key["k"], key["scaling"], key["out_dtype"],
                                 key["has_bias"], config.block_m, config.block_n,
                                 config.block_k, config.stages, config.threads, config.split_k,
-                                config.raster, config.stage_out, key["scale_a_m_major"])
+                                config.raster, config.stage_out, key["scale_a_m_major"],
+                                config.prefetch_scales, config.ctas_per_sm)
         if config.split_k == 1:
             return main
+        rows = {"block_m": 1, "unroll_splits": True} if config.reduce_unrolled else {}
         return main, split_k_reduce_program(key["n"], config.split_k, key["out_dtype"],
-                                            has_bias=key["has_bias"])
+                                            has_bias=key["has_bias"], **rows)
 
     def run(self, config: Fp8GemmConfig, compiled: tuple, a, b, scale_a, scale_b,
             *rest) -> None:
@@ -204,18 +295,21 @@ class Fp8GemmKernel(GemmKernel):
     def _splittable(self) -> bool:
         return True
 
-    def split_for(self, m: int, block_m: int, block_n: int, block_k: int) -> int:
+    def split_for(self, m: int, block_m: int, block_n: int, block_k: int,
+                  ctas_per_sm: int = 1) -> int:
         """Decode sizes (M <= 64) stream the weight once: the K split that fills the SMs'
-        waves best (each split keeping >= 4 K tiles). Larger M: the bf16 GEMM's rule."""
+        waves best (each split keeping >= 4 K tiles; a wave is ctas_per_sm CTAs an SM).
+        Larger M: the bf16 GEMM's rule."""
         if m > 64:
             return super().split_for(m, block_m, block_n, block_k)
         ctas = -(-self.key["n"] // block_n) * -(-m // block_m)
         k_tiles = -(-self.key["k"] // block_k)
+        slots = NUM_SMS_H200 * ctas_per_sm
         best, best_fill = 1, 0.0
         for split in range(1, 17):
             if k_tiles // split < 4:
                 break
-            fill = ctas * split / (-(-ctas * split // NUM_SMS_H200) * NUM_SMS_H200)
+            fill = ctas * split / (-(-ctas * split // slots) * slots)
             if fill > best_fill + 0.02:  # a larger split only for a clearly fuller grid
                 best, best_fill = split, fill
         return best
@@ -237,9 +331,11 @@ class Fp8GemmKernel(GemmKernel):
         rows = self.bucket_rows(bucket)
         block = self.key["scaling"] == "block"
         space = [self.heuristic_config(bucket, "sm_90a")]
+        if rows <= 64:
+            space += self.decode_variants(rows)
         if rows <= 128:
             block_m, threads = (64, 128) if rows <= 64 else (128, 256)
-            for bn in (128,) if block else (64, 128, 256):  # block: one b block per tile
+            for bn in (128,) if block else (64, 128, 256):  # block: one b block a tile
                 for st in (4, 6, 8):
                     split = self.split_for(rows, block_m, bn, 128)
                     for s in sorted({1, split, max(1, split // 2), split * 2}):
@@ -253,3 +349,18 @@ class Fp8GemmKernel(GemmKernel):
                 space.append(Fp8GemmConfig(bm, bn, 128, st + 1, 256, 1, 8, stage_out=False))
         return [c for c in dict.fromkeys(space) if c.valid()]
 
+    def decode_variants(self, rows: int) -> list[Fp8GemmConfig]:
+        """The decode (M <= 64) programs beside the default: block scaling's scales
+        prefetched a tile ahead, two CTAs an SM (4 stages each, the split filling 264
+        slots), a 256-deep K tile (256 contiguous bytes of each weight row a stage, block
+        scaling promoting its two 128-deep halves); each split-K one with the unrolled
+        reduce."""
+        block = self.key["scaling"] == "block"
+
+        def variant(block_k: int, stages: int, ctas_per_sm: int) -> Fp8GemmConfig:
+            split = self.split_for(rows, 64, 128, block_k, ctas_per_sm)
+            return Fp8GemmConfig(64, 128, block_k, stages, 128, split, 0,
+                                 prefetch_scales=block, ctas_per_sm=ctas_per_sm,
+                                 reduce_unrolled=split > 1)
+
+        return [variant(128, 6, 1), variant(128, 4, 2), variant(256, 3, 1)]

@@ -132,9 +132,13 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
 
 
 def split_k_reduce_program(n: int, split_k: int, dtype: str, block_m: int = 4,
-                           block_n: int = 512, threads: int = 128, has_bias: bool = False):
-    """Sums the fp32 partials [split_k, M, N] into d[M, N] in the output dtype (+ bias)."""
+                           block_n: int = 512, threads: int = 128, has_bias: bool = False,
+                           unroll_splits: bool = False):
+    """Sums the fp32 partials [split_k, M, N] into d[M, N] in the output dtype (+ bias).
+    With `unroll_splits` the split loop is unrolled, so every split's load is in flight at
+    once (the rolled loop waits one L2 round trip per split)."""
     m = T.dynamic("m")
+    splits = T.unroll if unroll_splits else T.serial
 
     @T.macro
     def body(w, bias, d):
@@ -142,7 +146,7 @@ def split_k_reduce_program(n: int, split_k: int, dtype: str, block_m: int = 4,
             acc_local = T.alloc_fragment((block_m, block_n), "float")
             part_local = T.alloc_fragment((block_m, block_n), "float")
             T.clear(acc_local)
-            for s in T.serial(split_k):
+            for s in splits(split_k):
                 T.copy(w[s, by * block_m, bx * block_n], part_local)
                 for i, j in T.Parallel(block_m, block_n):
                     acc_local[i, j] += part_local[i, j]
