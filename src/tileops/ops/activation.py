@@ -299,7 +299,7 @@ for _fwd, _bwd in ((SiluAndMulFwdOp, _silu_and_mul_backward),
                    (GeluAndMulFwdOp, _gelu_and_mul_backward),
                    (SwigluFwdOp, _swiglu_backward),
                    (GegluFwdOp, _geglu_backward)):
-    torch.library.register_autograd(_fwd.torch_op, _bwd, setup_context=_save_inputs)
+    _fwd.register_autograd(_bwd, setup_context=_save_inputs)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,9 @@ class Op:
 
     kernel_map: ClassVar[Mapping[str, type[Kernel]]] = {}
     spec: ClassVar[CompiledSpec]
-    custom_op: ClassVar[Any]
     torch_op: ClassVar[Any]  # torch.ops.tileops.<name>.default
+    # (backward, setup_context) of the custom op, from `register_autograd`
+    _autograd_formula: ClassVar[tuple[Any, Any] | None]
     _instances: ClassVar[dict[tuple, Op]]
     _kernels: ClassVar[dict[tuple, Kernel]] = {}
     # per position of the custom op's arguments: an input's index or a param's name
@@ -63,8 +64,8 @@ class Op:
         inputs = cls.spec.input_names
         cls._call_slots = tuple(inputs.index(n) if n in inputs else n
                                 for n in cls.spec.call_order)
-        cls.custom_op = _register_custom_op(cls)
-        cls.torch_op = getattr(getattr(torch.ops, LIBRARY), custom_op_name(cls.__name__)).default
+        cls._autograd_formula = None
+        cls.torch_op = _register_custom_op(cls)
 
     def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
                  tune: bool = False, **params: Any):
@@ -126,6 +127,14 @@ class Op:
         call their backward op this way: under torch.compile's tracing of a backward only
         the custom op is opaque (`apply` would take the eager path, grad being off)."""
         return cls.torch_op(*cls._torch_op_args(inputs, params))
+
+    @classmethod
+    def register_autograd(cls, backward: Any, *, setup_context: Any = None) -> None:
+        """The custom op's autograd formula, as torch.library.register_autograd takes it:
+        `setup_context(ctx, inputs, output)` with the inputs in call order, and
+        `backward(ctx, *grads)` returning a gradient per call-order argument. A later call
+        replaces the formula."""
+        cls._autograd_formula = (backward, setup_context)
 
     @classmethod
     def grads_in_call_order(cls, **grads: Any) -> tuple:
@@ -298,32 +307,104 @@ def _needs_autograd(inputs: Sequence[Any]) -> bool:
         isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
+# The dispatcher keysets below autograd (ADInplaceOrView is a fallthrough for these functional
+# ops) in which the custom op's real kernel is the next one: the autograd kernel then calls it
+# directly instead of redispatching (a second trip through the dispatcher from Python, ~3 us).
+# Anything else there (Python modes, fake and functional tensors, meta) takes the redispatch.
+_DIRECT_KEYSETS = frozenset(
+    keyset.raw_repr()
+    for backend in (torch._C.DispatchKey.CUDA, torch._C.DispatchKey.CPU)
+    for keyset in (torch._C.DispatchKeySet(backend),
+                   torch._C.DispatchKeySet(backend).add(torch._C.DispatchKey.ADInplaceOrView)))
+_library = torch.library.Library(LIBRARY, "FRAGMENT")
+
+
 def _register_custom_op(cls: type[Op]) -> Any:
-    """Registers `torch.ops.tileops.<name>` with the manifest's call order; its fake
-    implementation (also its meta kernel) is the op's own check plus the output rules."""
+    """Defines `torch.ops.tileops.<name>` with the manifest's call order and registers its
+    kernels: the real one (`Op.run` on the cached instance for the call's params), the fake
+    one (also its meta kernel: the op's own check plus the output rules) and an autograd one
+    that runs the formula given to `Op.register_autograd`.
+
+    torch.library.Library's define / impl of plain functions, not torch.library.custom_op:
+    the latter's Python wrappers (an autograd kernel that redispatches, an aliasing check per
+    call) cost ~30 us a call on the CPU where these cost ~4 (one trip into the dispatcher).
+    """
     spec = cls.spec
+    name = custom_op_name(cls.__name__)
     types = {t.name: f"Tensor{'?' if t.optional else ''}" for t in spec.inputs}
     types.update((p.name, _SCHEMA_TYPES[p.type]) for p in spec.params)
     args = ", ".join(f"{types[n]} {n}" for n in spec.call_order)
     outs = ", ".join("Tensor" for _ in spec.outputs)
     schema = f"({args}) -> {outs if len(spec.outputs) == 1 else f'({outs})'}"
-    input_at = [spec.call_order.index(n) for n in spec.input_names]
-    param_at = {n: spec.call_order.index(n) for n in spec.param_names}
+    input_at = tuple(spec.call_order.index(n) for n in spec.input_names)
+    param_at = tuple(spec.call_order.index(n) for n in spec.param_names)
+    list_params = tuple(j for j, p in enumerate(spec.params) if p.type == "list[int]")
+    inputs_first = input_at == tuple(range(len(input_at)))
+    n_inputs = len(input_at)
+    by_args: dict[Any, Op] = {}
 
-    def split(args: tuple) -> tuple[tuple, dict[str, Any]]:
-        return tuple(args[i] for i in input_at), {n: args[i] for n, i in param_at.items()}
+    def instance(args: tuple) -> Op:
+        """The shared instance for the params among `args` (a dict hit per call)."""
+        values = tuple([args[i] for i in param_at])
+        if list_params:  # int[] arguments arrive as lists
+            frozen = list(values)
+            for j in list_params:
+                frozen[j] = tuple(frozen[j])
+            values = tuple(frozen)
+        op = by_args.get(values)
+        if op is None:
+            op = by_args[values] = cls.cached(**dict(zip(spec.param_names, values,
+                                                         strict=True)))
+        return op
 
     def real(*args: Any) -> Any:
-        inputs, params = split(args)
-        return cls.cached(**params).run(*inputs)
+        inputs = args[:n_inputs] if inputs_first else tuple([args[i] for i in input_at])
+        return instance(args).run(*inputs)
 
     def fake(*args: Any) -> Any:
-        inputs, params = split(args)
-        op = cls.cached(**params)
+        inputs = tuple(args[i] for i in input_at)
+        op = instance(args)
         ns = op.check(inputs)
         return op._meta_outputs(ns, next(t.device for t in inputs if t is not None))
 
-    qualname = f"{LIBRARY}::{custom_op_name(cls.__name__)}"
-    custom = torch.library.custom_op(qualname, real, mutates_args=(), schema=schema)
-    custom.register_fake(fake)
-    return custom
+    _library.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    torch_op = getattr(getattr(torch.ops, LIBRARY), name).default
+    _library.impl(name, real, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{LIBRARY}::{name}", fake, lib=_library)
+
+    after_autograd = torch._C._after_autograd_keyset
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+
+    def forward(ctx: Any, keyset: Any, *args: Any) -> Any:
+        with torch._C._AutoDispatchBelowAutograd():
+            result = torch_op.redispatch(keyset & after_autograd, *args)
+        if cls._autograd_formula is not None and cls._autograd_formula[1] is not None:
+            cls._autograd_formula[1](ctx=ctx, inputs=args, output=result)
+        return result
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if cls._autograd_formula is None:
+            raise RuntimeError(f"Trying to backward through {torch_op} but no autograd "
+                               f"formula was registered (Op.register_autograd).")
+        needs_input_grad = ctx.needs_input_grad
+        try:
+            ctx.needs_input_grad = needs_input_grad[1:]  # not the keyset's
+            result = cls._autograd_formula[0](ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs_input_grad
+        return (None, *result) if isinstance(result, tuple) else (None, result)
+
+    function = type(f"{cls.__name__}Autograd", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def autograd_kernel(keyset: Any, *args: Any) -> Any:
+        if grad_enabled() and any_requires_grad(*args):
+            return function.apply(keyset, *args)
+        below = keyset & after_autograd
+        if below.raw_repr() in _DIRECT_KEYSETS:
+            return real(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch_op.redispatch(below, *args)
+
+    _library.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return torch_op

@@ -115,7 +115,7 @@ def _backward(ctx, grad_output):
                                            bias=db if ctx.has_bias else None)
 
 
-torch.library.register_autograd(LinearFwdOp.torch_op, _backward, setup_context=_setup)
+LinearFwdOp.register_autograd(_backward, setup_context=_setup)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor,

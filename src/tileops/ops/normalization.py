@@ -301,13 +301,12 @@ def _layer_norm_backward(ctx, grad_output):
                                               bias=db if bias is not None else None)
 
 
-torch.library.register_autograd(RMSNormFwdOp.torch_op, _rms_norm_backward,
-                                setup_context=_save_inputs(RMSNormFwdOp, ("input", "weight")))
-torch.library.register_autograd(FusedAddRMSNormFwdOp.torch_op, _fused_add_backward,
-                                setup_context=_fused_add_setup)
-torch.library.register_autograd(LayerNormFwdOp.torch_op, _layer_norm_backward,
-                                setup_context=_save_inputs(LayerNormFwdOp,
-                                                           ("input", "weight", "bias")))
+RMSNormFwdOp.register_autograd(_rms_norm_backward,
+                               setup_context=_save_inputs(RMSNormFwdOp, ("input", "weight")))
+FusedAddRMSNormFwdOp.register_autograd(_fused_add_backward, setup_context=_fused_add_setup)
+LayerNormFwdOp.register_autograd(_layer_norm_backward,
+                                 setup_context=_save_inputs(LayerNormFwdOp,
+                                                            ("input", "weight", "bias")))
 
 
 # -- functional API -----------------------------------------------------------------------
