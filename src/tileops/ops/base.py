@@ -32,6 +32,10 @@ LIBRARY = "tileops"
 _SCHEMA_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str",
                  "list[int]": "int[]", "float | None": "float?", "int | None": "int?"}
 _gpu_names: dict[int, str] = {}
+_NEW = object()  # a signature not validated yet
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch._C.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad  # skips None and non-tensors
 
 
 def custom_op_name(op_class_name: str) -> str:
@@ -83,8 +87,10 @@ class Op:
         if kernel_map is not None:
             self.kernel_map = dict(kernel_map)
         self.tune = tune
-        self._validated: set[tuple] = set()
+        # signature -> its launch (see `plan`; None: forward), for signatures validated
+        self._validated: dict[tuple, Any] = {}
         self._kernel_memo: dict[tuple, Kernel] = {}
+        self._call_memo: dict[tuple, Kernel] = {}  # see memo_kernel
         self._last_signature: tuple | None = None
 
     @classmethod
@@ -95,12 +101,11 @@ class Op:
         for one must not accept the other unchecked. Hashable params (the functional API
         passes tuples) take the fast path; a list is frozen into a tuple first.
         """
-        values = tuple(params.values())
-        key = (tuple(params), values, tuple(map(type, values)))
+        key = tuple([(k, v, type(v)) for k, v in params.items()])
         try:
             op = cls._instances.get(key)
         except TypeError:  # an unhashable (list) param
-            key = (key[0], tuple(_freeze(v) for v in values), key[2])
+            key = tuple([(k, _freeze(v), type(v)) for k, v in params.items()])
             op = cls._instances.get(key)
         if op is None:
             op = cls._instances[key] = cls(**params)
@@ -109,7 +114,8 @@ class Op:
     # -- calling --------------------------------------------------------------------------
     def __call__(self, *inputs: Any) -> Any:
         """Runs the op on `inputs`, given in the manifest's input order."""
-        if torch.compiler.is_compiling() or _needs_autograd(inputs):
+        # (is_compiling first: torch.compile folds it, and never traces the C calls after it)
+        if _is_compiling() or _grad_enabled() and _any_requires_grad(*inputs):
             return self.through_custom_op(*inputs, **self.params)
         return self.run(*inputs)
 
@@ -117,7 +123,7 @@ class Op:
     def apply(cls, *inputs: Any, **params: Any) -> Any:
         """The functional API's body: plain eager calls skip the dispatcher; traced calls
         and calls that autograd must record go through the custom op."""
-        if torch.compiler.is_compiling() or _needs_autograd(inputs):
+        if _is_compiling() or _grad_enabled() and _any_requires_grad(*inputs):
             return cls.through_custom_op(*inputs, **params)
         return cls.cached(**params).run(*inputs)
 
@@ -157,8 +163,29 @@ class Op:
 
         Meta inputs get meta outputs (see `validate`), so they never reach `forward`.
         """
+        # validate()'s fast path, inlined: a signature seen before is all most calls do
+        try:
+            signature = tuple([None if t is None else (t.shape, t.dtype, t.device)
+                               for t in inputs])
+            launch = self._validated.get(signature, _NEW)
+            if launch is not _NEW:
+                self._last_signature = signature
+                return self.forward(*inputs) if launch is None else launch(*inputs)
+        except AttributeError:  # not a tensor: validate() has check() say so
+            signature = None
         meta = self.validate(inputs)
-        return meta if meta is not None else self.forward(*inputs)
+        if meta is not None or signature is None:
+            return meta if meta is not None else self.forward(*inputs)
+        launch = self._validated[signature] = self.plan(*inputs)
+        return self.forward(*inputs) if launch is None else launch(*inputs)
+
+    def plan(self, *inputs: Any) -> Any:
+        """A launch for every later call whose inputs have these inputs' signature (shapes,
+        dtypes, devices; validated): a callable taking the inputs as `forward` does and
+        returning what it returns, or None for `forward` itself. Ops whose host time
+        matters return one that does only what the signature leaves open (strides,
+        alignment: anything else goes to `forward`) with the kernel and sizes bound."""
+        return None
 
     def validate(self, inputs: Sequence[Any]) -> Any:
         """Checks `inputs` for a launch; returns meta outputs for meta inputs, else None.
@@ -168,8 +195,8 @@ class Op:
         are checked on every call (their signatures are never cached).
         """
         try:
-            signature = tuple(None if t is None else (t.shape, t.dtype, t.device)
-                              for t in inputs)
+            signature = tuple([None if t is None else (t.shape, t.dtype, t.device)
+                               for t in inputs])
         except AttributeError:  # not a tensor: let check() say so
             signature = None
         if signature is None or signature not in self._validated:
@@ -181,7 +208,7 @@ class Op:
             if signature is not None:
                 if len(self._validated) >= 4096:
                     self._validated.clear()
-                self._validated.add(signature)
+                self._validated.setdefault(signature, None)
         self._last_signature = signature
         return None
 
@@ -262,6 +289,16 @@ class Op:
             kernel = self._kernel_memo[memo_key] = self._shared_kernel(dispatch_key, device, key)
         return kernel
 
+    def memo_kernel(self, memo: tuple, dispatch_key: str, device: torch.device,
+                    key: Any) -> Kernel:
+        """`get_kernel(dispatch_key, device, **key())`, looked up by `memo`: a tuple the
+        caller builds cheaply (no dict, no keyword arguments) of everything the kernel key
+        depends on, the dispatch key and the device included. `key` runs on a miss only."""
+        kernel = self._call_memo.get(memo)
+        if kernel is None:
+            kernel = self._call_memo[memo] = self.get_kernel(dispatch_key, device, **key())
+        return kernel
+
     def _shared_kernel(self, dispatch_key: str, device: torch.device,
                        key: dict[str, Any]) -> Kernel:
         target = target_for_device(device, self.spec.op_name)
@@ -288,6 +325,8 @@ class Op:
             kernel = type(shared)(target=shared.target, gpu=shared.gpu, **key)
             kernel.use(config, kernel.bucket_of(size))
             self._kernel_memo[(dispatch_key, device, *key.values())] = kernel
+        self._call_memo.clear()
+        self._validated.clear()  # launches hold their kernels
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         """(dispatch key, kernel key, runtime size) of each kernel a call with `ns` runs.
@@ -316,6 +355,7 @@ _DIRECT_KEYSETS = frozenset(
     for backend in (torch._C.DispatchKey.CUDA, torch._C.DispatchKey.CPU)
     for keyset in (torch._C.DispatchKeySet(backend),
                    torch._C.DispatchKeySet(backend).add(torch._C.DispatchKey.ADInplaceOrView)))
+_direct_keysets: dict[int, bool] = {}  # a call's raw keyset -> whether it is one of those
 _library = torch.library.Library(LIBRARY, "FRAGMENT")
 
 
@@ -336,33 +376,31 @@ def _register_custom_op(cls: type[Op]) -> Any:
     args = ", ".join(f"{types[n]} {n}" for n in spec.call_order)
     outs = ", ".join("Tensor" for _ in spec.outputs)
     schema = f"({args}) -> {outs if len(spec.outputs) == 1 else f'({outs})'}"
-    input_at = tuple(spec.call_order.index(n) for n in spec.input_names)
-    param_at = tuple(spec.call_order.index(n) for n in spec.param_names)
-    list_params = tuple(j for j, p in enumerate(spec.params) if p.type == "list[int]")
-    inputs_first = input_at == tuple(range(len(input_at)))
-    n_inputs = len(input_at)
-    by_args: dict[Any, Op] = {}
+    input_at = [spec.call_order.index(n) for n in spec.input_names]
+    # The params among the op's arguments as a hashable key (int[] arrives as a list; the
+    # dispatcher gives each param its schema's Python type, so the values alone key it),
+    # and the inputs in input order: one expression each, built once (~0.3 us a call).
+    key_items = [f"tuple(args[{spec.call_order.index(p.name)}])" if p.type == "list[int]"
+                 else f"args[{spec.call_order.index(p.name)}]" for p in spec.params]
+    key_of = eval(f"lambda args: ({''.join(k + ', ' for k in key_items)})")  # noqa: S307
+    inputs_of = (eval(f"lambda args: args[:{len(input_at)}]")  # noqa: S307
+                 if input_at == list(range(len(input_at))) else
+                 eval(f"lambda args: ({''.join(f'args[{i}], ' for i in input_at)})"))  # noqa: S307
+    by_args: dict[tuple, Op] = {}
 
     def instance(args: tuple) -> Op:
         """The shared instance for the params among `args` (a dict hit per call)."""
-        values = tuple([args[i] for i in param_at])
-        if list_params:  # int[] arguments arrive as lists
-            frozen = list(values)
-            for j in list_params:
-                frozen[j] = tuple(frozen[j])
-            values = tuple(frozen)
-        op = by_args.get(values)
+        key = key_of(args)
+        op = by_args.get(key)
         if op is None:
-            op = by_args[values] = cls.cached(**dict(zip(spec.param_names, values,
-                                                         strict=True)))
+            op = by_args[key] = cls.cached(**dict(zip(spec.param_names, key, strict=True)))
         return op
 
     def real(*args: Any) -> Any:
-        inputs = args[:n_inputs] if inputs_first else tuple([args[i] for i in input_at])
-        return instance(args).run(*inputs)
+        return instance(args).run(*inputs_of(args))
 
     def fake(*args: Any) -> Any:
-        inputs = tuple(args[i] for i in input_at)
+        inputs = inputs_of(args)
         op = instance(args)
         ns = op.check(inputs)
         return op._meta_outputs(ns, next(t.device for t in inputs if t is not None))
@@ -400,11 +438,15 @@ def _register_custom_op(cls: type[Op]) -> Any:
     def autograd_kernel(keyset: Any, *args: Any) -> Any:
         if grad_enabled() and any_requires_grad(*args):
             return function.apply(keyset, *args)
-        below = keyset & after_autograd
-        if below.raw_repr() in _DIRECT_KEYSETS:
-            return real(*args)
+        direct = _direct_keysets.get(keyset.raw_repr())
+        if direct is None:
+            direct = _direct_keysets[keyset.raw_repr()] = (
+                (keyset & after_autograd).raw_repr() in _DIRECT_KEYSETS)
+        if direct:  # real(*args), inlined
+            op = by_args.get(key_of(args))
+            return (op or instance(args)).run(*inputs_of(args))
         with torch._C._AutoDispatchBelowAutograd():
-            return torch_op.redispatch(below, *args)
+            return torch_op.redispatch(keyset & after_autograd, *args)
 
     _library.impl(name, autograd_kernel, "Autograd", with_keyset=True)
     return torch_op

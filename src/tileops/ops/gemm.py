@@ -41,8 +41,9 @@ class GemmFwdOp(Op):
             return d
         if k == 0:
             return d.zero_()
-        kernel = self.get_kernel("gemm", a.device, **self._kernel_key(a.dtype, n, k, trans_a,
-                                                                      trans_b))
+        kernel = self.memo_kernel(("gemm", a.device, a.dtype, n, k, trans_a, trans_b), "gemm",
+                                  a.device, lambda: self._kernel_key(a.dtype, n, k, trans_a,
+                                                                     trans_b))
         kernel(m, tma_ready(a), tma_ready(b), d)
         return d
 
