@@ -142,3 +142,14 @@ def test_register_autograd_replaces_the_formula(stub):
     finally:
         RMSNormFwdOp.register_autograd(norm._rms_norm_backward, setup_context=setup)
     assert seen == [(8, 256)]
+
+
+def test_gemm_plan_and_its_fallbacks(stub):
+    from tileops import GemmFwdOp
+
+    op = GemmFwdOp()
+    a, b = bf16(16, 64), bf16(32, 64)
+    for x, y in ((a, b), (bf16(16, 64), b), (bf16(64, 16).t(), b), (a, bf16(64, 32).t())):
+        assert op(x, y).shape == (16, 32)
+    assert op._validated[((a.shape, a.dtype, a.device), (b.shape, b.dtype, b.device))]
+    assert GemmFwdOp(trans_a=True).plan(bf16(64, 12), b) is None  # M % 8: forward copies a
