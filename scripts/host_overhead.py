@@ -52,9 +52,8 @@ def stub_launches():
             yield
         finally:  # what the shared instances learnt of CPU calls is forgotten with the stub
             for instance in _shared_instances(ops_base.Op):
-                instance._validated.clear()
-                instance._kernel_memo.clear()
-                instance._call_memo.clear()
+                for cache in ("_validated", "_kernel_memo", "_call_memo"):
+                    getattr(instance, cache, set()).clear()
 
 
 def _shared_instances(cls):
@@ -147,6 +146,35 @@ def layer_rows(device):
         "torch.ops.tileops.gemm_fwd 16x6144x4096": lambda: torch.ops.tileops.gemm_fwd(
             a, b, False, True),
     })
+    rows.update(other_op_rows(device))
+    return rows
+
+
+def other_op_rows(device):
+    """One eager call of a few more ops (decode-sized), each after torch's equivalent."""
+    import torch.nn.functional as F
+
+    stub = device == "cpu"
+    gate_up = torch.randn(64, 2 * 4096, device=device, dtype=torch.bfloat16)
+    logits = torch.randn(64, 32000, device=device, dtype=torch.bfloat16)
+    a = torch.randn(16, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(6144, 4096, device=device, dtype=torch.bfloat16)
+    pairs = {
+        "silu_and_mul [64, 2x4096]": (
+            lambda: F.silu(gate_up[:, :4096]) * gate_up[:, 4096:],
+            lambda: tileops.silu_and_mul(gate_up)),
+        "softmax [64, 32000]": (lambda: torch.softmax(logits, -1),
+                                lambda: tileops.softmax(logits)),
+        "argmax [64, 32000]": (lambda: torch.argmax(logits, -1),
+                               lambda: tileops.argmax(logits, -1)),
+        "linear 16x6144x4096": (lambda: F.linear(a, w), lambda: tileops.linear(a, w)),
+    }
+    rows = {}
+    for name, (torch_fn, ours) in pairs.items():
+        if not stub:
+            rows[f"torch {name}"] = torch_fn
+        ours()
+        rows[f"tileops {name}"] = ours
     return rows
 
 

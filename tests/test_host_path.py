@@ -153,3 +153,15 @@ def test_gemm_plan_and_its_fallbacks(stub):
         assert op(x, y).shape == (16, 32)
     assert op._validated[((a.shape, a.dtype, a.device), (b.shape, b.dtype, b.device))]
     assert GemmFwdOp(trans_a=True).plan(bf16(64, 12), b) is None  # M % 8: forward copies a
+
+
+def test_linear_plan_and_its_fallbacks(stub):
+    from tileops import LinearFwdOp
+
+    op = LinearFwdOp()
+    x, w, b = bf16(16, 64), bf16(32, 64), bf16(32)
+    for args in ((x, w, b), (bf16(16, 64), w, b), (bf16(64, 16).t(), w, b), (x, w, None),
+                 (x, w, None), (bf16(2, 8, 64), w, b), (bf16(2, 8, 64), w, b)):
+        assert op(*args).shape == (*args[0].shape[:-1], 32)
+    assert op._validated[tuple((t.shape, t.dtype, t.device) for t in (x, w, b))]
+    assert op.plan(bf16(2, 8, 64), w, b) is None  # 3-D input: forward's views

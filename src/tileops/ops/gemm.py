@@ -11,7 +11,7 @@ from ..kernels.base import Kernel
 from ..kernels.gemm import GemmKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import TMA_ALIGN_BYTES, tma_ready
+from .layout import is_tma_ready, tma_ready
 
 
 class GemmFwdOp(Op):
@@ -63,8 +63,7 @@ class GemmFwdOp(Op):
         shape, dtype, device = (m, n), a.dtype, a.device
 
         def launch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            if not (a.is_contiguous() and b.is_contiguous() and a.data_ptr() % TMA_ALIGN_BYTES
-                    == 0 and b.data_ptr() % TMA_ALIGN_BYTES == 0):
+            if not (is_tma_ready(a) and is_tma_ready(b)):
                 return forward(a, b)
             d = torch.empty(shape, dtype=dtype, device=device)
             kernel(m, a, b, d)

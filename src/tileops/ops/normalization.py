@@ -27,7 +27,7 @@ from ..kernels.normalization import (
 )
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import TMA_ALIGN_BYTES, as_rows, output_rows, tma_ready
+from .layout import as_rows, is_tma_ready, output_rows, tma_ready
 
 FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
@@ -36,11 +36,6 @@ def _shape_tuple(normalized_shape: Sequence[int] | int) -> tuple[int, ...]:
     """normalized_shape as a tuple: hashable, so the functional API's per-call instance lookup
     (Op.cached) takes its fast path."""
     return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    """Whether a kernel reads `t` as it is (what tma_ready would not copy)."""
-    return t.is_contiguous() and t.data_ptr() % TMA_ALIGN_BYTES == 0
 
 
 class _RowNorm:
@@ -105,7 +100,7 @@ class RMSNormFwdOp(_RowNorm, Op):
                                       self.forward)
 
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-            if not (_aligned(input) and (weight is None or _aligned(weight))):
+            if not (is_tma_ready(input) and (weight is None or is_tma_ready(weight))):
                 return forward(input, weight)
             y = torch.empty_like(input)
             kernel(rows, input, weight, y, eps)
@@ -234,8 +229,8 @@ class LayerNormFwdOp(_RowNorm, Op):
 
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-            if not (_aligned(input) and (weight is None or _aligned(weight))
-                    and (bias is None or _aligned(bias))):
+            if not (is_tma_ready(input) and (weight is None or is_tma_ready(weight))
+                    and (bias is None or is_tma_ready(bias))):
                 return forward(input, weight, bias)
             y = torch.empty_like(input)
             kernel(rows, input, weight, bias, y, eps)

@@ -36,8 +36,8 @@ class _RowOp:
         rows = reference.numel() // n if n else 0
         if rows == 0:
             return
-        kernel = self.get_kernel("softmax", reference.device,
-                                 **_key(self.kind, reference.dtype, n))
+        kernel = self.memo_kernel(("softmax", reference.device, reference.dtype, n), "softmax",
+                                  reference.device, lambda: _key(self.kind, reference.dtype, n))
         kernel(rows, *tensors)
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
