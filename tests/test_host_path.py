@@ -165,3 +165,18 @@ def test_linear_plan_and_its_fallbacks(stub):
         assert op(*args).shape == (*args[0].shape[:-1], 32)
     assert op._validated[tuple((t.shape, t.dtype, t.device) for t in (x, w, b))]
     assert op.plan(bf16(2, 8, 64), w, b) is None  # 3-D input: forward's views
+
+
+def test_fused_add_plan_and_the_in_place_form(stub):
+    from tileops import FusedAddRMSNormFwdOp
+
+    op = FusedAddRMSNormFwdOp(eps=1e-6)
+    x, r, w = bf16(8, 256), bf16(8, 256), bf16(256)
+    for args in ((x, r, w), (bf16(8, 256), r, w), (x, bf16(256, 8).t(), w)):
+        y, h = op(*args)
+        assert y.shape == h.shape == (8, 256)
+    assert op._validated[tuple((t.shape, t.dtype, t.device) for t in (x, r, w))]
+    for shape in ((8, 256), (2, 4, 256)):
+        a, b = bf16(*shape), bf16(*shape)
+        out, res = tileops.fused_add_rms_norm_(a, b, w)
+        assert out is a and res is b
