@@ -110,11 +110,11 @@ def test_fused_linear_cross_entropy_backward_gets_no_materialized_zero_gradients
         seen.append(output_grads)
         return original(ctx, grad_loss, *output_grads)
 
-    torch.library.register_autograd(flce._OP.torch_op, spy, setup_context=flce._setup)
+    flce._OP.register_autograd(spy, setup_context=flce._setup)
     try:
         hidden, weight = leaf(64, 256), leaf(1024, 256)
         tileops.fused_linear_cross_entropy(hidden, weight, ids(64)).backward()
     finally:
-        torch.library.register_autograd(flce._OP.torch_op, original, setup_context=flce._setup)
+        flce._OP.register_autograd(original, setup_context=flce._setup)
     assert len(seen) == 1 and all(g is None for g in seen[0]), seen
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape

@@ -8,7 +8,7 @@ import tileops
 from tileops import FusedAddRMSNormBwdOp, FusedAddRMSNormFwdOp, TileOpsError
 from tileops.kernels.normalization import FusedAddRMSNormKernel
 
-from ..helpers import assert_close, poison, randn
+from ..helpers import assert_close, poison, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -45,6 +45,35 @@ def test_in_place_writes_both_results_into_the_inputs(dtype):
     assert out is x and res is r and x.data_ptr() == x_ptr and r.data_ptr() == r_ptr
     assert torch.equal(r, h_ref)
     assert_close(x, y_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_repeated_signatures_through_the_planned_launch(dtype):
+    """A seen signature runs the op's planned launch; inputs of that signature it does not
+    serve as they are (misaligned, strided) go to forward. Outputs land in NaN-poisoned
+    blocks; the in-place form of a 3-D pair and of a 2-D one (no views) alike."""
+    op = FusedAddRMSNormFwdOp(eps=1e-6)
+    w = randn(4096, dtype=dtype)
+    flat = randn(64 * 4096 + 1, dtype=dtype)
+    cases = [(randn(64, 4096, dtype=dtype), randn(64, 4096, dtype=dtype), w),
+             (randn(64, 4096, dtype=dtype), randn(64, 4096, dtype=dtype), w),
+             (flat[1:].view(64, 4096), randn(64, 4096, dtype=dtype), w),
+             (randn(64, 4096, dtype=dtype), randn(4096, 64, dtype=dtype).t(), w),
+             (randn(64, 4096, dtype=dtype), randn(64, 4096, dtype=dtype),
+              randn(4097, dtype=dtype)[1:]),
+             (randn(64, 4096, dtype=dtype), randn(64, 4096, dtype=dtype), w)]
+    for i, (x, r, weight) in enumerate(cases):
+        poison_allocator()
+        y_ref, h_ref = reference(x, r, weight, 1e-6)
+        y, h = op(x, r, weight)
+        assert torch.equal(h, h_ref), f"case {i}"
+        assert_close(y, y_ref, what=f"case {i}")
+    for shape in ((64, 4096), (2, 32, 4096), (64, 4096)):
+        x, r = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+        y_ref, h_ref = reference(x, r, w, 1e-6)
+        tileops.fused_add_rms_norm_(x, r, w, 1e-6)
+        assert torch.equal(r, h_ref), shape
+        assert_close(x, y_ref, what=f"in place {shape}")
 
 
 def test_in_place_refuses_non_contiguous_input():

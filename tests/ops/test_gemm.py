@@ -8,7 +8,7 @@ from tileops import GemmFwdOp, TileOpsError
 from tileops.kernels.base import Kernel
 from tileops.kernels.gemm import GemmKernel, select
 
-from ..helpers import assert_close, randn
+from ..helpers import assert_close, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -162,3 +162,26 @@ def test_device_mismatch_is_rejected():
     with pytest.raises(TileOpsError,
                        match="argument 'b': expected a CUDA tensor, got a tensor on cpu"):
         tileops.gemm(a, b.cpu())
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(False, True), (False, False), (True, True)])
+def test_repeated_signatures_through_the_planned_launch(trans_a, trans_b):
+    """A seen signature runs the op's planned launch; inputs of that signature it does not
+    serve as they are (a transposed view, a misaligned base) go to forward. Outputs land in
+    NaN-poisoned blocks."""
+    op = GemmFwdOp(trans_a=trans_a, trans_b=trans_b)
+    shape_a, shape_b = ((64, 40) if trans_a else (40, 64)), ((72, 64) if trans_b else (64, 72))
+    flat = randn(shape_a[0] * shape_a[1] + 1, dtype=torch.bfloat16)
+    b = randn(*shape_b, dtype=torch.bfloat16)
+    cases = [(randn(*shape_a, dtype=torch.bfloat16), b),
+             (randn(*shape_a, dtype=torch.bfloat16), b),                 # the plan's launch
+             (flat[1:].view(*shape_a), b),                                # 2-byte offset
+             (randn(*reversed(shape_a), dtype=torch.bfloat16).t(), b),    # transposed view
+             (randn(*shape_a, dtype=torch.bfloat16), randn(*reversed(shape_b),
+                                                            dtype=torch.bfloat16).t()),
+             (randn(*shape_a, dtype=torch.bfloat16), b)]
+    for i, (a, b_) in enumerate(cases):
+        poison_allocator()
+        assert_close(op(a, b_), reference(a, b_, trans_a, trans_b), what=f"case {i}")
+        assert_close(tileops.gemm(a, b_, trans_a, trans_b), reference(a, b_, trans_a, trans_b),
+                     what=f"functional, case {i}")

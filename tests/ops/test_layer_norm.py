@@ -8,7 +8,7 @@ import tileops
 from tileops import LayerNormBwdOp, LayerNormFwdOp, TileOpsError
 from tileops.kernels.normalization import LayerNormBwdKernel, LayerNormKernel
 
-from ..helpers import assert_close, poison, randn
+from ..helpers import assert_close, poison, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -69,6 +69,26 @@ def test_multi_dim_normalized_shape_and_non_contiguous_input():
     check(x, [8, 128], randn(8, 128, dtype=torch.float16), randn(8, 128, dtype=torch.float16))
     check(randn(2048, 300, dtype=torch.bfloat16).t(), [2048], None,
           randn(4096, dtype=torch.bfloat16)[::2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_repeated_signatures_through_the_planned_launch(dtype):
+    """As the RMSNorm test: the planned launch of a seen signature, and forward for the
+    inputs of that signature it does not serve as they are."""
+    op = LayerNormFwdOp(normalized_shape=[2560])
+    w, b = randn(2560, dtype=dtype), randn(2560, dtype=dtype)
+    flat = randn(33 * 2560 + 1, dtype=dtype)
+    cases = [(randn(33, 2560, dtype=dtype), w, b),
+             (randn(33, 2560, dtype=dtype), w, b),
+             (flat[1:].view(33, 2560), w, b),
+             (randn(2560, 33, dtype=dtype).t(), w, b),
+             (randn(33, 2560, dtype=dtype), w, randn(2561, dtype=dtype)[1:]),
+             (randn(33, 2560, dtype=dtype), w, b)]
+    for i, (x, weight, bias) in enumerate(cases):
+        poison_allocator()
+        assert_close(op(x, weight, bias), reference(x, [2560], weight, bias), what=f"case {i}")
+        assert_close(torch.ops.tileops.layer_norm_fwd(x, [2560], weight, bias, 1e-5),
+                     reference(x, [2560], weight, bias), what=f"custom op, case {i}")
 
 
 def forward_space_cases():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import tileops
 from tileops.errors import TileOpsError
 
-from ..helpers import assert_close, randn
+from ..helpers import assert_close, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -101,3 +101,27 @@ def test_torch_compile_fullgraph():
         # Against fp32, the upstream 2*y carries y's bf16 rounding (2^-9 relative) into
         # sums over 256-768 terms: ~0.1 absolute at these magnitudes, hence the scale.
         assert_close(got.grad, want.grad, scale=32.0, what="compiled grad vs fp32")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_repeated_signatures_through_the_planned_launch(with_bias):
+    """A seen signature runs the op's planned launch; inputs of that signature it does not
+    serve as they are (a strided input or weight, a misaligned bias) go to forward.
+    Outputs land in NaN-poisoned blocks."""
+    from tileops import LinearFwdOp
+
+    op = LinearFwdOp()
+    w = randn(96, 64, dtype=torch.bfloat16)
+    b = randn(96, dtype=torch.bfloat16) if with_bias else None
+    cases = [(randn(24, 64, dtype=torch.bfloat16), w, b),
+             (randn(24, 64, dtype=torch.bfloat16), w, b),               # the plan's launch
+             (randn(64, 24, dtype=torch.bfloat16).t(), w, b),           # strided input
+             (randn(24, 64, dtype=torch.bfloat16), randn(64, 96, dtype=torch.bfloat16).t(), b),
+             (randn(24, 64, dtype=torch.bfloat16), w,
+              randn(97, dtype=torch.bfloat16)[1:] if with_bias else None),  # 2-byte offset
+             (randn(24, 64, dtype=torch.bfloat16), w, b)]
+    for i, (x, weight, bias) in enumerate(cases):
+        poison_allocator()
+        want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        assert_close(op(x, weight, bias), want, what=f"case {i}")
+        assert_close(tileops.linear(x, weight, bias), want, what=f"functional, case {i}")

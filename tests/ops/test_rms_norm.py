@@ -9,7 +9,7 @@ from tileops import RMSNormBwdOp, RMSNormFwdOp, TileOpsError
 from tileops.kernels.base import Kernel
 from tileops.kernels.normalization import RMSNormBwdKernel, RMSNormKernel
 
-from ..helpers import assert_close, poison, randn
+from ..helpers import assert_close, poison, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -117,6 +117,29 @@ def test_non_contiguous_input(dtype):
     x = randn(4096, 300, dtype=dtype).t()          # [300, 4096], transposed view
     w = randn(8192, dtype=dtype)[::2]              # strided weight
     assert_close(tileops.rms_norm(x, [4096], w), reference(x, [4096], w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_repeated_signatures_through_the_planned_launch(dtype):
+    """A signature seen before runs the op's planned launch (validation cached, the kernel
+    bound); inputs of that signature it does not serve as they are (a misaligned or strided
+    input or weight) go to forward, which copies them. Outputs land in NaN-poisoned blocks."""
+    op = RMSNormFwdOp(normalized_shape=[4096], eps=1e-5)
+    w = randn(4096, dtype=dtype)
+    flat = randn(64 * 4096 + 1, dtype=dtype)
+    cases = [(randn(64, 4096, dtype=dtype), w),           # first call: validated, planned
+             (randn(64, 4096, dtype=dtype), w),           # the plan's launch
+             (flat[1:].view(64, 4096), w),                # 2-byte offset: not TMA-aligned
+             (randn(4096, 64, dtype=dtype).t(), w),       # strided rows
+             (randn(64, 4096, dtype=dtype), randn(4097, dtype=dtype)[1:]),  # unaligned weight
+             (randn(64, 4096, dtype=dtype), w)]
+    for i, (x, weight) in enumerate(cases):
+        poison_allocator()
+        assert_close(op(x, weight), reference(x, [4096], weight, 1e-5), what=f"case {i}")
+        assert_close(tileops.rms_norm(x, [4096], weight, 1e-5),
+                     reference(x, [4096], weight, 1e-5), what=f"functional, case {i}")
+        assert_close(torch.ops.tileops.rms_norm_fwd(x, [4096], weight, 1e-5),
+                     reference(x, [4096], weight, 1e-5), what=f"custom op, case {i}")
 
 
 def test_runtime_rows_do_not_recompile():

@@ -234,10 +234,12 @@ class Kernel:
         return found
 
     def __call__(self, size: int, *tensors: Any) -> None:
-        if self.tune and self.bucket_of(size) not in self._by_bucket:
-            self.autotune(size, *tensors)
-        config, compiled = self.select(size)
-        self.run(config, compiled, *tensors)
+        found = self._by_bucket.get(self.bucket_of(size))  # select()'s hit, inlined
+        if found is None:
+            if self.tune:
+                self.autotune(size, *tensors)
+            found = self.select(size)
+        self.run(found[0], found[1], *tensors)
 
     def autotune(self, size: int, *tensors: Any) -> Any:
         """Times the config space on these tensors and keeps the fastest.

@@ -50,8 +50,10 @@ def _launch(op: Op, activation: str, backward: bool, fused: bool, rows: int, n: 
                        f"fewer than 2^31 vectors of {vector_width(n, DTYPE_NAMES[dtype])} "
                        "elements per tensor (split the tokens into chunks)",
                        f"{rows} rows of {n}")
-    kernel = op.get_kernel("gated_activation", tensors[0].device,
-                           **_kernel_key(dtype, n, activation, backward, fused))
+    device = tensors[0].device
+    kernel = op.memo_kernel(("gated_activation", device, dtype, n, activation, backward, fused),
+                            "gated_activation", device,
+                            lambda: _kernel_key(dtype, n, activation, backward, fused))
     kernel(rows, *tensors)
 
 
@@ -299,7 +301,7 @@ for _fwd, _bwd in ((SiluAndMulFwdOp, _silu_and_mul_backward),
                    (GeluAndMulFwdOp, _gelu_and_mul_backward),
                    (SwigluFwdOp, _swiglu_backward),
                    (GegluFwdOp, _geglu_backward)):
-    torch.library.register_autograd(_fwd.torch_op, _bwd, setup_context=_save_inputs)
+    _fwd.register_autograd(_bwd, setup_context=_save_inputs)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

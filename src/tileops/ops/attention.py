@@ -114,8 +114,7 @@ def _attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
     return (dq, dk, dv) + (None,) * len(ctx.params)
 
 
-torch.library.register_autograd(GroupedQueryAttentionFwdOp.torch_op, _attention_backward,
-                                setup_context=_save_for_backward)
+GroupedQueryAttentionFwdOp.register_autograd(_attention_backward, setup_context=_save_for_backward)
 
 
 class GroupedQueryAttentionVarlenFwdOp(GroupedQueryAttentionFwdOp):
@@ -193,9 +192,8 @@ def _varlen_attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) ->
     return (dq, dk, dv) + (None,) * (4 + len(ctx.params))  # cu_seqlens, max_seqlens, params
 
 
-torch.library.register_autograd(GroupedQueryAttentionVarlenFwdOp.torch_op,
-                                _varlen_attention_backward,
-                                setup_context=_save_varlen_for_backward)
+GroupedQueryAttentionVarlenFwdOp.register_autograd(_varlen_attention_backward,
+                                                   setup_context=_save_varlen_for_backward)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,

@@ -32,6 +32,10 @@ LIBRARY = "tileops"
 _SCHEMA_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str",
                  "list[int]": "int[]", "float | None": "float?", "int | None": "int?"}
 _gpu_names: dict[int, str] = {}
+_NEW = object()  # a signature not validated yet
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch._C.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad  # skips None and non-tensors
 
 
 def custom_op_name(op_class_name: str) -> str:
@@ -49,8 +53,9 @@ class Op:
 
     kernel_map: ClassVar[Mapping[str, type[Kernel]]] = {}
     spec: ClassVar[CompiledSpec]
-    custom_op: ClassVar[Any]
     torch_op: ClassVar[Any]  # torch.ops.tileops.<name>.default
+    # (backward, setup_context) of the custom op, from `register_autograd`
+    _autograd_formula: ClassVar[tuple[Any, Any] | None]
     _instances: ClassVar[dict[tuple, Op]]
     _kernels: ClassVar[dict[tuple, Kernel]] = {}
     # per position of the custom op's arguments: an input's index or a param's name
@@ -63,8 +68,8 @@ class Op:
         inputs = cls.spec.input_names
         cls._call_slots = tuple(inputs.index(n) if n in inputs else n
                                 for n in cls.spec.call_order)
-        cls.custom_op = _register_custom_op(cls)
-        cls.torch_op = getattr(getattr(torch.ops, LIBRARY), custom_op_name(cls.__name__)).default
+        cls._autograd_formula = None
+        cls.torch_op = _register_custom_op(cls)
 
     def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
                  tune: bool = False, **params: Any):
@@ -82,8 +87,10 @@ class Op:
         if kernel_map is not None:
             self.kernel_map = dict(kernel_map)
         self.tune = tune
-        self._validated: set[tuple] = set()
+        # signature -> its launch (see `plan`; None: forward), for signatures validated
+        self._validated: dict[tuple, Any] = {}
         self._kernel_memo: dict[tuple, Kernel] = {}
+        self._call_memo: dict[tuple, Kernel] = {}  # see memo_kernel
         self._last_signature: tuple | None = None
 
     @classmethod
@@ -94,12 +101,11 @@ class Op:
         for one must not accept the other unchecked. Hashable params (the functional API
         passes tuples) take the fast path; a list is frozen into a tuple first.
         """
-        values = tuple(params.values())
-        key = (tuple(params), values, tuple(map(type, values)))
+        key = tuple([(k, v, type(v)) for k, v in params.items()])
         try:
             op = cls._instances.get(key)
         except TypeError:  # an unhashable (list) param
-            key = (key[0], tuple(_freeze(v) for v in values), key[2])
+            key = tuple([(k, _freeze(v), type(v)) for k, v in params.items()])
             op = cls._instances.get(key)
         if op is None:
             op = cls._instances[key] = cls(**params)
@@ -108,7 +114,8 @@ class Op:
     # -- calling --------------------------------------------------------------------------
     def __call__(self, *inputs: Any) -> Any:
         """Runs the op on `inputs`, given in the manifest's input order."""
-        if torch.compiler.is_compiling() or _needs_autograd(inputs):
+        # (is_compiling first: torch.compile folds it, and never traces the C calls after it)
+        if _is_compiling() or _grad_enabled() and _any_requires_grad(*inputs):
             return self.through_custom_op(*inputs, **self.params)
         return self.run(*inputs)
 
@@ -116,7 +123,7 @@ class Op:
     def apply(cls, *inputs: Any, **params: Any) -> Any:
         """The functional API's body: plain eager calls skip the dispatcher; traced calls
         and calls that autograd must record go through the custom op."""
-        if torch.compiler.is_compiling() or _needs_autograd(inputs):
+        if _is_compiling() or _grad_enabled() and _any_requires_grad(*inputs):
             return cls.through_custom_op(*inputs, **params)
         return cls.cached(**params).run(*inputs)
 
@@ -126,6 +133,14 @@ class Op:
         call their backward op this way: under torch.compile's tracing of a backward only
         the custom op is opaque (`apply` would take the eager path, grad being off)."""
         return cls.torch_op(*cls._torch_op_args(inputs, params))
+
+    @classmethod
+    def register_autograd(cls, backward: Any, *, setup_context: Any = None) -> None:
+        """The custom op's autograd formula, as torch.library.register_autograd takes it:
+        `setup_context(ctx, inputs, output)` with the inputs in call order, and
+        `backward(ctx, *grads)` returning a gradient per call-order argument. A later call
+        replaces the formula."""
+        cls._autograd_formula = (backward, setup_context)
 
     @classmethod
     def grads_in_call_order(cls, **grads: Any) -> tuple:
@@ -148,8 +163,29 @@ class Op:
 
         Meta inputs get meta outputs (see `validate`), so they never reach `forward`.
         """
+        # validate()'s fast path, inlined: a signature seen before is all most calls do
+        try:
+            signature = tuple([None if t is None else (t.shape, t.dtype, t.device)
+                               for t in inputs])
+            launch = self._validated.get(signature, _NEW)
+            if launch is not _NEW:
+                self._last_signature = signature
+                return self.forward(*inputs) if launch is None else launch(*inputs)
+        except AttributeError:  # not a tensor: validate() has check() say so
+            signature = None
         meta = self.validate(inputs)
-        return meta if meta is not None else self.forward(*inputs)
+        if meta is not None or signature is None:
+            return meta if meta is not None else self.forward(*inputs)
+        launch = self._validated[signature] = self.plan(*inputs)
+        return self.forward(*inputs) if launch is None else launch(*inputs)
+
+    def plan(self, *inputs: Any) -> Any:
+        """A launch for every later call whose inputs have these inputs' signature (shapes,
+        dtypes, devices; validated): a callable taking the inputs as `forward` does and
+        returning what it returns, or None for `forward` itself. Ops whose host time
+        matters return one that does only what the signature leaves open (strides,
+        alignment: anything else goes to `forward`) with the kernel and sizes bound."""
+        return None
 
     def validate(self, inputs: Sequence[Any]) -> Any:
         """Checks `inputs` for a launch; returns meta outputs for meta inputs, else None.
@@ -159,8 +195,8 @@ class Op:
         are checked on every call (their signatures are never cached).
         """
         try:
-            signature = tuple(None if t is None else (t.shape, t.dtype, t.device)
-                              for t in inputs)
+            signature = tuple([None if t is None else (t.shape, t.dtype, t.device)
+                               for t in inputs])
         except AttributeError:  # not a tensor: let check() say so
             signature = None
         if signature is None or signature not in self._validated:
@@ -172,7 +208,7 @@ class Op:
             if signature is not None:
                 if len(self._validated) >= 4096:
                     self._validated.clear()
-                self._validated.add(signature)
+                self._validated.setdefault(signature, None)
         self._last_signature = signature
         return None
 
@@ -253,6 +289,16 @@ class Op:
             kernel = self._kernel_memo[memo_key] = self._shared_kernel(dispatch_key, device, key)
         return kernel
 
+    def memo_kernel(self, memo: tuple, dispatch_key: str, device: torch.device,
+                    key: Any) -> Kernel:
+        """`get_kernel(dispatch_key, device, **key())`, looked up by `memo`: a tuple the
+        caller builds cheaply (no dict, no keyword arguments) of everything the kernel key
+        depends on, the dispatch key and the device included. `key` runs on a miss only."""
+        kernel = self._call_memo.get(memo)
+        if kernel is None:
+            kernel = self._call_memo[memo] = self.get_kernel(dispatch_key, device, **key())
+        return kernel
+
     def _shared_kernel(self, dispatch_key: str, device: torch.device,
                        key: dict[str, Any]) -> Kernel:
         target = target_for_device(device, self.spec.op_name)
@@ -279,6 +325,8 @@ class Op:
             kernel = type(shared)(target=shared.target, gpu=shared.gpu, **key)
             kernel.use(config, kernel.bucket_of(size))
             self._kernel_memo[(dispatch_key, device, *key.values())] = kernel
+        self._call_memo.clear()
+        self._validated.clear()  # launches hold their kernels
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         """(dispatch key, kernel key, runtime size) of each kernel a call with `ns` runs.
@@ -298,32 +346,107 @@ def _needs_autograd(inputs: Sequence[Any]) -> bool:
         isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
+# The dispatcher keysets below autograd (ADInplaceOrView is a fallthrough for these functional
+# ops) in which the custom op's real kernel is the next one: the autograd kernel then calls it
+# directly instead of redispatching (a second trip through the dispatcher from Python, ~3 us).
+# Anything else there (Python modes, fake and functional tensors, meta) takes the redispatch.
+_DIRECT_KEYSETS = frozenset(
+    keyset.raw_repr()
+    for backend in (torch._C.DispatchKey.CUDA, torch._C.DispatchKey.CPU)
+    for keyset in (torch._C.DispatchKeySet(backend),
+                   torch._C.DispatchKeySet(backend).add(torch._C.DispatchKey.ADInplaceOrView)))
+_direct_keysets: dict[int, bool] = {}  # a call's raw keyset -> whether it is one of those
+_library = torch.library.Library(LIBRARY, "FRAGMENT")
+
+
 def _register_custom_op(cls: type[Op]) -> Any:
-    """Registers `torch.ops.tileops.<name>` with the manifest's call order; its fake
-    implementation (also its meta kernel) is the op's own check plus the output rules."""
+    """Defines `torch.ops.tileops.<name>` with the manifest's call order and registers its
+    kernels: the real one (`Op.run` on the cached instance for the call's params), the fake
+    one (also its meta kernel: the op's own check plus the output rules) and an autograd one
+    that runs the formula given to `Op.register_autograd`.
+
+    torch.library.Library's define / impl of plain functions, not torch.library.custom_op:
+    the latter's Python wrappers (an autograd kernel that redispatches, an aliasing check per
+    call) cost ~30 us a call on the CPU where these cost ~4 (one trip into the dispatcher).
+    """
     spec = cls.spec
+    name = custom_op_name(cls.__name__)
     types = {t.name: f"Tensor{'?' if t.optional else ''}" for t in spec.inputs}
     types.update((p.name, _SCHEMA_TYPES[p.type]) for p in spec.params)
     args = ", ".join(f"{types[n]} {n}" for n in spec.call_order)
     outs = ", ".join("Tensor" for _ in spec.outputs)
     schema = f"({args}) -> {outs if len(spec.outputs) == 1 else f'({outs})'}"
     input_at = [spec.call_order.index(n) for n in spec.input_names]
-    param_at = {n: spec.call_order.index(n) for n in spec.param_names}
+    # The params among the op's arguments as a hashable key (int[] arrives as a list; the
+    # dispatcher gives each param its schema's Python type, so the values alone key it),
+    # and the inputs in input order: one expression each, built once (~0.3 us a call).
+    key_items = [f"tuple(args[{spec.call_order.index(p.name)}])" if p.type == "list[int]"
+                 else f"args[{spec.call_order.index(p.name)}]" for p in spec.params]
+    key_of = eval(f"lambda args: ({''.join(k + ', ' for k in key_items)})")  # noqa: S307
+    inputs_of = (eval(f"lambda args: args[:{len(input_at)}]")  # noqa: S307
+                 if input_at == list(range(len(input_at))) else
+                 eval(f"lambda args: ({''.join(f'args[{i}], ' for i in input_at)})"))  # noqa: S307
+    by_args: dict[tuple, Op] = {}
 
-    def split(args: tuple) -> tuple[tuple, dict[str, Any]]:
-        return tuple(args[i] for i in input_at), {n: args[i] for n, i in param_at.items()}
+    def instance(args: tuple) -> Op:
+        """The shared instance for the params among `args` (a dict hit per call)."""
+        key = key_of(args)
+        op = by_args.get(key)
+        if op is None:
+            op = by_args[key] = cls.cached(**dict(zip(spec.param_names, key, strict=True)))
+        return op
 
     def real(*args: Any) -> Any:
-        inputs, params = split(args)
-        return cls.cached(**params).run(*inputs)
+        return instance(args).run(*inputs_of(args))
 
     def fake(*args: Any) -> Any:
-        inputs, params = split(args)
-        op = cls.cached(**params)
+        inputs = inputs_of(args)
+        op = instance(args)
         ns = op.check(inputs)
         return op._meta_outputs(ns, next(t.device for t in inputs if t is not None))
 
-    qualname = f"{LIBRARY}::{custom_op_name(cls.__name__)}"
-    custom = torch.library.custom_op(qualname, real, mutates_args=(), schema=schema)
-    custom.register_fake(fake)
-    return custom
+    _library.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    torch_op = getattr(getattr(torch.ops, LIBRARY), name).default
+    _library.impl(name, real, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{LIBRARY}::{name}", fake, lib=_library)
+
+    after_autograd = torch._C._after_autograd_keyset
+    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+
+    def forward(ctx: Any, keyset: Any, *args: Any) -> Any:
+        with torch._C._AutoDispatchBelowAutograd():
+            result = torch_op.redispatch(keyset & after_autograd, *args)
+        if cls._autograd_formula is not None and cls._autograd_formula[1] is not None:
+            cls._autograd_formula[1](ctx=ctx, inputs=args, output=result)
+        return result
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if cls._autograd_formula is None:
+            raise RuntimeError(f"Trying to backward through {torch_op} but no autograd "
+                               f"formula was registered (Op.register_autograd).")
+        needs_input_grad = ctx.needs_input_grad
+        try:
+            ctx.needs_input_grad = needs_input_grad[1:]  # not the keyset's
+            result = cls._autograd_formula[0](ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs_input_grad
+        return (None, *result) if isinstance(result, tuple) else (None, result)
+
+    function = type(f"{cls.__name__}Autograd", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def autograd_kernel(keyset: Any, *args: Any) -> Any:
+        if grad_enabled() and any_requires_grad(*args):
+            return function.apply(keyset, *args)
+        direct = _direct_keysets.get(keyset.raw_repr())
+        if direct is None:
+            direct = _direct_keysets[keyset.raw_repr()] = (
+                (keyset & after_autograd).raw_repr() in _DIRECT_KEYSETS)
+        if direct:  # real(*args), inlined
+            op = by_args.get(key_of(args))
+            return (op or instance(args)).run(*inputs_of(args))
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch_op.redispatch(keyset & after_autograd, *args)
+
+    _library.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return torch_op

@@ -159,7 +159,7 @@ def _backward(ctx, grad_loss, _grad_lse):
     return CrossEntropyFwdOp.grads_in_call_order(input=grad)
 
 
-torch.library.register_autograd(CrossEntropyFwdOp.torch_op, _backward, setup_context=_setup)
+CrossEntropyFwdOp.register_autograd(_backward, setup_context=_setup)
 
 
 # -- autograd (gradient written over the logits) -------------------------------------------

@@ -169,7 +169,7 @@ def _backward(ctx, grad_loss, *_unused_output_grads):
     return _OP.grads_in_call_order(**grads)
 
 
-torch.library.register_autograd(_OP.torch_op, _backward, setup_context=_setup)
+_OP.register_autograd(_backward, setup_context=_setup)
 
 
 # -- functional API -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from ..kernels.base import Kernel
 from ..kernels.gemm import GemmKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import tma_ready
+from .layout import is_tma_ready, tma_ready
 
 
 class GemmFwdOp(Op):
@@ -41,10 +41,34 @@ class GemmFwdOp(Op):
             return d
         if k == 0:
             return d.zero_()
-        kernel = self.get_kernel("gemm", a.device, **self._kernel_key(a.dtype, n, k, trans_a,
-                                                                      trans_b))
-        kernel(m, tma_ready(a), tma_ready(b), d)
+        self._kernel(a, n, k, trans_a, trans_b)(m, tma_ready(a), tma_ready(b), d)
         return d
+
+    def _kernel(self, a: torch.Tensor, n: int, k: int, trans_a: bool, trans_b: bool) -> Kernel:
+        return self.memo_kernel(("gemm", a.device, a.dtype, n, k, trans_a, trans_b), "gemm",
+                                a.device, lambda: self._kernel_key(a.dtype, n, k, trans_a,
+                                                                   trans_b))
+
+    def plan(self, a: torch.Tensor, b: torch.Tensor) -> Any:
+        """a and b contiguous (their trans flags the op's) and 16-byte aligned, no empty
+        dimension: the allocation and the launch, sizes and kernel bound."""
+        if not (a.is_contiguous() and b.is_contiguous()):
+            return None
+        m = a.shape[1] if self.trans_a else a.shape[0]
+        n = b.shape[0] if self.trans_b else b.shape[1]
+        k = b.shape[1] if self.trans_b else b.shape[0]
+        if m == 0 or n == 0 or k == 0 or self.trans_a and m % 8:
+            return None
+        kernel, forward = self._kernel(a, n, k, self.trans_a, self.trans_b), self.forward
+        shape, dtype, device = (m, n), a.dtype, a.device
+
+        def launch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            if not (is_tma_ready(a) and is_tma_ready(b)):
+                return forward(a, b)
+            d = torch.empty(shape, dtype=dtype, device=device)
+            kernel(m, a, b, d)
+            return d
+        return launch
 
     @staticmethod
     def _kernel_key(dtype: torch.dtype, n: int, k: int, trans_a: bool,

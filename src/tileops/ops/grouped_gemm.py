@@ -139,7 +139,7 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
     return GroupedGemmFwdOp.grads_in_call_order(a=grad_a, b=grad_b)
 
 
-torch.library.register_autograd(GroupedGemmFwdOp.torch_op, _backward, setup_context=_setup)
+GroupedGemmFwdOp.register_autograd(_backward, setup_context=_setup)
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

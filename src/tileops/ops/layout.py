@@ -7,6 +7,12 @@ import torch
 TMA_ALIGN_BYTES = 16
 
 
+def is_tma_ready(t: torch.Tensor) -> bool:
+    """Whether a kernel reads `t` as it is: contiguous, 16-byte-aligned base (what
+    `tma_ready` returns without a copy). The ops' planned launches check this per call."""
+    return t.is_contiguous() and t.data_ptr() % TMA_ALIGN_BYTES == 0
+
+
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """`t` itself when contiguous and 16-byte aligned, else an aligned contiguous copy.
 

@@ -21,7 +21,7 @@ from ..kernels.base import Kernel
 from ..kernels.gemm import GemmKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import as_rows, tma_ready
+from .layout import as_rows, is_tma_ready, tma_ready
 
 
 def _gemm_key(dtype: torch.dtype, n: int, k: int | None, trans_a: bool, trans_b: bool,
@@ -50,11 +50,40 @@ class LinearFwdOp(Op):
             if k == 0:
                 y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
             else:
-                kernel = self.get_kernel("gemm", input.device, **_gemm_key(
-                    input.dtype, n, k, False, True, bias is not None))
                 extra = () if bias is None else (tma_ready(bias),)
-                kernel(x.shape[0], x, tma_ready(weight), *extra, y)
+                self._kernel(input, n, k, bias)(x.shape[0], x, tma_ready(weight), *extra, y)
         return y if input.dim() == 2 else y.view(*input.shape[:-1], n)
+
+    def _kernel(self, input: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> Kernel:
+        has_bias = bias is not None
+        return self.memo_kernel(("gemm", input.device, input.dtype, n, k, has_bias), "gemm",
+                                input.device,
+                                lambda: _gemm_key(input.dtype, n, k, False, True, has_bias))
+
+    def plan(self, input: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> Any:
+        """2-D input, contiguous and 16-byte aligned like weight and bias, no empty
+        dimension: the allocation and the launch, sizes and kernel bound."""
+        if input.dim() != 2:
+            return None
+        (n, k), m = weight.shape, input.shape[0]
+        if m == 0 or n == 0 or k == 0:
+            return None
+        kernel, forward = self._kernel(input, n, k, bias), self.forward
+        shape, dtype, device = (m, n), input.dtype, input.device
+
+        def launch(input: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+            if not (is_tma_ready(input) and is_tma_ready(weight)
+                    and (bias is None or is_tma_ready(bias))):
+                return forward(input, weight, bias)
+            y = torch.empty(shape, dtype=dtype, device=device)
+            if bias is None:
+                kernel(m, input, weight, y)
+            else:
+                kernel(m, input, weight, bias, y)
+            return y
+        return launch
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = _gemm_key(ns["input"].dtype, ns["N"], ns["K"], False, True,
@@ -115,7 +144,7 @@ def _backward(ctx, grad_output):
                                            bias=db if ctx.has_bias else None)
 
 
-torch.library.register_autograd(LinearFwdOp.torch_op, _backward, setup_context=_setup)
+LinearFwdOp.register_autograd(_backward, setup_context=_setup)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor,

@@ -333,12 +333,9 @@ def _route_backward(ctx: Any, grad_weights: torch.Tensor | None, _: Any) -> tupl
     return MoeRouteFwdOp.grads_in_call_order(router_logits=grad.to(logits.dtype))
 
 
-torch.library.register_autograd(MoeRouteFwdOp.torch_op, _route_backward,
-                                setup_context=_route_setup)
-torch.library.register_autograd(MoePermuteFwdOp.torch_op, _permute_backward,
-                                setup_context=_permute_setup)
-torch.library.register_autograd(MoeUnpermuteFwdOp.torch_op, _unpermute_backward,
-                                setup_context=_unpermute_setup)
+MoeRouteFwdOp.register_autograd(_route_backward, setup_context=_route_setup)
+MoePermuteFwdOp.register_autograd(_permute_backward, setup_context=_permute_setup)
+MoeUnpermuteFwdOp.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",

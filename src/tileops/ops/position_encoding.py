@@ -127,8 +127,7 @@ def _rotary_backward(ctx: Any, dq_out: torch.Tensor | None,
     return (dq, dk, None, None) + (None,) * len(ctx.params)
 
 
-torch.library.register_autograd(RotaryFwdOp.torch_op, _rotary_backward,
-                                setup_context=_save_tables)
+RotaryFwdOp.register_autograd(_rotary_backward, setup_context=_save_tables)
 
 
 class RotaryWithCacheFwdOp(Op):

@@ -36,8 +36,8 @@ class _RowOp:
         rows = reference.numel() // n if n else 0
         if rows == 0:
             return
-        kernel = self.get_kernel("softmax", reference.device,
-                                 **_key(self.kind, reference.dtype, n))
+        kernel = self.memo_kernel(("softmax", reference.device, reference.dtype, n), "softmax",
+                                  reference.device, lambda: _key(self.kind, reference.dtype, n))
         kernel(rows, *tensors)
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
@@ -175,12 +175,9 @@ def _logsumexp_backward(ctx, grad_output):
     return LogsumexpBwdOp.through_custom_op(grad_output, x, out, **ctx.params), None, None
 
 
-torch.library.register_autograd(SoftmaxFwdOp.torch_op, _softmax_backward,
-                                setup_context=_save_output)
-torch.library.register_autograd(LogSoftmaxFwdOp.torch_op, _log_softmax_backward,
-                                setup_context=_save_output)
-torch.library.register_autograd(LogsumexpFwdOp.torch_op, _logsumexp_backward,
-                                setup_context=_save_lse)
+SoftmaxFwdOp.register_autograd(_softmax_backward, setup_context=_save_output)
+LogSoftmaxFwdOp.register_autograd(_log_softmax_backward, setup_context=_save_output)
+LogsumexpFwdOp.register_autograd(_logsumexp_backward, setup_context=_save_lse)
 
 
 # -- functional API -----------------------------------------------------------------------

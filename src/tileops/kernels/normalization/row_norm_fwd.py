@@ -317,7 +317,7 @@ class NormFwdKernel(Kernel):
                                 **self.flags())
 
     def run(self, config: NormConfig, compiled: tuple, *tensors) -> None:
-        compiled[0](*(t for t in tensors if t is not None))
+        compiled[0](*[t for t in tensors if t is not None])
 
     def bucket_of(self, size: int) -> str:
         return "few" if size <= FEW_ROWS else "all"

@@ -1,0 +1,182 @@
+"""The host side of a call on the CPU (issue 19 item 5): kernels stubbed out as in
+`scripts/host_overhead.py --stub`, so every layer above TileLang's launch runs: the signature
+cache and the ops' planned launches, the custom op's kernels (direct, redispatched, autograd).
+No timing is asserted here (a shared CI machine); the script reports it."""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import tileops
+from tileops import LayerNormFwdOp, RMSNormFwdOp, TileOpsError
+from tileops.ops.base import Op
+
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "host_overhead.py"
+
+
+@pytest.fixture(scope="module")
+def host_overhead():
+    spec = importlib.util.spec_from_file_location("host_overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def stub(host_overhead):
+    with host_overhead.stub_launches():
+        yield
+
+
+def bf16(*shape, requires_grad=False):
+    return torch.randn(*shape, dtype=torch.bfloat16, requires_grad=requires_grad)
+
+
+def test_every_row_of_the_stub_harness_runs(host_overhead, stub):
+    rows = host_overhead.layer_rows("cpu")
+    for fn in rows.values():
+        fn()
+    assert "torch.ops.tileops.rms_norm_fwd" in rows
+
+
+def test_stub_kernels_do_not_outlive_the_stub(host_overhead):
+    before = dict(Op._kernels)
+    with host_overhead.stub_launches():
+        RMSNormFwdOp(normalized_shape=[256])(bf16(4, 256), bf16(256))
+        assert len(Op._kernels) > len(before)
+    assert Op._kernels == before
+
+
+def test_a_seen_signature_launches_through_the_plan_and_a_new_one_is_validated(stub):
+    op = RMSNormFwdOp(normalized_shape=[256])
+    x, w = bf16(8, 256), bf16(256)
+    assert op(x, w).shape == (8, 256)
+    launch = op._validated[((x.shape, x.dtype, x.device), (w.shape, w.dtype, w.device))]
+    assert launch is not None  # the planned launch
+    assert op(bf16(8, 256), bf16(256)).shape == (8, 256)
+    # same shapes, a strided input: the plan hands it to forward (which copies it)
+    assert op(bf16(256, 8).t(), w).shape == (8, 256)
+    # a new signature is checked in full, after a cached one, with the same errors
+    with pytest.raises(TileOpsError, match=r"RMSNormFwdOp: argument 'weight': expected "):
+        op(x, bf16(128))
+    with pytest.raises(TileOpsError, match=r"RMSNormFwdOp: argument 'weight': expected dtype"):
+        op(x, w.half())
+    with pytest.raises(TileOpsError, match=r"RMSNormFwdOp: argument 'input': expected a "
+                                           r"torch.Tensor"):
+        op([1.0], w)
+
+
+def test_planned_launches_decline_what_they_do_not_serve(stub):
+    assert RMSNormFwdOp(normalized_shape=[4, 64]).plan(bf16(8, 4, 64), None) is None
+    assert RMSNormFwdOp(normalized_shape=[64]).plan(bf16(2, 4, 64), None) is None
+    assert LayerNormFwdOp(normalized_shape=[64]).plan(bf16(0, 64), None, None) is None
+    assert LayerNormFwdOp(normalized_shape=[64]).plan(bf16(3, 64), None, None) is not None
+
+
+def test_pin_config_replaces_the_planned_launch(stub):
+    op = RMSNormFwdOp(normalized_shape=[256])
+    x, w = bf16(8, 256), bf16(256)
+    op(x, w)
+    kernel = op._kernel(x, w)
+    op.pin_config(kernel.config_for(kernel.bucket_of(8)), x, w)
+    assert not op._validated and not op._call_memo
+    op(x, w)
+    assert op._kernel(x, w) is not kernel  # the pinned copy
+
+
+def test_custom_op_direct_redispatched_and_differentiable_paths(stub):
+    x, w = bf16(8, 256), bf16(256)
+    # CPU tensors, no grad: the autograd kernel calls the real kernel directly
+    assert torch.ops.tileops.rms_norm_fwd(x, [256], w, 1e-5).shape == (8, 256)
+    with torch.no_grad():
+        assert torch.ops.tileops.layer_norm_fwd(x, [256], w, w, 1e-5).shape == (8, 256)
+    # meta tensors: the redispatch to the fake (meta) kernel
+    m = torch.empty(8, 256, dtype=torch.bfloat16, device="meta")
+    out = torch.ops.tileops.rms_norm_fwd(m, [256], w.to("meta"), None)
+    assert out.device.type == "meta" and out.shape == (8, 256)
+    # inputs that need grad: the registered formula runs in backward
+    xg, wg = bf16(8, 256, requires_grad=True), bf16(256, requires_grad=True)
+    y = torch.ops.tileops.rms_norm_fwd(xg, [256], wg, 1e-5)
+    assert y.requires_grad
+    y.sum().backward()
+    assert xg.grad.shape == xg.shape and wg.grad.shape == wg.shape
+    xg.grad = wg.grad = None
+    tileops.layer_norm(xg, [256], wg, None).sum().backward()
+    assert xg.grad.shape == xg.shape and wg.grad.shape == wg.shape
+
+
+def test_custom_op_still_rejects_what_the_op_rejects():
+    x = bf16(8, 256)  # no stub: CPU tensors are no launch device
+    with pytest.raises(TileOpsError, match=r"RMSNormFwdOp: argument 'input': expected a CUDA "
+                                           r"tensor, got a tensor on cpu"):
+        torch.ops.tileops.rms_norm_fwd(x, [256], bf16(256), 1e-5)
+    with pytest.raises(TileOpsError, match=r"RMSNormFwdOp: argument 'input': expected a CUDA "
+                                           r"tensor, got a tensor on cpu"):
+        tileops.rms_norm(bf16(8, 256, requires_grad=True), [256], bf16(256), 1e-5)
+
+
+def test_an_op_without_a_formula_says_so_in_backward(stub):
+    from tileops import RMSNormBwdOp
+
+    g, x, w = bf16(8, 256), bf16(8, 256, requires_grad=True), bf16(256)
+    dx, _ = RMSNormBwdOp.through_custom_op(g, x, w, normalized_shape=[256], eps=1e-5)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        dx.sum().backward()
+
+
+def test_register_autograd_replaces_the_formula(stub):
+    import tileops.ops.normalization as norm
+
+    seen = []
+
+    def spy(ctx, grad):
+        seen.append(grad.shape)
+        return norm._rms_norm_backward(ctx, grad)
+
+    setup = RMSNormFwdOp._autograd_formula[1]
+    RMSNormFwdOp.register_autograd(spy, setup_context=setup)
+    try:
+        tileops.rms_norm(bf16(8, 256, requires_grad=True), [256], bf16(256)).sum().backward()
+    finally:
+        RMSNormFwdOp.register_autograd(norm._rms_norm_backward, setup_context=setup)
+    assert seen == [(8, 256)]
+
+
+def test_gemm_plan_and_its_fallbacks(stub):
+    from tileops import GemmFwdOp
+
+    op = GemmFwdOp()
+    a, b = bf16(16, 64), bf16(32, 64)
+    for x, y in ((a, b), (bf16(16, 64), b), (bf16(64, 16).t(), b), (a, bf16(64, 32).t())):
+        assert op(x, y).shape == (16, 32)
+    assert op._validated[((a.shape, a.dtype, a.device), (b.shape, b.dtype, b.device))]
+    assert GemmFwdOp(trans_a=True).plan(bf16(64, 12), b) is None  # M % 8: forward copies a
+
+
+def test_linear_plan_and_its_fallbacks(stub):
+    from tileops import LinearFwdOp
+
+    op = LinearFwdOp()
+    x, w, b = bf16(16, 64), bf16(32, 64), bf16(32)
+    for args in ((x, w, b), (bf16(16, 64), w, b), (bf16(64, 16).t(), w, b), (x, w, None),
+                 (x, w, None), (bf16(2, 8, 64), w, b), (bf16(2, 8, 64), w, b)):
+        assert op(*args).shape == (*args[0].shape[:-1], 32)
+    assert op._validated[tuple((t.shape, t.dtype, t.device) for t in (x, w, b))]
+    assert op.plan(bf16(2, 8, 64), w, b) is None  # 3-D input: forward's views
+
+
+def test_fused_add_plan_and_the_in_place_form(stub):
+    from tileops import FusedAddRMSNormFwdOp
+
+    op = FusedAddRMSNormFwdOp(eps=1e-6)
+    x, r, w = bf16(8, 256), bf16(8, 256), bf16(256)
+    for args in ((x, r, w), (bf16(8, 256), r, w), (x, bf16(256, 8).t(), w)):
+        y, h = op(*args)
+        assert y.shape == h.shape == (8, 256)
+    assert op._validated[tuple((t.shape, t.dtype, t.device) for t in (x, r, w))]
+    for shape in ((8, 256), (2, 4, 256)):
+        a, b = bf16(*shape), bf16(*shape)
+        out, res = tileops.fused_add_rms_norm_(a, b, w)
+        assert out is a and res is b
