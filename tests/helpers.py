@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import pathlib
+import types
 
 import torch
 
@@ -194,3 +197,12 @@ def poison_allocator(nbytes: int = 1 << 30) -> None:
             for size in [*sizes, nbytes]]
     torch.cuda.synchronize()
     del held
+
+
+def load_script(name: str) -> types.ModuleType:
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

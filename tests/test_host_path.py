@@ -3,8 +3,6 @@
 cache and the ops' planned launches, the custom op's kernels (direct, redispatched, autograd).
 No timing is asserted here (a shared CI machine); the script reports it."""
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -13,15 +11,12 @@ import tileops
 from tileops import LayerNormFwdOp, RMSNormFwdOp, TileOpsError
 from tileops.ops.base import Op
 
-SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "host_overhead.py"
+from .helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def host_overhead():
-    spec = importlib.util.spec_from_file_location("host_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("host_overhead")
 
 
 @pytest.fixture

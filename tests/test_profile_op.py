@@ -1,20 +1,15 @@
 """scripts/profile_op.py picks exactly one workload or says which ones matched."""
 
 import dataclasses
-import importlib.util
-import pathlib
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "profile_op.py"
+from .helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def profile_op():
-    spec = importlib.util.spec_from_file_location("profile_op", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_op")
 
 
 def test_one_matching_workload_is_picked(profile_op):

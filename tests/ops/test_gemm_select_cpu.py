@@ -4,7 +4,6 @@ The frozen files under data/ were written by `scripts/gemm_selection.py freeze` 
 code before M was bucketed up to 16K rows and untuned buckets went to the cost model.
 """
 
-import importlib.util
 import json
 import pathlib
 
@@ -14,13 +13,10 @@ from tileops.kernels.base import tuned_table
 from tileops.kernels.fp8.gemm_fp8 import Fp8GemmKernel
 from tileops.kernels.gemm import GemmConfig, GemmKernel, select
 
-from ..helpers import assert_no_spills_or_serialized_wgmma
+from ..helpers import assert_no_spills_or_serialized_wgmma, load_script
 
+gemm_selection = load_script("gemm_selection")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gemm_selection",
-                                               ROOT / "scripts" / "gemm_selection.py")
-gemm_selection = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gemm_selection)
 
 # Manifest GEMMs whose config the cost model changed (none of them tuned), with the reason.
 CHANGED_BY_THE_MODEL = {
