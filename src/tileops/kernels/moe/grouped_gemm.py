@@ -65,6 +65,10 @@ class GroupedGemmConfig:
     # False: a CTA per tile of the bound (the dense GEMM's launch: the hardware starts the
     # next tile's CTA as one finishes) instead of `ctas` persistent CTAs walking the tiles
     persistent: bool = True
+    # True: each consumer warp group owns block_m / 2 whole rows (one m64 x block_n wgmma a
+    # k step, what CUTLASS's cooperative kernel issues) instead of half the columns of every
+    # row (two m64 x block_n / 2 wgmmas reading the a tile twice from shared memory)
+    full_row: bool = False
 
 
 def tile_bound(m_total, n_experts: int, block_m: int):
@@ -158,6 +162,7 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
     b_tile = (bn, bk) if trans_b else (bk, bn)
 
     share_sm = sm_sharing(config.threads, config.ctas_per_sm)
+    policy = T.GemmWarpPolicy.FullRow if config.full_row else T.GemmWarpPolicy.Square
 
     def whole_tile(offsets, table, t):
         """The tile's rows lie in its group and its columns in N."""
@@ -182,9 +187,10 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
             if silu_mul:
                 T.copy(b[tile_expert(table, t, n_tiles), n + tile_col0(t, n_tiles, bn),
                          kk * bk], bufs.up_shared)
-            T.gemm(bufs.a_shared, bufs.b_shared, bufs.acc, transpose_B=trans_b)
+            T.gemm(bufs.a_shared, bufs.b_shared, bufs.acc, transpose_B=trans_b, policy=policy)
             if silu_mul:
-                T.gemm(bufs.a_shared, bufs.up_shared, bufs.up_acc, transpose_B=True)
+                T.gemm(bufs.a_shared, bufs.up_shared, bufs.up_acc, transpose_B=True,
+                       policy=policy)
         if silu_mul:
             for i, j in T.Parallel(bm, bn):
                 bufs.acc[i, j] = bufs.acc[i, j] / (1.0 + T.exp(-bufs.acc[i, j])) \
@@ -404,7 +410,11 @@ class GroupedGemmKernel(Kernel):
                               threads=128, ctas=2 * SMS, ctas_per_sm=2),
             # a CTA per tile, as the dense GEMM launches (see GroupedGemmConfig.persistent)
             GroupedGemmConfig(block_n=256 // halve, persistent=False),
-            GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False)]))
+            GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False),
+            # each warp group whole rows (see GroupedGemmConfig.full_row)
+            GroupedGemmConfig(block_n=256 // halve, full_row=True),
+            GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
+                              full_row=True)]))
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, a, b, offsets, out) -> None:
         import torch
