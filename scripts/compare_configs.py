@@ -9,7 +9,9 @@ the bench allows 45):
 Each --config replaces fields of the default config (see profile_op.py). A variant whose
 outputs disagree with the default's on the same inputs is reported and not timed, as in
 the tuner. Cheaper than `tileops tune` when only a few configs of a large space matter,
-and it puts the best baseline in the same rounds.
+and it puts the best baseline in the same rounds. --baseline NAME (repeatable) times only
+those baselines: the grouped GEMM's per-expert loop (`torch-loop`) kept two 100 s compares
+from printing anything; `--baseline torch-grouped-mm` leaves it out.
 
 With --compile-only it needs no GPU: it builds the programs the comparison would run (the
 default config's and each variant's, for sm_90a) into the kernel cache under
@@ -34,12 +36,19 @@ from tileops.perf.bench import OP_KEY, bench_cases, case_candidates, random_inpu
 from tileops.perf.timing import measure_together
 
 
-def compare(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
+def compare(op_cls, workload: dict, dtype: str, variants: list[dict],
+            only_baselines: list[str] | None = None) -> None:
     params = op_cls.spec.workload_params(workload)
     inputs = random_inputs(op_cls, workload, dtype)
     default_op = op_cls(**params)
     reference = default_op(*inputs)
     baselines = baselines_for(op_cls.__name__)
+    if only_baselines is not None:  # e.g. leave out a slow per-expert loop
+        unknown = set(only_baselines) - set(baselines)
+        if unknown:
+            raise SystemExit(f"--baseline {sorted(unknown)}: {op_cls.__name__}'s baselines "
+                             f"are {sorted(baselines)}")
+        baselines = {name: fn for name, fn in baselines.items() if name in only_baselines}
     # the bench's candidates (the op under OP_KEY, then its baselines), variants added
     candidates = case_candidates(default_op, params, lambda fn: lambda: fn(*inputs),
                                  baselines)
@@ -95,6 +104,8 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--config", type=json.loads, action="append", default=[],
                         metavar="JSON", help="fields of the default config to replace")
+    parser.add_argument("--baseline", action="append", metavar="NAME",
+                        help="time only these baselines (repeatable; default: all of the op's)")
     parser.add_argument("--compile-only", action="store_true",
                         help="build the programs into the kernel cache (no GPU needed)")
     args = parser.parse_args()
@@ -103,7 +114,7 @@ def main() -> None:
         if args.compile_only:
             compile_only(op_cls, workload, dtype, args.config)
             continue
-        compare(op_cls, workload, dtype, args.config)
+        compare(op_cls, workload, dtype, args.config, args.baseline)
         torch.cuda.empty_cache()
 
 
