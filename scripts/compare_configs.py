@@ -10,8 +10,9 @@ Each --config replaces fields of the default config (see profile_op.py). A varia
 outputs disagree with the default's on the same inputs is reported and not timed, as in
 the tuner. Cheaper than `tileops tune` when only a few configs of a large space matter,
 and it puts the best baseline in the same rounds. --baseline NAME (repeatable) times only
-those baselines: the grouped GEMM's per-expert loop (`torch-loop`) kept two 100 s compares
-from printing anything; `--baseline torch-grouped-mm` leaves it out.
+those baselines: two grouped-GEMM compares (4 variants, torch._grouped_mm and the
+per-expert loop `torch-loop`, hundreds of launches a call) did not finish in 100 s; the
+loop is the likely cost, and `--baseline torch-grouped-mm` leaves it out.
 
 With --compile-only it needs no GPU: it builds the programs the comparison would run (the
 default config's and each variant's, for sm_90a) into the kernel cache under
