@@ -94,7 +94,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     exit $(( r1 | r2 )) ) > "$OUT/gpu-tests.log" 2>&1; rc=$?
   log="$OUT/gpu-tests.log"
   echo "tests: $(grep -c " PASSED " "$log") passed, $(grep -cE " (FAILED|ERROR) " "$log")" \
-       "failed or errors$(grep -q "Timeout (0:" "$log" && echo ", a test hung (stacks in the log)")"
+       "failed or errors$(grep -q "Timeout (0:" "$log" && echo ", a test ran past 150 s (a long compile or a hang: stacks in the log)")"
   grep -E "^=+ .*(passed|failed|error).* in [0-9.]+s" "$log" | tail -n 2
   grep -E "(^| )(FAILED|ERROR) " "$log" | head -n 40
 fi
