@@ -310,9 +310,9 @@ def test_grouped_gemm_every_prefill_config(silu_mul):
     """Every prefill config of the space (the TMA-stored whole tiles of `tile_store`
     included) on groups ending mid-tile, empty groups, a lone row and N off the tile; the
     rows past the last group keep their NaN (never written). Kernel-level launches into an
-    output poisoned explicitly: which cached block an op's own allocation lands in is the
-    allocator's choice, and a fresh one may hold zeros (what a first version of this test
-    read as rows written)."""
+    output poisoned explicitly: an op's own allocation lands where the allocator's best fit
+    puts it (the old poison_allocator missed stale free tails, which a first version of
+    this test read as rows written)."""
     from tileops.kernels.moe.grouped_gemm import GroupedGemmKernel
 
     sizes, n, k = [0, 1, 200, 0, 129, 64, 1000, 3, 256], 1000, 512

@@ -312,8 +312,9 @@ class Fp8GemmKernel(GemmKernel):
         for split in range(1, 17):
             if k_tiles // split < 4:
                 break
-            if -(-k_tiles // -(-k_tiles // split)) < split:
-                continue  # the same tiles a split in fewer splits: the last ones past K
+            per_split = -(-k_tiles // split)
+            if -(-k_tiles // per_split) < split:
+                continue  # fewer splits cover K at this size: the last would be past K
             fill = ctas * split / (-(-ctas * split // slots) * slots)
             score = fill / (1 + 8 * split * m / self.key["k"])
             if score > best_score + 0.02:  # a larger split only for a clearly better grid
