@@ -10,10 +10,16 @@ shuffle (warp-uniform control flow around shuffles, which TileLang's code has) a
 uses no atomics, `__syncthreads_count` or async copies: anything outside that set fails
 to compile, it is never silently emulated. Arguments are bound as in
 `tests/cuda_emulation.py`, which handles kernels whose threads never talk.
+
+Thread-block clusters (`cluster` > 1): the blocks of a cluster run concurrently, each with
+its own shared memory, barriers and shuffle slots; `map_shared_rank` points into a peer's
+shared memory, and the cluster barrier waits for every thread of the cluster (an `arrive`
+is a no-op and `wait` the whole barrier: stricter than the GPU, never weaker).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -53,18 +59,22 @@ static inline unsigned __pack_half2(half_t x, half_t y) {
 #define __restrict__
 #define __shared__ static
 #define __align__(n) alignas(n)
-static pthread_barrier_t emu_block_barrier;
-static pthread_barrier_t emu_warp_barrier[64];
-static uint64_t emu_lane_slot[64][32];
-static void emu_syncthreads() { pthread_barrier_wait(&emu_block_barrier); }
+#define EMU_MAX_CLUSTER 8
+static int emu_cluster = 1;
+static inline int emu_rank() { return emu_block.x % emu_cluster; }
+static pthread_barrier_t emu_block_barrier[EMU_MAX_CLUSTER];
+static pthread_barrier_t emu_cluster_barrier;
+static pthread_barrier_t emu_warp_barrier[EMU_MAX_CLUSTER][64];
+static uint64_t emu_lane_slot[EMU_MAX_CLUSTER][64][32];
+static void emu_syncthreads() { pthread_barrier_wait(&emu_block_barrier[emu_rank()]); }
 template <class V> static V emu_exchange(V v, int src_lane) {
-  int warp = emu_thread.x / 32, lane = emu_thread.x % 32;
+  int warp = emu_thread.x / 32, lane = emu_thread.x % 32, rank = emu_rank();
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(V));
-  emu_lane_slot[warp][lane] = bits;
-  pthread_barrier_wait(&emu_warp_barrier[warp]);
-  bits = emu_lane_slot[warp][src_lane];
-  pthread_barrier_wait(&emu_warp_barrier[warp]);
+  emu_lane_slot[rank][warp][lane] = bits;
+  pthread_barrier_wait(&emu_warp_barrier[rank][warp]);
+  bits = emu_lane_slot[rank][warp][src_lane];
+  pthread_barrier_wait(&emu_warp_barrier[rank][warp]);
   V out;
   std::memcpy(&out, &bits, sizeof(V));
   return out;
@@ -95,21 +105,25 @@ struct MinOp { template <class T> static T apply(T a, T b) { return a < b ? a : 
 template <int N> struct NamedBarrier {};
 // the approximate reciprocal (rcp.approx.ftz.f32 on the GPU), exact here
 static inline float fast_rcp(float x) { return 1.0f / x; }
-static double emu_reduce_slot[2048];
+static double emu_reduce_slot[EMU_MAX_CLUSTER][2048];
 template <class Op, int threads, int scale, int offset, class Barrier = void>
 struct AllReduce {
   template <class T> static T run(T x, void * = nullptr) {
     int me = emu_thread.x - offset;
-    emu_reduce_slot[emu_thread.x] = double(x);
+    double *slot = emu_reduce_slot[emu_rank()];
+    slot[emu_thread.x] = double(x);
     emu_syncthreads();
     int base = (me / (scale * threads)) * scale * threads + me % scale;
-    T acc = T(emu_reduce_slot[base + offset]);
+    T acc = T(slot[base + offset]);
     for (int i = 1; i < threads; ++i)
-      acc = Op::apply(acc, T(emu_reduce_slot[base + offset + i * scale]));
+      acc = Op::apply(acc, T(slot[base + offset + i * scale]));
     emu_syncthreads();
     return acc;
   }
 };
+static inline void cluster_arrive() {}
+static inline void cluster_wait() { pthread_barrier_wait(&emu_cluster_barrier); }
+static inline void cluster_sync() { pthread_barrier_wait(&emu_cluster_barrier); }
 }  // namespace tl
 """
 _DYNAMIC_SHARED = re.compile(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];")
@@ -117,11 +131,24 @@ _RENAMES = {"__syncthreads()": "emu_syncthreads()", "__shfl_xor_sync(": "emu_shf
             "__shfl_up_sync(": "emu_shfl_up(", "__shfl_down_sync(": "emu_shfl_down(",
             "__shfl_sync(": "emu_shfl("}
 _DYNAMIC_SHARED_BYTES = 1 << 18
+# each block of a cluster has its own dynamic shared memory; a peer's is found by offset
+_CLUSTER_SHARED = r"""
+static uchar *emu_shared_base[EMU_MAX_CLUSTER];
+namespace cooperative_groups {
+struct cluster_group {
+  template <class T> T *map_shared_rank(T *p, int rank) {
+    return (T *)(emu_shared_base[rank] + ((uchar *)p - emu_shared_base[emu_rank()]));
+  }
+};
+static inline cluster_group this_cluster() { return {}; }
+}  // namespace cooperative_groups
+"""
 
 
-def _library(source: str, threads: int) -> tuple[Any, list[str]]:
+def _library(source: str, threads: int, cluster: int = 1) -> tuple[Any, list[str]]:
     """The kernel compiled for the host with a `run_grid(grid, args...)` driver."""
     assert threads % 32 == 0 and threads <= 2048, threads
+    assert 1 <= cluster <= 8, cluster
     start = source.index('extern "C" __global__ void __launch_bounds__')
     match = _KERNEL.match(source, start)
     name, params = match.group(1), match.group(2)
@@ -129,25 +156,36 @@ def _library(source: str, threads: int) -> tuple[Any, list[str]]:
     body = source[start:].replace('extern "C" __global__ void', "static void", 1)
     body = _DYNAMIC_SHARED.sub(
         lambda m: f"alignas({m.group(1)}) static {m.group(2)} "
-                  f"{m.group(3)}[{_DYNAMIC_SHARED_BYTES} / sizeof({m.group(2)})];", body)
+                  f"emu_{m.group(3)}[EMU_MAX_CLUSTER][{_DYNAMIC_SHARED_BYTES} / "
+                  f"sizeof({m.group(2)})];\n  {m.group(2)} *{m.group(3)} = "
+                  f"emu_{m.group(3)}[emu_rank()];\n  emu_shared_base[emu_rank()] = "
+                  f"(uchar *){m.group(3)};", body)
     for old, new in _RENAMES.items():
         body = body.replace(old, new)
     # the driver's own names start with emu_: a kernel parameter may be called b or t
     driver = (f'extern "C" void run_grid(int grid, {params}) {{\n'
-              f"  pthread_barrier_init(&emu_block_barrier, nullptr, {threads});\n"
-              f"  for (int w = 0; w < {threads // 32}; ++w)\n"
-              f"    pthread_barrier_init(&emu_warp_barrier[w], nullptr, 32);\n"
-              f"  for (int emu_b = 0; emu_b < grid; ++emu_b) {{\n"
+              f"  emu_cluster = {cluster};\n"
+              f"  pthread_barrier_init(&emu_cluster_barrier, nullptr, {cluster * threads});\n"
+              f"  for (int c = 0; c < {cluster}; ++c) {{\n"
+              f"    pthread_barrier_init(&emu_block_barrier[c], nullptr, {threads});\n"
+              f"    for (int w = 0; w < {threads // 32}; ++w)\n"
+              f"      pthread_barrier_init(&emu_warp_barrier[c][w], nullptr, 32);\n  }}\n"
+              f"  for (int emu_b = 0; emu_b < grid; emu_b += {cluster}) {{\n"
               f"    std::vector<std::thread> pool;\n"
-              f"    for (int emu_t = 0; emu_t < {threads}; ++emu_t) pool.emplace_back([=] {{\n"
-              f"      emu_block.x = emu_b; emu_thread.x = emu_t; {name}({', '.join(names)});\n"
+              f"    for (int emu_t = 0; emu_t < {cluster * threads}; ++emu_t) "
+              f"pool.emplace_back([=] {{\n"
+              f"      emu_block.x = emu_b + emu_t / {threads}; emu_thread.x = emu_t % {threads};\n"
+              f"      {name}({', '.join(names)});\n"
               f"    }});\n"
               f"    for (auto &th : pool) th.join();\n  }}\n}}\n")
-    return build(_PRELUDE + body + driver, "threads-", ["-O1"], ",-pthread"), \
+    return build(_PRELUDE + _CLUSTER_SHARED + body + driver, "threads-", ["-O1"], ",-pthread"), \
         [p.strip() for p in params.split(",")]
 
 
 def run(compiled: Any, grid: int, threads: int, tensors: dict[str, Any],
-        scalars: dict[str, Any]) -> None:
-    """`cuda_emulation.run` with the blocks' threads running concurrently (see above)."""
-    emulation.run(compiled, grid, threads, tensors, scalars, library=_library)
+        scalars: dict[str, Any], cluster: int = 1) -> None:
+    """`cuda_emulation.run` with the blocks' threads running concurrently (see above), in
+    clusters of `cluster` blocks (grid a multiple of it)."""
+    assert grid % cluster == 0, (grid, cluster)
+    emulation.run(compiled, grid, threads, tensors, scalars,
+                  library=functools.partial(_library, cluster=cluster))

@@ -145,12 +145,21 @@ def _kernel(mode, vocab, dtype, params):
                               smoothing="label_smoothing" in params, dloss_per_row=False)
 
 
+def _streaming_default(vocab, dtype):
+    """The streaming thread map's default (the heuristic's without clusters)."""
+    from tileops.kernels.softmax.cross_entropy import CrossEntropyConfig
+    from tileops.kernels.softmax.softmax import streaming_config
+    row = streaming_config(vocab, str(dtype).removeprefix("torch."), False)
+    return CrossEntropyConfig(**dataclasses.asdict(row))
+
+
 def _kept_configs(vocab, dtype, params):
     """The loss_and_grad space's configs beyond the row kernels' own: rows kept in shared
-    memory (with and without prefetch), and the default's prefetch / launch-bound variants."""
+    memory (with and without prefetch), and the streaming default's prefetch / launch-bound
+    variants."""
     from tileops.kernels.softmax.cross_entropy import default_variants, kept_row_configs
     kernel = _kernel("loss_and_grad", vocab, dtype, params)
-    default = kernel.heuristic_config("many", "sm_90a")
+    default = _streaming_default(vocab, dtype)
     configs = kept_row_configs(vocab, str(dtype).removeprefix("torch."))
     configs += default_variants(default, "loss_and_grad")
     assert set(configs) <= set(kernel.config_space("many"))
@@ -192,7 +201,7 @@ def test_loss_pass_with_prefetch_matches_float64(rows, vocab, dtype, params):
     ref = reference_rows(x, target, **params)
     z = x.double() if "softcap" not in params else params["softcap"] * torch.tanh(
         x.double() / params["softcap"])
-    default = _kernel("loss", vocab, dtype, params).heuristic_config("many", "sm_90a")
+    default = _streaming_default(vocab, dtype)
     for config in default_variants(default, "loss") + [
             dataclasses.replace(default, prefetch=True, ctas_per_sm=1)]:
         op = CrossEntropyFwdOp(**params)
@@ -218,13 +227,52 @@ def test_gradient_pass_variants_match_float64(rows, vocab, dtype, params, per_ro
     kernel = CrossEntropyKernel(mode="grad", n=vocab, dtype=str(dtype).removeprefix("torch."),
                                 softcap="softcap" in params,
                                 smoothing="label_smoothing" in params, dloss_per_row=per_row)
-    default = kernel.heuristic_config("many", "sm_90a")
+    default = _streaming_default(vocab, dtype)
     for config in default_variants(default, "grad"):
         assert config in kernel.config_space("many")
         op = CrossEntropyBwdOp(**params)
         op.pin_config(config, grad_loss, x, target, lse)
         poison_allocator()
         assert_close(op(grad_loss, x, target, lse), leaf.grad, what=f"grad {config}")
+
+
+def _cluster_configs(mode, vocab, dtype, params):
+    """Every config of `mode`'s space that splits rows over a cluster (cluster_rows.py),
+    compiled in parallel."""
+    kernel = _kernel(mode, vocab, dtype, params)
+    configs = [c for c in kernel.config_space("many") if c.cluster]
+    assert configs and kernel.heuristic_config("many", "sm_90a") in configs
+    kernel.compile_many(configs, "many")
+    return configs
+
+
+@pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES, ids=_ids(KEPT_CASES))
+def test_every_cluster_config_matches_float64(rows, vocab, dtype, params):
+    """Rows split over clusters of 2-8 CTAs, every cluster config of the space: the one-pass
+    loss and gradient into NaN-poisoned outputs, in place and not, and the loss pass."""
+    x = randn(rows, vocab, dtype=dtype, std=2.0)
+    x[3, ::5] = float("-inf")  # masked logits (a row's max from its other slices)
+    target = make_targets(rows, vocab, ignore_index=params.get("ignore_index", -100))
+    target[3] = 1
+    ref_leaf = x.double().requires_grad_()
+    ref = reference_rows(ref_leaf, target, **params)
+    ref.sum().backward()
+    for config in _cluster_configs("loss_and_grad", vocab, dtype, params):
+        op = CrossEntropyWithGradFwdOp(**params)
+        op.pin_config(config, x, target)
+        loss, lse = poison(torch.empty(rows, device="cuda")), poison(torch.empty(rows,
+                                                                         device="cuda"))
+        grad = poison(torch.empty_like(x))
+        op._run("loss_and_grad", x, x, target, loss, lse, grad)
+        assert_close(loss, ref, what=f"loss {config}")
+        assert_close(grad, ref_leaf.grad, what=f"grad {config}")
+        inplace = x.clone()
+        op._run("loss_and_grad", inplace, inplace, target, loss, lse, inplace)
+        assert torch.equal(inplace, grad), config
+    for config in _cluster_configs("loss", vocab, dtype, params):
+        op = CrossEntropyFwdOp(**params)
+        op.pin_config(config, x, target)
+        assert_close(op(x, target)[0], ref, what=f"loss pass {config}")
 
 
 def test_kept_rows_under_cuda_graph_and_non_contiguous_logits():

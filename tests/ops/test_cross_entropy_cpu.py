@@ -46,13 +46,19 @@ def _run_on_cpu(x, target, config, ignore_index=-100, eps=0.0, cap=None, zloss=0
     loss = torch.full((rows,), float("nan"))
     lse = torch.full((rows,), float("nan"))
     grad = torch.full_like(x, float("nan"))
-    rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs, 132)
-    grid = min(-(-rows // rm.rows_per_cta), 132 * config.ctas_per_sm)
-    run(compiled, grid, config.threads,
+    run(compiled, _grid(rows, n, dtype, config), config.threads,
         dict(x=x, target=target, loss=loss, lse=lse, grad=grad),
         dict(rows=rows, ignore_index=ignore_index, cap=1.0 if cap is None else cap, eps=eps,
-             zloss=zloss))
+             zloss=zloss), cluster=max(config.cluster, 1))
     return loss, lse, grad
+
+
+def _grid(rows, n, dtype, config):
+    """The launch grid of a config: one cluster per row, or the streaming kernel's CTAs."""
+    if config.cluster:
+        return rows * config.cluster
+    rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs, 132)
+    return min(-(-rows // rm.rows_per_cta), 132 * config.ctas_per_sm)
 
 
 # (rows, vocab, dtype, config, params): each kept case has chunks read again from global
@@ -70,6 +76,11 @@ CASES = [
     (4, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=3, prefetch=True),
      {"eps": 0.1, "cap": 10.0}),
     (3, 2001, FP16, CrossEntropyConfig(64, 64, 4, 1, prefetch=True), {"zloss": 1e-4}),
+    # rows split over a cluster of CTAs (cluster_rows.py), the last slice short
+    (4, 5000, BF16, CrossEntropyConfig(threads=64, cluster=4), {"eps": 0.1, "zloss": 1e-4}),
+    (3, 2001, FP16, CrossEntropyConfig(threads=32, cluster=8),
+     {"cap": 30.0, "ignore_index": 7}),
+    (3, 3000, FP32, CrossEntropyConfig(threads=64, cluster=3), {"eps": 0.05, "cap": 10.0}),
 ]
 
 
@@ -77,7 +88,8 @@ CASES = [
 @pytest.mark.parametrize("rows, vocab, dtype, config, params", [
     pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
                  id=f"{case[0]}x{case[1]}-{str(case[2])[6:]}-kept{case[3].kept_chunks}"
-                    f"{'-prefetch' if case[3].prefetch else ''}")
+                    f"{'-prefetch' if case[3].prefetch else ''}"
+                    f"{f'-cluster{case[3].cluster}' if case[3].cluster else ''}")
     for i, case in enumerate(CASES)])
 def test_loss_and_gradient_with_kept_chunks_on_the_cpu(rows, vocab, dtype, config, params):
     gen = torch.Generator().manual_seed(rows * vocab)
@@ -133,8 +145,9 @@ def test_kept_chunks_over_shared_memory_are_refused():
 @pytest.mark.compile
 @pytest.mark.full
 @pytest.mark.parametrize("config", [CrossEntropyConfig(64, 64, 2, 1, prefetch=True),
-                                    CrossEntropyConfig(128, 64, 2, 2, launch_bound=True)],
-                         ids=["prefetch", "launch_bound"])
+                                    CrossEntropyConfig(128, 64, 2, 2, launch_bound=True),
+                                    CrossEntropyConfig(threads=64, cluster=6)],
+                         ids=["prefetch", "launch_bound", "cluster"])
 def test_gradient_pass_variants_on_the_cpu(config):
     """The gradient-only pass (one dloss per row) with prefetch / the launch bound."""
     from ..cuda_emulation_threads import run
@@ -153,8 +166,7 @@ def test_gradient_pass_variants_on_the_cpu(config):
                                 smoothing=True, dloss_per_row=True)
     compiled = kernel.compile(config, "many")[0]
     grad = torch.full_like(x, float("nan"))
-    rm = RowMap(n, "bfloat16", config.threads, config.row_threads, config.vecs, 132)
-    run(compiled, min(-(-rows // rm.rows_per_cta), 132 * config.ctas_per_sm), config.threads,
+    run(compiled, _grid(rows, n, "bfloat16", config), config.threads,
         dict(dloss=dloss, x=x, target=target, lse=want_lse.float(), grad=grad),
         dict(rows=rows, ignore_index=-100, cap=1.0, eps=0.1, zloss=0.0))
     torch.testing.assert_close(grad.double(), leaf.grad, rtol=1e-2, atol=1e-4)

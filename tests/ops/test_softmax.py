@@ -12,7 +12,8 @@ from tileops import (
     SoftmaxBwdOp,
     SoftmaxFwdOp,
 )
-from tileops.kernels.softmax import RowConfig
+from tileops.kernels.base import launchers
+from tileops.kernels.softmax import RowConfig, SoftmaxKernel
 
 from ..helpers import assert_close, poison, randn
 
@@ -25,7 +26,7 @@ FUNCS = {"softmax": (tileops.softmax, torch.softmax),
 OPS = {"softmax": SoftmaxFwdOp, "log_softmax": LogSoftmaxFwdOp, "logsumexp": LogsumexpFwdOp}
 # (shape, dtype): each a thread map of the default configs or a size boundary
 SHAPES = [
-    ((257, 128256), BF16),    # llama-3 vocab rows: 512 threads per row, 4 vectors each
+    ((257, 128256), BF16),    # llama-3 vocab rows: a cluster of 8 CTAs per row
     ((3, 256000), FP16),      # gemma-2 vocab, decode-size batch (few-rows bucket)
     ((1000, 4099), FP32),     # odd length: scalar accesses, a partial chunk
     ((4096, 512), BF16),      # attention-weight rows: a warp per row, 8 rows per CTA
@@ -153,6 +154,46 @@ def test_other_configs_agree(config):
         op = cls()
         op.pin_config(config, x)
         assert_close(op(x), _reference(name, x), what=f"{name} {config}")
+
+
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp", "softmax_bwd",
+                                  "log_softmax_bwd"])
+@pytest.mark.parametrize("rows, n, dtype", [(300, 128256, BF16), (77, 50257, FP16),
+                                            (65, 151936, FP32)])
+def test_every_cluster_config_agrees(kind, rows, n, dtype):
+    """Vocabulary rows split over clusters of 2-8 CTAs (cluster_rows.py), every cluster
+    config of the space, into NaN-poisoned outputs, against float64; a row with -inf
+    entries and a fully masked row (NaN softmax, -inf logsumexp, as torch)."""
+    name = kind.removesuffix("_bwd")
+    kernel = SoftmaxKernel(kind=kind, n=n, dtype=str(dtype).removeprefix("torch."))
+    configs = [c for c in kernel.config_space("many") if c.cluster]
+    assert kernel.heuristic_config("many", "sm_90a") in configs
+    kernel.compile_many(configs, "many")
+    x = randn(rows, n, dtype=dtype, std=3.0)
+    x[1, ::3] = float("-inf")
+    if not kind.endswith("_bwd"):
+        x[2] = float("-inf")
+    want = _reference(name, x)
+    if kind.endswith("_bwd"):
+        y = want.to(dtype)
+        dy = randn(rows, n, dtype=dtype)
+        yd, dyd = y.double(), dy.double()
+        if kind == "softmax_bwd":
+            want = yd * (dyd - (dyd * yd).sum(-1, keepdim=True))
+        else:
+            want = dyd - yd.exp() * dyd.sum(-1, keepdim=True)
+    for config in configs:
+        compiled = launchers(kernel.compile(config, "many"))
+        if kind.endswith("_bwd"):
+            out = poison(torch.empty_like(x))
+            kernel.run(config, compiled, dy, y, out)
+        else:
+            out = poison(torch.empty(want.shape, dtype=dtype, device="cuda"))
+            kernel.run(config, compiled, x, out)
+        assert torch.equal(out.isnan(), want.isnan()), config
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isinf(out), torch.isinf(want)), config
+        assert_close(out[finite].to(dtype), want[finite], what=f"{kind} {config}")
 
 
 def test_zero_rows():

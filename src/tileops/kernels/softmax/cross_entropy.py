@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
+from .cluster_rows import ClusterRows
 from .row_map import NEG_INF, RowMap, exp, tanh
-from .softmax import SM_COUNT, RowConfig, RowKernel
+from .softmax import SM_COUNT, RowConfig, RowKernel, streaming_config
 
 MODES = ("loss", "loss_and_grad", "grad")
 SMEM_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
@@ -85,8 +86,141 @@ def default_variants(default: CrossEntropyConfig, mode: str) -> list[CrossEntrop
     return variants
 
 
+def target_column(t, n: int):
+    """The target's column as int32, -1 where it is no column (ignored or out of range:
+    those rows' gradients are scaled by 0 or NaN anyway), so the one-hot compare per
+    element is a 32-bit one."""
+    return T.cast(T.if_then_else((t >= 0) & (t < n), t, T.int64(-1)), "int32")
+
+
+def gradient_of(z, col, t, lse, scale, cap, eps, zloss, n: int, softcap: bool):
+    """d(loss * scale)/dx at one element: z its soft-capped logit, col its column, t
+    target_column(target)."""
+    g = exp(z - lse) * (1.0 + 2.0 * zloss * lse) - eps / n \
+        - T.if_then_else(col == t, 1.0 - eps, 0.0)
+    if softcap:
+        g = g * (1.0 - (z / cap) * (z / cap))
+    return g * scale
+
+
+def row_scale(t, ignore_index, n: int, value):
+    """A row's loss / gradient factor: 0 for an ignored row, NaN for a target outside the
+    row (loud, not silent), else `value`."""
+    bad = (t != ignore_index) & ((t < 0) | (t >= n))
+    return T.if_then_else(t == ignore_index, T.float32(0.0),
+                          T.if_then_else(bad, T.float32(float("nan")), value))
+
+
+def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
+                                  smoothing: bool, dloss_per_row: bool, config: RowConfig):
+    """The MODES on rows split over a cluster (cluster_rows.py): the logits are read once;
+    the CTAs swap their (max, exp-sum, z-sum) partials; the gradient comes from registers
+    (written over the logits when asked: each CTA writes only the slice it holds). The
+    `grad` mode has nothing to swap: its CTAs each take a slice, unclustered."""
+    rows = T.dynamic("rows")
+    cr = ClusterRows(n, dtype, config.cluster, config.threads)
+    load, _, arrive, share, merged_max_sum, merged_sum = cr.macros()
+    reduce_sum, reduce_max_sum = cr.reductions()
+    per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
+
+    @T.macro
+    def logits(x, row, rank, tx, zl, cap):
+        """zl[per, vec] (float) <- the soft-capped logits of the CTA's slice (x as is without
+        softcap), -inf past the row."""
+        raw = T.alloc_local((per, vec), dtype)
+        load(x, row, rank, tx, raw, NEG_INF)
+        for i in T.unroll(per):
+            for j in T.unroll(vec):
+                zl[i, j] = T.cast(raw[i, j], "float")
+                if softcap:
+                    zl[i, j] = T.if_then_else(cr.valid(rank, tx, i), cap * tanh(zl[i, j] / cap),
+                                              NEG_INF)
+
+    @T.macro
+    def store_gradient(zl, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
+        """grad's slice <- d(loss * scale)/dx from the logits zl (computed in place)."""
+        for i in T.unroll(per):
+            if cr.valid(rank, tx, i):
+                for j in T.unroll(vec):
+                    zl[i, j] = gradient_of(zl[i, j], cr.column(rank, tx, i) + j, t, lse,
+                                           scale, cap, eps, zloss, n, softcap)
+                for j in T.vectorized(vec):
+                    grad[row, cr.column(rank, tx, i) + j] = T.cast(zl[i, j], dtype)
+
+    @T.macro
+    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
+        with T.Kernel(cr.grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+            tx = T.get_thread_binding()
+            row, rank = bx // cluster, bx % cluster
+            zl = T.alloc_local((per, vec), "float")
+            m = T.alloc_local((1,), "float")
+            s = T.alloc_local((1,), "float")
+            zsum = T.alloc_local((1,), "float")
+            zt = T.alloc_local((1,), "float")
+            red_m = T.alloc_shared((1, cr.warps), "float")
+            red_s = T.alloc_shared((1, cr.warps), "float")
+            red_z = T.alloc_shared((1, cr.warps), "float")
+            mine = T.alloc_shared((3,), "float")
+            part = T.alloc_shared((cluster, 3), "float")
+            arrive(part, tx)
+            logits(x, row, rank, tx, zl, cap)
+            t = target[row]
+            # z[t], read before the cluster barrier in `share`, so before any CTA of the row
+            # stores a gradient (possibly over x)
+            zt[0] = 0.0
+            if (rank == 0) & (tx == 0) & (t != ignore_index) & (t >= 0) & (t < n):
+                zt[0] = T.cast(x[row, t], "float")
+                if softcap:
+                    zt[0] = cap * tanh(zt[0] / cap)
+            m[0] = NEG_INF
+            for i in T.unroll(per):
+                for j in T.unroll(vec):
+                    m[0] = T.max(m[0], zl[i, j])
+            shift = RowMap.shift_of(m[0])
+            s[0] = 0.0
+            zsum[0] = 0.0
+            for i in T.unroll(per):
+                for j in T.unroll(vec):
+                    s[0] = s[0] + exp(zl[i, j] - shift)
+                    if smoothing:
+                        zsum[0] = zsum[0] + T.if_then_else(cr.valid(rank, tx, i), zl[i, j], 0.0)
+            reduce_max_sum(m, s, red_m, red_s, 0, tx)
+            if smoothing:
+                reduce_sum(zsum, red_z, 0, tx)
+            share((m, s, zsum), mine, part, rank, tx)
+            merged_max_sum(part, m, s)
+            if smoothing:
+                merged_sum(part, 2, zsum)
+            lse = m[0] + T.log(s[0])
+            if (rank == 0) & (tx == 0):
+                loss[row] = row_scale(t, ignore_index, n, lse - (1.0 - eps) * zt[0]
+                                      - eps / n * zsum[0] + zloss * lse * lse)
+                lse_out[row] = lse
+            if mode == "loss_and_grad":
+                store_gradient(zl, grad, row, rank, tx, target_column(t, n), lse,
+                               row_scale(t, ignore_index, n, T.float32(1.0)), cap, eps, zloss)
+
+    @T.macro
+    def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
+        with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
+            tx = T.get_thread_binding()
+            row, rank = bx // cluster, bx % cluster
+            zl = T.alloc_local((per, vec), "float")
+            logits(x, row, rank, tx, zl, cap)
+            t = target[row]
+            d = dloss[row] if dloss_per_row else dloss[0]
+            store_gradient(zl, grad, row, rank, tx, target_column(t, n), lse_in[row],
+                           row_scale(t, ignore_index, n, d), cap, eps, zloss)
+
+    return rows, forward, backward
+
+
 def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothing: bool,
                           dloss_per_row: bool, config: RowConfig):
+    if config.cluster:
+        rows, forward, backward = cluster_cross_entropy_program(
+            mode, n, dtype, softcap, smoothing, dloss_per_row, config)
+        return prim_func_of(mode, rows, n, dtype, dloss_per_row, forward, backward)
     rows = T.dynamic("rows")
     rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs,
                 SM_COUNT * config.ctas_per_sm)
@@ -136,10 +270,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                         zsum[0] = zsum[0] + xl[i, j]
 
     def column_of(t):
-        """The target's column as int32, -1 where it is no column (ignored or out of range:
-        those rows' gradients are scaled by 0 or NaN anyway), so the one-hot compare per
-        element is a 32-bit one."""
-        return T.cast(T.if_then_else((t >= 0) & (t < n), t, T.int64(-1)), "int32")
+        return target_column(t, n)
 
     @T.macro
     def gradient(xl, row, c, lane, t, lse, scale, cap, eps, zloss):
@@ -147,12 +278,8 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
         for i in T.unroll(vecs):
             for j in T.unroll(vec):
                 col = c * chunk + (i * rt + lane) * vec + j
-                p = exp(xl[i, j] - lse)
-                g = p * (1.0 + 2.0 * zloss * lse) - eps / n \
-                    - T.if_then_else(col == t, 1.0 - eps, 0.0)
-                if softcap:
-                    g = g * (1.0 - (xl[i, j] / cap) * (xl[i, j] / cap))
-                xl[i, j] = g * scale
+                xl[i, j] = gradient_of(xl[i, j], col, t, lse, scale, cap, eps, zloss, n,
+                                       softcap)
 
     @T.macro
     def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
@@ -188,8 +315,6 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                         capped(xl, c, lane, cap, zsum, smoothing)
                         chunk_max_sum(xl, m, s)
                     t = target[row]
-                    ignored = t == ignore_index
-                    bad = (t != ignore_index) & ((t < 0) | (t >= n))
                     # z[t] is read before the reductions: their barrier (shuffles within a
                     # warp) orders it before any gradient store of the row, which may
                     # overwrite x in place
@@ -205,13 +330,10 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     if lane == 0:
                         row_loss = lse - (1.0 - eps) * zt[0] - eps / n * zsum[0] \
                             + zloss * lse * lse
-                        loss[row] = T.if_then_else(
-                            ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")),
-                                                         row_loss))
+                        loss[row] = row_scale(t, ignore_index, n, row_loss)
                         lse_out[row] = lse
                     if mode == "loss_and_grad":
-                        scale = T.if_then_else(
-                            ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), 1.0))
+                        scale = row_scale(t, ignore_index, n, T.float32(1.0))
                         tc = column_of(t)
                         # the chunks not kept first: the statistics pass read them last
                         if kept < rm.chunks:
@@ -243,11 +365,8 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
                     t = target[row]
-                    ignored = t == ignore_index
-                    bad = (t != ignore_index) & ((t < 0) | (t >= n))
                     d = dloss[row] if dloss_per_row else dloss[0]
-                    scale = T.if_then_else(
-                        ignored, 0.0, T.if_then_else(bad, T.float32(float("nan")), d))
+                    scale = row_scale(t, ignore_index, n, d)
                     lse = lse_in[row]
                     tc = column_of(t)
                     if prefetch:
@@ -262,6 +381,12 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                         gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
                         store(xl, grad, row, c, lane)
 
+    return prim_func_of(mode, rows, n, dtype, dloss_per_row, forward, backward)
+
+
+def prim_func_of(mode: str, rows, n: int, dtype: str, dloss_per_row: bool, forward, backward):
+    """The program of `mode` around the kernel macros (the streaming or the cluster ones,
+    which size their grids by the same symbolic `rows`)."""
     R, V = (rows, n), (rows,)
     if mode == "grad":
         D = (rows,) if dloss_per_row else (1,)
@@ -307,7 +432,9 @@ class CrossEntropyKernel(RowKernel):
                  for c in super().config_space(bucket)]
         if self.key["mode"] == "loss_and_grad":
             space += kept_row_configs(self.key["n"], self.key["dtype"])
-        space += default_variants(space[0], self.key["mode"])
+        streaming = streaming_config(self.key["n"], self.key["dtype"], bucket == "few")
+        space += default_variants(CrossEntropyConfig(**dataclasses.asdict(streaming)),
+                                  self.key["mode"])
         return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
+from .cluster_rows import ClusterRows, cluster_shapes, default_cluster_shape
 from .row_map import NEG_INF, RowMap, exp, vector_width
 
 KINDS = ("softmax", "log_softmax", "logsumexp", "softmax_bwd", "log_softmax_bwd",
@@ -24,10 +25,15 @@ SM_COUNT = 132  # H200
 
 @dataclass(frozen=True)
 class RowConfig:
+    """The streaming thread map of row_map.py; or, with `cluster` > 0, each row split over a
+    cluster of that many CTAs of `threads` threads holding it in registers (cluster_rows.py;
+    row_threads, vecs and ctas_per_sm unused)."""
+
     threads: int = 256
     row_threads: int = 256
     vecs: int = 2
     ctas_per_sm: int = 2
+    cluster: int = 0
 
 
 def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
@@ -36,6 +42,8 @@ def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
 
 
 def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
+    if config.cluster and kind != "logsumexp_bwd":
+        return cluster_softmax_program(kind, n, dtype, config)
     rows = T.dynamic("rows")
     rm = row_map(n, dtype, config)
     load, store, reduce_sum, reduce_max_sum, chunk_max_sum = rm.macros(rows)
@@ -165,11 +173,111 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     return softmax_bwd
 
 
-def default_row_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
+def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
+    """The KINDS but logsumexp_bwd (one pass, nothing to share) on rows split over a cluster:
+    one read of each input, the statistics swapped between the cluster's CTAs."""
+    rows = T.dynamic("rows")
+    cr = ClusterRows(n, dtype, config.cluster, config.threads)
+    load, slice_max_sum, arrive, share, merged_max_sum, merged_sum = cr.macros()
+    reduce_sum, reduce_max_sum = cr.reductions()
+    per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
+
+    @T.macro
+    def forward(x, y, lse_out):
+        with T.Kernel(cr.grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+            tx = T.get_thread_binding()
+            row, rank = bx // cluster, bx % cluster
+            raw = T.alloc_local((per, vec), dtype)
+            m = T.alloc_local((1,), "float")
+            s = T.alloc_local((1,), "float")
+            red_m = T.alloc_shared((1, cr.warps), "float")
+            red_s = T.alloc_shared((1, cr.warps), "float")
+            mine = T.alloc_shared((2,), "float")
+            part = T.alloc_shared((cluster, 2), "float")
+            arrive(part, tx)
+            load(x, row, rank, tx, raw, NEG_INF)
+            slice_max_sum(raw, m, s)
+            reduce_max_sum(m, s, red_m, red_s, 0, tx)
+            share((m, s), mine, part, rank, tx)
+            merged_max_sum(part, m, s)
+            if kind == "logsumexp":
+                if (rank == 0) & (tx == 0):
+                    lse_out[row] = T.cast(RowMap.logsumexp_of(m[0], s[0]), lse_out.dtype)
+            else:
+                shift = RowMap.shift_of(m[0])
+                scale = 1.0 / s[0]
+                lse = m[0] + T.log(s[0])
+                for i in T.unroll(per):
+                    if cr.valid(rank, tx, i):
+                        for j in T.vectorized(vec):
+                            if kind == "softmax":
+                                y[row, cr.column(rank, tx, i) + j] = T.cast(
+                                    exp(T.cast(raw[i, j], "float") - shift) * scale, dtype)
+                            else:
+                                y[row, cr.column(rank, tx, i) + j] = T.cast(
+                                    T.cast(raw[i, j], "float") - lse, dtype)
+
+    @T.macro
+    def backward(dy, y, dx):
+        with T.Kernel(cr.grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+            tx = T.get_thread_binding()
+            row, rank = bx // cluster, bx % cluster
+            dyr = T.alloc_local((per, vec), dtype)
+            yr = T.alloc_local((per, vec), dtype)
+            total = T.alloc_local((1,), "float")
+            red = T.alloc_shared((1, cr.warps), "float")
+            mine = T.alloc_shared((1,), "float")
+            part = T.alloc_shared((cluster, 1), "float")
+            arrive(part, tx)
+            load(dy, row, rank, tx, dyr, 0.0)
+            load(y, row, rank, tx, yr, 0.0)
+            total[0] = 0.0
+            for i in T.unroll(per):
+                for j in T.unroll(vec):
+                    if kind == "softmax_bwd":
+                        total[0] = total[0] + T.cast(dyr[i, j], "float") * T.cast(yr[i, j], "float")
+                    else:
+                        total[0] = total[0] + T.cast(dyr[i, j], "float")
+            reduce_sum(total, red, 0, tx)
+            share((total,), mine, part, rank, tx)
+            merged_sum(part, 0, total)
+            for i in T.unroll(per):
+                if cr.valid(rank, tx, i):
+                    for j in T.vectorized(vec):
+                        if kind == "softmax_bwd":
+                            dx[row, cr.column(rank, tx, i) + j] = T.cast(
+                                T.cast(yr[i, j], "float") * (T.cast(dyr[i, j], "float") - total[0]),
+                                dtype)
+                        else:
+                            dx[row, cr.column(rank, tx, i) + j] = T.cast(
+                                T.cast(dyr[i, j], "float")
+                                - exp(T.cast(yr[i, j], "float")) * total[0], dtype)
+
+    R, V = (rows, n), (rows,)
+    if kind == "logsumexp":
+        @T.prim_func
+        def logsumexp_fwd(x: T.Tensor(R, dtype), out: T.Tensor(V, dtype)):
+            forward(x, None, out)
+        return logsumexp_fwd
+    if kind in ("softmax", "log_softmax"):
+        @T.prim_func
+        def softmax_fwd(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype)):
+            forward(x, y, None)
+        return softmax_fwd
+
+    @T.prim_func
+    def softmax_bwd(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype), dx: T.Tensor(R, dtype)):
+        backward(dy, y, dx)
+    return softmax_bwd
+
+
+def default_row_config(n: int, dtype: str, few_rows: bool, cluster: bool = True) -> RowConfig:
     """Rows up to 1024 vectors (8K bf16 columns at 16 bytes each) fit one chunk of at most 4 vectors
     per thread and stay in registers between the passes (read once); a warp per row for
-    short rows, so a CTA holds several. Longer rows stream in chunks of 512 threads x 4
-    vectors, read twice, with at most 2 CTAs per SM so the second read hits L2."""
+    short rows, so a CTA holds several. Longer rows (vocabularies) are split over a cluster of
+    CTAs that hold them in registers (read once; cluster_rows.py), when the kernel has a
+    cluster form (`cluster`) and the row fits 8 CTAs; else they stream in chunks of 512
+    threads x 4 vectors, read twice, with at most 2 CTAs per SM so the second read hits L2."""
     vectors = n // vector_width(n, dtype)
     if vectors <= 1024:
         row_threads = 32
@@ -179,7 +287,16 @@ def default_row_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
         threads = max(256, row_threads)
         return RowConfig(threads=threads, row_threads=row_threads, vecs=vecs,
                          ctas_per_sm=max(1, 2048 // threads))
+    shape = default_cluster_shape(n, dtype) if cluster else None
+    if shape is not None:
+        return RowConfig(threads=shape[1], row_threads=shape[1], vecs=4, ctas_per_sm=1,
+                         cluster=shape[0])
     return RowConfig(threads=512, row_threads=512, vecs=4, ctas_per_sm=1 if few_rows else 2)
+
+
+def streaming_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
+    """The default without clusters (the streaming or one-chunk thread map)."""
+    return default_row_config(n, dtype, few_rows, cluster=False)
 
 
 class RowKernel(Kernel):
@@ -187,6 +304,7 @@ class RowKernel(Kernel):
     launched with every buffer; buckets `few` rows (decode batches) and `many`."""
 
     Config = RowConfig
+    clustered = True  # whether the kernel has a cluster form for long rows
 
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*tensors)
@@ -195,16 +313,24 @@ class RowKernel(Kernel):
         return "few" if rows <= 256 else "many"
 
     def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
-        return default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
+        return default_row_config(self.key["n"], self.key["dtype"], bucket == "few",
+                                  self.clustered)
 
     def config_space(self, bucket: str) -> list[RowConfig]:
-        space = [self.heuristic_config(bucket, "sm_90a")]
+        n, dtype = self.key["n"], self.key["dtype"]
+        space = [self.heuristic_config(bucket, "sm_90a"), streaming_config(n, dtype,
+                                                                            bucket == "few")]
         for threads in (256, 512, 1024):
             for row_threads in (32, 128, 256, 512, 1024):
                 for vecs in (1, 2, 4):
                     for ctas_per_sm in (1, 2, 4):
                         if row_threads <= threads:
                             space.append(RowConfig(threads, row_threads, vecs, ctas_per_sm))
+        if self.clustered and n // vector_width(n, dtype) > 1024:
+            # 4 to 16 vectors a thread: fewer leaves the registers idle, more spills
+            for cluster, threads in cluster_shapes(n, dtype):
+                if ClusterRows(n, dtype, cluster, threads).per_thread >= 4:
+                    space.append(RowConfig(threads, threads, 4, 1, cluster))
         return list(dict.fromkeys(space))
 
 
@@ -212,6 +338,10 @@ class SoftmaxKernel(RowKernel):
     """key: kind (see KINDS), dtype, n (row length)."""
 
     name = "softmax"
+
+    @property
+    def clustered(self) -> bool:
+        return self.key["kind"] != "logsumexp_bwd"  # one pass from a given lse: nothing to share
 
     def program(self, config: RowConfig, bucket: str):
         return softmax_program(self.key["kind"], self.key["n"], self.key["dtype"], config)

@@ -1,0 +1,90 @@
+"""The cluster kernels of the softmax family (kernels/softmax/cluster_rows.py) run on the CPU
+(tests/cuda_emulation_threads.py: each cluster's blocks concurrently, shared memory per block,
+peers' shared memory through map_shared_rank), against float64 references: short last
+slices, a whole slice past the row, -inf entries and rows, every kind."""
+
+import pytest
+import torch
+
+from tileops.kernels.softmax import RowConfig, SoftmaxKernel
+from tileops.kernels.softmax.cluster_rows import ClusterRows, cluster_shapes, default_cluster_shape
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
+
+
+def _run(kind, tensors, n, dtype, config, rows):
+    from ..cuda_emulation_threads import run
+
+    compiled = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype]).compile(config, "many")[0]
+    source = compiled.get_kernel_source()
+    assert "cluster_sync" in source and "map_shared_rank" in source
+    run(compiled, rows * config.cluster, config.threads, tensors, dict(rows=rows),
+        cluster=config.cluster)
+
+
+def _rows(rows, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+    x[1, 5:n:7] = float("-inf")  # masked entries
+    x[2] = float("-inf")  # a fully masked row: softmax NaN, logsumexp -inf (as torch)
+    return x
+
+
+# (rows, n, dtype, cluster, threads): slices of ragged length; 5 vectors in 4 slices of 2
+# leave the last slice empty
+CASES = [(4, 5000, BF16, 4, 64), (3, 2056, FP16, 3, 64), (3, 1000, FP32, 8, 32),
+         (3, 40, BF16, 4, 32)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
+@pytest.mark.parametrize("rows, n, dtype, cluster, threads", [
+    pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
+                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}")
+    for i, case in enumerate(CASES)])
+def test_cluster_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
+    x = _rows(rows, n, dtype, rows * n)
+    config = RowConfig(threads=threads, cluster=cluster)
+    if kind == "logsumexp":
+        out = torch.full((rows,), float("nan"), dtype=dtype)
+        _run(kind, dict(x=x, out=out), n, dtype, config, rows)
+        want = torch.logsumexp(x.double(), -1)
+    else:
+        out = torch.full_like(x, float("nan"))
+        _run(kind, dict(x=x, y=out), n, dtype, config, rows)
+        want = getattr(torch, kind)(x.double(), -1)
+    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * 1e-2, equal_nan=True)
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("kind", ["softmax_bwd", "log_softmax_bwd"])
+def test_cluster_backward_on_the_cpu(kind):
+    rows, n, dtype = 3, 3000, BF16
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    forward = torch.softmax if kind == "softmax_bwd" else torch.log_softmax
+    y = forward(x, -1).to(dtype)
+    dy = torch.randn(rows, n, generator=gen).to(dtype)
+    dx = torch.full_like(y, float("nan"))
+    _run(kind, dict(dy=dy, y=y, dx=dx), n, dtype, RowConfig(threads=64, cluster=5), rows)
+    yd, dyd = y.double(), dy.double()
+    if kind == "softmax_bwd":
+        want = yd * (dyd - (dyd * yd).sum(-1, keepdim=True))
+    else:
+        want = dyd - yd.exp() * dyd.sum(-1, keepdim=True)
+    torch.testing.assert_close(dx.double(), want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("n", [32000, 50257, 128256, 151936, 256000, 129280])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cluster_shapes_hold_every_vocab_row(n, dtype):
+    """The default cluster of every vocabulary row holds it in at most 8 vectors a thread,
+    no slice empty; every shape of the space does within 16."""
+    cluster, threads = default_cluster_shape(n, dtype)
+    cr = ClusterRows(n, dtype, cluster, threads)
+    assert cr.per_thread <= 8 and (cluster - 1) * cr.slice_vectors < n // cr.vec
+    for cluster, threads in cluster_shapes(n, dtype):
+        assert ClusterRows(n, dtype, cluster, threads).per_thread <= 16
