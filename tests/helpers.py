@@ -206,3 +206,15 @@ def load_script(name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def cluster_configs(kernel):
+    """The default (a cluster config) and the space's first cluster config of every
+    (cluster size, CTAs per SM) pair."""
+    default = kernel.heuristic_config("many", "sm_90a")
+    assert default.cluster
+    firsts = {}
+    for config in kernel.config_space("many"):
+        if config.cluster:
+            firsts.setdefault((config.cluster, config.ctas_per_sm), config)
+    return list(dict.fromkeys([default, *firsts.values()]))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tileops.kernels.softmax.cluster_rows import ClusterRows
 from tileops.kernels.softmax.cross_entropy import (
     SMEM_BYTES,
     CrossEntropyConfig,
@@ -53,10 +54,14 @@ def _run_on_cpu(x, target, config, ignore_index=-100, eps=0.0, cap=None, zloss=0
     return loss, lse, grad
 
 
-def _grid(rows, n, dtype, config):
-    """The launch grid of a config: one cluster per row, or the streaming kernel's CTAs."""
-    if config.cluster:
+def _grid(rows, n, dtype, config, mode="loss_and_grad"):
+    """The launch grid of a config: persistent clusters, a CTA per slice of every row
+    (`grad` mode), or the streaming kernel's CTAs."""
+    if config.cluster and mode == "grad":
         return rows * config.cluster
+    if config.cluster:
+        cr = ClusterRows(n, dtype, config.cluster, config.threads, config.ctas_per_sm)
+        return min(rows, cr.resident_clusters) * config.cluster
     rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs, 132)
     return min(-(-rows // rm.rows_per_cta), 132 * config.ctas_per_sm)
 
@@ -77,10 +82,12 @@ CASES = [
      {"eps": 0.1, "cap": 10.0}),
     (3, 2001, FP16, CrossEntropyConfig(64, 64, 4, 1, prefetch=True), {"zloss": 1e-4}),
     # rows split over a cluster of CTAs (cluster_rows.py), the last slice short
-    (4, 5000, BF16, CrossEntropyConfig(threads=64, cluster=4), {"eps": 0.1, "zloss": 1e-4}),
-    (3, 2001, FP16, CrossEntropyConfig(threads=32, cluster=8),
+    (4, 5000, BF16, CrossEntropyConfig(threads=64, ctas_per_sm=1, cluster=4),
+     {"eps": 0.1, "zloss": 1e-4}),
+    (3, 2001, FP16, CrossEntropyConfig(threads=32, ctas_per_sm=1, cluster=8),
      {"cap": 30.0, "ignore_index": 7}),
-    (3, 3000, FP32, CrossEntropyConfig(threads=64, cluster=3), {"eps": 0.05, "cap": 10.0}),
+    (3, 3000, FP32, CrossEntropyConfig(threads=64, ctas_per_sm=2, cluster=3),
+     {"eps": 0.05, "cap": 10.0}),
 ]
 
 
@@ -166,7 +173,7 @@ def test_gradient_pass_variants_on_the_cpu(config):
                                 smoothing=True, dloss_per_row=True)
     compiled = kernel.compile(config, "many")[0]
     grad = torch.full_like(x, float("nan"))
-    run(compiled, _grid(rows, n, "bfloat16", config), config.threads,
+    run(compiled, _grid(rows, n, "bfloat16", config, "grad"), config.threads,
         dict(dloss=dloss, x=x, target=target, lse=want_lse.float(), grad=grad),
         dict(rows=rows, ignore_index=-100, cap=1.0, eps=0.1, zloss=0.0))
     torch.testing.assert_close(grad.double(), leaf.grad, rtol=1e-2, atol=1e-4)

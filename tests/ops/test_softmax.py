@@ -15,7 +15,7 @@ from tileops import (
 from tileops.kernels.base import launchers
 from tileops.kernels.softmax import RowConfig, SoftmaxKernel
 
-from ..helpers import assert_close, poison, randn
+from ..helpers import assert_close, cluster_configs, poison, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -161,13 +161,13 @@ def test_other_configs_agree(config):
 @pytest.mark.parametrize("rows, n, dtype", [(300, 128256, BF16), (77, 50257, FP16),
                                             (65, 151936, FP32)])
 def test_every_cluster_config_agrees(kind, rows, n, dtype):
-    """Vocabulary rows split over clusters of 2-8 CTAs (cluster_rows.py), every cluster
-    config of the space, into NaN-poisoned outputs, against float64; a row with -inf
-    entries and a fully masked row (NaN softmax, -inf logsumexp, as torch)."""
+    """Vocabulary rows split over persistent clusters (cluster_rows.py): the default and the
+    space's first config of every cluster size and CTAs-per-SM count, into NaN-poisoned
+    outputs, against float64; a row with -inf entries and a fully masked row (NaN softmax,
+    -inf logsumexp, as torch)."""
     name = kind.removesuffix("_bwd")
     kernel = SoftmaxKernel(kind=kind, n=n, dtype=str(dtype).removeprefix("torch."))
-    configs = [c for c in kernel.config_space("many") if c.cluster]
-    assert kernel.heuristic_config("many", "sm_90a") in configs
+    configs = cluster_configs(kernel)
     kernel.compile_many(configs, "many")
     x = randn(rows, n, dtype=dtype, std=3.0)
     x[1, ::3] = float("-inf")

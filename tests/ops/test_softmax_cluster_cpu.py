@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from tileops.kernels.softmax import RowConfig, SoftmaxKernel
-from tileops.kernels.softmax.cluster_rows import ClusterRows, cluster_shapes, default_cluster_shape
+from tileops.kernels.softmax.cluster_rows import (
+    ClusterRows,
+    cluster_shapes,
+    default_cluster_shape,
+    fits_registers,
+)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
@@ -19,8 +24,9 @@ def _run(kind, tensors, n, dtype, config, rows):
     compiled = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype]).compile(config, "many")[0]
     source = compiled.get_kernel_source()
     assert "cluster_sync" in source and "map_shared_rank" in source
-    run(compiled, rows * config.cluster, config.threads, tensors, dict(rows=rows),
-        cluster=config.cluster)
+    cr = ClusterRows(n, NAMES[dtype], config.cluster, config.threads, config.ctas_per_sm)
+    run(compiled, min(rows, cr.resident_clusters) * config.cluster, config.threads, tensors,
+        dict(rows=rows), cluster=config.cluster)
 
 
 def _rows(rows, n, dtype, seed):
@@ -45,7 +51,7 @@ CASES = [(4, 5000, BF16, 4, 64), (3, 2056, FP16, 3, 64), (3, 1000, FP32, 8, 32),
     for i, case in enumerate(CASES)])
 def test_cluster_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
     x = _rows(rows, n, dtype, rows * n)
-    config = RowConfig(threads=threads, cluster=cluster)
+    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster)
     if kind == "logsumexp":
         out = torch.full((rows,), float("nan"), dtype=dtype)
         _run(kind, dict(x=x, out=out), n, dtype, config, rows)
@@ -69,7 +75,8 @@ def test_cluster_backward_on_the_cpu(kind):
     y = forward(x, -1).to(dtype)
     dy = torch.randn(rows, n, generator=gen).to(dtype)
     dx = torch.full_like(y, float("nan"))
-    _run(kind, dict(dy=dy, y=y, dx=dx), n, dtype, RowConfig(threads=64, cluster=5), rows)
+    _run(kind, dict(dy=dy, y=y, dx=dx), n, dtype, RowConfig(threads=64, ctas_per_sm=1, cluster=5),
+         rows)
     yd, dyd = y.double(), dy.double()
     if kind == "softmax_bwd":
         want = yd * (dyd - (dyd * yd).sum(-1, keepdim=True))
@@ -78,13 +85,39 @@ def test_cluster_backward_on_the_cpu(kind):
     torch.testing.assert_close(dx.double(), want, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.compile
+@pytest.mark.full
+def test_persistent_clusters_walk_many_rows_on_the_cpu(monkeypatch):
+    """With room for one cluster (a 2-SM device), one cluster takes every row in turn: the
+    partials alternate between the two parity buffers, row after row."""
+    from tileops.kernels.softmax import cluster_rows
+
+    monkeypatch.setattr(cluster_rows, "SM_COUNT", 2)
+    rows, n, dtype = 7, 1000, BF16
+    x = _rows(rows, n, dtype, 11)
+    config = RowConfig(threads=64, row_threads=64, vecs=3, ctas_per_sm=1, cluster=2)
+    assert ClusterRows(n, "bfloat16", 2, 64, 1).resident_clusters == 1
+    out = torch.full_like(x, float("nan"))
+    _run("softmax", dict(x=x, y=out), n, dtype, config, rows)
+    torch.testing.assert_close(out.double(), torch.softmax(x.double(), -1), rtol=1e-2,
+                               atol=1e-4, equal_nan=True)
+
+
 @pytest.mark.parametrize("n", [32000, 50257, 128256, 151936, 256000, 129280])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_cluster_shapes_hold_every_vocab_row(n, dtype):
-    """The default cluster of every vocabulary row holds it in at most 8 vectors a thread,
-    no slice empty; every shape of the space does within 16."""
-    cluster, threads = default_cluster_shape(n, dtype)
-    cr = ClusterRows(n, dtype, cluster, threads)
-    assert cr.per_thread <= 8 and (cluster - 1) * cr.slice_vectors < n // cr.vec
-    for cluster, threads in cluster_shapes(n, dtype):
-        assert ClusterRows(n, dtype, cluster, threads).per_thread <= 16
+def test_cluster_shapes_fit_the_registers(n, dtype):
+    """The default cluster of every vocabulary row (one and two inputs held) and every shape
+    of the space leave no slice empty and fit the register file; 2-CTA clusters tile the
+    SMs exactly."""
+    for held in (1, 2):
+        shapes = cluster_shapes(n, dtype, held)
+        default = default_cluster_shape(n, dtype, held)
+        if default is None:  # 512 KB of fp32 twice: the streaming kernel's
+            assert held == 2 and n * 4 * 2 > 2 ** 20 and dtype == "float32"
+            continue
+        assert default in shapes
+        for cluster, threads, ctas_per_sm in shapes:
+            cr = ClusterRows(n, dtype, cluster, threads, ctas_per_sm)
+            assert fits_registers(cr, held) and (cluster - 1) * cr.slice_vectors < n // cr.vec
+            if cluster == 2:
+                assert cr.resident_clusters * 2 == 132 * ctas_per_sm

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from .cluster_rows import ClusterRows
+from .cluster_rows import ClusterRows, slice_shape
 from .row_map import NEG_INF, RowMap, exp, tanh
 from .softmax import SM_COUNT, RowConfig, RowKernel, streaming_config
 
@@ -113,46 +113,44 @@ def row_scale(t, ignore_index, n: int, value):
 
 def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                                   smoothing: bool, dloss_per_row: bool, config: RowConfig):
-    """The MODES on rows split over a cluster (cluster_rows.py): the logits are read once;
-    the CTAs swap their (max, exp-sum, z-sum) partials; the gradient comes from registers
-    (written over the logits when asked: each CTA writes only the slice it holds). The
-    `grad` mode has nothing to swap: its CTAs each take a slice, unclustered."""
+    """The MODES on rows split over a cluster (cluster_rows.py): the logits are read once and
+    kept in registers as loaded; the CTAs swap their (max, exp-sum, z-sum) partials; the
+    gradient comes from the registers (written over the logits when asked: each CTA writes
+    only the slice it holds). Persistent clusters. The `grad` mode has nothing to swap: one
+    unclustered CTA per slice of every row."""
     rows = T.dynamic("rows")
-    cr = ClusterRows(n, dtype, config.cluster, config.threads)
-    load, _, arrive, share, merged_max_sum, merged_sum = cr.macros()
+    cr = ClusterRows(n, dtype, config.cluster, config.threads, config.ctas_per_sm)
+    load, _, begin, share, merged_max_sum, merged_sum = cr.macros()
     reduce_sum, reduce_max_sum = cr.reductions()
-    per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
+    per, vec, cluster, clusters = cr.per_thread, cr.vec, cr.cluster, cr.resident_clusters
+
+    def z_of(raw, rank, tx, i, j, cap):
+        """Slot (i, j)'s soft-capped logit (the logit without softcap; -inf padding stays)."""
+        x = T.cast(raw[i, j], "float")
+        if not softcap:
+            return x
+        return T.if_then_else(cr.valid(rank, tx, i), cap * tanh(x / cap), NEG_INF)
 
     @T.macro
-    def logits(x, row, rank, tx, zl, cap):
-        """zl[per, vec] (float) <- the soft-capped logits of the CTA's slice (x as is without
-        softcap), -inf past the row."""
-        raw = T.alloc_local((per, vec), dtype)
-        load(x, row, rank, tx, raw, NEG_INF)
-        for i in T.unroll(per):
-            for j in T.unroll(vec):
-                zl[i, j] = T.cast(raw[i, j], "float")
-                if softcap:
-                    zl[i, j] = T.if_then_else(cr.valid(rank, tx, i), cap * tanh(zl[i, j] / cap),
-                                              NEG_INF)
-
-    @T.macro
-    def store_gradient(zl, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
-        """grad's slice <- d(loss * scale)/dx from the logits zl (computed in place)."""
+    def store_gradient(raw, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
+        """grad's slice <- d(loss * scale)/dx from the logits held in raw."""
+        g = T.alloc_local((vec,), "float")
         for i in T.unroll(per):
             if cr.valid(rank, tx, i):
                 for j in T.unroll(vec):
-                    zl[i, j] = gradient_of(zl[i, j], cr.column(rank, tx, i) + j, t, lse,
-                                           scale, cap, eps, zloss, n, softcap)
+                    g[j] = gradient_of(z_of(raw, rank, tx, i, j, cap),
+                                       cr.column(rank, tx, i) + j, t, lse, scale, cap, eps,
+                                       zloss, n, softcap)
                 for j in T.vectorized(vec):
-                    grad[row, cr.column(rank, tx, i) + j] = T.cast(zl[i, j], dtype)
+                    grad[row, cr.column(rank, tx, i) + j] = T.cast(g[j], dtype)
 
     @T.macro
     def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
-        with T.Kernel(cr.grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+        with T.Kernel(cr.persistent_grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
-            row, rank = bx // cluster, bx % cluster
-            zl = T.alloc_local((per, vec), "float")
+            rank = bx % cluster
+            raw = T.alloc_local((per, vec), dtype)
             m = T.alloc_local((1,), "float")
             s = T.alloc_local((1,), "float")
             zsum = T.alloc_local((1,), "float")
@@ -161,55 +159,60 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
             red_s = T.alloc_shared((1, cr.warps), "float")
             red_z = T.alloc_shared((1, cr.warps), "float")
             mine = T.alloc_shared((3,), "float")
-            part = T.alloc_shared((cluster, 3), "float")
-            arrive(part, tx)
-            logits(x, row, rank, tx, zl, cap)
-            t = target[row]
-            # z[t], read before the cluster barrier in `share`, so before any CTA of the row
-            # stores a gradient (possibly over x)
-            zt[0] = 0.0
-            if (rank == 0) & (tx == 0) & (t != ignore_index) & (t >= 0) & (t < n):
-                zt[0] = T.cast(x[row, t], "float")
-                if softcap:
-                    zt[0] = cap * tanh(zt[0] / cap)
-            m[0] = NEG_INF
-            for i in T.unroll(per):
-                for j in T.unroll(vec):
-                    m[0] = T.max(m[0], zl[i, j])
-            shift = RowMap.shift_of(m[0])
-            s[0] = 0.0
-            zsum[0] = 0.0
-            for i in T.unroll(per):
-                for j in T.unroll(vec):
-                    s[0] = s[0] + exp(zl[i, j] - shift)
+            part = T.alloc_shared((2, cluster, 3), "float")
+            begin(part, tx)
+            for step in T.serial(cr.row_steps(rows)):
+                row = step * clusters + bx // cluster  # the same in the whole cluster
+                if row < rows:
+                    load(x, row, rank, tx, raw, NEG_INF)
+                    t = target[row]
+                    # z[t], read before the cluster barrier in `share`, so before any CTA of
+                    # the row stores a gradient (possibly over x)
+                    zt[0] = 0.0
+                    if (rank == 0) & (tx == 0) & (t != ignore_index) & (t >= 0) & (t < n):
+                        zt[0] = T.cast(x[row, t], "float")
+                        if softcap:
+                            zt[0] = cap * tanh(zt[0] / cap)
+                    m[0] = NEG_INF
+                    for i in T.unroll(per):
+                        for j in T.unroll(vec):
+                            m[0] = T.max(m[0], z_of(raw, rank, tx, i, j, cap))
+                    shift = RowMap.shift_of(m[0])
+                    s[0] = 0.0
+                    zsum[0] = 0.0
+                    for i in T.unroll(per):
+                        for j in T.unroll(vec):
+                            s[0] = s[0] + exp(z_of(raw, rank, tx, i, j, cap) - shift)
+                            if smoothing:
+                                zsum[0] = zsum[0] + T.if_then_else(
+                                    cr.valid(rank, tx, i), z_of(raw, rank, tx, i, j, cap), 0.0)
+                    reduce_max_sum(m, s, red_m, red_s, 0, tx)
                     if smoothing:
-                        zsum[0] = zsum[0] + T.if_then_else(cr.valid(rank, tx, i), zl[i, j], 0.0)
-            reduce_max_sum(m, s, red_m, red_s, 0, tx)
-            if smoothing:
-                reduce_sum(zsum, red_z, 0, tx)
-            share((m, s, zsum), mine, part, rank, tx)
-            merged_max_sum(part, m, s)
-            if smoothing:
-                merged_sum(part, 2, zsum)
-            lse = m[0] + T.log(s[0])
-            if (rank == 0) & (tx == 0):
-                loss[row] = row_scale(t, ignore_index, n, lse - (1.0 - eps) * zt[0]
-                                      - eps / n * zsum[0] + zloss * lse * lse)
-                lse_out[row] = lse
-            if mode == "loss_and_grad":
-                store_gradient(zl, grad, row, rank, tx, target_column(t, n), lse,
-                               row_scale(t, ignore_index, n, T.float32(1.0)), cap, eps, zloss)
+                        reduce_sum(zsum, red_z, 0, tx)
+                    share((m, s, zsum), mine, part, step % 2, rank, tx)
+                    merged_max_sum(part, step % 2, m, s)
+                    if smoothing:
+                        merged_sum(part, step % 2, 2, zsum)
+                    lse = m[0] + T.log(s[0])
+                    if (rank == 0) & (tx == 0):
+                        loss[row] = row_scale(t, ignore_index, n, lse - (1.0 - eps) * zt[0]
+                                              - eps / n * zsum[0] + zloss * lse * lse)
+                        lse_out[row] = lse
+                    if mode == "loss_and_grad":
+                        store_gradient(raw, grad, row, rank, tx, target_column(t, n), lse,
+                                       row_scale(t, ignore_index, n, T.float32(1.0)), cap, eps,
+                                       zloss)
 
     @T.macro
     def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             tx = T.get_thread_binding()
             row, rank = bx // cluster, bx % cluster
-            zl = T.alloc_local((per, vec), "float")
-            logits(x, row, rank, tx, zl, cap)
+            raw = T.alloc_local((per, vec), dtype)
+            load(x, row, rank, tx, raw, NEG_INF)
             t = target[row]
             d = dloss[row] if dloss_per_row else dloss[0]
-            store_gradient(zl, grad, row, rank, tx, target_column(t, n), lse_in[row],
+            store_gradient(raw, grad, row, rank, tx, target_column(t, n), lse_in[row],
                            row_scale(t, ignore_index, n, d), cap, eps, zloss)
 
     return rows, forward, backward
@@ -425,6 +428,9 @@ class CrossEntropyKernel(RowKernel):
 
     def heuristic_config(self, bucket: str, arch: str) -> CrossEntropyConfig:
         row = super().heuristic_config(bucket, arch)
+        if self.key["mode"] == "grad" and row.cluster:  # one pass: unclustered slices
+            slices, threads = slice_shape(self.key["n"], self.key["dtype"])
+            row = dataclasses.replace(row, cluster=slices, threads=threads, row_threads=threads)
         return CrossEntropyConfig(**dataclasses.asdict(row))
 
     def config_space(self, bucket: str) -> list[CrossEntropyConfig]:

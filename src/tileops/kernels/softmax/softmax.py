@@ -175,83 +175,95 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
 
 def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     """The KINDS but logsumexp_bwd (one pass, nothing to share) on rows split over a cluster:
-    one read of each input, the statistics swapped between the cluster's CTAs."""
+    one read of each input, the statistics swapped between the cluster's CTAs; persistent
+    clusters, `ctas_per_sm` CTAs made resident on each SM."""
     rows = T.dynamic("rows")
-    cr = ClusterRows(n, dtype, config.cluster, config.threads)
-    load, slice_max_sum, arrive, share, merged_max_sum, merged_sum = cr.macros()
+    cr = ClusterRows(n, dtype, config.cluster, config.threads, config.ctas_per_sm)
+    load, slice_max_sum, begin, share, merged_max_sum, merged_sum = cr.macros()
     reduce_sum, reduce_max_sum = cr.reductions()
-    per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
+    per, vec, cluster, clusters = cr.per_thread, cr.vec, cr.cluster, cr.resident_clusters
 
     @T.macro
     def forward(x, y, lse_out):
-        with T.Kernel(cr.grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+        with T.Kernel(cr.persistent_grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
-            row, rank = bx // cluster, bx % cluster
+            rank = bx % cluster
             raw = T.alloc_local((per, vec), dtype)
             m = T.alloc_local((1,), "float")
             s = T.alloc_local((1,), "float")
             red_m = T.alloc_shared((1, cr.warps), "float")
             red_s = T.alloc_shared((1, cr.warps), "float")
             mine = T.alloc_shared((2,), "float")
-            part = T.alloc_shared((cluster, 2), "float")
-            arrive(part, tx)
-            load(x, row, rank, tx, raw, NEG_INF)
-            slice_max_sum(raw, m, s)
-            reduce_max_sum(m, s, red_m, red_s, 0, tx)
-            share((m, s), mine, part, rank, tx)
-            merged_max_sum(part, m, s)
-            if kind == "logsumexp":
-                if (rank == 0) & (tx == 0):
-                    lse_out[row] = T.cast(RowMap.logsumexp_of(m[0], s[0]), lse_out.dtype)
-            else:
-                shift = RowMap.shift_of(m[0])
-                scale = 1.0 / s[0]
-                lse = m[0] + T.log(s[0])
-                for i in T.unroll(per):
-                    if cr.valid(rank, tx, i):
-                        for j in T.vectorized(vec):
-                            if kind == "softmax":
-                                y[row, cr.column(rank, tx, i) + j] = T.cast(
-                                    exp(T.cast(raw[i, j], "float") - shift) * scale, dtype)
-                            else:
-                                y[row, cr.column(rank, tx, i) + j] = T.cast(
-                                    T.cast(raw[i, j], "float") - lse, dtype)
+            part = T.alloc_shared((2, cluster, 2), "float")
+            begin(part, tx)
+            for step in T.serial(cr.row_steps(rows)):
+                row = step * clusters + bx // cluster  # the same in the whole cluster
+                if row < rows:
+                    load(x, row, rank, tx, raw, NEG_INF)
+                    slice_max_sum(raw, m, s)
+                    reduce_max_sum(m, s, red_m, red_s, 0, tx)
+                    share((m, s), mine, part, step % 2, rank, tx)
+                    merged_max_sum(part, step % 2, m, s)
+                    if kind == "logsumexp":
+                        if (rank == 0) & (tx == 0):
+                            lse_out[row] = T.cast(RowMap.logsumexp_of(m[0], s[0]),
+                                                  lse_out.dtype)
+                    else:
+                        shift = RowMap.shift_of(m[0])
+                        scale = 1.0 / s[0]
+                        lse = m[0] + T.log(s[0])
+                        for i in T.unroll(per):
+                            if cr.valid(rank, tx, i):
+                                for j in T.vectorized(vec):
+                                    if kind == "softmax":
+                                        y[row, cr.column(rank, tx, i) + j] = T.cast(
+                                            exp(T.cast(raw[i, j], "float") - shift) * scale,
+                                            dtype)
+                                    else:
+                                        y[row, cr.column(rank, tx, i) + j] = T.cast(
+                                            T.cast(raw[i, j], "float") - lse, dtype)
 
     @T.macro
     def backward(dy, y, dx):
-        with T.Kernel(cr.grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+        with T.Kernel(cr.persistent_grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
-            row, rank = bx // cluster, bx % cluster
+            rank = bx % cluster
             dyr = T.alloc_local((per, vec), dtype)
             yr = T.alloc_local((per, vec), dtype)
             total = T.alloc_local((1,), "float")
             red = T.alloc_shared((1, cr.warps), "float")
             mine = T.alloc_shared((1,), "float")
-            part = T.alloc_shared((cluster, 1), "float")
-            arrive(part, tx)
-            load(dy, row, rank, tx, dyr, 0.0)
-            load(y, row, rank, tx, yr, 0.0)
-            total[0] = 0.0
-            for i in T.unroll(per):
-                for j in T.unroll(vec):
-                    if kind == "softmax_bwd":
-                        total[0] = total[0] + T.cast(dyr[i, j], "float") * T.cast(yr[i, j], "float")
-                    else:
-                        total[0] = total[0] + T.cast(dyr[i, j], "float")
-            reduce_sum(total, red, 0, tx)
-            share((total,), mine, part, rank, tx)
-            merged_sum(part, 0, total)
-            for i in T.unroll(per):
-                if cr.valid(rank, tx, i):
-                    for j in T.vectorized(vec):
-                        if kind == "softmax_bwd":
-                            dx[row, cr.column(rank, tx, i) + j] = T.cast(
-                                T.cast(yr[i, j], "float") * (T.cast(dyr[i, j], "float") - total[0]),
-                                dtype)
-                        else:
-                            dx[row, cr.column(rank, tx, i) + j] = T.cast(
-                                T.cast(dyr[i, j], "float")
-                                - exp(T.cast(yr[i, j], "float")) * total[0], dtype)
+            part = T.alloc_shared((2, cluster, 1), "float")
+            begin(part, tx)
+            for step in T.serial(cr.row_steps(rows)):
+                row = step * clusters + bx // cluster
+                if row < rows:
+                    load(dy, row, rank, tx, dyr, 0.0)
+                    load(y, row, rank, tx, yr, 0.0)
+                    total[0] = 0.0
+                    for i in T.unroll(per):
+                        for j in T.unroll(vec):
+                            if kind == "softmax_bwd":
+                                total[0] = total[0] + T.cast(dyr[i, j], "float") * T.cast(
+                                    yr[i, j], "float")
+                            else:
+                                total[0] = total[0] + T.cast(dyr[i, j], "float")
+                    reduce_sum(total, red, 0, tx)
+                    share((total,), mine, part, step % 2, rank, tx)
+                    merged_sum(part, step % 2, 0, total)
+                    for i in T.unroll(per):
+                        if cr.valid(rank, tx, i):
+                            for j in T.vectorized(vec):
+                                if kind == "softmax_bwd":
+                                    dx[row, cr.column(rank, tx, i) + j] = T.cast(
+                                        T.cast(yr[i, j], "float")
+                                        * (T.cast(dyr[i, j], "float") - total[0]), dtype)
+                                else:
+                                    dx[row, cr.column(rank, tx, i) + j] = T.cast(
+                                        T.cast(dyr[i, j], "float")
+                                        - exp(T.cast(yr[i, j], "float")) * total[0], dtype)
 
     R, V = (rows, n), (rows,)
     if kind == "logsumexp":
@@ -271,12 +283,14 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     return softmax_bwd
 
 
-def default_row_config(n: int, dtype: str, few_rows: bool, cluster: bool = True) -> RowConfig:
+def default_row_config(n: int, dtype: str, few_rows: bool, cluster: bool = True,
+                       held: int = 1) -> RowConfig:
     """Rows up to 1024 vectors (8K bf16 columns at 16 bytes each) fit one chunk of at most 4 vectors
     per thread and stay in registers between the passes (read once); a warp per row for
     short rows, so a CTA holds several. Longer rows (vocabularies) are split over a cluster of
     CTAs that hold them in registers (read once; cluster_rows.py), when the kernel has a
-    cluster form (`cluster`) and the row fits 8 CTAs; else they stream in chunks of 512
+    cluster form (`cluster`) and the row fits 8 CTAs' registers (`held` inputs of it kept);
+    else they stream in chunks of 512
     threads x 4 vectors, read twice, with at most 2 CTAs per SM so the second read hits L2."""
     vectors = n // vector_width(n, dtype)
     if vectors <= 1024:
@@ -287,9 +301,9 @@ def default_row_config(n: int, dtype: str, few_rows: bool, cluster: bool = True)
         threads = max(256, row_threads)
         return RowConfig(threads=threads, row_threads=row_threads, vecs=vecs,
                          ctas_per_sm=max(1, 2048 // threads))
-    shape = default_cluster_shape(n, dtype) if cluster else None
+    shape = default_cluster_shape(n, dtype, held) if cluster else None
     if shape is not None:
-        return RowConfig(threads=shape[1], row_threads=shape[1], vecs=4, ctas_per_sm=1,
+        return RowConfig(threads=shape[1], row_threads=shape[1], vecs=4, ctas_per_sm=shape[2],
                          cluster=shape[0])
     return RowConfig(threads=512, row_threads=512, vecs=4, ctas_per_sm=1 if few_rows else 2)
 
@@ -305,6 +319,7 @@ class RowKernel(Kernel):
 
     Config = RowConfig
     clustered = True  # whether the kernel has a cluster form for long rows
+    held = 1  # inputs its cluster form keeps in registers
 
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*tensors)
@@ -314,7 +329,7 @@ class RowKernel(Kernel):
 
     def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
         return default_row_config(self.key["n"], self.key["dtype"], bucket == "few",
-                                  self.clustered)
+                                  self.clustered, self.held)
 
     def config_space(self, bucket: str) -> list[RowConfig]:
         n, dtype = self.key["n"], self.key["dtype"]
@@ -327,10 +342,8 @@ class RowKernel(Kernel):
                         if row_threads <= threads:
                             space.append(RowConfig(threads, row_threads, vecs, ctas_per_sm))
         if self.clustered and n // vector_width(n, dtype) > 1024:
-            # 4 to 16 vectors a thread: fewer leaves the registers idle, more spills
-            for cluster, threads in cluster_shapes(n, dtype):
-                if ClusterRows(n, dtype, cluster, threads).per_thread >= 4:
-                    space.append(RowConfig(threads, threads, 4, 1, cluster))
+            for cluster, threads, ctas_per_sm in cluster_shapes(n, dtype, self.held):
+                space.append(RowConfig(threads, threads, 4, ctas_per_sm, cluster))
         return list(dict.fromkeys(space))
 
 
@@ -342,6 +355,10 @@ class SoftmaxKernel(RowKernel):
     @property
     def clustered(self) -> bool:
         return self.key["kind"] != "logsumexp_bwd"  # one pass from a given lse: nothing to share
+
+    @property
+    def held(self) -> int:
+        return 2 if self.key["kind"] in ("softmax_bwd", "log_softmax_bwd") else 1
 
     def program(self, config: RowConfig, bucket: str):
         return softmax_program(self.key["kind"], self.key["n"], self.key["dtype"], config)
