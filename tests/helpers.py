@@ -209,12 +209,11 @@ def load_script(name: str) -> types.ModuleType:
 
 
 def cluster_configs(kernel):
-    """The default (a cluster config) and the space's first cluster config of every
-    (cluster size, CTAs per SM) pair."""
-    default = kernel.heuristic_config("many", "sm_90a")
-    assert default.cluster
+    """The space's first cluster config of every (cluster size, CTAs per SM) pair (the
+    softmax family's cluster_rows.py)."""
     firsts = {}
     for config in kernel.config_space("many"):
         if config.cluster:
             firsts.setdefault((config.cluster, config.ctas_per_sm), config)
-    return list(dict.fromkeys([default, *firsts.values()]))
+    assert firsts
+    return list(firsts.values())

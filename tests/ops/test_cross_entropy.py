@@ -148,8 +148,8 @@ def _kernel(mode, vocab, dtype, params):
 def _streaming_default(vocab, dtype):
     """The streaming thread map's default (the heuristic's without clusters)."""
     from tileops.kernels.softmax.cross_entropy import CrossEntropyConfig
-    from tileops.kernels.softmax.softmax import streaming_config
-    row = streaming_config(vocab, str(dtype).removeprefix("torch."), False)
+    from tileops.kernels.softmax.softmax import default_row_config
+    row = default_row_config(vocab, str(dtype).removeprefix("torch."), False)
     return CrossEntropyConfig(**dataclasses.asdict(row))
 
 
@@ -228,7 +228,9 @@ def test_gradient_pass_variants_match_float64(rows, vocab, dtype, params, per_ro
                                 softcap="softcap" in params,
                                 smoothing="label_smoothing" in params, dloss_per_row=per_row)
     default = _streaming_default(vocab, dtype)
-    for config in default_variants(default, "grad"):
+    # the default (rows past one chunk: unclustered slices) and the streaming variants
+    for config in [kernel.heuristic_config("many", "sm_90a"), default,
+                   *default_variants(default, "grad")]:
         assert config in kernel.config_space("many")
         op = CrossEntropyBwdOp(**params)
         op.pin_config(config, grad_loss, x, target, lse)
@@ -237,8 +239,8 @@ def test_gradient_pass_variants_match_float64(rows, vocab, dtype, params, per_ro
 
 
 def _cluster_configs(mode, vocab, dtype, params):
-    """The default and the first cluster config of every (cluster size, CTAs per SM) pair of
-    `mode`'s space (cluster_rows.py), compiled in parallel."""
+    """The first cluster config of every (cluster size, CTAs per SM) pair of `mode`'s space
+    (cluster_rows.py), compiled in parallel."""
     kernel = _kernel(mode, vocab, dtype, params)
     configs = cluster_configs(kernel)
     kernel.compile_many(configs, "many")

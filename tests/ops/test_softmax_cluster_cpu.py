@@ -10,8 +10,8 @@ from tileops.kernels.softmax import RowConfig, SoftmaxKernel
 from tileops.kernels.softmax.cluster_rows import (
     ClusterRows,
     cluster_shapes,
-    default_cluster_shape,
     fits_registers,
+    slice_shape,
 )
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -106,18 +106,14 @@ def test_persistent_clusters_walk_many_rows_on_the_cpu(monkeypatch):
 @pytest.mark.parametrize("n", [32000, 50257, 128256, 151936, 256000, 129280])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_cluster_shapes_fit_the_registers(n, dtype):
-    """The default cluster of every vocabulary row (one and two inputs held) and every shape
-    of the space leave no slice empty and fit the register file; 2-CTA clusters tile the
-    SMs exactly."""
+    """Every cluster shape of the space (one and two inputs held) leaves no slice empty and
+    fits the register file; 2-CTA clusters tile the SMs exactly. The one-pass slices hold
+    at most 8 vectors a thread."""
     for held in (1, 2):
-        shapes = cluster_shapes(n, dtype, held)
-        default = default_cluster_shape(n, dtype, held)
-        if default is None:  # 512 KB of fp32 twice: the streaming kernel's
-            assert held == 2 and n * 4 * 2 > 2 ** 20 and dtype == "float32"
-            continue
-        assert default in shapes
-        for cluster, threads, ctas_per_sm in shapes:
+        for cluster, threads, ctas_per_sm in cluster_shapes(n, dtype, held):
             cr = ClusterRows(n, dtype, cluster, threads, ctas_per_sm)
             assert fits_registers(cr, held) and (cluster - 1) * cr.slice_vectors < n // cr.vec
             if cluster == 2:
                 assert cr.resident_clusters * 2 == 132 * ctas_per_sm
+    slices, threads = slice_shape(n, dtype)
+    assert ClusterRows(n, dtype, slices, threads).per_thread <= 8

@@ -212,17 +212,6 @@ def cluster_shapes(n: int, dtype: str, held: int = 1) -> list[tuple[int, int, in
     return shapes
 
 
-def default_cluster_shape(n: int, dtype: str, held: int = 1) -> tuple[int, int, int] | None:
-    """The smallest cluster (pairs tile the SMs exactly) whose slices fit the registers of
-    one CTA per SM, the most threads first; None if no cluster holds the row."""
-    for cluster in range(2, MAX_CLUSTER + 1):
-        for threads in (1024, 512):
-            cr = ClusterRows(n, dtype, cluster, threads, 1)
-            if fits_registers(cr, held) and (cluster - 1) * cr.slice_vectors < n // cr.vec:
-                return cluster, threads, 1
-    return None
-
-
 def slice_shape(n: int, dtype: str, per_thread: int = 8) -> tuple[int, int]:
     """(slices, threads) for a one-pass kernel that splits rows into unclustered CTAs (nothing
     to share): the fewest threads (256 up) whose slices take at most `per_thread` vectors a

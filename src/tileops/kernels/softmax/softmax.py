@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..base import Kernel
-from .cluster_rows import ClusterRows, cluster_shapes, default_cluster_shape
+from .cluster_rows import ClusterRows, cluster_shapes
 from .row_map import NEG_INF, RowMap, exp, vector_width
 
 KINDS = ("softmax", "log_softmax", "logsumexp", "softmax_bwd", "log_softmax_bwd",
@@ -283,15 +283,13 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     return softmax_bwd
 
 
-def default_row_config(n: int, dtype: str, few_rows: bool, cluster: bool = True,
-                       held: int = 1) -> RowConfig:
+def default_row_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
     """Rows up to 1024 vectors (8K bf16 columns at 16 bytes each) fit one chunk of at most 4 vectors
     per thread and stay in registers between the passes (read once); a warp per row for
-    short rows, so a CTA holds several. Longer rows (vocabularies) are split over a cluster of
-    CTAs that hold them in registers (read once; cluster_rows.py), when the kernel has a
-    cluster form (`cluster`) and the row fits 8 CTAs' registers (`held` inputs of it kept);
-    else they stream in chunks of 512
-    threads x 4 vectors, read twice, with at most 2 CTAs per SM so the second read hits L2."""
+    short rows, so a CTA holds several. Longer rows stream in chunks of 512 threads x 4
+    vectors, read twice, with at most 2 CTAs per SM so the second read hits L2. (Rows split
+    over persistent clusters, read once, are in the config space but measured slower:
+    cluster_rows.py.)"""
     vectors = n // vector_width(n, dtype)
     if vectors <= 1024:
         row_threads = 32
@@ -301,16 +299,7 @@ def default_row_config(n: int, dtype: str, few_rows: bool, cluster: bool = True,
         threads = max(256, row_threads)
         return RowConfig(threads=threads, row_threads=row_threads, vecs=vecs,
                          ctas_per_sm=max(1, 2048 // threads))
-    shape = default_cluster_shape(n, dtype, held) if cluster else None
-    if shape is not None:
-        return RowConfig(threads=shape[1], row_threads=shape[1], vecs=4, ctas_per_sm=shape[2],
-                         cluster=shape[0])
     return RowConfig(threads=512, row_threads=512, vecs=4, ctas_per_sm=1 if few_rows else 2)
-
-
-def streaming_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
-    """The default without clusters (the streaming or one-chunk thread map)."""
-    return default_row_config(n, dtype, few_rows, cluster=False)
 
 
 class RowKernel(Kernel):
@@ -328,13 +317,12 @@ class RowKernel(Kernel):
         return "few" if rows <= 256 else "many"
 
     def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
-        return default_row_config(self.key["n"], self.key["dtype"], bucket == "few",
-                                  self.clustered, self.held)
+        return default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
 
     def config_space(self, bucket: str) -> list[RowConfig]:
         n, dtype = self.key["n"], self.key["dtype"]
-        space = [self.heuristic_config(bucket, "sm_90a"), streaming_config(n, dtype,
-                                                                            bucket == "few")]
+        space = [self.heuristic_config(bucket, "sm_90a"), default_row_config(n, dtype,
+                                                                             bucket == "few")]
         for threads in (256, 512, 1024):
             for row_threads in (32, 128, 256, 512, 1024):
                 for vecs in (1, 2, 4):
