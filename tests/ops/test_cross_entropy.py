@@ -167,6 +167,25 @@ def _kept_configs(vocab, dtype, params):
     return configs
 
 
+def _check_loss_and_grad(config, params, x, target, ref, ref_grad):
+    """The one-pass op pinned to `config`, into NaN-poisoned outputs, in place and not: loss
+    and gradient against the float64 references; the op form gives the same gradient."""
+    rows = x.shape[0]
+    op = CrossEntropyWithGradFwdOp(**params)
+    op.pin_config(config, x, target)
+    loss, lse = poison(torch.empty(rows, device="cuda")), poison(torch.empty(rows,
+                                                                     device="cuda"))
+    grad = poison(torch.empty_like(x))
+    op._run("loss_and_grad", x, x, target, loss, lse, grad)
+    assert_close(loss, ref, what=f"loss {config}")
+    assert_close(grad, ref_grad, what=f"grad {config}")
+    inplace = x.clone()  # the gradient written over the logits
+    op._run("loss_and_grad", inplace, inplace, target, loss, lse, inplace)
+    assert torch.equal(inplace, grad), config
+    out = op(x, target)  # the op form, through the pinned kernel
+    assert torch.equal(out[2], grad), config
+
+
 @pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES, ids=_ids(KEPT_CASES))
 def test_every_kept_row_config_matches_float64(rows, vocab, dtype, params):
     """The one-pass op on each config that keeps rows in shared memory between the passes,
@@ -177,19 +196,7 @@ def test_every_kept_row_config_matches_float64(rows, vocab, dtype, params):
     ref = reference_rows(ref_leaf, target, **params)
     ref.sum().backward()
     for config in _kept_configs(vocab, dtype, params):
-        op = CrossEntropyWithGradFwdOp(**params)
-        op.pin_config(config, x, target)
-        loss, lse = poison(torch.empty(rows, device="cuda")), poison(torch.empty(rows,
-                                                                         device="cuda"))
-        grad = poison(torch.empty_like(x))
-        op._run("loss_and_grad", x, x, target, loss, lse, grad)
-        assert_close(loss, ref, what=f"loss {config}")
-        assert_close(grad, ref_leaf.grad, what=f"grad {config}")
-        inplace = x.clone()  # the gradient written over the logits
-        op._run("loss_and_grad", inplace, inplace, target, loss, lse, inplace)
-        assert torch.equal(inplace, grad), config
-        out = op(x, target)  # the op form, through the pinned kernel
-        assert torch.equal(out[2], grad), config
+        _check_loss_and_grad(config, params, x, target, ref, ref_leaf.grad)
 
 
 @pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES[:4], ids=_ids(KEPT_CASES[:4]))
@@ -260,17 +267,7 @@ def test_every_cluster_config_matches_float64(rows, vocab, dtype, params):
     ref = reference_rows(ref_leaf, target, **params)
     ref.sum().backward()
     for config in _cluster_configs("loss_and_grad", vocab, dtype, params):
-        op = CrossEntropyWithGradFwdOp(**params)
-        op.pin_config(config, x, target)
-        loss, lse = poison(torch.empty(rows, device="cuda")), poison(torch.empty(rows,
-                                                                         device="cuda"))
-        grad = poison(torch.empty_like(x))
-        op._run("loss_and_grad", x, x, target, loss, lse, grad)
-        assert_close(loss, ref, what=f"loss {config}")
-        assert_close(grad, ref_leaf.grad, what=f"grad {config}")
-        inplace = x.clone()
-        op._run("loss_and_grad", inplace, inplace, target, loss, lse, inplace)
-        assert torch.equal(inplace, grad), config
+        _check_loss_and_grad(config, params, x, target, ref, ref_leaf.grad)
     for config in _cluster_configs("loss", vocab, dtype, params):
         op = CrossEntropyFwdOp(**params)
         op.pin_config(config, x, target)

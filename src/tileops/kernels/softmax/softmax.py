@@ -149,28 +149,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                 xl[i, j] = gr * exp(xl[i, j] - lr)
                         store(xl, dx, row, c, lane)
 
-    R, V = (rows, n), (rows,)
-    if kind == "logsumexp":
-        @T.prim_func
-        def logsumexp_fwd(x: T.Tensor(R, dtype), out: T.Tensor(V, dtype)):
-            forward(x, None, out)
-        return logsumexp_fwd
-    if kind in ("softmax", "log_softmax"):
-        @T.prim_func
-        def softmax_fwd(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype)):
-            forward(x, y, None)
-        return softmax_fwd
-    if kind == "logsumexp_bwd":
-        @T.prim_func
-        def logsumexp_bwd(g: T.Tensor(V, dtype), x: T.Tensor(R, dtype),
-                          lse: T.Tensor(V, dtype), dx: T.Tensor(R, dtype)):
-            lse_backward(g, x, lse, dx)
-        return logsumexp_bwd
-
-    @T.prim_func
-    def softmax_bwd(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype), dx: T.Tensor(R, dtype)):
-        backward(dy, y, dx)
-    return softmax_bwd
+    return prim_func_of(kind, rows, n, dtype, forward, backward, lse_backward)
 
 
 def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
@@ -265,6 +244,12 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                         T.cast(dyr[i, j], "float")
                                         - exp(T.cast(yr[i, j], "float")) * total[0], dtype)
 
+    return prim_func_of(kind, rows, n, dtype, forward, backward)
+
+
+def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_backward=None):
+    """The program of `kind` around the kernel macros (the streaming or the cluster ones,
+    which size their grids by the same symbolic `rows`)."""
     R, V = (rows, n), (rows,)
     if kind == "logsumexp":
         @T.prim_func
@@ -276,6 +261,12 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
         def softmax_fwd(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype)):
             forward(x, y, None)
         return softmax_fwd
+    if kind == "logsumexp_bwd":
+        @T.prim_func
+        def logsumexp_bwd(g: T.Tensor(V, dtype), x: T.Tensor(R, dtype),
+                          lse: T.Tensor(V, dtype), dx: T.Tensor(R, dtype)):
+            lse_backward(g, x, lse, dx)
+        return logsumexp_bwd
 
     @T.prim_func
     def softmax_bwd(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype), dx: T.Tensor(R, dtype)):
