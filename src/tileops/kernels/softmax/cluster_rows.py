@@ -20,6 +20,10 @@ SM, enforced by the launch bound), each taking every so-many-th row. One cluster
 measured 1.8-4x slower on the H200 (2026-12-02: every cluster is placed and its barriers
 met anew, and a cluster of 8 waits for 8 free SMs of one GPC). Clusters of 2 always tile
 the SMs (a GPC holds whole TPCs of 2 SMs); larger ones may leave a GPC's last SMs idle.
+Persistent, they still measured slower than the streaming kernels (an SM holds one or two
+such CTAs, idle at the cluster barrier and while storing), so they are tuner options, not
+defaults. Unclustered slices (`slice_shape`) are the default of cross-entropy's one-pass
+gradient, which has nothing to share (86-96% of HBM).
 """
 
 from dataclasses import dataclass
@@ -30,7 +34,6 @@ from ..vectors import ELEM_BYTES, vector_width
 from .row_map import NEG_INF, RowMap, exp
 
 MAX_CLUSTER = 8  # the portable cluster size on Hopper
-MAX_PER_THREAD = 16  # vectors a thread holds: 16 x 16 bytes = 64 registers of packed data
 SM_COUNT = 132  # H200
 
 
