@@ -109,6 +109,8 @@ class ClusterRows:
         """(load, slice_max_sum, begin, share, merged_max_sum, merged_sum); see each one's
         comment."""
         per, vec, cluster = self.per_thread, self.vec, self.cluster
+        chunk_max_sum = RowMap(self.n, self.dtype, self.threads, self.threads, per, 1).macros(
+            None)[4]
 
         @T.macro
         def load(buf, row, rank, tx, raw, fill):
@@ -126,16 +128,10 @@ class ClusterRows:
         @T.macro
         def slice_max_sum(raw, m, s):
             """(m[0], s[0]) <- the max of the thread's values (as float) and the sum of their
-            exp(x - max); -inf padding adds 0."""
+            exp(x - max); -inf padding adds 0 (the streaming kernels' chunk fold, one chunk)."""
             m[0] = NEG_INF
-            for i in T.unroll(per):
-                for j in T.unroll(vec):
-                    m[0] = T.max(m[0], T.cast(raw[i, j], "float"))
-            shift = T.if_then_else(m[0] == NEG_INF, T.float32(0), m[0])
             s[0] = 0.0
-            for i in T.unroll(per):
-                for j in T.unroll(vec):
-                    s[0] = s[0] + exp(T.cast(raw[i, j], "float") - shift)
+            chunk_max_sum(raw, m, s)
 
         @T.macro
         def begin(part, tx):
@@ -172,7 +168,7 @@ class ClusterRows:
             m[0] = part[parity, 0, 0]
             for k in T.unroll(cluster - 1):
                 m[0] = T.max(m[0], part[parity, k + 1, 0])
-            shift = T.if_then_else(m[0] == NEG_INF, T.float32(0), m[0])
+            shift = RowMap.shift_of(m[0])
             s[0] = 0.0
             for k in T.unroll(cluster):
                 s[0] = s[0] + part[parity, k, 1] * exp(part[parity, k, 0] - shift)

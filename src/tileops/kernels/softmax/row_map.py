@@ -152,17 +152,18 @@ class RowMap:
 
         @T.macro
         def chunk_max_sum(local, m, s):
-            """Folds one loaded chunk into the thread's running (max, exp-sum) pair."""
+            """Folds one loaded chunk (float, or as loaded: widened per use) into the
+            thread's running (max, exp-sum) pair."""
             hi = T.alloc_local((1,), "float")
             hi[0] = m[0]
             for i in T.unroll(vecs):
                 for j in T.unroll(vec):
-                    hi[0] = T.max(hi[0], local[i, j])
+                    hi[0] = T.max(hi[0], T.cast(local[i, j], "float"))
             shift = safe_shift(hi[0])
             s[0] = s[0] * exp(m[0] - shift)
             for i in T.unroll(vecs):
                 for j in T.unroll(vec):
-                    s[0] = s[0] + exp(local[i, j] - shift)
+                    s[0] = s[0] + exp(T.cast(local[i, j], "float") - shift)
             m[0] = hi[0]
 
         return load, store, reduce_sum, reduce_max_sum, chunk_max_sum
