@@ -37,11 +37,13 @@ class NormBwdConfig:
     prefetch: bool = True  # load the next rows during this row's reductions
     stages: int = 0  # > 0: rows staged through shared memory by a TMA pipeline this deep
     from_shared: bool = False  # staged rows are read where they land, not copied to registers
+    ctas_per_sm: int = 1  # staged: CTAs resident per SM (> 1: registers split to fit them)
 
 
 def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
-                     prefetch: bool, stages: int = 0, from_shared: bool = False):
+                     prefetch: bool, stages: int = 0, from_shared: bool = False,
+                     ctas_per_sm: int = 1):
     rows = T.dynamic("rows")
     staged = stages > 0 and stageable(n, block_rows, threads)
     tile = RowTile(n, block_rows, threads, exact=staged)
@@ -116,6 +118,14 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     @T.macro
     def body(dy, h, w, dres, dx, dw_part, db_part, eps):
         with T.Kernel(ctas, threads=threads) as bx:
+            if staged and ctas_per_sm > 1:
+                # several CTAs' pipelines per SM, each consumer's row sums overlapping the
+                # others': the register file split between them (the producer warp group
+                # keeps 24 registers a thread, the consumers the rest, in steps of 8)
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(
+                    (65536 // ctas_per_sm - 128 * 24) // threads // 8 * 8)
             # staged rows may be read straight from shared memory (wide rows: the registers
             # of a [1, n] copy are what the producer's register cap cannot spare)
             in_shared = staged and from_shared
@@ -287,7 +297,8 @@ class NormBwdKernel(Kernel):
         n, dtype = self.key["n"], self.key["dtype"]
         main = norm_bwd_program(n, dtype, block_rows=config.block_rows, threads=config.threads,
                                 ctas=config.ctas, prefetch=config.prefetch,
-                                stages=config.stages, from_shared=config.from_shared, **flags)
+                                stages=config.stages, from_shared=config.from_shared,
+                                ctas_per_sm=config.ctas_per_sm, **flags)
         sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
             "has_bias"] else ()
         return (main, *sums)
