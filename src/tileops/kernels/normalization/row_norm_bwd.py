@@ -29,6 +29,19 @@ SHORT_UNALIGNED = 2048  # up to this width, rows without an even vector split go
 # (from 512: narrower ones fill too few threads alone and stay several per CTA)
 
 
+PRODUCER_REGISTERS = 24  # a TMA producer warp group's registers per thread, after its setmaxnreg
+
+
+def consumer_registers(threads: int, ctas_per_sm: int) -> int:
+    """Registers per consumer thread after setmaxnreg when `ctas_per_sm` staged CTAs of
+    `threads` consumers (+ a 128-thread producer warp group) share an SM. A CTA launches
+    with the launch bound's share of the register file, and the consumers' increase draws
+    only on what its own producer released: asking for more blocks forever (a deadlock)."""
+    at_launch = 65536 // (ctas_per_sm * (threads + 128)) // 8 * 8
+    released = (at_launch - PRODUCER_REGISTERS) * 128
+    return min(240, (at_launch + released // threads) // 8 * 8)
+
+
 @dataclass(frozen=True)
 class NormBwdConfig:
     block_rows: int = 1
@@ -120,12 +133,10 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
         with T.Kernel(ctas, threads=threads) as bx:
             if staged and ctas_per_sm > 1:
                 # several CTAs' pipelines per SM, each consumer's row sums overlapping the
-                # others': the register file split between them (the producer warp group
-                # keeps 24 registers a thread, the consumers the rest, in steps of 8)
+                # others'; see `consumer_registers`
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
-                T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc(
-                    (65536 // ctas_per_sm - 128 * 24) // threads // 8 * 8)
+                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
+                T.annotate_consumer_reg_alloc(consumer_registers(threads, ctas_per_sm))
             # staged rows may be read straight from shared memory (wide rows: the registers
             # of a [1, n] copy are what the producer's register cap cannot spare)
             in_shared = staged and from_shared
