@@ -29,19 +29,6 @@ SHORT_UNALIGNED = 2048  # up to this width, rows without an even vector split go
 # (from 512: narrower ones fill too few threads alone and stay several per CTA)
 
 
-PRODUCER_REGISTERS = 24  # a TMA producer warp group's registers per thread, after its setmaxnreg
-
-
-def consumer_registers(threads: int, ctas_per_sm: int) -> int:
-    """Registers per consumer thread after setmaxnreg when `ctas_per_sm` staged CTAs of
-    `threads` consumers (+ a 128-thread producer warp group) share an SM. A CTA launches
-    with the launch bound's share of the register file, and the consumers' increase draws
-    only on what its own producer released: asking for more blocks forever (a deadlock)."""
-    at_launch = 65536 // (ctas_per_sm * (threads + 128)) // 8 * 8
-    released = (at_launch - PRODUCER_REGISTERS) * 128
-    return min(240, (at_launch + released // threads) // 8 * 8)
-
-
 @dataclass(frozen=True)
 class NormBwdConfig:
     block_rows: int = 1
@@ -50,13 +37,11 @@ class NormBwdConfig:
     prefetch: bool = True  # load the next rows during this row's reductions
     stages: int = 0  # > 0: rows staged through shared memory by a TMA pipeline this deep
     from_shared: bool = False  # staged rows are read where they land, not copied to registers
-    ctas_per_sm: int = 1  # staged: CTAs resident per SM (> 1: registers split to fit them)
 
 
 def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
-                     prefetch: bool, stages: int = 0, from_shared: bool = False,
-                     ctas_per_sm: int = 1):
+                     prefetch: bool, stages: int = 0, from_shared: bool = False):
     rows = T.dynamic("rows")
     staged = stages > 0 and stageable(n, block_rows, threads)
     tile = RowTile(n, block_rows, threads, exact=staged)
@@ -131,12 +116,6 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     @T.macro
     def body(dy, h, w, dres, dx, dw_part, db_part, eps):
         with T.Kernel(ctas, threads=threads) as bx:
-            if staged and ctas_per_sm > 1:
-                # several CTAs' pipelines per SM, each consumer's row sums overlapping the
-                # others'; see `consumer_registers`
-                T.annotate_min_blocks_per_sm(ctas_per_sm)
-                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
-                T.annotate_consumer_reg_alloc(consumer_registers(threads, ctas_per_sm))
             # staged rows may be read straight from shared memory (wide rows: the registers
             # of a [1, n] copy are what the producer's register cap cannot spare)
             in_shared = staged and from_shared
@@ -308,8 +287,7 @@ class NormBwdKernel(Kernel):
         n, dtype = self.key["n"], self.key["dtype"]
         main = norm_bwd_program(n, dtype, block_rows=config.block_rows, threads=config.threads,
                                 ctas=config.ctas, prefetch=config.prefetch,
-                                stages=config.stages, from_shared=config.from_shared,
-                                ctas_per_sm=config.ctas_per_sm, **flags)
+                                stages=config.stages, from_shared=config.from_shared, **flags)
         sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
             "has_bias"] else ()
         return (main, *sums)
