@@ -566,14 +566,18 @@ def test_slot_runs_cover_every_row_block_once(n_q, group, window_left):
                 assert walked == list(range(first, first + n_tiles)), (seqlen, count, row0)
 
 
+def _planned_kernel(q_len=1, heads=8, kv_heads=2, window_left=-1):
+    return PlannedDecodeKernel(dtype="bfloat16", heads=heads, kv_heads=kv_heads,
+                               head_dim=128, q_len=q_len, page_size=16,
+                               window_left=window_left, softcap=0.0, causal=True)
+
+
 def _planned_program(index, q_len=1, heads=8, kv_heads=2, window_left=-1):
     """Program `index` of the planned kernel (0 schedule, 1 attention, 2 combine), compiled
     alone (the attention takes ~25 s on two cores; the CPU tests need only the others)."""
     import tilelang
 
-    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=heads, kv_heads=kv_heads,
-                                 head_dim=128, q_len=q_len, page_size=16,
-                                 window_left=window_left, softcap=0.0, causal=True)
+    kernel = _planned_kernel(q_len, heads, kv_heads, window_left)
     program = kernel.program(kernel.heuristic_config("planned", "sm_90a"), "planned")[index]
     return tilelang.compile(program, target=kernel.target)
 
@@ -597,7 +601,9 @@ def test_schedule_program_on_the_cpu(name):
     run(compiled, 1, SCHEDULE_THREADS,
         dict(cache_seqlens=lens, slot_table=slot_table, split_ends=split_ends),
         dict(batch=len(lengths), n_slots=n_slots, target_slots=target))
-    table, ends = schedule_model(lengths, q_len, 128, window_left, True, target, n_slots)
+    block_n = _planned_kernel(q_len, 8, kv_heads, window_left).heuristic_config(
+        "planned", "sm_90a").block_n  # the tile the schedule counts in (64 at page 16)
+    table, ends = schedule_model(lengths, q_len, block_n, window_left, True, target, n_slots)
     assert split_ends.tolist() == ends
     assert slot_table.tolist() == table
 
