@@ -212,6 +212,31 @@ def test_norm_backward_staged_defaults_load_by_tma_and_spill_nothing(kind, n, tm
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("kind, n", [("rms", 4096), ("rms", 8192), ("rms", 16384),
+                                     ("layer", 6144), ("layer", 8192), ("fused_add", 4096)])
+def test_norm_backward_fused_sums_take_no_all_reduce_and_spill_nothing(kind, n, tmp_path):
+    """The staged defaults with `fused_sums`: a row's sums by shuffles and one barrier
+    (rows.cta_sums, two for LayerNorm's mean first), no TileLang all-reduce, no spills."""
+    import dataclasses
+
+    from tileops.kernels.normalization import (
+        FusedAddRMSNormBwdKernel,
+        LayerNormBwdKernel,
+        RMSNormBwdKernel,
+    )
+    kernel = {"rms": lambda: RMSNormBwdKernel(dtype="bfloat16", n=n, has_weight=True),
+              "layer": lambda: LayerNormBwdKernel(dtype="bfloat16", n=n, has_weight=True,
+                                                  has_bias=True),
+              "fused_add": lambda: FusedAddRMSNormBwdKernel(dtype="bfloat16", n=n)}[kind]()
+    config = dataclasses.replace(kernel.heuristic_config("many", "sm_90a"), fused_sums=True)
+    assert config in kernel.config_space("many")
+    main = kernel.compile(config, "many")[0]
+    source = main.get_kernel_source()
+    assert "tma_load" in source and "AllReduce" not in source and "__shfl_xor_sync" in source
+    assert_no_spills_or_serialized_wgmma(main, tmp_path)
+
+
+@pytest.mark.full
 @pytest.mark.parametrize("head_dim, variant", [(64, None), (128, None), (256, None),
                                                (128, "overlap"), (256, "overlap"),
                                                (64, "two CTAs per SM"), (128, "two CTAs per SM"),

@@ -225,3 +225,88 @@ def test_lane_map_program_on_the_cpu(name):
         y = x
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+
+
+# -- the backward's fused row sums (`fused_sums`), run thread by thread on the CPU --------
+FUSED_SUM_CASES = {  # name -> (kind, n, dtype, config fields, rows)
+    "rms norm 4096, register double buffer": ("rms", 4096, torch.bfloat16,
+                                              dict(threads=256, prefetch=True), 7),
+    "layer norm 1280, padded, 64 threads": ("layer", 1280, torch.float16,
+                                           dict(threads=64, prefetch=False), 5),
+    "fused add 2048, two rows a CTA": ("fused_add", 2048, torch.bfloat16,
+                                       dict(block_rows=2, threads=256, prefetch=True), 9),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.smoke] if i == 0
+                                               else [pytest.mark.full])
+                                  for i, n in enumerate(FUSED_SUM_CASES)])
+def test_fused_row_sums_backward_on_the_cpu(name):
+    """The backward with a row's sums taken by shuffles and one barrier (`cta_sums`) on
+    the register path, one host thread per CUDA thread, against fp32 autograd: dx, and dw /
+    db summed from the per-CTA partials (a grid of 3 CTAs striding over the rows, a last
+    step past the rows)."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from tileops.kernels.normalization import FusedAddRMSNormBwdKernel
+
+    from ..cuda_emulation_threads import run
+
+    kind, n, dtype, fields, rows = FUSED_SUM_CASES[name]
+    name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    gen = torch.Generator().manual_seed(5)
+    h = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
+    dy = torch.randn(rows, n, generator=gen).to(dtype)
+    w = torch.randn(n, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    if kind == "layer":
+        kernel = LayerNormBwdKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
+    elif kind == "rms":
+        kernel = RMSNormBwdKernel(dtype=name_of, n=n, has_weight=True)
+    else:
+        kernel = FusedAddRMSNormBwdKernel(dtype=name_of, n=n)
+    config = dataclasses.replace(kernel.heuristic_config("many", "sm_90a"), ctas=3, stages=0,
+                                 fused_sums=True, **fields)
+    dx = torch.full_like(h, float("nan"))
+    dw_part = torch.full((3, n), float("nan"))
+    db_part = torch.full((3, n), float("nan"))
+    dres = torch.randn(rows, n, generator=gen).to(dtype)
+    tensors = dict(dy=dy, h=h, w=w, dx=dx, dw_part=dw_part)
+    if kind == "layer":
+        tensors["db_part"] = db_part
+    if kind == "fused_add":
+        tensors["dres"] = dres
+    eps = 1e-5
+    run(kernel.compile(config, "many")[0], 3, config.threads, tensors, dict(rows=rows, eps=eps))
+
+    hf = h.float().requires_grad_()
+    wf = w.float().requires_grad_()
+    bf = b.float().requires_grad_()
+    if kind == "layer":
+        y = F.layer_norm(hf, [n], wf, bf, eps)
+    else:
+        y = F.rms_norm(hf, [n], wf, eps)
+    y.backward(dy.float())
+    want_dx = hf.grad + (dres.float() if kind == "fused_add" else 0)
+    torch.testing.assert_close(dx.float(), want_dx, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(dw_part.sum(0), wf.grad, atol=5e-2, rtol=1e-3)
+    if kind == "layer":
+        torch.testing.assert_close(db_part.sum(0), bf.grad, atol=5e-2, rtol=1e-3)
+
+
+def test_fused_sums_where_threads_split_rows_is_refused():
+    """Rows shared by groups of threads (128 columns, 32 rows a CTA) would need a sum per
+    group: the config is refused, never silently run another way, and the tuner's space
+    has no such config."""
+    import dataclasses
+
+    kernel = RMSNormBwdKernel(dtype="bfloat16", n=128, has_weight=True)
+    config = dataclasses.replace(kernel.heuristic_config("many", "sm_90a"), fused_sums=True)
+    with pytest.raises(ValueError, match="fused_sums needs every thread"):
+        kernel.program(config, "many")
+    assert not any(c.fused_sums for c in kernel.config_space("many"))
+    assert any(c.fused_sums for c in RMSNormBwdKernel(
+        dtype="bfloat16", n=4096, has_weight=True).config_space("many"))

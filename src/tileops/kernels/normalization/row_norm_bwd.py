@@ -14,12 +14,14 @@ to the weight's dtype. `dres` is the gradient arriving at the fused residual sum
 dx in the same pass.
 """
 
+import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 
 from ..base import Kernel
-from .rows import RowTile, row_configs, stageable, vector_map_ok
+from .rows import RowTile, cta_sums, row_configs, stageable, vector_map_ok
 
 FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials
 
@@ -37,11 +39,15 @@ class NormBwdConfig:
     prefetch: bool = True  # load the next rows during this row's reductions
     stages: int = 0  # > 0: rows staged through shared memory by a TMA pipeline this deep
     from_shared: bool = False  # staged rows are read where they land, not copied to registers
+    # a row's sums taken together by warp shuffles and one barrier (`cta_sums`), not one
+    # TileLang all-reduce per sum; only where every thread holds a share of every row
+    fused_sums: bool = False
 
 
 def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
-                     prefetch: bool, stages: int = 0, from_shared: bool = False):
+                     prefetch: bool, stages: int = 0, from_shared: bool = False,
+                     fused_sums: bool = False):
     rows = T.dynamic("rows")
     staged = stages > 0 and stageable(n, block_rows, threads)
     tile = RowTile(n, block_rows, threads, exact=staged)
@@ -52,10 +58,28 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     # a thread's rows reduce in one all-reduce (one set of barriers, not one per row): short
     # rows (several per CTA) were bound by the barriers of 4 reductions x block_rows rows
     batch = tile.rows_per_thread
+    fused = fused_sums
+    if fused and (batch != block_rows or threads <= 32):
+        raise ValueError(f"fused_sums needs every thread to hold a share of every row of the "
+                         f"step (n={n}, block_rows={block_rows}, threads={threads})")
+    n_sums = 3 if centered else 2  # after the mean: [(h - mean)^2, g (h - mean), g]; or [h^2, g h]
 
-    def hat(h_local, mean_local, rstd_local, i, j):  # xhat in fp32
+    def hat_of(h_local, i, j, mean, rstd):  # xhat in fp32 from the row's mean and rstd
         h = T.cast(h_local[i, j], f32)
-        return (h - mean_local[i] if centered else h) * rstd_local[i]
+        return (h - mean if centered else h) * rstd
+
+    def hat(h_local, mean_local, rstd_local, i, j):
+        return hat_of(h_local, i, j, mean_local[i] if centered else None, rstd_local[i])
+
+    def dx_of(dy_local, h_local, dres_local, w_local, i, j, mean, rstd, dot, gsum):
+        """dx[i, j] in fp32; dot = mean(g xhat) and gsum = mean(g) of the row."""
+        v = grad(dy_local, w_local, i, j) - hat_of(h_local, i, j, mean, rstd) * dot
+        if centered:
+            v = v - gsum
+        v = v * rstd
+        if has_residual_grad:
+            v = v + T.cast(dres_local[i, j], f32)
+        return v
 
     def grad(dy_local, w_local, i, j):  # g = dy * w in fp32
         dy = T.cast(dy_local[i, j], f32)
@@ -90,6 +114,7 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                 tmp_local[i, j] = grad(dy_local, w_local, i, j)
             T.reduce_sum(tmp_local, gsum_local, dim=1, batch=batch)
         for i, j in T.Parallel(block_rows, n_tile):
+            # (statement by statement, as measured: the fused path's dx_of is one expression)
             v = grad(dy_local, w_local, i, j) - hat(h_local, mean_local, rstd_local, i, j) \
                 * (dot_local[i] / n)
             if centered:
@@ -113,6 +138,83 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
             for i, j in T.Parallel(block_rows, n_tile):
                 db_acc[i, j] += T.cast(dy_local[i, j], f32)
 
+    def fused_stats():
+        """The fused path's per-thread statistics and its shared sums (one buffer for the
+        mean, one for the other sums: no barrier between the two reductions' reuses)."""
+        def local(size):
+            return T.alloc_local((size,), f32)
+
+        return SimpleNamespace(
+            part=local(n_sums * block_rows),
+            red=T.alloc_shared((n_sums * block_rows, threads // 32), f32),
+            red_mean=T.alloc_shared((block_rows, threads // 32), f32) if centered else None,
+            mean=local(block_rows) if centered else None, rstd=local(block_rows),
+            dot=local(block_rows), gsum=local(block_rows) if centered else None)
+
+    @T.macro
+    def fused_row_step(dy_local, h_local, dres_local, dx, dx_local, st, w_local, dw_acc, db_acc,
+                       row0, eps):
+        """row_step with the sums of all the step's rows taken by `cta_sums` (a barrier
+        each, LayerNorm's mean first); the statistics in per-thread registers `st`."""
+        part = st.part
+        if centered:
+            for q in T.unroll(block_rows):
+                part[q] = 0.0
+            for r in T.unroll(block_rows):
+                for j in T.Parallel(n_tile):  # the padding reads as zero
+                    part[r] = part[r] + T.cast(h_local[r, j], f32)
+            cta_sums(part, st.red_mean, block_rows, threads)
+            for r in T.unroll(block_rows):
+                st.mean[r] = part[r] / n
+        for q in T.unroll(n_sums * block_rows):
+            part[q] = 0.0
+        for r in T.unroll(block_rows):
+            for j in T.Parallel(n_tile):
+                c = T.cast(h_local[r, j], f32)
+                if centered:
+                    c = T.if_then_else(j < n, c - st.mean[r], 0.0)
+                g = grad(dy_local, w_local, r, j)
+                part[r] = part[r] + c * c
+                part[block_rows + r] = part[block_rows + r] + g * c
+                if centered:
+                    part[2 * block_rows + r] = part[2 * block_rows + r] + g
+        cta_sums(part, st.red, n_sums * block_rows, threads)
+        for r in T.unroll(block_rows):
+            st.rstd[r] = T.rsqrt(part[r] / n + eps)
+            # sum(g (h - mean)) rstd / n = mean(g xhat)
+            st.dot[r] = part[block_rows + r] * st.rstd[r] / n
+            if centered:
+                st.gsum[r] = part[2 * block_rows + r] / n
+        for r in T.unroll(block_rows):
+            for j in T.Parallel(n_tile):
+                v = dx_of(dy_local, h_local, dres_local, w_local, r, j,
+                          st.mean[r] if centered else None, st.rstd[r], st.dot[r],
+                          st.gsum[r] if centered else None)
+                if dx_local is None:
+                    if row0 + r < rows:
+                        dx[row0 + r, j] = T.cast(v, dtype)
+                else:
+                    dx_local[r, j] = T.cast(v, dtype)
+        if dx_local is not None:
+            store(dx_local, dx, row0)
+        for r in T.unroll(block_rows):
+            for j in T.Parallel(n_tile):
+                if has_weight:
+                    dw_acc[r, j] += T.cast(dy_local[r, j], f32) * hat_of(
+                        h_local, r, j, st.mean[r] if centered else None, st.rstd[r])
+                if has_bias:
+                    db_acc[r, j] += T.cast(dy_local[r, j], f32)
+
+    @T.macro
+    def step_rows(dy_rows, h_rows, dres_rows, row0, cta):
+        """One step's rows (`cta`: the CTA's buffers, from body)."""
+        if fused:
+            fused_row_step(dy_rows, h_rows, dres_rows, cta.dx, cta.dx_local, cta.st, cta.w,
+                           cta.dw_acc, cta.db_acc, row0, cta.eps)
+        else:
+            row_step(dy_rows, h_rows, dres_rows, cta.dx, cta.dx_local, cta.tmp, cta.rstd,
+                     cta.dot, cta.mean, cta.gsum, cta.w, cta.dw_acc, cta.db_acc, row0, cta.eps)
+
     @T.macro
     def body(dy, h, w, dres, dx, dw_part, db_part, eps):
         with T.Kernel(ctas, threads=threads) as bx:
@@ -125,13 +227,14 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
             dy_next = T.alloc_fragment(tile.shape, dtype) if prefetching else None
             h_next = T.alloc_fragment(tile.shape, dtype) if prefetching else None
             dx_local = None if in_shared else T.alloc_fragment(tile.shape, dtype)
-            tmp_local = T.alloc_fragment(tile.shape, f32)
-            rstd_local = T.alloc_fragment((block_rows,), f32)
-            dot_local = T.alloc_fragment((block_rows,), f32)
+            tmp_local = None if fused else T.alloc_fragment(tile.shape, f32)
+            rstd_local = None if fused else T.alloc_fragment((block_rows,), f32)
+            dot_local = None if fused else T.alloc_fragment((block_rows,), f32)
+            st = fused_stats() if fused else None
             dres_local = T.alloc_fragment(tile.shape, dtype) \
                 if has_residual_grad and not in_shared else None
-            mean_local = T.alloc_fragment((block_rows,), f32) if centered else None
-            gsum_local = T.alloc_fragment((block_rows,), f32) if centered else None
+            mean_local = T.alloc_fragment((block_rows,), f32) if centered and not fused else None
+            gsum_local = T.alloc_fragment((block_rows,), f32) if centered and not fused else None
             dw_acc = T.alloc_fragment(tile.shape, f32) if has_weight else None
             db_acc = T.alloc_fragment(tile.shape, f32) if has_bias else None
             dw_row = T.alloc_fragment((n_tile,), f32) if has_weight else None
@@ -150,6 +253,10 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                     w_local[i, j] = T.cast(w[T.min(j, n - 1)], w_local.dtype)
             if has_bias:
                 T.clear(db_acc)
+            cta = SimpleNamespace(dx=dx, dx_local=dx_local, tmp=tmp_local, rstd=rstd_local,
+                                  dot=dot_local, mean=mean_local, gsum=gsum_local, st=st,
+                                  w=w_local, dw_acc=dw_acc, db_acc=db_acc, eps=eps)
+
             if staged:
                 # A TMA pipeline `stages` rows deep through shared memory (a producer warp
                 # group issues the loads): more bytes in flight than a register double
@@ -165,17 +272,13 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                     if has_residual_grad:
                         T.copy(dres[row0, 0], dres_shared)
                     if in_shared:
-                        row_step(dy_shared, h_shared, dres_shared, dx, dx_local, tmp_local,
-                                 rstd_local, dot_local, mean_local, gsum_local, w_local, dw_acc,
-                                 db_acc, row0, eps)
+                        step_rows(dy_shared, h_shared, dres_shared, row0, cta)
                     else:
                         T.copy(dy_shared, dy_local)
                         T.copy(h_shared, h_local)
                         if has_residual_grad:
                             T.copy(dres_shared, dres_local)
-                        row_step(dy_local, h_local, dres_local, dx, dx_local, tmp_local,
-                                 rstd_local, dot_local, mean_local, gsum_local, w_local, dw_acc,
-                                 db_acc, row0, eps)
+                        step_rows(dy_local, h_local, dres_local, row0, cta)
             else:
                 # The next rows' dy and h are loaded before this row's reductions, so they are in
                 # flight while the CTA waits on its barriers (a register double buffer).
@@ -195,9 +298,7 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                         load(h, h_local, row0)
                     if has_residual_grad:  # used last: in flight through the reductions
                         load(dres, dres_local, row0)
-                    row_step(dy_local, h_local, dres_local, dx, dx_local, tmp_local, rstd_local,
-                             dot_local, mean_local, gsum_local, w_local, dw_acc, db_acc, row0,
-                             eps)
+                    step_rows(dy_local, h_local, dres_local, row0, cta)
             # one partial row per CTA: its rows' shares summed across the tile first
             if has_weight:
                 T.reduce_sum(dw_acc, dw_row, dim=0)
@@ -287,7 +388,8 @@ class NormBwdKernel(Kernel):
         n, dtype = self.key["n"], self.key["dtype"]
         main = norm_bwd_program(n, dtype, block_rows=config.block_rows, threads=config.threads,
                                 ctas=config.ctas, prefetch=config.prefetch,
-                                stages=config.stages, from_shared=config.from_shared, **flags)
+                                stages=config.stages, from_shared=config.from_shared,
+                                fused_sums=config.fused_sums, **flags)
         sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
             "has_bias"] else ()
         return (main, *sums)
@@ -393,6 +495,10 @@ class NormBwdKernel(Kernel):
             for stages in (2, 3, 4):
                 if stages * 3 * block_rows * self.key["n"] * 2 <= 200 * 1024:
                     space.append(NormBwdConfig(block_rows, threads, SMS, False, stages))
+        # the staged configs again with a row's sums fused (not measured yet)
+        space += [dataclasses.replace(c, fused_sums=True) for c in space
+                  if c.stages and RowTile(self.key["n"], c.block_rows, c.threads,
+                                          exact=True).rows_per_thread == c.block_rows]
         return list(dict.fromkeys(space))
 
 

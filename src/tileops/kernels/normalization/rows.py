@@ -112,3 +112,23 @@ def row_configs(n: int, elems_per_thread: tuple[int, int], threads_options=(64, 
             if lo <= block_rows * n / threads <= hi and vector_map_ok(n, block_rows, threads):
                 found.append((block_rows, threads))
     return found
+
+
+@T.macro
+def cta_sums(part, red, count: int, threads: int):
+    """part[0:count] <- each one summed over the CTA's `threads` threads (every thread gets
+    the sums): warp shuffles, the warps' partials through `red` [count, threads // 32] in
+    shared memory, one barrier (TileLang inserts it; a warp-specialized consumer's own).
+    TileLang's all-reduce syncs twice per level above a warp, for every sum."""
+    warps = threads // 32
+    for q in T.unroll(count):
+        for k in T.unroll(5):
+            part[q] = part[q] + T.shfl_xor(part[q], 1 << k)
+    tx = T.get_thread_binding()
+    if tx % 32 == 0:  # a warp-specialized consumer's warps may start past 0: any order
+        for q in T.unroll(count):
+            red[q, (tx // 32) % warps] = part[q]
+    for q in T.unroll(count):
+        part[q] = red[q, 0]
+        for w in T.unroll(warps - 1):
+            part[q] = part[q] + red[q, w + 1]
