@@ -107,6 +107,19 @@ def norm_forward_kernel(kind: str, n: int, dtype: str = "bfloat16"):
             "fused_add": lambda: FusedAddRMSNormKernel(dtype=dtype, n=n)}[kind]()
 
 
+def norm_backward_kernel(kind: str, n: int, dtype: str = "bfloat16"):
+    from tileops.kernels.normalization import (
+        FusedAddRMSNormBwdKernel,
+        LayerNormBwdKernel,
+        RMSNormBwdKernel,
+    )
+
+    return {"rms": lambda: RMSNormBwdKernel(dtype=dtype, n=n, has_weight=True),
+            "layer": lambda: LayerNormBwdKernel(dtype=dtype, n=n, has_weight=True,
+                                                has_bias=True),
+            "fused_add": lambda: FusedAddRMSNormBwdKernel(dtype=dtype, n=n)}[kind]()
+
+
 def assert_lane_map_source(compiled, tmp_path, loads: int) -> None:
     """16-byte loads only (the row, weight and bias vectors), no scalar bf16/fp16 accesses
     of global memory, two barriers at most (one per row sum), nothing spilled."""
@@ -195,15 +208,7 @@ def test_attention_at_phi_head_dims_keeps_the_fast_path(head_dim, pass_, tmp_pat
 def test_norm_backward_staged_defaults_load_by_tma_and_spill_nothing(kind, n, tmp_path):
     """Where the backward stages rows through shared memory, its producer warp group caps
     registers at 168: the default must still keep the accumulators in registers."""
-    from tileops.kernels.normalization import (
-        FusedAddRMSNormBwdKernel,
-        LayerNormBwdKernel,
-        RMSNormBwdKernel,
-    )
-    kernel = {"rms": lambda: RMSNormBwdKernel(dtype="bfloat16", n=n, has_weight=True),
-              "layer": lambda: LayerNormBwdKernel(dtype="bfloat16", n=n, has_weight=True,
-                                                  has_bias=True),
-              "fused_add": lambda: FusedAddRMSNormBwdKernel(dtype="bfloat16", n=n)}[kind]()
+    kernel = norm_backward_kernel(kind, n)
     config = kernel.heuristic_config("many", "sm_90a")
     assert config.stages > 0, config
     main = kernel.compile(config, "many")[0]
@@ -219,15 +224,7 @@ def test_norm_backward_fused_sums_take_no_all_reduce_and_spill_nothing(kind, n, 
     (rows.cta_sums, two for LayerNorm's mean first), no TileLang all-reduce, no spills."""
     import dataclasses
 
-    from tileops.kernels.normalization import (
-        FusedAddRMSNormBwdKernel,
-        LayerNormBwdKernel,
-        RMSNormBwdKernel,
-    )
-    kernel = {"rms": lambda: RMSNormBwdKernel(dtype="bfloat16", n=n, has_weight=True),
-              "layer": lambda: LayerNormBwdKernel(dtype="bfloat16", n=n, has_weight=True,
-                                                  has_bias=True),
-              "fused_add": lambda: FusedAddRMSNormBwdKernel(dtype="bfloat16", n=n)}[kind]()
+    kernel = norm_backward_kernel(kind, n)
     config = dataclasses.replace(kernel.heuristic_config("many", "sm_90a"), fused_sums=True)
     assert config in kernel.config_space("many")
     main = kernel.compile(config, "many")[0]

@@ -86,6 +86,14 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
         return dy * T.cast(w_local[i, j], f32) if has_weight else dy
 
     @T.macro
+    def put_dx(dx, dx_local, row0, i, j, v):
+        if dx_local is None:  # rows read from shared memory: dx goes straight out
+            if row0 + i < rows:
+                dx[row0 + i, j] = T.cast(v, dtype)
+        else:
+            dx_local[i, j] = T.cast(v, dtype)
+
+    @T.macro
     def row_step(dy_local, h_local, dres_local, dx, dx_local, tmp_local, rstd_local, dot_local,
                  mean_local, gsum_local, w_local, dw_acc, db_acc, row0, eps):
         if centered:
@@ -122,11 +130,7 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
             v = v * rstd_local[i]
             if has_residual_grad:
                 v = v + T.cast(dres_local[i, j], f32)
-            if dx_local is None:  # rows read from shared memory: dx goes straight out
-                if row0 + i < rows:
-                    dx[row0 + i, j] = T.cast(v, dtype)
-            else:
-                dx_local[i, j] = T.cast(v, dtype)
+            put_dx(dx, dx_local, row0, i, j, v)
         if dx_local is not None:
             store(dx_local, dx, row0)
         # dy is zero past the last row and in the padding: nothing to mask
@@ -190,11 +194,7 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                 v = dx_of(dy_local, h_local, dres_local, w_local, r, j,
                           st.mean[r] if centered else None, st.rstd[r], st.dot[r],
                           st.gsum[r] if centered else None)
-                if dx_local is None:
-                    if row0 + r < rows:
-                        dx[row0 + r, j] = T.cast(v, dtype)
-                else:
-                    dx_local[r, j] = T.cast(v, dtype)
+                put_dx(dx, dx_local, row0, r, j, v)
         if dx_local is not None:
             store(dx_local, dx, row0)
         for r in T.unroll(block_rows):
