@@ -652,6 +652,28 @@ def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_hoisted_page_ids_load_once_per_page_without_spills(kv_dtype, tmp_path):
+    """`hoist_pages` at page 16: the producer loads each page id of a tile once (K and V
+    share them), not once per TMA piece; TMA and wgmma kept, nothing spilled."""
+    import dataclasses
+
+    extra = {"kv_dtype": kv_dtype} if kv_dtype else {}
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                 q_len=1, page_size=16, window_left=-1, softcap=0.0,
+                                 causal=True, **extra)
+    config = dataclasses.replace(kernel.heuristic_config("planned", "sm_90a"),
+                                 hoist_pages=True)
+    assert config in kernel.config_space("planned")
+    compiled = kernel.compile(config, "planned")[1]
+    source = compiled.get_kernel_source()
+    assert source.count("block_table[") == config.block_n // 16
+    assert "tma_load" in source and "wgmma" in source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
 @pytest.mark.smoke
 def test_decode_plan_argument_errors():
     with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'num_kv_heads'"):

@@ -23,6 +23,7 @@ With one split the CTA writes o and lse directly; otherwise it writes fp32 parti
 second program merges them by their log-sum-exp.
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ SCHEDULE_THREADS = 512
 class DecodeConfig:
     block_n: int = 128  # keys per tile
     stages: int = 2  # K/V tiles in flight per CTA
+    hoist_pages: bool = False  # pages shorter than a tile: their ids loaded once per tile
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False) -> int:
         """q, the K/V stages, and for an fp8 cache the widened K and V tiles besides its
@@ -173,6 +175,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     packed = q_len == 0
     tokens = 1 if packed else q_len  # q's second dimension
     block_n, stages = config.block_n, config.stages
+    hoist_pages = config.hoist_pages and page_size > 0 and page_size < block_n
     paged = page_size > 0
     batch, n_splits, n_cu = T.dynamic("batch, n_splits, n_cu")
     q_rows = T.dynamic("q_rows") if packed else batch
@@ -226,37 +229,37 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return table[b, T.min(tile * chunks + c, max_pages - 1)]
 
     @T.macro
-    def load_piece(cache, table, b, tile, h, dst, piece):
+    def load_piece(cache, pages, h, dst, piece):
         if piece < chunks * parts:
             c, part = piece // parts, piece % parts
             cols = slice(part * swizzle_cols, (part + 1) * swizzle_cols)
-            T.copy(cache_rows(cache, page_of(table, b, tile, c), 0, page_size, h, cols),
+            T.copy(cache_rows(cache, pages[c], 0, page_size, h, cols),
                    dst[c * page_size:(c + 1) * page_size, cols])
 
     # A loop of copies would keep the key loop out of TileLang's warp specialization (no
     # TMA, no pipelining), so a tile's page copies are written out, MAX_PIECES at most; each
     # covers one page and 64 columns, a contiguous block of the 128-byte swizzled tile.
     @T.macro
-    def load_tile(cache, table, b, tile, h, dst):
+    def load_tile(cache, table, b, tile, h, dst, pages):
         if chunks == 1:
             T.copy(tile_region(cache, table, b, tile, h), dst)
         else:
-            load_piece(cache, table, b, tile, h, dst, 0)
-            load_piece(cache, table, b, tile, h, dst, 1)
-            load_piece(cache, table, b, tile, h, dst, 2)
-            load_piece(cache, table, b, tile, h, dst, 3)
-            load_piece(cache, table, b, tile, h, dst, 4)
-            load_piece(cache, table, b, tile, h, dst, 5)
-            load_piece(cache, table, b, tile, h, dst, 6)
-            load_piece(cache, table, b, tile, h, dst, 7)
-            load_piece(cache, table, b, tile, h, dst, 8)
-            load_piece(cache, table, b, tile, h, dst, 9)
-            load_piece(cache, table, b, tile, h, dst, 10)
-            load_piece(cache, table, b, tile, h, dst, 11)
-            load_piece(cache, table, b, tile, h, dst, 12)
-            load_piece(cache, table, b, tile, h, dst, 13)
-            load_piece(cache, table, b, tile, h, dst, 14)
-            load_piece(cache, table, b, tile, h, dst, 15)
+            load_piece(cache, pages, h, dst, 0)
+            load_piece(cache, pages, h, dst, 1)
+            load_piece(cache, pages, h, dst, 2)
+            load_piece(cache, pages, h, dst, 3)
+            load_piece(cache, pages, h, dst, 4)
+            load_piece(cache, pages, h, dst, 5)
+            load_piece(cache, pages, h, dst, 6)
+            load_piece(cache, pages, h, dst, 7)
+            load_piece(cache, pages, h, dst, 8)
+            load_piece(cache, pages, h, dst, 9)
+            load_piece(cache, pages, h, dst, 10)
+            load_piece(cache, pages, h, dst, 11)
+            load_piece(cache, pages, h, dst, 12)
+            load_piece(cache, pages, h, dst, 13)
+            load_piece(cache, pages, h, dst, 14)
+            load_piece(cache, pages, h, dst, 15)
 
     @T.macro
     def scores(st, q_shared, k_shared, kv_start, seqlen, n_q, row0, live, scale):
@@ -329,7 +332,22 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         # an empty split walks one masked tile (its loads stay inside the table's row)
         for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
             tile = T.min(begin + t, T.max(first + n_tiles - 1, 0))
-            load_tile(k, block_table, b, tile, h, k_land)
+            if hoist_pages:
+                # the tile's page ids bound once, so the producer loads them together
+                # ahead of its barrier waits (inline, each copy reloads its own after one)
+                p0 = page_of(block_table, b, tile, 0)
+                p1 = page_of(block_table, b, tile, T.min(1, chunks - 1))
+                p2 = page_of(block_table, b, tile, T.min(2, chunks - 1))
+                p3 = page_of(block_table, b, tile, T.min(3, chunks - 1))
+                p4 = page_of(block_table, b, tile, T.min(4, chunks - 1))
+                p5 = page_of(block_table, b, tile, T.min(5, chunks - 1))
+                p6 = page_of(block_table, b, tile, T.min(6, chunks - 1))
+                p7 = page_of(block_table, b, tile, T.min(7, chunks - 1))
+                pages = (p0, p1, p2, p3, p4, p5, p6, p7)
+            else:
+                pages = tuple(page_of(block_table, b, tile, c) for c in range(chunks)) \
+                    if chunks > 1 else ()
+            load_tile(k, block_table, b, tile, h, k_land, pages)
             if fp8:
                 T.copy(k_land, k_shared)
             scores(st, q_shared, k_shared, (begin + t) * block_n, seqlen, n_q, row0, t < mine,
@@ -337,7 +355,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             step.online_softmax(st, scale)
             T.copy(st.s, st.p)
             step.rescale_output(st)
-            load_tile(v, block_table, b, tile, h, v_land)
+            load_tile(v, block_table, b, tile, h, v_land, pages)
             if fp8:
                 T.copy(v_land, v_shared)
             T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
@@ -681,10 +699,13 @@ class DecodeAttentionKernel(Kernel):
         for block_n in (64, 128):
             for stages in (2, 3, 4):
                 space.append(DecodeConfig(block_n, stages))
+        page = self.key["page_size"]
+        # tiles of several pages again with the page ids hoisted (not measured yet)
+        space += [dataclasses.replace(c, hoist_pages=True) for c in space
+                  if 0 < page < c.block_n]
         return [c for c in dict.fromkeys(space)
                 if c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key) <= 227 * 1024
-                and (self.key["page_size"] == 0 or self.key["page_size"] >= c.block_n
-                     or c.block_n % self.key["page_size"] == 0)]
+                and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
             cu_seqlens_q, k_scale, v_scale, o, lse, o_part, lse_part, row_blocks: int,
