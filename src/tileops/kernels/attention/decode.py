@@ -175,7 +175,6 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     packed = q_len == 0
     tokens = 1 if packed else q_len  # q's second dimension
     block_n, stages = config.block_n, config.stages
-    hoist_pages = config.hoist_pages and page_size > 0 and page_size < block_n
     paged = page_size > 0
     batch, n_splits, n_cu = T.dynamic("batch, n_splits, n_cu")
     q_rows = T.dynamic("q_rows") if packed else batch
@@ -201,6 +200,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return b, token
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
+    hoist_pages = config.hoist_pages and chunks > 1  # (page ids of a multi-page tile)
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
     swizzle_cols = min(head_dim, SWIZZLE_COLS * 2 // T_BYTES[kv_dtype])
     parts = head_dim // swizzle_cols

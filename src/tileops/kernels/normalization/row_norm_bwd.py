@@ -58,8 +58,7 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     # a thread's rows reduce in one all-reduce (one set of barriers, not one per row): short
     # rows (several per CTA) were bound by the barriers of 4 reductions x block_rows rows
     batch = tile.rows_per_thread
-    fused = fused_sums
-    if fused and (batch != block_rows or threads <= 32):
+    if fused_sums and (batch != block_rows or threads <= 32):
         raise ValueError(f"fused_sums needs every thread to hold a share of every row of the "
                          f"step (n={n}, block_rows={block_rows}, threads={threads})")
     n_sums = 3 if centered else 2  # after the mean: [(h - mean)^2, g (h - mean), g]; or [h^2, g h]
@@ -208,7 +207,7 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     @T.macro
     def step_rows(dy_rows, h_rows, dres_rows, row0, cta):
         """One step's rows (`cta`: the CTA's buffers, from body)."""
-        if fused:
+        if fused_sums:
             fused_row_step(dy_rows, h_rows, dres_rows, cta.dx, cta.dx_local, cta.st, cta.w,
                            cta.dw_acc, cta.db_acc, row0, cta.eps)
         else:
@@ -227,14 +226,15 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
             dy_next = T.alloc_fragment(tile.shape, dtype) if prefetching else None
             h_next = T.alloc_fragment(tile.shape, dtype) if prefetching else None
             dx_local = None if in_shared else T.alloc_fragment(tile.shape, dtype)
-            tmp_local = None if fused else T.alloc_fragment(tile.shape, f32)
-            rstd_local = None if fused else T.alloc_fragment((block_rows,), f32)
-            dot_local = None if fused else T.alloc_fragment((block_rows,), f32)
-            st = fused_stats() if fused else None
+            tmp_local = None if fused_sums else T.alloc_fragment(tile.shape, f32)
+            rstd_local = None if fused_sums else T.alloc_fragment((block_rows,), f32)
+            dot_local = None if fused_sums else T.alloc_fragment((block_rows,), f32)
+            st = fused_stats() if fused_sums else None
             dres_local = T.alloc_fragment(tile.shape, dtype) \
                 if has_residual_grad and not in_shared else None
-            mean_local = T.alloc_fragment((block_rows,), f32) if centered and not fused else None
-            gsum_local = T.alloc_fragment((block_rows,), f32) if centered and not fused else None
+            row_sums = centered and not fused_sums  # LayerNorm's mean and mean(g) fragments
+            mean_local = T.alloc_fragment((block_rows,), f32) if row_sums else None
+            gsum_local = T.alloc_fragment((block_rows,), f32) if row_sums else None
             dw_acc = T.alloc_fragment(tile.shape, f32) if has_weight else None
             db_acc = T.alloc_fragment(tile.shape, f32) if has_bias else None
             dw_row = T.alloc_fragment((n_tile,), f32) if has_weight else None
