@@ -45,6 +45,8 @@ def stub_launches():
         enter(mock.patch.dict(ops_base.Op._kernels))
         enter(mock.patch.dict(kernels_base.Kernel._compiled))
         enter(mock.patch.object(torch.cuda, "current_device", lambda: 0))
+        enter(mock.patch.object(torch._C, "_cuda_getCurrentRawStream", lambda index: 0,
+                                create=True))  # (a CPU build has no streams)
         enter(mock.patch.object(kernels_base.Kernel, "compile",
                                 lambda self, config, bucket: (_noop,) * 4))
         enter(mock.patch.object(kernels_base, "launchers", lambda compiled: compiled))

@@ -148,6 +148,28 @@ def test_every_output_slot_is_written(rows):
 
 
 @pytest.mark.smoke
+def test_argmax_chunks_meet_in_one_launch_on_every_stream():
+    """A split row's last CTA writes the index and clears its scratch slots: many calls in
+    a row on two streams at once stay exact and leave each stream's buffer zero."""
+    from tileops.kernels import workspace
+
+    xs = [randn(rows, 128256, dtype=BF16) for rows in (1, 64)]
+    xs[1][5, 1000:1010] = 1e4  # a tie across no chunk boundary: the lower index
+    xs[1][7, ::4096] = float("nan")  # NaN in many chunks: the first one
+    streams = [torch.cuda.Stream() for _ in xs]
+    torch.cuda.synchronize()
+    results = []
+    for stream, x in zip(streams, xs, strict=True):
+        with torch.cuda.stream(stream):
+            results.append([tileops.argmax(x, -1) for _ in range(20)])
+    torch.cuda.synchronize()
+    for x, outs in zip(xs, results, strict=True):
+        for got in outs:
+            check_argmax(x, got)
+    assert workspace._buffers and not any(b.any() for b in workspace._buffers.values())
+
+
+@pytest.mark.smoke
 def test_torch_compile_fullgraph():
     @torch.compile(fullgraph=True)
     def sample(logits):

@@ -172,9 +172,13 @@ OTHER_DTYPES = [i for i in PLAN if i.dtype != "bfloat16"]
 
 def _check_loads_and_spills(item, tmp_path):
     compiled = item.kernel.compile(item.config, item.bucket)
-    assert len(compiled) == 2  # every smoke shape splits its rows: pass 1 + merge
     source = compiled[0].get_kernel_source()
     assert "uint4" in source or "float4" in source, source  # 16-byte logit loads
+    if item.kernel.name == "argmax":
+        # every smoke shape splits its rows, whose CTAs meet in the one launch
+        assert len(compiled) == 1 and "AtomicAddRet" in source, source
+    else:
+        assert len(compiled) == 2  # top-k: pass 1 + merge
     for program in compiled:
         report = ptxas_report(program, tmp_path)
         assert "0 bytes spill stores" in report, report

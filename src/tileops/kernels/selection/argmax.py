@@ -5,9 +5,12 @@ vocabulary still spreads over the SMs. A thread reads `vecs` 16-byte vectors of 
 (all loads first, then the compares), keeps its largest element by a plain fp32 compare
 (`track_best`), turns it into a key (see `order`: NaN highest, ties to the lower index, as
 torch), and the CTA reduces the keys through warp shuffles and shared memory.
-With one chunk per row pass 1 writes the index; otherwise it writes each chunk's key (the
-uint64 bits in an int64 workspace) and pass 2 (one warp-group per row) reduces the `splits`
-keys. The batch is symbolic.
+With one chunk per row the CTA writes the index. Otherwise the row's CTAs meet in one
+launch (no merge pass: a second launch cost ~6 us of host time per call, most of the gap to
+torch.argmax): each CTA's thread 0 folds its chunk's key into the row's slot by an atomic
+max, then counts itself in with an acquire-release atomic add; the CTA that arrives last
+sees every other chunk's key, writes the index, and zeroes both slots for the next launch
+(`workspace.zeroed_scratch`, one buffer per stream). The batch is symbolic.
 """
 
 from dataclasses import dataclass
@@ -16,9 +19,8 @@ import tilelang.language as T
 
 from ..base import Kernel
 from ..vectors import vector_width
+from ..workspace import zeroed_scratch
 from .order import best_key, index_of, larger, track_best
-
-MERGE_THREADS = 128
 
 
 def split_count(vocab: int, dtype: str, threads: int, vecs: int) -> int:
@@ -48,7 +50,8 @@ def reduce_block_max(best, other, red_shared, tx, warps):
 
 
 def argmax_programs(vocab: int, dtype: str, threads: int, vecs: int):
-    """(pass 1,) or (pass 1, pass 2) prim_funcs; the batch is symbolic."""
+    """The one prim_func (rows of one chunk, or chunks meeting by atomics); the batch is
+    symbolic."""
     batch = T.dynamic("batch")
     vec = vector_width(vocab, dtype)
     row_vecs = vocab // vec
@@ -90,41 +93,40 @@ def argmax_programs(vocab: int, dtype: str, threads: int, vecs: int):
                     out[b] = index_of(best[0], vocab)
         return (argmax_rows,)
 
+    slots = T.dynamic("slots")
+
     @T.prim_func
     def argmax_chunks(logits: T.Tensor((batch, vocab), dtype),
-                      partial: T.Tensor((batch, splits), "int64")):
+                      scratch: T.Tensor((2, slots), "uint64"),
+                      out: T.Tensor((batch,), "int64")):
+        # scratch[0, b]: the best key of row b's chunks so far; scratch[1, b]: how many of
+        # its chunks are in. Zero before the launch and after it.
         with T.Kernel(splits, batch, threads=threads) as (s, b):
             tx = T.get_thread_binding()
             best = T.alloc_local((1,), "uint64")
             other = T.alloc_local((1,), "uint64")
+            arrived = T.alloc_local((1,), "uint64")
             red_shared = T.alloc_shared((warps,), "uint64")
             chunk_best(logits, b, s, tx, best)
             reduce_block_max(best, other, red_shared, tx, warps)
             if tx == 0:
-                partial[b, s] = T.cast(best[0], "int64")  # bit-preserving
+                T.atomic_max(scratch[0, b], best[0])
+                # release: our key is in before we count; acquire: the last sees every key
+                arrived[0] = T.atomic_add(scratch[1, b], T.uint64(1), memory_order="acq_rel",
+                                          return_prev=True)
+                if arrived[0] == T.uint64(splits - 1):
+                    best[0] = T.atomic_max(scratch[0, b], T.uint64(0), memory_order="acquire",
+                                           return_prev=True)
+                    out[b] = index_of(best[0], vocab)
+                    scratch[0, b] = T.uint64(0)
+                    scratch[1, b] = T.uint64(0)
 
-    @T.prim_func
-    def argmax_merge(partial: T.Tensor((batch, splits), "int64"),
-                     out: T.Tensor((batch,), "int64")):
-        with T.Kernel(batch, threads=MERGE_THREADS) as b:
-            tx = T.get_thread_binding()
-            best = T.alloc_local((1,), "uint64")
-            other = T.alloc_local((1,), "uint64")
-            red_shared = T.alloc_shared((MERGE_THREADS // 32,), "uint64")
-            best[0] = T.uint64(0)
-            for i in T.serial(T.ceildiv(splits, MERGE_THREADS)):
-                if i * MERGE_THREADS + tx < splits:
-                    best[0] = larger(best[0], T.cast(partial[b, i * MERGE_THREADS + tx], "uint64"))
-            reduce_block_max(best, other, red_shared, tx, MERGE_THREADS // 32)
-            if tx == 0:
-                out[b] = index_of(best[0], vocab)
-
-    return argmax_chunks, argmax_merge
+    return (argmax_chunks,)
 
 
 class ArgmaxKernel(Kernel):
     """key: dtype, vocab. Buckets by batch: `small` (few rows: small chunks, many splits, so
-    the grid still fills the SMs) and `large` (long chunks: fewer partial keys to merge)."""
+    the grid still fills the SMs) and `large` (long chunks: fewer CTAs meeting per row)."""
 
     name = "argmax"
     Config = ArgmaxConfig
@@ -137,16 +139,13 @@ class ArgmaxKernel(Kernel):
         return split_count(self.key["vocab"], self.key["dtype"], config.threads, config.vecs)
 
     def run(self, config: ArgmaxConfig, compiled: tuple, logits, out) -> None:
-        if len(compiled) == 1:
+        if self.splits(config) == 1:
             compiled[0](logits, out)
             return
         import torch
 
-        # the chunks' keys (uint64 bits in int64): every slot is written by pass 1
-        partial = torch.empty((logits.shape[0], self.splits(config)), dtype=torch.int64,
-                              device=logits.device)
-        compiled[0](logits, partial)
-        compiled[1](partial, out)
+        scratch = zeroed_scratch(logits.device, 2, logits.shape[0], torch.uint64)
+        compiled[0](logits, scratch, out)
 
     def bucket_of(self, batch: int) -> str:
         return "small" if batch <= 16 else "large"

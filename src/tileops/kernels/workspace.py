@@ -1,0 +1,44 @@
+"""Zeroed scratch memory that kernels hand back zeroed, one buffer per (device, stream).
+
+A one-launch reduction across CTAs (the last CTA of a row merges what the others left, see
+selection/argmax.py) needs per-row slots that start at zero. Allocating and clearing them
+on every call would cost an allocation and a memset launch, the host time the single
+launch is there to save; instead the kernel's last CTA clears the slots it used, so the
+buffer is zero again when the next launch on the same stream starts. Launches on one stream
+run in order; a buffer per stream keeps launches on different streams from sharing slots.
+
+A buffer only grows. The old one is kept alive rather than freed, since a captured CUDA
+graph may still point at it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_lock = threading.Lock()
+_buffers: dict[tuple[torch.device, int, torch.dtype], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown buffers a captured graph may still use
+MIN_COLUMNS = 1024
+
+
+def zeroed_scratch(device: torch.device, rows: int, columns: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed [>= rows, >= columns] buffer on `device` (a CUDA device with its index)
+    for the current stream. The caller's kernel must leave every element it touches zero
+    again."""
+    # (the raw handle: building a torch.cuda.Stream object costs a microsecond or more)
+    slot = (device, torch._C._cuda_getCurrentRawStream(device.index), dtype)
+    buffer = _buffers.get(slot)
+    if buffer is not None and buffer.shape[0] >= rows and buffer.shape[1] >= columns:
+        return buffer
+    with _lock:
+        old = _buffers.get(slot)
+        shape = (max(rows, old.shape[0] if old is not None else 0),
+                 max(columns, MIN_COLUMNS, 2 * old.shape[1] if old is not None else 0))
+        if old is not None:
+            _retired.append(old)
+        buffer = torch.zeros(shape, dtype=dtype, device=device)
+        _buffers[slot] = buffer
+        return buffer
