@@ -310,3 +310,16 @@ def test_fused_sums_where_threads_split_rows_is_refused():
     assert not any(c.fused_sums for c in kernel.config_space("many"))
     assert any(c.fused_sums for c in RMSNormBwdKernel(
         dtype="bfloat16", n=4096, has_weight=True).config_space("many"))
+
+
+def test_fused_sums_with_rows_read_where_they_land_is_refused():
+    """`from_shared` (405B's 16384 columns) with fused sums gave wrong dx on the H200: the
+    program refuses it and the tuner's space leaves it out."""
+    import dataclasses
+
+    kernel = RMSNormBwdKernel(dtype="bfloat16", n=16384, has_weight=True)
+    default = kernel.heuristic_config("many", "sm_90a")
+    assert default.from_shared and not default.fused_sums
+    with pytest.raises(ValueError, match="from_shared"):
+        kernel.program(dataclasses.replace(default, fused_sums=True), "many")
+    assert not any(c.fused_sums and c.from_shared for c in kernel.config_space("many"))

@@ -387,6 +387,11 @@ class GroupedGemmKernel(Kernel):
         if bucket == "decode":
             return GroupedGemmConfig(block_m=64, block_n=128 // halve, block_k=64, stages=4,
                                      threads=128)
+        if not self.key.get("trans_b", True):
+            # the input gradient keeps the persistent row stores: with b untransposed,
+            # TileLang 0.1.15 fails to lay out the TMA-stored tile ("the original buffer
+            # shape must match the layout input shape")
+            return GroupedGemmConfig(block_n=256 // halve)
         # a CTA per tile, whole tiles stored by TMA: 391.0 -> 357.4 us on the H200
         # (Qwen3-30B-A3B gate-up, 4K tokens; tile_store alone on the persistent grid, or
         # per-tile CTAs alone, 396.8; full_row 389.8)
@@ -394,7 +399,7 @@ class GroupedGemmKernel(Kernel):
 
     def config_space(self, bucket: str) -> list[GroupedGemmConfig]:
         halve = 2 if self.key.get("silu_mul", False) else 1
-        return list(dict.fromkeys([
+        space = list(dict.fromkeys([
             self.heuristic_config(bucket, "sm_90a"),
             GroupedGemmConfig(block_n=256 // halve),
             GroupedGemmConfig(block_m=128, block_n=128 // halve, block_k=64, stages=4,
@@ -419,6 +424,9 @@ class GroupedGemmKernel(Kernel):
             GroupedGemmConfig(block_n=256 // halve, full_row=True),
             GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
                               full_row=True)]))
+        if not self.key.get("trans_b", True):  # (see heuristic_config)
+            space = [c for c in space if not c.tile_store]
+        return space
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, a, b, offsets, out) -> None:
         import torch

@@ -61,6 +61,10 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     if fused_sums and (batch != block_rows or threads <= 32):
         raise ValueError(f"fused_sums needs every thread to hold a share of every row of the "
                          f"step (n={n}, block_rows={block_rows}, threads={threads})")
+    if fused_sums and from_shared:
+        # dx came out wrong on the H200 (16384 columns, 512 threads: most elements off)
+        raise ValueError("fused_sums is not supported with from_shared (rows read where "
+                         "they land)")
     n_sums = 3 if centered else 2  # after the mean: [(h - mean)^2, g (h - mean), g]; or [h^2, g h]
 
     def hat_of(h_local, i, j, mean, rstd):  # xhat in fp32 from the row's mean and rstd
@@ -502,8 +506,9 @@ class NormBwdKernel(Kernel):
                     space.append(NormBwdConfig(block_rows, threads, SMS, False, stages))
         # the staged configs again with a row's sums fused (the staged default's choice)
         space += [dataclasses.replace(c, fused_sums=True) for c in space
-                  if c.stages and RowTile(self.key["n"], c.block_rows, c.threads,
-                                          exact=True).rows_per_thread == c.block_rows]
+                  if c.stages and not c.from_shared
+                  and RowTile(self.key["n"], c.block_rows, c.threads,
+                              exact=True).rows_per_thread == c.block_rows]
         return list(dict.fromkeys(space))
 
 
