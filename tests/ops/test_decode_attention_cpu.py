@@ -22,6 +22,7 @@ from tileops.kernels.attention.decode import (
     SCHEDULE_THREADS,
     SMS,
     DecodeAttentionKernel,
+    DecodeConfig,
     PlannedDecodeKernel,
     block_tiles,
     choose_splits,
@@ -904,3 +905,26 @@ def test_fp8_append_program_saturates_and_vectorizes():
         .get_kernel_source()
     assert "__NV_SATFINITE" in source and "4.480000e+02" in source
     assert "fp8_e4_4_t" in source  # 4-byte vector stores
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_gathered_pages_use_cp_async_without_spills(block_n, tmp_path):
+    """`gather` at page 16: the tile's rows arrive by 16-byte cp.async gathers in a
+    software pipeline of all threads (no TMA, no warp specialization), wgmma kept, nothing
+    spilled; only 16-bit caches with pages shorter than 64 keys get such configs."""
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                 q_len=1, page_size=16, window_left=-1, softcap=0.0,
+                                 causal=True)
+    config = DecodeConfig(block_n, 1, gather=True)
+    assert config in kernel.config_space("planned")
+    assert kernel.pass_configs(config, 1) == {"tl.disable_warp_specialized": True}
+    assert kernel.pass_configs(config, 0) == {}
+    compiled = kernel.compile(config, "planned")[1]
+    source = compiled.get_kernel_source()
+    assert "cp_async_gs" in source and "wgmma" in source and "tma_load" not in source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+    for key in ({"page_size": 64}, {"page_size": 16, "kv_dtype": "float8_e4m3fn"}):
+        other = PlannedDecodeKernel(**{**kernel.key, **key})
+        assert not any(c.gather for c in other.config_space("planned"))

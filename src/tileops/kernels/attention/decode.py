@@ -52,6 +52,9 @@ class DecodeConfig:
     block_n: int = 128  # keys per tile
     stages: int = 2  # K/V tiles in flight per CTA
     hoist_pages: bool = False  # pages shorter than a tile: their ids loaded once per tile
+    # pages shorter than a tile gathered row by row by cp.async in a software pipeline of
+    # all threads (no warp specialization) instead of one TMA copy per (page, 64 columns)
+    gather: bool = False
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False) -> int:
         """q, the K/V stages, and for an fp8 cache the widened K and V tiles besides its
@@ -200,7 +203,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return b, token
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
-    hoist_pages = config.hoist_pages and chunks > 1  # (page ids of a multi-page tile)
+    hoist_pages = config.hoist_pages and chunks > 1 and not config.gather
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
     swizzle_cols = min(head_dim, SWIZZLE_COLS * 2 // T_BYTES[kv_dtype])
     parts = head_dim // swizzle_cols
@@ -243,6 +246,11 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     def load_tile(cache, table, b, tile, h, dst, pages):
         if chunks == 1:
             T.copy(tile_region(cache, table, b, tile, h), dst)
+        elif config.gather:
+            for i, d in T.Parallel(block_n, head_dim):
+                page = page_of(table, b, tile, i // page_size)
+                dst[i, d] = cache[page, h, i % page_size, d] if heads_first \
+                    else cache[page, i % page_size, h, d]
         else:
             load_piece(cache, pages, h, dst, 0)
             load_piece(cache, pages, h, dst, 1)
@@ -681,6 +689,13 @@ class DecodeAttentionKernel(Kernel):
     def bucket_of(self, n_splits: int) -> str:
         return "split" if n_splits > 1 else "direct"
 
+    def pass_configs(self, config: DecodeConfig, program_index: int) -> dict:
+        # gathered pages: a cp.async pipeline of all threads (TileLang's warp specialization
+        # would hand the gather to a producer of 24 registers a thread)
+        if config.gather and program_index == 0:  # (the attention program)
+            return {"tl.disable_warp_specialized": True}
+        return {}
+
     def heuristic_config(self, bucket: str, arch: str) -> DecodeConfig:
         # 64 KiB of K and V per stage at head_dim 128 (one CTA per SM, two stages in
         # flight); head_dim 256 halves the tile to stay within shared memory
@@ -706,6 +721,10 @@ class DecodeAttentionKernel(Kernel):
         # tiles of several pages again with the page ids hoisted (the default's choice)
         space += [dataclasses.replace(c, hoist_pages=True) for c in space
                   if 0 < page < c.block_n]
+        if 0 < page < 64 and "kv_dtype" not in self.key:
+            # gathered pages (not measured yet); one stage: with more, TileLang 0.1.15's
+            # software pipeline over the symbolic tile count fails in codegen
+            space += [DecodeConfig(block_n, 1, gather=True) for block_n in (64, 128)]
         return [c for c in dict.fromkeys(space)
                 if c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key) <= 227 * 1024
                 and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
@@ -742,6 +761,10 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
 
     def bucket_of(self, size: int) -> str:
         return "planned"
+
+    def pass_configs(self, config: DecodeConfig, program_index: int) -> dict:
+        # (the attention is program 1 here, after the schedule)
+        return super().pass_configs(config, program_index - 1)
 
     def run(self, config: DecodeConfig, compiled: tuple, schedule: bool, q, k, v, block_table,
             cache_seqlens, slot_table, split_ends, k_scale, v_scale, o, lse, o_part, lse_part,
