@@ -597,3 +597,43 @@ def test_zero_tail_expert_order_and_weighted_gather_on_the_cpu():
     rows = out.nan_to_num(0.0).double()[row_index.long().clamp(min=0)]
     want = torch.where(row_index >= 0, (rows * grad_out.double()[:, None]).sum(-1), 0.0)
     torch.testing.assert_close(grad_w.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("m_tiles, n_tiles, group", [(72, 112, 16), (5, 7, 3), (9, 16, 16),
+                                                     (3, 40, 16), (1, 1, 16)])
+def test_grouped_raster_visits_every_tile_once(m_tiles, n_tiles, group):
+    """`raster` is a bijection of the tile grid; with n_group 16 on Mixtral's gate-up (72
+    m tiles in the bound, 112 n tiles) a wave of 132 CTAs touches at most 16 n tiles (the
+    weight tiles it reads), where the plain order touches all 112 (slot = tile otherwise)."""
+    from tileops.kernels.moe.grouped_gemm import raster
+
+    tiles = [raster(i, m_tiles, n_tiles, group, minimum=min)
+             for i in range(m_tiles * n_tiles)]
+    assert sorted(tiles) == list(range(m_tiles * n_tiles))
+    if group >= n_tiles:
+        assert tiles == list(range(m_tiles * n_tiles))
+    wave = tiles[:min(132, m_tiles * group)]  # (within the first group)
+    assert len({t % n_tiles for t in wave}) <= min(group, n_tiles)
+    assert [raster(i, m_tiles, n_tiles, 0, minimum=min) for i in range(10)] == list(range(10))
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("persistent", [False, True])
+def test_grouped_raster_keeps_the_fast_path_and_changes_nothing_below_its_width(persistent):
+    """n_group configs keep TMA and wgmma; where N has no more tiles than the group
+    (Qwen3-30B-A3B's gate-up: 6), the program is the plain order's, line for line."""
+    import dataclasses
+
+    from tileops.kernels.moe import GroupedGemmKernel
+
+    wide = GroupedGemmKernel(dtype="bfloat16", n=28672, k=4096, n_experts=8)
+    config = dataclasses.replace(wide.heuristic_config("prefill", "sm_90a"), n_group=16,
+                                 persistent=persistent, tile_store=not persistent)
+    source = wide.compile(config, "prefill")[1].get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source
+    narrow = GroupedGemmKernel(dtype="bfloat16", n=1536, k=2048, n_experts=128)
+    plain = narrow.heuristic_config("prefill", "sm_90a")
+    assert narrow.program(dataclasses.replace(plain, n_group=16), "prefill")[1].script() == \
+        narrow.program(plain, "prefill")[1].script()

@@ -69,6 +69,11 @@ class GroupedGemmConfig:
     # k step, what CUTLASS's cooperative kernel issues) instead of half the columns of every
     # row (two m64 x block_n / 2 wgmmas reading the a tile twice from shared memory)
     full_row: bool = False
+    # > 0: tiles run in groups of this many n tiles, the m tiles (every expert's, in order)
+    # swept inside a group, so the CTAs in flight share their experts' weight tiles in L2
+    # (`raster`); 0: each m tile's n tiles in turn. Only differs from 0 where N has more
+    # than `n_group` tiles (Mixtral's 28672 columns: 112).
+    n_group: int = 0
 
 
 def tile_bound(m_total, n_experts: int, block_m: int):
@@ -89,6 +94,19 @@ def tile_count(m_tiles, n_tiles: int):
 
 def tile_of(step, cta, ctas: int):
     return step * ctas + cta
+
+
+def raster(linear, m_tiles, n_tiles: int, group: int, minimum=T.min):
+    """The tile (m tile * n_tiles + n tile) that launch slot `linear` runs: with group > 0,
+    slots walk groups of `group` n tiles, and inside a group every m tile's n tiles of the
+    group in turn (a bijection on [0, m_tiles * n_tiles)); with 0, slot = tile. Built from
+    expressions only (plain ints work too, with minimum=min)."""
+    if group <= 0 or group >= n_tiles:
+        return linear
+    span = group * m_tiles
+    width = minimum(group, n_tiles - linear // span * group)  # the last group may be narrow
+    within = linear % span
+    return within // width * n_tiles + linear // span * group + within % width
 
 
 def tile_live(table, t, n_tiles: int):
@@ -223,16 +241,22 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                 # between iterations (see the module docstring).
                 for step in T.serial(T.ceildiv(tile_count(m_tiles, n_tiles), ctas)):
                     if tile_of(step, cta, ctas) < tile_count(m_tiles, n_tiles):
-                        if tile_live(table, tile_of(step, cta, ctas), n_tiles):
-                            one_tile(a, b, offsets, table, out, tile_of(step, cta, ctas), bufs)
+                        if tile_live(table, raster(tile_of(step, cta, ctas), m_tiles, n_tiles,
+                                                   config.n_group), n_tiles):
+                            one_tile(a, b, offsets, table, out,
+                                     raster(tile_of(step, cta, ctas), m_tiles, n_tiles,
+                                            config.n_group), bufs)
         else:
             # One CTA per (n tile, m tile) of the bound, the n tiles of an m tile adjacent
-            # (their a rows shared in L2); the bound's dead tiles, all at the end, exit.
+            # (their a rows shared in L2) or, with n_group, in the grouped order of
+            # `raster`; the bound's dead tiles exit.
             with T.Kernel(n_tiles, m_tiles, threads=config.threads) as (bx, by):
                 share_sm()
                 bufs = alloc_tile_buffers()
-                if tile_live(table, by * n_tiles + bx, n_tiles):
-                    one_tile(a, b, offsets, table, out, by * n_tiles + bx, bufs)
+                if tile_live(table, raster(by * n_tiles + bx, m_tiles, n_tiles, config.n_group),
+                             n_tiles):
+                    one_tile(a, b, offsets, table, out,
+                             raster(by * n_tiles + bx, m_tiles, n_tiles, config.n_group), bufs)
 
     @T.prim_func
     def grouped_gemm(a: T.Tensor((m_total, k), dtype),
@@ -423,7 +447,12 @@ class GroupedGemmKernel(Kernel):
             # each warp group whole rows (see GroupedGemmConfig.full_row)
             GroupedGemmConfig(block_n=256 // halve, full_row=True),
             GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
-                              full_row=True)]))
+                              full_row=True),
+            # weight tiles shared in L2 by the CTAs in flight (see GroupedGemmConfig.n_group;
+            # not measured yet)
+            GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
+                              n_group=16),
+            GroupedGemmConfig(block_n=256 // halve, n_group=16)]))
         if not self.key.get("trans_b", True):  # (see heuristic_config)
             space = [c for c in space if not c.tile_store]
         return space
