@@ -109,6 +109,8 @@ def short(config: dict) -> str:
         text += f" split{c['split_k']}"
     if not c.get("stage_out", True):
         text += " regs-out"
+    if c.get("wave_fill"):
+        text += " wave-fill"
     return text
 
 
@@ -157,6 +159,28 @@ def cmd_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def wave_fill_case(r: dict):
+    """(record, current config, the same tile filling waves) where the wave-fill form
+    changes the work at this M: a split-K it replaces, or a left-over wave it splits that
+    costs the plain grid 5% or more of its waves."""
+    from tileops.kernels.gemm import GemmConfig
+    from tileops.kernels.gemm.wave_fill import partition
+
+    current = GemmConfig(**r["config"])
+    if r["size"] <= 128 or current.block_m < 128:
+        return None
+    wave = dataclasses.replace(current, split_k=1, wave_fill=True)
+    tiles = -(-r["size"] // wave.block_m) * -(-r["key"]["n"] // wave.block_n)
+    whole, split = partition(tiles, -(-r["key"]["k"] // wave.block_k), 132)
+    if not wave.valid() or split == 1:
+        return None
+    # waves the tile grid takes, plain and filled: skip tails too small to matter (< 5%)
+    plain, filled = -(-tiles // 132), whole / 132 + 1 / split
+    if current.split_k == 1 and filled > 0.95 * plain:
+        return None
+    return r, current, wave
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     """Old vs new config of every changed models-tier shape, timed side by side with cuBLAS.
 
@@ -174,6 +198,11 @@ def cmd_measure(args: argparse.Namespace) -> int:
     cases = []
     for r in models_selections(args.models):
         if args.workload and not any(t in r["label"] for t in args.workload):
+            continue
+        if args.wave_fill:
+            case = wave_fill_case(r)
+            if case is not None:
+                cases.append(case)
             continue
         old = before.get((r["label"], r["size"], r["key"]["n"], r["key"]["k"]))
         new = GemmConfig(**r["config"])
@@ -197,6 +226,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     with ThreadPoolExecutor(args.jobs or os.cpu_count() or 1) as pool:
         list(pool.map(build, jobs))
+    if args.compile_only:
+        return 0
     print("| workload | M | N | K | old config | new config | old us | new us | cuBLAS us | "
           "new/old speed-up | new vs cuBLAS | old vs cuBLAS |")
     print("|---|--:|--:|--:|---|---|--:|--:|--:|--:|--:|--:|")
@@ -329,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--workload", action="append",
                          help="only workloads whose label contains TEXT, e.g. '4096 tokens'")
     measure.add_argument("--jobs", type=int, default=0, help="parallel compiles (CPU count)")
+    measure.add_argument("--wave-fill", action="store_true",
+                         help="old = the current pick, new = its tile filling waves "
+                              "(wave_fill.py), where that changes the work")
+    measure.add_argument("--compile-only", action="store_true",
+                         help="build the programs (into TILEOPS_CACHE_DIR) and stop")
     measure.set_defaults(fn=cmd_measure)
     fit = sub.add_parser("fit")
     fit.add_argument("measured", nargs="?",

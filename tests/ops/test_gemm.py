@@ -5,8 +5,9 @@ import torch
 
 import tileops
 from tileops import GemmFwdOp, TileOpsError
-from tileops.kernels.base import Kernel
-from tileops.kernels.gemm import GemmKernel, select
+from tileops.kernels.base import Kernel, sm_count
+from tileops.kernels.gemm import GemmConfig, GemmKernel, select
+from tileops.kernels.gemm.wave_fill import partition
 
 from ..helpers import assert_close, poison_allocator, randn
 
@@ -108,6 +109,56 @@ def test_every_config_the_model_can_pick(flags):
         else:
             kernel(m, a[:m].contiguous(), b, d)
         assert_close(d, want, what=f"{bucket} {config}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("flags", [{"trans_b": True}, {"trans_b": True, "has_bias": True},
+                                   {"trans_b": False}])
+def test_wave_fill(flags, dtype):
+    """The wave-fill form (wave_fill.py) on grids under one wave (every tile in pieces), with
+    a left-over wave (whole tiles, then pieces) and on whole waves, with tails in M, N and
+    K, into a NaN-poisoned output; each size twice, so the second call finds the merge
+    slots and counts the first one cleared."""
+    n, k = 3000, 4192  # 12 column tiles of 256, 24 of 128; 66 K tiles, the last partial
+    trans_b = flags["trans_b"]
+    a, b = make_inputs(3001, n, k, dtype, trans_b=trans_b)
+    bias = randn(n, dtype=dtype)
+    key = {"dtype": str(dtype).split(".")[1], "n": n, "k": k, "trans_a": False, **flags}
+    for config in (GemmConfig(128, 256, 64, 3, 256, 1, 8, wave_fill=True),
+                   GemmConfig(128, 128, 64, 4, 256, 1, 8, wave_fill=True)):
+        kernel = GemmKernel(**key)
+        for m in (100, 1500, 1408, 3001):
+            tiles = -(-m // config.block_m) * -(-n // config.block_n)
+            bucket = kernel.bucket_of(m)
+            kernel.use(config, bucket)
+            want = reference(a[:m], b, trans_b=trans_b)
+            if flags.get("has_bias"):
+                want = want + bias.float()
+            for _ in range(2):
+                d = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+                args = (a[:m].contiguous(), b) + ((bias,) if flags.get("has_bias") else ())
+                kernel(m, *args, d)
+                assert_close(d, want, what=f"{config} M={m} ({tiles} tiles, "
+                             f"{partition(tiles, 66, sm_count(d.device))})")
+
+
+def test_wave_fill_under_deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True): whole tiles only, the same bits each call."""
+    n, k, m = 3000, 4192, 1500
+    a, b = make_inputs(m, n, k, torch.bfloat16)
+    kernel = GemmKernel(dtype="bfloat16", n=n, k=k, trans_a=False, trans_b=True)
+    kernel.use(GemmConfig(128, 256, 64, 3, 256, 1, 8, wave_fill=True), kernel.bucket_of(m))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        outs = []
+        for _ in range(3):
+            outs.append(torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
+            kernel(m, a, b, outs[-1])
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert_close(outs[0], reference(a, b))
 
 
 def test_empty_and_zero_k():

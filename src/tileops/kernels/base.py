@@ -51,6 +51,21 @@ def target_for_device(device: Any, op: str = "tileops") -> dict[str, str]:
     return target
 
 
+_sm_counts: dict[Any, int] = {}
+
+
+def sm_count(device: Any, default: int = 132) -> int:
+    """The device's SM count (132 on an H200), read once per device; `default` off CUDA."""
+    count = _sm_counts.get(device)
+    if count is None:
+        import torch
+
+        count = _sm_counts[device] = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else default)
+    return count
+
+
 def gpu_slug(device_name: str) -> str:
     """'NVIDIA H200' -> 'h200': the name of a GPU's tuned table."""
     return device_name.lower().replace("nvidia", "").strip().split()[0].replace("-", "_")

@@ -77,21 +77,13 @@ from ..kernels.attention.decode import (
     tile_keys,
 )
 from ..kernels.attention.kv_cache import KVCacheAppendKernel
-from ..kernels.base import Kernel
+from ..kernels.base import Kernel, sm_count
 from ..manifest.spec import DTYPE_NAMES
 from .base import LIBRARY, Op
 
-_sm_counts: dict[torch.device, int] = {}
-
 
 def _sms(device: torch.device) -> int:
-    """The device's SM count (132 on an H200), read once per device."""
-    count = _sm_counts.get(device)
-    if count is None:
-        count = _sm_counts[device] = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda" else SMS)
-    return count
+    return sm_count(device, SMS)
 
 
 def _unread_table(cache_seqlens: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,7 @@ class Fp8GemmConfig(GemmConfig):
             out = self.block_m * self.block_n * (4 if self.split_k > 1 else 2)
             fits = (self.ctas_per_sm == 2 and self.threads == 128
                     and max(pipeline, out if self.stage_out else 0) <= SMEM_PER_SM // 2 - 1024)
-        return (fits and warps % 4 == 0 and self.block_m >= 64
+        return (fits and warps % 4 == 0 and self.block_m >= 64 and not self.wave_fill
                 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
                 and self.block_n % 64 == 0 and self.block_k % 32 == 0)
 

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import tilelang.language as T
 import torch
 
-from ..base import Kernel
+from ..base import Kernel, sm_count
+from ..workspace import zeroed_scratch
 from . import select
+from .wave_fill import partition, wave_fill_program
 
 NUM_SMS_H200 = 132
 SMEM_LIMIT = 227 * 1024
@@ -35,6 +37,9 @@ class GemmConfig:
     # Stage the output tile in shared memory for a TMA store; without it the registers go
     # straight to global memory and the freed shared memory can hold another K stage.
     stage_out: bool = True
+    # Whole waves of tiles, the last partial wave's tiles split over K and merged in the
+    # same launch (wave_fill.py); the split is chosen per call from M, so split_k stays 1.
+    wave_fill: bool = False
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         # TileLang's shared-memory planner places the output staging tile over the pipeline
@@ -46,6 +51,7 @@ class GemmConfig:
     def valid(self) -> bool:
         warps = self.threads // 32
         return (self.smem_bytes() <= SMEM_LIMIT and warps % 4 == 0
+                and not (self.wave_fill and self.split_k > 1)
                 and self.block_m >= 64 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
                 and self.block_n % 64 == 0)
 
@@ -53,6 +59,45 @@ class GemmConfig:
 def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
     k_tiles = -(-k // block_k)
     return -(-k_tiles // split_k)
+
+
+def k_loop(dtype: str, trans_a: bool, trans_b: bool, block_m: int, block_n: int,
+           block_k: int, stages: int):
+    """The pipelined K loop of one output tile (row tile tm, column tile tn): `steps` K tiles
+    from K tile k0, accumulated into acc (TMA loads, wgmma, warp-specialized)."""
+
+    @T.macro
+    def loop(a, b, a_shared, b_shared, acc, tm, tn, k0, steps):
+        for ko in T.Pipelined(steps, num_stages=stages):
+            kt = k0 + ko
+            if trans_a:
+                T.copy(a[kt * block_k, tm * block_m], a_shared)
+            else:
+                T.copy(a[tm * block_m, kt * block_k], a_shared)
+            if trans_b:
+                T.copy(b[tn * block_n, kt * block_k], b_shared)
+            else:
+                T.copy(b[kt * block_k, tn * block_n], b_shared)
+            T.gemm(a_shared, b_shared, acc, transpose_A=trans_a, transpose_B=trans_b)
+    return loop
+
+
+def tile_store(n: int, block_m: int, block_n: int, has_bias: bool, stage_out: bool):
+    """The epilogue: + bias[N] (column tile tn), then acc into `out` (a tile of d), through
+    shared memory (TMA store) when d_shared is given."""
+
+    @T.macro
+    def store(acc, d_shared, bias, tn, out):
+        if has_bias:
+            for i, j in T.Parallel(block_m, block_n):
+                # columns past N read a valid bias entry; they are never stored
+                acc[i, j] += T.cast(bias[T.min(tn * block_n + j, n - 1)], "float")
+        if stage_out:
+            T.copy(acc, d_shared)
+            T.copy(d_shared, out)
+        else:
+            T.copy(acc, out)
+    return store
 
 
 def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool,
@@ -78,6 +123,9 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
     out_dtype = "float" if split_k > 1 else dtype
     epilogue_bias = has_bias and split_k == 1
 
+    main_loop = k_loop(dtype, trans_a, trans_b, block_m, block_n, block_k, stages)
+    store = tile_store(n, block_m, block_n, epilogue_bias, stage_out)
+
     @T.macro
     def body(a, b, d, bias):
         with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), split_k,
@@ -85,36 +133,17 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
             a_shared = T.alloc_shared(a_tile, dtype)
             b_shared = T.alloc_shared(b_tile, dtype)
             acc_local = T.alloc_fragment((block_m, block_n), "float")
-            if stage_out:
-                d_shared = T.alloc_shared((block_m, block_n), out_dtype)
+            d_shared = T.alloc_shared((block_m, block_n), out_dtype) if stage_out else None
             if raster > 0:
                 T.use_swizzle(raster)
             if accumulate:
                 T.copy(d[by * block_m, bx * block_n], acc_local)
             else:
                 T.clear(acc_local)
-            for ko in T.Pipelined(tiles, num_stages=stages):
-                kt = bz * tiles + ko
-                if trans_a:
-                    T.copy(a[kt * block_k, by * block_m], a_shared)
-                else:
-                    T.copy(a[by * block_m, kt * block_k], a_shared)
-                if trans_b:
-                    T.copy(b[bx * block_n, kt * block_k], b_shared)
-                else:
-                    T.copy(b[kt * block_k, bx * block_n], b_shared)
-                T.gemm(a_shared, b_shared, acc_local, transpose_A=trans_a, transpose_B=trans_b)
+            main_loop(a, b, a_shared, b_shared, acc_local, by, bx, bz * tiles, tiles)
             out = d[bz, by * block_m, bx * block_n] if split_k > 1 else d[
                 by * block_m, bx * block_n]
-            if epilogue_bias:
-                for i, j in T.Parallel(block_m, block_n):
-                    # columns past N read a valid bias entry; they are never stored
-                    acc_local[i, j] += T.cast(bias[T.min(bx * block_n + j, n - 1)], "float")
-            if stage_out:
-                T.copy(acc_local, d_shared)
-                T.copy(d_shared, out)
-            else:
-                T.copy(acc_local, out)
+            store(acc_local, d_shared, bias, bx, out)
 
     # Each parameter its own annotation object (a shared one would alias the buffers).
     if epilogue_bias:
@@ -190,6 +219,14 @@ class GemmKernel(Kernel):
 
     def program(self, config: GemmConfig, bucket: str):
         k = self.key
+        if config.wave_fill:
+            if not self._splittable():
+                raise ValueError("an accumulating or symbolic-K GEMM cannot fill waves")
+            return (wave_fill_program(
+                k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"], config.block_m,
+                config.block_n, config.block_k, config.stages, config.threads,
+                config.raster, config.stage_out, k.get("has_bias", False), k_loop,
+                tile_store),)
         main = gemm_program(k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"],
                             config.block_m, config.block_n, config.block_k, config.stages,
                             config.threads, config.split_k, config.raster, config.stage_out,
@@ -207,12 +244,27 @@ class GemmKernel(Kernel):
 
     def run(self, config: GemmConfig, compiled: tuple, a, b, *rest) -> None:
         *bias, d = rest  # (d) or (bias, d)
+        if config.wave_fill:
+            self._run_wave_fill(config, compiled[0], a, b, bias, d)
+            return
         if config.split_k == 1:
             compiled[0](a, b, *bias, d)
             return
         partial = d.new_empty((config.split_k, d.shape[0], d.shape[1]), dtype=torch.float32)
         compiled[0](a, b, partial)
         compiled[1](partial, *bias, d)  # the reduce adds the bias, once
+
+    def _run_wave_fill(self, config: GemmConfig, launch, a, b, bias: list, d) -> None:
+        bm, bn = config.block_m, config.block_n
+        tiles = -(-d.shape[0] // bm) * -(-self.key["n"] // bn)
+        whole, split = partition(tiles, -(-self.key["k"] // config.block_k), sm_count(d.device))
+        if split > 1 and torch.are_deterministic_algorithms_enabled():
+            whole, split = tiles, 1  # the pieces' atomic adds sum in arrival order
+        used = max(tiles - whole, 1)
+        slots = zeroed_scratch(d.device, used, bm * bn, torch.float32)
+        slots = slots.view(-1)[:used * bm * bn].view(used, bm, bn)
+        counts = zeroed_scratch(d.device, 1, used, torch.int32)[0, :used]
+        launch(a, b, *bias, d, slots, counts, whole, split)
 
     def split_for(self, m: int, block_m: int, block_n: int, block_k: int) -> int:
         """Enough K splits for the grid to cover the SMs, each split keeping >= 4 K tiles."""

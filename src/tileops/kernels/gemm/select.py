@@ -63,6 +63,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from .wave_fill import partition
+
 NUM_SMS = 132
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each CTA also reserves 1 KB
 # Fraction of the profile's tensor-core peak (perf/profiles: the best cuBLAS rate, 790 TFLOP/s
@@ -77,6 +79,8 @@ FILL_STEPS = 6.0          # a CTA's prologue (the first loads' latency), fill, d
 CTA_US = 0.0              # a CTA's fixed cost beyond FILL_STEPS (the fit leaves none)
 REDUCE_US = 2.0           # the split-K reduce launch
 SPLIT_BYTES_PER_S = 1.2   # x HBM bandwidth: the fp32 partials' round trip (partly L2 hits)
+MERGE_US = 5.0            # wave fill: the pieces' fp32 adds (128 KB a 128 x 256 tile), then
+                          # the last piece's read and clear of the sum (not yet measured)
 OVERLAP_P = 2.0           # estimate = (compute^p + memory^p)^(1/p); None: max(compute, memory)
 # Buckets up to 128 rows (64-row tiles, decode) have no measured timings yet: they keep the
 # first calibration against the tuned table (see the module doc), and max(compute, memory).
@@ -151,6 +155,15 @@ def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
     step_us /= c["tile_efficiency"].get((bm, bn), 0.6)
     cta_us = per_sm * (k_steps + c["fill_steps"]) * step_us + c["cta_us"]
     compute_us = waves * cta_us
+    fill_us = 0.0
+    if getattr(config, "wave_fill", False):
+        # whole waves, then one short wave of pieces and their in-kernel merge
+        whole, pieces = partition(ctas, k_tiles, NUM_SMS * per_sm)
+        if pieces > 1:
+            ctas = whole + (ctas - whole) * pieces
+            piece_us = per_sm * (-(-k_tiles // pieces) + c["fill_steps"]) * step_us
+            compute_us = whole // (NUM_SMS * per_sm) * cta_us + piece_us
+            fill_us = c["merge_us"]
     # Little's law: a CTA streams the weight bytes its pipeline keeps in flight once per HBM
     # latency (the activation rows are few where this bound matters, and L2-resident)
     in_flight = config.stages * bn * bk * eb
@@ -164,15 +177,15 @@ def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
                     * 1e6 + c["reduce_us"])
     p = c["overlap_p"]
     if p is None:
-        return max(compute_us, memory_us) + split_us
-    return (compute_us ** p + memory_us ** p) ** (1 / p) + split_us
+        return max(compute_us, memory_us) + split_us + fill_us
+    return (compute_us ** p + memory_us ** p) ** (1 / p) + split_us + fill_us
 
 
 DEFAULTS: dict[str, Any] = {"tile_efficiency": TILE_EFFICIENCY, "fill_steps": FILL_STEPS,
                             "cta_us": CTA_US, "reduce_us": REDUCE_US,
                             "sm_bytes_per_s": SM_BYTES_PER_S, "latency_us": LATENCY_US,
                             "split_bytes_per_s": SPLIT_BYTES_PER_S, "overlap_p": OVERLAP_P,
-                            "tie": TIE}
+                            "merge_us": MERGE_US, "tie": TIE}
 DECODE_DEFAULTS: dict[str, Any] = {**DEFAULTS, "tile_efficiency": DECODE_TILE_EFFICIENCY,
                                    "fill_steps": 0.5, "cta_us": 1.0, "reduce_us": 4.0,
                                    "split_bytes_per_s": 1.0, "overlap_p": None}
