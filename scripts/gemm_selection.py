@@ -159,26 +159,29 @@ def cmd_table(args: argparse.Namespace) -> int:
     return 0
 
 
-def wave_fill_case(r: dict):
-    """(record, current config, the same tile filling waves) where the wave-fill form
-    changes the work at this M: a split-K it replaces, or a left-over wave it splits that
-    costs the plain grid 5% or more of its waves."""
+def wave_fill_cases(r: dict) -> list[tuple]:
+    """(record, current config, a wave-filling config) for the current tile and, where the
+    current one is narrower, 128 x 256: where filling changes the work at this M (a split-K
+    it replaces, or a left-over wave that costs the plain grid 5% or more of its waves)."""
     from tileops.kernels.gemm import GemmConfig
     from tileops.kernels.gemm.wave_fill import partition
 
     current = GemmConfig(**r["config"])
     if r["size"] <= 128 or current.block_m < 128:
-        return None
-    wave = dataclasses.replace(current, split_k=1, wave_fill=True)
-    tiles = -(-r["size"] // wave.block_m) * -(-r["key"]["n"] // wave.block_n)
-    whole, split = partition(tiles, -(-r["key"]["k"] // wave.block_k), 132)
-    if not wave.valid() or split == 1:
-        return None
-    # waves the tile grid takes, plain and filled: skip tails too small to matter (< 5%)
-    plain, filled = -(-tiles // 132), whole / 132 + 1 / split
-    if current.split_k == 1 and filled > 0.95 * plain:
-        return None
-    return r, current, wave
+        return []
+    wide = GemmConfig(128, 256, 64, 3, 256, 1, 8, wave_fill=True)
+    out = []
+    for wave in dict.fromkeys([dataclasses.replace(current, split_k=1, wave_fill=True), wide]):
+        tiles = -(-r["size"] // wave.block_m) * -(-r["key"]["n"] // wave.block_n)
+        whole, split = partition(tiles, -(-r["key"]["k"] // wave.block_k), 132)
+        if not wave.valid() or split == 1:
+            continue
+        # waves the tile grid takes, plain and filled: skip tails too small to matter
+        plain, filled = -(-tiles // 132), whole / 132 + 1 / split
+        if current.split_k == 1 and filled > 0.95 * plain:
+            continue
+        out.append((r, current, wave))
+    return out
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -200,9 +203,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
         if args.workload and not any(t in r["label"] for t in args.workload):
             continue
         if args.wave_fill:
-            case = wave_fill_case(r)
-            if case is not None:
-                cases.append(case)
+            cases += wave_fill_cases(r)
             continue
         old = before.get((r["label"], r["size"], r["key"]["n"], r["key"]["k"]))
         new = GemmConfig(**r["config"])

@@ -13,9 +13,8 @@ import tilelang.language as T
 import torch
 
 from ..base import Kernel, sm_count
-from ..workspace import zeroed_scratch
 from . import select
-from .wave_fill import partition, wave_fill_program
+from .wave_fill import merge_buffers, partition, wave_fill_program
 
 NUM_SMS_H200 = 132
 SMEM_LIMIT = 227 * 1024
@@ -256,14 +255,12 @@ class GemmKernel(Kernel):
 
     def _run_wave_fill(self, config: GemmConfig, launch, a, b, bias: list, d) -> None:
         bm, bn = config.block_m, config.block_n
+        sms = sm_count(d.device)
         tiles = -(-d.shape[0] // bm) * -(-self.key["n"] // bn)
-        whole, split = partition(tiles, -(-self.key["k"] // config.block_k), sm_count(d.device))
+        whole, split = partition(tiles, -(-self.key["k"] // config.block_k), sms)
         if split > 1 and torch.are_deterministic_algorithms_enabled():
             whole, split = tiles, 1  # the pieces' atomic adds sum in arrival order
-        used = max(tiles - whole, 1)
-        slots = zeroed_scratch(d.device, used, bm * bn, torch.float32)
-        slots = slots.view(-1)[:used * bm * bn].view(used, bm, bn)
-        counts = zeroed_scratch(d.device, 1, used, torch.int32)[0, :used]
+        slots, counts = merge_buffers(d.device, bm, bn, sms)
         launch(a, b, *bias, d, slots, counts, whole, split)
 
     def split_for(self, m: int, block_m: int, block_n: int, block_k: int) -> int:

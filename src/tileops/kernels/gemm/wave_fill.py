@@ -15,12 +15,18 @@ The partition depends on M (symbolic), so the host computes it per call
 them. CTAs run in launch order, so the pieces run as the whole tiles drain.
 """
 
+import functools
+
 import tilelang.language as T
+import torch
+
+from ..workspace import zeroed_scratch
 
 MIN_PIECE_STEPS = 4  # K tiles a piece keeps: fewer spend more on the pipeline fill than the loop
 MAX_SPLIT = 8        # pieces of one tile: more would queue their atomics on the same slot
 
 
+@functools.lru_cache(maxsize=4096)
 def partition(tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
     """(whole tiles, pieces per left-over tile) for `tiles` output tiles of `k_tiles` K
     steps on `sms` SMs. (tiles, 1) when the last wave is full enough, or K too short."""
@@ -35,13 +41,34 @@ def partition(tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
     return (whole, split) if split > 1 else (tiles, 1)
 
 
+_merge_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def merge_buffers(device: torch.device, block_m: int, block_n: int,
+                  sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed merge slots fp32 [sms // 2, block_m, block_n] and counts int32 [sms // 2]
+    of the current stream: pieces exist only when each left-over tile gets >= 2 of them
+    within one wave, so at most sms // 2 tiles are merged at once. The views are built once
+    per buffer (a view costs host time on every call)."""
+    used = max(sms // 2, 1)
+    flat = zeroed_scratch(device, used, block_m * block_n, torch.float32)
+    counts = zeroed_scratch(device, 1, used, torch.int32)
+    key = (flat.data_ptr(), counts.data_ptr(), block_m, block_n, used)
+    views = _merge_views.get(key)
+    if views is None:
+        views = _merge_views[key] = (
+            flat.view(-1)[:used * block_m * block_n].view(used, block_m, block_n),
+            counts[0, :used])
+    return views
+
+
 def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
                       block_m: int, block_n: int, block_k: int, stages: int, threads: int,
                       raster: int, stage_out: bool, has_bias: bool, k_loop, tile_store):
     """The one-launch program: (a, b[, bias], d, slots, counts, whole, split). slots is
-    fp32 [>= left-over tiles, block_m, block_n] and counts int32 [>= left-over tiles],
-    both zero before the launch and after it. Tiles are taken in panels of `raster` row
-    tiles (L2 reuse of the weight columns), whole tiles first."""
+    fp32 [>= left-over tiles, block_m, block_n] and counts int32 [>= left-over tiles]
+    (`merge_buffers`), both zero before the launch and after it. Tiles are taken in panels
+    of `raster` row tiles (L2 reuse of the weight columns), whole tiles first."""
     m = T.dynamic("m")
     used = T.dynamic("used")
     k_tiles = -(-k // block_k)
