@@ -18,7 +18,7 @@ import threading
 import torch
 
 _lock = threading.Lock()
-_buffers: dict[tuple[torch.device, int, torch.dtype], torch.Tensor] = {}
+_buffers: dict[tuple[torch.device, int, torch.dtype, bool], torch.Tensor] = {}
 _retired: list[torch.Tensor] = []  # outgrown buffers a captured graph may still use
 MIN_COLUMNS = 1024
 
@@ -28,8 +28,20 @@ def zeroed_scratch(device: torch.device, rows: int, columns: int,
     """A zeroed [>= rows, >= columns] buffer on `device` (a CUDA device with its index)
     for the current stream. The caller's kernel must leave every element it touches zero
     again."""
+    return _scratch(device, rows, columns, dtype, True)
+
+
+def scratch(device: torch.device, rows: int, columns: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Like `zeroed_scratch`, but its contents are whatever the last kernel left: for
+    partial results a launch writes before it reads them."""
+    return _scratch(device, rows, columns, dtype, False)
+
+
+def _scratch(device: torch.device, rows: int, columns: int, dtype: torch.dtype,
+             zeroed: bool) -> torch.Tensor:
     # (the raw handle: building a torch.cuda.Stream object costs a microsecond or more)
-    slot = (device, torch._C._cuda_getCurrentRawStream(device.index), dtype)
+    slot = (device, torch._C._cuda_getCurrentRawStream(device.index), dtype, zeroed)
     buffer = _buffers.get(slot)
     if buffer is not None and buffer.shape[0] >= rows and buffer.shape[1] >= columns:
         return buffer
@@ -39,6 +51,6 @@ def zeroed_scratch(device: torch.device, rows: int, columns: int,
                  max(columns, MIN_COLUMNS, 2 * old.shape[1] if old is not None else 0))
         if old is not None:
             _retired.append(old)
-        buffer = torch.zeros(shape, dtype=dtype, device=device)
+        buffer = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
         _buffers[slot] = buffer
         return buffer

@@ -4,15 +4,18 @@ A grid of T output tiles on 132 SMs takes ceil(T / 132) waves; when the last wav
 nearly empty (T = 140: 8 tiles in a second wave) most of the GPU idles through it. Here
 the first W = 132 * floor(T / 132) tiles run whole, one CTA each, and each of the T - W
 left over is cut into `split` pieces along K, so the tail is short and fills the SMs.
-A piece adds its fp32 partial tile into a zeroed slot by vector atomics (red.add), then
-counts itself in with an acquire-release atomic; the piece that arrives last reads the
-slot's sum, stores the output tile, and zeroes the slot and its count again (the buffers
-come from `workspace.zeroed_scratch`, one per stream). So the whole GEMM is one launch: no
-fp32 partials of the full output and no reduce kernel, as the plain split-K needs.
 
-The partition depends on M (symbolic), so the host computes it per call
-(`partition`) and passes it as two scalars; the grid is the kernel's own expression of
-them. CTAs run in launch order, so the pieces run as the whole tiles drain.
+A piece stores its fp32 partial tile into its own slot and counts itself in (release);
+when all `split` pieces of its tile are in (acquire), each sums one stripe of rows over
+the tile's slots, in piece order, and stores it. So the whole GEMM is one launch with no
+reduce kernel, no atomics on the data and a reproducible sum. The pieces wait for each
+other, which needs them resident together: they are the grid's last CTAs, at most one
+wave of them (`partition`), and CTAs that do not wait (the whole tiles) free the SMs they
+queue for. The last piece to leave resets its tile's counts for the next launch (the
+`workspace.zeroed_scratch` protocol).
+
+The partition depends on M (symbolic), so the host computes it per call (`partition`) and
+passes it as two scalars; the grid is the kernel's own expression of them.
 """
 
 import functools
@@ -20,10 +23,10 @@ import functools
 import tilelang.language as T
 import torch
 
-from ..workspace import zeroed_scratch
+from ..workspace import scratch, zeroed_scratch
 
 MIN_PIECE_STEPS = 4  # K tiles a piece keeps: fewer spend more on the pipeline fill than the loop
-MAX_SPLIT = 8        # pieces of one tile: more would queue their atomics on the same slot
+MAX_SPLIT = 8        # pieces of one tile: each stripe is block_m / split rows
 
 
 @functools.lru_cache(maxsize=4096)
@@ -46,31 +49,31 @@ _merge_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def merge_buffers(device: torch.device, block_m: int, block_n: int,
                   sms: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The zeroed merge slots fp32 [sms // 2, block_m, block_n] and counts int32 [sms // 2]
-    of the current stream: pieces exist only when each left-over tile gets >= 2 of them
-    within one wave, so at most sms // 2 tiles are merged at once. The views are built once
-    per buffer (a view costs host time on every call)."""
-    used = max(sms // 2, 1)
-    flat = zeroed_scratch(device, used, block_m * block_n, torch.float32)
-    counts = zeroed_scratch(device, 1, used, torch.int32)
-    key = (flat.data_ptr(), counts.data_ptr(), block_m, block_n, used)
+    """The current stream's fp32 partial slots [sms, block_m, block_n] (at most one wave of
+    pieces) and zeroed int32 counts [2, sms // 2] (arrivals and departures; a tile splits
+    only when it gets >= 2 pieces, so at most sms // 2 tiles merge at once). The views
+    are built once per buffer (a view costs host time on every call)."""
+    pieces, tiles = sms, max(sms // 2, 1)
+    flat = scratch(device, pieces, block_m * block_n, torch.float32)
+    counts = zeroed_scratch(device, 2, tiles, torch.int32)
+    key = (flat.data_ptr(), counts.data_ptr(), block_m, block_n, sms)
     views = _merge_views.get(key)
     if views is None:
         views = _merge_views[key] = (
-            flat.view(-1)[:used * block_m * block_n].view(used, block_m, block_n),
-            counts[0, :used])
+            flat.view(-1)[:pieces * block_m * block_n].view(pieces, block_m, block_n),
+            counts[:, :tiles])
     return views
 
 
 def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
                       block_m: int, block_n: int, block_k: int, stages: int, threads: int,
                       raster: int, stage_out: bool, has_bias: bool, k_loop, tile_store):
-    """The one-launch program: (a, b[, bias], d, slots, counts, whole, split). slots is
-    fp32 [>= left-over tiles, block_m, block_n] and counts int32 [>= left-over tiles]
-    (`merge_buffers`), both zero before the launch and after it. Tiles are taken in panels
-    of `raster` row tiles (L2 reuse of the weight columns), whole tiles first."""
+    """The one-launch program: (a, b[, bias], d, slots, counts, whole, split): slots fp32
+    [>= pieces, block_m, block_n], counts int32 [2, >= left-over tiles], zero before the
+    launch and after it (`merge_buffers`). Tiles are taken in panels of `raster` row tiles
+    (L2 reuse of the weight columns), whole tiles first."""
     m = T.dynamic("m")
-    used = T.dynamic("used")
+    pieces, used = T.dynamic("pieces"), T.dynamic("used")
     k_tiles = -(-k // block_k)
     tiles_n = -(-n // block_n)
     a_shape = (k, m) if trans_a else (m, k)
@@ -78,6 +81,7 @@ def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
     a_tile = (block_k, block_m) if trans_a else (block_m, block_k)
     b_tile = (block_n, block_k) if trans_b else (block_k, block_n)
     panel = max(raster, 1)
+    stripe_rows = block_m // 2  # the tallest stripe: a tile splits in >= 2 pieces
     main_loop = k_loop(dtype, trans_a, trans_b, block_m, block_n, block_k, stages)
     store = tile_store(n, block_m, block_n, has_bias, stage_out)
 
@@ -89,14 +93,14 @@ def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
             b_shared = T.alloc_shared(b_tile, dtype)
             acc = T.alloc_fragment((block_m, block_n), "float")
             d_shared = T.alloc_shared((block_m, block_n), dtype) if stage_out else None
-            arrived = T.alloc_shared((1,), "int32")
+            stripe_sum = T.alloc_fragment((stripe_rows, block_n), "float")
+            left = T.alloc_shared((1,), "int32")
             tx = T.get_thread_binding()
-            is_piece = cta >= whole
             piece = T.max(cta - whole, 0)
-            slot = piece // split
-            tile = T.if_then_else(is_piece, whole + slot, cta)
-            part = T.if_then_else(is_piece, piece % split, 0)
-            steps = T.if_then_else(is_piece, T.ceildiv(k_tiles, split), k_tiles)
+            slot = piece // split  # the left-over tile's index
+            tile = T.if_then_else(cta >= whole, whole + slot, cta)
+            part = T.if_then_else(cta >= whole, piece % split, 0)
+            steps = T.if_then_else(cta >= whole, T.ceildiv(k_tiles, split), k_tiles)
             k0 = part * steps
             # tile -> (row tile, column tile), panel by panel of `panel` row tiles
             tiles_m = T.ceildiv(m, block_m)
@@ -106,31 +110,47 @@ def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
             tn = tile % (panel * tiles_n) // rows
             T.clear(acc)
             main_loop(a, b, a_shared, b_shared, acc, tm, tn, k0, T.min(steps, k_tiles - k0))
-            arrived[0] = 0
-            if is_piece:
-                for i, j in T.Parallel(block_m, block_n):
-                    T.atomic_add(slots[slot, i, j], acc[i, j])
-                T.sync_threads(1, threads)  # every thread's adds precede the count
-                if tx == 0:
-                    # release: the adds are in before we count; acquire: the last sees all
-                    arrived[0] = T.atomic_add(counts[slot], 1, memory_order="acq_rel",
-                                              return_prev=True) + 1
-                T.sync_threads(1, threads)
-                if arrived[0] == split:
-                    for i, j in T.Parallel(block_m, block_n):
-                        acc[i, j] = slots[slot, i, j]
-                        slots[slot, i, j] = T.float32(0)
-                    if tx == 0:
-                        counts[slot] = 0
-            if arrived[0] == split or not is_piece:
+            if cta < whole:
                 store(acc, d_shared, bias, tn, d[tm * block_m, tn * block_n])
+            else:
+                T.copy(acc, slots[piece, 0, 0])
+                T.sync_threads(1, threads)  # every thread's partial precedes the count
+                if tx == 0:
+                    T.atomic_add(counts[0, slot], 1, memory_order="release")
+                    while T.atomic_load(counts[0, slot], memory_order="acquire") < split:
+                        pass
+                T.sync_threads(1, threads)
+                # this piece's stripe of rows, summed over the tile's pieces in order
+                row0 = part * T.ceildiv(block_m, split)
+                height = T.min(T.ceildiv(block_m, split), block_m - row0)
+                T.clear(stripe_sum)
+                for q in T.serial(split):
+                    for i, j in T.Parallel(stripe_rows, block_n):
+                        if i < height:
+                            stripe_sum[i, j] += slots[piece - part + q, row0 + i, j]
+                for i, j in T.Parallel(stripe_rows, block_n):
+                    row = tm * block_m + row0 + i
+                    col = tn * block_n + j
+                    if i < height and row < m and col < n:
+                        if has_bias:
+                            d[row, col] = T.cast(stripe_sum[i, j] + T.cast(bias[col], "float"),
+                                                 dtype)
+                        else:
+                            d[row, col] = T.cast(stripe_sum[i, j], dtype)
+                T.sync_threads(1, threads)  # the slots are read before we leave
+                if tx == 0:
+                    left[0] = T.atomic_add(counts[1, slot], 1, memory_order="acq_rel",
+                                           return_prev=True)
+                    if left[0] == split - 1:  # the last to leave: the counts are free
+                        counts[0, slot] = 0
+                        counts[1, slot] = 0
 
     if has_bias:
         @T.prim_func
         def gemm_wave_fill_bias(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
                                 bias: T.Tensor((n,), dtype), d: T.Tensor((m, n), dtype),
-                                slots: T.Tensor((used, block_m, block_n), "float"),
-                                counts: T.Tensor((used,), "int32"), whole: T.int32,
+                                slots: T.Tensor((pieces, block_m, block_n), "float"),
+                                counts: T.Tensor((2, used), "int32"), whole: T.int32,
                                 split: T.int32):
             body(a, b, bias, d, slots, counts, whole, split)
         return gemm_wave_fill_bias
@@ -138,7 +158,7 @@ def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
     @T.prim_func
     def gemm_wave_fill(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
                        d: T.Tensor((m, n), dtype),
-                       slots: T.Tensor((used, block_m, block_n), "float"),
-                       counts: T.Tensor((used,), "int32"), whole: T.int32, split: T.int32):
+                       slots: T.Tensor((pieces, block_m, block_n), "float"),
+                       counts: T.Tensor((2, used), "int32"), whole: T.int32, split: T.int32):
         body(a, b, None, d, slots, counts, whole, split)
     return gemm_wave_fill
