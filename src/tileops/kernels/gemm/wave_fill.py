@@ -61,7 +61,7 @@ def merge_buffers(device: torch.device, block_m: int, block_n: int,
     if views is None:
         views = _merge_views[key] = (
             flat.view(-1)[:pieces * block_m * block_n].view(pieces, block_m, block_n),
-            counts[:, :tiles])
+            counts.view(-1)[:2 * tiles].view(2, tiles))  # (kernels take packed tensors)
     return views
 
 
