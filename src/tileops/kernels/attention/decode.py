@@ -700,16 +700,19 @@ class DecodeAttentionKernel(Kernel):
         # 64 KiB of K and V per stage at head_dim 128 (one CTA per SM, two stages in
         # flight); head_dim 256 halves the tile to stay within shared memory
         block_n = tile_keys(self.key["head_dim"])
-        if self.key["q_len"] > 0 and 0 < self.key["page_size"] < 32 \
-                and "kv_dtype" not in self.key:
-            # pages of 16 keys arrive as one TMA copy (and barrier) per page and 64 columns,
-            # 16 a 128-key stage; 64-key tiles wait on 8: 582.1 -> 491.9 us on the H200
-            # (Llama-3.1-8B batch 64 x 4K; 3 stages of 128 keys 584.8, 4 of 64 496.6).
-            # Not measured: fp8 caches and chunked prefill (packed queries) keep 128.
-            block_n = min(block_n, 64)
+        page = self.key["page_size"]
+        if 0 < page < 32 and "kv_dtype" not in self.key:
+            # Pages of 16 keys as one TMA copy (and barrier) per page and 64 columns cost a
+            # 128-key tile 16 waits (64-key tiles were faster: 582.1 -> 491.9 us, Llama-3.1-8B
+            # batch 64 x 4K). Gathered row by row by cp.async instead (all threads, one
+            # stage), 128-key tiles win: 435.2 -> 426.2 us against the 64-key hoisted tile
+            # (8B batch 64 x 4K), 485.7 -> 447.4 (batch 256 x 1K), 842.2 -> 825.1 (Qwen3-32B
+            # 64 x 8K); chunked prefill (packed queries) 11035 -> 8766 with 64-key tiles.
+            # fp8 caches keep the TMA tiles (not measured gathered).
+            return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64, stages=1,
+                                gather=True)
         # a tile of several pages binds its page ids once, ahead of the producer's waits:
         # 487.0 -> 431.6 us (8B batch 64 x 4K, page 16), 960.2 -> 848.1 (Qwen3-32B 64 x 8K)
-        page = self.key["page_size"]
         return DecodeConfig(block_n=block_n, stages=2, hoist_pages=0 < page < block_n)
 
     def config_space(self, bucket: str) -> list[DecodeConfig]:
@@ -722,7 +725,7 @@ class DecodeAttentionKernel(Kernel):
         space += [dataclasses.replace(c, hoist_pages=True) for c in space
                   if 0 < page < c.block_n]
         if 0 < page < 64 and "kv_dtype" not in self.key:
-            # gathered pages (not measured yet); one stage: with more, TileLang 0.1.15's
+            # gathered pages (the page-16 default); one stage: with more, TileLang 0.1.15's
             # software pipeline over the symbolic tile count fails in codegen
             space += [DecodeConfig(block_n, 1, gather=True) for block_n in (64, 128)]
         return [c for c in dict.fromkeys(space)
