@@ -95,21 +95,34 @@ def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
             d_shared = T.alloc_shared((block_m, block_n), dtype) if stage_out else None
             stripe_sum = T.alloc_fragment((stripe_rows, block_n), "float")
             left = T.alloc_shared((1,), "int32")
+            # This CTA's tile and K range, computed once by one thread into shared memory:
+            # inline, TileLang would recompute the divisions for every TMA copy of the
+            # producer's loop (dozens of integer divisions a K step, more than a step's
+            # wgmma time). Every operand is non-negative: truncating division is floor.
+            where = T.alloc_shared((6,), "int32")
             tx = T.get_thread_binding()
-            piece = T.max(cta - whole, 0)
-            slot = piece // split  # the left-over tile's index
-            tile = T.if_then_else(cta >= whole, whole + slot, cta)
-            part = T.if_then_else(cta >= whole, piece % split, 0)
-            steps = T.if_then_else(cta >= whole, T.ceildiv(k_tiles, split), k_tiles)
-            k0 = part * steps
-            # tile -> (row tile, column tile), panel by panel of `panel` row tiles
-            tiles_m = T.ceildiv(m, block_m)
-            first = tile // (panel * tiles_n) * panel
-            rows = T.min(panel, tiles_m - first)
-            tm = first + tile % (panel * tiles_n) % rows
-            tn = tile % (panel * tiles_n) // rows
+            if tx == 0:
+                piece = T.max(cta - whole, 0)
+                slot = T.truncdiv(piece, split)
+                tile = T.if_then_else(cta >= whole, whole + slot, cta)
+                part = T.if_then_else(cta >= whole, T.truncmod(piece, split), 0)
+                steps = T.if_then_else(cta >= whole, T.truncdiv(k_tiles + split - 1, split),
+                                       k_tiles)
+                # tile -> (row tile, column tile), panel by panel of `panel` row tiles
+                first = T.truncdiv(tile, panel * tiles_n) * panel
+                rows = T.min(panel, T.truncdiv(m + block_m - 1, block_m) - first)
+                where[0] = first + T.truncmod(T.truncmod(tile, panel * tiles_n), rows)
+                where[1] = T.truncdiv(T.truncmod(tile, panel * tiles_n), rows)
+                where[2] = part * steps
+                where[3] = T.min(steps, k_tiles - part * steps)
+                where[4] = part
+                where[5] = slot
+            T.sync_threads()
+            tm, tn, k0, k_steps, part, slot = (where[0], where[1], where[2], where[3],
+                                               where[4], where[5])
+            piece = cta - whole
             T.clear(acc)
-            main_loop(a, b, a_shared, b_shared, acc, tm, tn, k0, T.min(steps, k_tiles - k0))
+            main_loop(a, b, a_shared, b_shared, acc, tm, tn, k0, k_steps)
             if cta < whole:
                 store(acc, d_shared, bias, tn, d[tm * block_m, tn * block_n])
             else:
@@ -121,8 +134,8 @@ def wave_fill_program(n: int, k: int, dtype: str, trans_a: bool, trans_b: bool,
                         pass
                 T.sync_threads(1, threads)
                 # this piece's stripe of rows, summed over the tile's pieces in order
-                row0 = part * T.ceildiv(block_m, split)
-                height = T.min(T.ceildiv(block_m, split), block_m - row0)
+                row0 = part * T.truncdiv(block_m + split - 1, split)
+                height = T.min(T.truncdiv(block_m + split - 1, split), block_m - row0)
                 T.clear(stripe_sum)
                 for q in T.serial(split):
                     for i, j in T.Parallel(stripe_rows, block_n):
