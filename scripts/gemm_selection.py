@@ -184,6 +184,33 @@ def wave_fill_cases(r: dict) -> list[tuple]:
     return out
 
 
+def shape_records(shapes: list[str]) -> list[dict]:
+    """Records for explicit MxNxK shapes (bf16, Linear layout), as the model picks them."""
+    from tileops.kernels.gemm import GemmKernel
+
+    out = []
+    for text in shapes:
+        m, n, k = (int(v) for v in text.lower().split("x"))
+        key = {"dtype": "bfloat16", "n": n, "k": k, "trans_a": False, "trans_b": True}
+        kernel = GemmKernel(gpu="h200", **key)
+        bucket = kernel.bucket_of(m)
+        out.append({"label": text, "key": key, "size": m, "bucket": bucket,
+                    "config": dataclasses.asdict(kernel.config_for(bucket))})
+    return out
+
+
+def whole_tiles(kernel, config, bucket: str, a, b, d):
+    """A launch of the wave-fill program with every tile whole (no pieces, no merge)."""
+    from tileops.kernels.base import sm_count
+    from tileops.kernels.gemm.wave_fill import merge_buffers
+
+    launch = kernel.use(config, bucket)[1][0]
+    slots, counts = merge_buffers(d.device, config.block_m, config.block_n,
+                                  sm_count(d.device))
+    tiles = -(-d.shape[0] // config.block_m) * -(-d.shape[1] // config.block_n)
+    return lambda: launch(a, b, d, slots, counts, tiles, 1)
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     """Old vs new config of every changed models-tier shape, timed side by side with cuBLAS.
 
@@ -199,7 +226,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     before = {tuple(r[:4]): GemmConfig(**dict(zip(CONFIG_FIELDS, r[4], strict=True)))
               for r in json.loads(MODELS_FROZEN.read_text())}
     cases = []
-    for r in models_selections(args.models):
+    records = shape_records(args.shape) if args.shape else models_selections(args.models)
+    for r in records:
         if args.workload and not any(t in r["label"] for t in args.workload):
             continue
         if args.wave_fill:
@@ -245,10 +273,16 @@ def cmd_measure(args: argparse.Namespace) -> int:
             compiled = kernel.use(config, bucket)[1]
             return lambda: kernel.run(config, compiled, a, b, d)
 
+        timed = {"old": ours(old), "new": ours(new),
+                 "cublas": lambda a=a, b=b: torch.matmul(a, b.t())}
+        if new.wave_fill:  # the same program with no pieces: what the fill itself costs
+            timed["whole"] = whole_tiles(kernel, new, r["bucket"], a, b, d)
         try:
-            t = measure_together({"old": ours(old), "new": ours(new),
-                                  "cublas": lambda a=a, b=b: torch.matmul(a, b.t())})
+            t = measure_together(timed)
             old_us, new_us, ref_us = (t[n].median_ms * 1e3 for n in ("old", "new", "cublas"))
+            if "whole" in t:
+                print(f"  {r['label']} M={m}: wave-fill program, every tile whole: "
+                      f"{t['whole'].median_ms * 1e3:.1f} us", flush=True)
         except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
             print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {short(asdict_(old))} | "
                   f"{short(asdict_(new))} | error: {type(e).__name__}: {e} |||||||", flush=True)
@@ -364,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--wave-fill", action="store_true",
                          help="old = the current pick, new = its tile filling waves "
                               "(wave_fill.py), where that changes the work")
+    measure.add_argument("--shape", action="append",
+                         help="MxNxK (bf16, Linear layout) instead of the models tier's shapes")
     measure.add_argument("--compile-only", action="store_true",
                          help="build the programs (into TILEOPS_CACHE_DIR) and stop")
     measure.set_defaults(fn=cmd_measure)

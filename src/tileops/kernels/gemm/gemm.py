@@ -14,7 +14,7 @@ import torch
 
 from ..base import Kernel, sm_count
 from . import select
-from .wave_fill import merge_buffers, partition, wave_fill_program
+from .wave_fill import SAFE_MEMORY_OFF, merge_buffers, partition, wave_fill_program
 
 NUM_SMS_H200 = 132
 SMEM_LIMIT = 227 * 1024
@@ -236,6 +236,9 @@ class GemmKernel(Kernel):
             raise ValueError("an accumulating or symbolic-K GEMM takes split_k = 1")
         return main, split_k_reduce_program(k["n"], config.split_k, k["dtype"],
                                             has_bias=k.get("has_bias", False))
+
+    def pass_configs(self, config: GemmConfig, program_index: int) -> dict:
+        return dict(SAFE_MEMORY_OFF) if config.wave_fill else {}
 
     def _splittable(self) -> bool:
         # split-K partials would each add d; a symbolic K has no static split
