@@ -141,7 +141,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         shape = select.Shape(m=m, n=key["n"], k=key["k"], dtype=key["dtype"])
         est_new = select.estimate_us(shape, select.as_config(r["config"]))
         est_old = select.estimate_us(shape, select.as_config(old["config"])) if old else None
-        same = old is not None and old["config"] == r["config"]
+        same = old is not None and {"wave_fill": False, **old["config"]} == r["config"]
         changed += not same
         if est_old is not None:
             ratios.setdefault(m, []).append(est_old / est_new)
@@ -160,38 +160,33 @@ def cmd_table(args: argparse.Namespace) -> int:
 
 
 def wave_fill_cases(r: dict) -> list[tuple]:
-    """(record, current config, a wave-filling config) for the current tile and, where the
-    current one is narrower, 128 x 256: where filling changes the work at this M (a split-K
-    it replaces, or a left-over wave that costs the plain grid 5% or more of its waves)."""
-    from tileops.kernels.gemm import GemmConfig
-    from tileops.kernels.gemm.wave_fill import partition
+    """(record, the model's best config without wave fill, its pick) where it picks a
+    wave fill (`select.candidates` lists those last; they must win by TIE)."""
+    from tileops.kernels.gemm import GemmConfig, GemmKernel, select
 
-    current = GemmConfig(**r["config"])
-    if r["size"] <= 128 or current.block_m < 128:
+    pick = GemmConfig(**r["config"])
+    if not pick.wave_fill:
         return []
-    wide = GemmConfig(128, 256, 64, 3, 256, 1, 8, wave_fill=True)
-    out = []
-    for wave in dict.fromkeys([dataclasses.replace(current, split_k=1, wave_fill=True), wide]):
-        tiles = -(-r["size"] // wave.block_m) * -(-r["key"]["n"] // wave.block_n)
-        whole, split = partition(tiles, -(-r["key"]["k"] // wave.block_k), 132)
-        if not wave.valid() or split == 1:
-            continue
-        # waves the tile grid takes, plain and filled: skip tails too small to matter
-        plain, filled = -(-tiles // 132), whole / 132 + 1 / split
-        if current.split_k == 1 and filled > 0.95 * plain:
-            continue
-        out.append((r, current, wave))
-    return out
+    kernel = GemmKernel(gpu="h200", **r["key"])
+    scored = [(t, c) for t, c in select.ranked(kernel.model_shape(),
+                                               kernel.bucket_rows(r["bucket"]), "h200")
+              if not c.wave_fill]
+    best = min(t for t, _ in scored)
+    plain = next(c for t, c in scored if t <= best * (1 + select.TIE))
+    return [(r, plain, pick)]
 
 
 def shape_records(shapes: list[str]) -> list[dict]:
-    """Records for explicit MxNxK shapes (bf16, Linear layout), as the model picks them."""
+    """Records for explicit MxNxK shapes (bf16; b [N, K] as a Linear weight, or [K, N] with
+    a ':kn' suffix), as the model picks them."""
     from tileops.kernels.gemm import GemmKernel
 
     out = []
     for text in shapes:
-        m, n, k = (int(v) for v in text.lower().split("x"))
-        key = {"dtype": "bfloat16", "n": n, "k": k, "trans_a": False, "trans_b": True}
+        dims, _, layout = text.lower().partition(":")
+        m, n, k = (int(v) for v in dims.split("x"))
+        key = {"dtype": "bfloat16", "n": n, "k": k, "trans_a": False,
+               "trans_b": layout != "kn"}
         kernel = GemmKernel(gpu="h200", **key)
         bucket = kernel.bucket_of(m)
         out.append({"label": text, "key": key, "size": m, "bucket": bucket,
@@ -267,6 +262,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
         dtype = getattr(torch, key["dtype"])
         a = torch.randn(m, key["k"], device="cuda").to(dtype)
         b = (torch.randn(key["n"], key["k"], device="cuda") * key["k"] ** -0.5).to(dtype)
+        if not key["trans_b"]:
+            b = b.t().contiguous()  # [K, N]
         d = torch.empty(m, key["n"], device="cuda", dtype=dtype)
 
         def ours(config, kernel=kernel, bucket=r["bucket"], a=a, b=b, d=d):
@@ -274,7 +271,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
             return lambda: kernel.run(config, compiled, a, b, d)
 
         timed = {"old": ours(old), "new": ours(new),
-                 "cublas": lambda a=a, b=b: torch.matmul(a, b.t())}
+                 "cublas": lambda a=a, b=b, t=key["trans_b"]: torch.matmul(a, b.t() if t else b)}
         if new.wave_fill:  # the same program with no pieces: what the fill itself costs
             timed["whole"] = whole_tiles(kernel, new, r["bucket"], a, b, d)
         try:
@@ -396,10 +393,11 @@ def main(argv: list[str] | None = None) -> int:
                          help="only workloads whose label contains TEXT, e.g. '4096 tokens'")
     measure.add_argument("--jobs", type=int, default=0, help="parallel compiles (CPU count)")
     measure.add_argument("--wave-fill", action="store_true",
-                         help="old = the current pick, new = its tile filling waves "
-                              "(wave_fill.py), where that changes the work")
+                         help="where the model picks a wave fill (wave_fill.py): old = its "
+                              "best pick without one, new = the wave fill")
     measure.add_argument("--shape", action="append",
-                         help="MxNxK (bf16, Linear layout) instead of the models tier's shapes")
+                         help="MxNxK (bf16, Linear layout; MxNxK:kn for b [K, N]) instead of "
+                              "the models tier's shapes")
     measure.add_argument("--compile-only", action="store_true",
                          help="build the programs (into TILEOPS_CACHE_DIR) and stop")
     measure.set_defaults(fn=cmd_measure)

@@ -30,6 +30,13 @@ CHANGED_BY_THE_MODEL = {
     # shared memory (GemmConfig.smem_bytes)
     ("FusedLinearCrossEntropyFwdOp", "gemma-2-9b head 4k tokens softcap 30", "bfloat16",
      "m1024"): GemmConfig(128, 256, 64, 3, 256, 8, 8),
+    # wave fill (wave_fill.py): 2000 tiles of 128 x 256 are 15.2 waves; the 20 left over run
+    # in 6 pieces each instead of a 16th wave that is 15% full
+    ("FusedLinearCrossEntropyFwdOp", "mistral-7b head 16k tokens", "bfloat16", "m2048"):
+        GemmConfig(128, 256, 64, 3, 256, 1, 8, wave_fill=True),
+    # grad_input of qkv_proj (4096 x 3584 x 4608): 448 tiles, 3.4 waves; the last 52 in pieces
+    ("LinearBwdOp", "qwen2.5-7b training 4k tokens qkv_proj (bias)", "bfloat16", "m4096"):
+        GemmConfig(128, 256, 64, 3, 256, 1, 8, wave_fill=True),
 }
 
 

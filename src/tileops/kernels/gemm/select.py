@@ -79,8 +79,9 @@ FILL_STEPS = 6.0          # a CTA's prologue (the first loads' latency), fill, d
 CTA_US = 0.0              # a CTA's fixed cost beyond FILL_STEPS (the fit leaves none)
 REDUCE_US = 2.0           # the split-K reduce launch
 SPLIT_BYTES_PER_S = 1.2   # x HBM bandwidth: the fp32 partials' round trip (partly L2 hits)
-MERGE_US = 5.0            # wave fill: the pieces' fp32 adds (128 KB a 128 x 256 tile), then
-                          # the last piece's read and clear of the sum (not yet measured)
+MERGE_US = 12.0           # wave fill: the pieces' fp32 partials stored, the wait for a tile's
+                          # last piece, the stripes summed: for a 128 x 256 tile (128 KB of
+                          # fp32), in proportion to the tile's area (fitted, see the doc)
 OVERLAP_P = 2.0           # estimate = (compute^p + memory^p)^(1/p); None: max(compute, memory)
 # Buckets up to 128 rows (64-row tiles, decode) have no measured timings yet: they keep the
 # first calibration against the tuned table (see the module doc), and max(compute, memory).
@@ -163,7 +164,7 @@ def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
             ctas = whole + (ctas - whole) * pieces
             piece_us = per_sm * (-(-k_tiles // pieces) + c["fill_steps"]) * step_us
             compute_us = whole // (NUM_SMS * per_sm) * cta_us + piece_us
-            fill_us = c["merge_us"]
+            fill_us = c["merge_us"] * bm * bn / (128 * 256)
     # Little's law: a CTA streams the weight bytes its pipeline keeps in flight once per HBM
     # latency (the activation rows are few where this bound matters, and L2-resident)
     in_flight = config.stages * bn * bk * eb
@@ -215,9 +216,13 @@ def candidates(rows: int, k: int | None, splittable: bool) -> list[Any]:
                 for split in splits(k, bk, splittable):
                     out.append(GemmConfig(block_m, bn, bk, stages, threads, split, 8))
     else:
-        for bm, bn, stages in ((128, 256, 3), (128, 128, 4), (256, 128, 3)):
+        tiles = ((128, 256, 3), (128, 128, 4), (256, 128, 3))
+        for bm, bn, stages in tiles:
             for split in splits(k, 64, splittable):
                 out.append(GemmConfig(bm, bn, 64, stages, 256, split, 8))
+        if splittable and k is not None:  # last: a wave fill must beat the rest by TIE
+            out += [GemmConfig(bm, bn, 64, stages, 256, 1, 8, wave_fill=True)
+                    for bm, bn, stages in tiles[:2]]
     return [c for c in out if c.valid()]
 
 
