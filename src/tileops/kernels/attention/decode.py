@@ -708,9 +708,15 @@ class DecodeAttentionKernel(Kernel):
             # stage), 128-key tiles win: 435.2 -> 426.2 us against the 64-key hoisted tile
             # (8B batch 64 x 4K), 485.7 -> 447.4 (batch 256 x 1K), 842.2 -> 825.1 (Qwen3-32B
             # 64 x 8K); chunked prefill (packed queries) 11035 -> 8766 with 64-key tiles.
-            # fp8 caches keep the TMA tiles (not measured gathered).
-            return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64, stages=1,
-                                gather=True)
+            # fp8 caches keep the TMA tiles (not measured gathered). So do sliding windows:
+            # their gathered programs took 4-5 minutes to compile here (cause not found; 18 s
+            # for the TMA tiles), a first call no server should wait for, and have not run
+            # on a GPU. They keep the previous default, 64-key TMA tiles for one-row queries.
+            if self.key["window_left"] < 0:
+                return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64,
+                                    stages=1, gather=True)
+            if self.key["q_len"] > 0:
+                block_n = min(block_n, 64)
         # a tile of several pages binds its page ids once, ahead of the producer's waits:
         # 487.0 -> 431.6 us (8B batch 64 x 4K, page 16), 960.2 -> 848.1 (Qwen3-32B 64 x 8K)
         return DecodeConfig(block_n=block_n, stages=2, hoist_pages=0 < page < block_n)
