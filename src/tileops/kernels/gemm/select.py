@@ -43,7 +43,13 @@ rows, 128-row ones up to 128, and 128 x 256, 128 x 128 or 256 x 128 above; each 
 split that keeps 4 K steps per split, and stages that fit shared memory. Among those within
 TIE of the fastest estimate the first in that list wins (the list is ordered by what the
 autotuner has preferred: the widest tile, the fewest splits), so near ties resolve the way
-tuning resolved them rather than by noise in the model.
+tuning resolved them rather than by noise in the model. Last come the wave-filled 128 x 256
+and 128 x 128 tiles (wave_fill.py; above 128 rows, static splittable K): whole waves, then
+the left-over tiles in K pieces merged in the same launch, priced as one short wave of
+pieces plus MERGE_US per tile. Fitted on 18 H200 shapes (2026-12-03), the model picks the
+faster of wave fill and its plain pick on 15 of 15 distinct ones; its 50 wave-fill picks
+on the models tier measured 1.094x over the plain pick (geomean; worst 0.969x;
+docs/performance/h200-gemm-wave-fill-2026-12-03.md).
 
 The decode constants are physical estimates checked against the shipped H200 table
 (`python3 scripts/gemm_selection.py agreement`): the model picks the autotuner's tile and
