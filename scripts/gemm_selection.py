@@ -168,11 +168,8 @@ def wave_fill_cases(r: dict) -> list[tuple]:
     if not pick.wave_fill:
         return []
     kernel = GemmKernel(gpu="h200", **r["key"])
-    scored = [(t, c) for t, c in select.ranked(kernel.model_shape(),
-                                               kernel.bucket_rows(r["bucket"]), "h200")
-              if not c.wave_fill]
-    best = min(t for t, _ in scored)
-    plain = next(c for t, c in scored if t <= best * (1 + select.TIE))
+    plain = select.choose(kernel.model_shape(), kernel.bucket_rows(r["bucket"]), "h200",
+                          wave_fill=False)
     return [(r, plain, pick)]
 
 

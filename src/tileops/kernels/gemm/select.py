@@ -244,18 +244,21 @@ def pickable_forms() -> list[tuple[str, Any]]:
 
 
 def ranked(shape: Shape, rows: int, gpu: str | None = None,
-           consts: dict[str, Any] | None = None) -> list[tuple[float, Any]]:
-    """(estimate us, config) of every candidate at M = rows, in preference order."""
+           consts: dict[str, Any] | None = None,
+           wave_fill: bool = True) -> list[tuple[float, Any]]:
+    """(estimate us, config) of every candidate at M = rows, in preference order;
+    wave_fill=False leaves the wave-fill ones out (what the plain grids would pick)."""
     at = dataclasses.replace(shape, m=rows)
     return [(estimate_us(at, cfg, gpu, consts), cfg)
-            for cfg in candidates(rows, shape.k, shape.splittable)]
+            for cfg in candidates(rows, shape.k, shape.splittable)
+            if wave_fill or not cfg.wave_fill]
 
 
 def choose(shape: Shape, rows: int, gpu: str | None = None,
-           consts: dict[str, Any] | None = None) -> Any:
+           consts: dict[str, Any] | None = None, wave_fill: bool = True) -> Any:
     """The first candidate (preference order) within TIE of the fastest estimate."""
     tie = (consts or {}).get("tie", TIE)
-    scored = ranked(shape, rows, gpu, consts)
+    scored = ranked(shape, rows, gpu, consts, wave_fill)
     best = min(t for t, _ in scored)
     return next(cfg for t, cfg in scored if t <= best * (1 + tie))
 
