@@ -6,6 +6,8 @@
     python3 scripts/gemm_selection.py measure [--workload TEXT ...] [--models TEXT ...]
         # on the GPU: the models-tier shapes whose config changed, old config vs new config
         # vs cuBLAS in one process (both compiled in parallel first), no branch switch
+    python3 scripts/gemm_selection.py measure --variant '{"full_row": true}' [--variant ...]
+        # the model's pick against the same config with fields replaced (--every N: a sample)
     python3 scripts/gemm_selection.py fit [MEASURED.md]
         # the model against a `measure` result: |log(estimate / measured)| per M, and for
         # each shape whether the model now picks the measured old or new config or a third
@@ -111,6 +113,10 @@ def short(config: dict) -> str:
         text += " regs-out"
     if c.get("wave_fill"):
         text += " wave-fill"
+    if c.get("full_row"):
+        text += " full-row"
+    if c.get("async_mma"):
+        text += " async"
     return text
 
 
@@ -173,6 +179,17 @@ def wave_fill_cases(r: dict) -> list[tuple]:
     return [(r, plain, pick)]
 
 
+def variant_cases(r: dict, variants: list[dict]) -> list[tuple]:
+    """(record, its pick, the pick with each variant's fields replaced: None where that is
+    the pick itself or not a valid config) where some variant is another valid config."""
+    from tileops.kernels.gemm import GemmConfig
+
+    pick = GemmConfig(**r["config"])
+    out = [dataclasses.replace(pick, **fields) for fields in variants]
+    out = [v if v != pick and v.valid() else None for v in out]
+    return [(r, pick, *out)] if any(out) else []
+
+
 def shape_records(shapes: list[str]) -> list[dict]:
     """Records for explicit MxNxK shapes (bf16; b [N, K] as a Linear weight, or [K, N] with
     a ':kn' suffix), as the model picks them."""
@@ -210,8 +227,6 @@ def cmd_measure(args: argparse.Namespace) -> int:
     exactly what the previous selection ran."""
     import os
 
-    import torch
-
     from tileops.kernels.gemm import GemmConfig, GemmKernel
     from tileops.perf.timing import measure_together
 
@@ -225,17 +240,21 @@ def cmd_measure(args: argparse.Namespace) -> int:
         if args.wave_fill:
             cases += wave_fill_cases(r)
             continue
+        if args.variant:
+            cases += variant_cases(r, [json.loads(v) for v in args.variant])
+            continue
         old = before.get((r["label"], r["size"], r["key"]["n"], r["key"]["k"]))
         new = GemmConfig(**r["config"])
         if old is not None and old != new:
             cases.append((r, old, new))
+    cases = cases[::args.every]
     print(f"{len(cases)} changed shapes; compiling their old and new configs", flush=True)
     kernels = {}
     jobs = []
-    for r, old, new in cases:
+    for r, *configs in cases:
         kernel = kernels.setdefault(json.dumps(r["key"], sort_keys=True),
                                     GemmKernel(gpu="h200", **r["key"]))
-        jobs += [(kernel, old, r["bucket"]), (kernel, new, r["bucket"])]
+        jobs += [(kernel, config, r["bucket"]) for config in configs if config is not None]
     from concurrent.futures import ThreadPoolExecutor
 
     def build(job):
@@ -249,31 +268,23 @@ def cmd_measure(args: argparse.Namespace) -> int:
         list(pool.map(build, jobs))
     if args.compile_only:
         return 0
+    if args.variant:
+        return measure_variants(cases, kernels, args)
     print("| workload | M | N | K | old config | new config | old us | new us | cuBLAS us | "
           "new/old speed-up | new vs cuBLAS | old vs cuBLAS |")
     print("|---|--:|--:|--:|---|---|--:|--:|--:|--:|--:|--:|")
     gains, new_vs, old_vs = [], [], []
     for r, old, new in cases:
         key, m = r["key"], r["size"]
-        kernel = kernels[json.dumps(key, sort_keys=True)]
-        dtype = getattr(torch, key["dtype"])
-        a = torch.randn(m, key["k"], device="cuda").to(dtype)
-        b = (torch.randn(key["n"], key["k"], device="cuda") * key["k"] ** -0.5).to(dtype)
-        if not key["trans_b"]:
-            b = b.t().contiguous()  # [K, N]
-        d = torch.empty(m, key["n"], device="cuda", dtype=dtype)
-
-        def ours(config, kernel=kernel, bucket=r["bucket"], a=a, b=b, d=d):
-            compiled = kernel.use(config, bucket)[1]
-            return lambda: kernel.run(config, compiled, a, b, d)
-
-        timed = {"old": ours(old), "new": ours(new),
-                 "cublas": lambda a=a, b=b, t=key["trans_b"]: torch.matmul(a, b.t() if t else b)}
+        ours, cublas = case_runners(r, kernels)
+        timed = {"old": ours(old), "new": ours(new), "cublas": cublas}
         if new.wave_fill:  # the same program with no pieces: what the fill itself costs
-            timed["whole"] = whole_tiles(kernel, new, r["bucket"], a, b, d)
+            timed["whole"] = whole_tiles(ours.kernel, new, r["bucket"], *ours.tensors)
         try:
             t = measure_together(timed)
             old_us, new_us, ref_us = (t[n].median_ms * 1e3 for n in ("old", "new", "cublas"))
+            if args.cublas_kernels:
+                print_cublas_kernels(r, cublas)
             if "whole" in t:
                 print(f"  {r['label']} M={m}: wave-fill program, every tile whole: "
                       f"{t['whole'].median_ms * 1e3:.1f} us", flush=True)
@@ -288,11 +299,90 @@ def cmd_measure(args: argparse.Namespace) -> int:
               f"{short(asdict_(new))} | {old_us:.1f} | {new_us:.1f} | {ref_us:.1f} | "
               f"{gains[-1]:.3f}x | {new_vs[-1]:.3f}x | {old_vs[-1]:.3f}x |", flush=True)
     if gains:
-        def geo(v):
-            return math.exp(sum(math.log(x) for x in v) / len(v))
         print(f"\n{len(gains)} shapes: new/old geomean {geo(gains):.3f}x (worst "
               f"{min(gains):.3f}x, best {max(gains):.3f}x); vs cuBLAS: new {geo(new_vs):.3f}x "
               f"(worst {min(new_vs):.3f}x), old {geo(old_vs):.3f}x (worst {min(old_vs):.3f}x)")
+    return 0
+
+
+def geo(values: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in values) / len(values))
+
+
+def case_runners(r: dict, kernels: dict):
+    """For one record: ours(config) -> a launch of that config pinned on fresh random
+    inputs (ours.kernel, ours.tensors = (a, b, d)), and the cuBLAS call on the same."""
+    import torch
+
+    key, m = r["key"], r["size"]
+    kernel = kernels[json.dumps(key, sort_keys=True)]
+    dtype = getattr(torch, key["dtype"])
+    a = torch.randn(m, key["k"], device="cuda").to(dtype)
+    b = (torch.randn(key["n"], key["k"], device="cuda") * key["k"] ** -0.5).to(dtype)
+    if not key["trans_b"]:
+        b = b.t().contiguous()  # [K, N]
+    d = torch.empty(m, key["n"], device="cuda", dtype=dtype)
+
+    def ours(config):
+        compiled = kernel.use(config, r["bucket"])[1]
+        return lambda: kernel.run(config, compiled, a, b, d)
+    ours.kernel, ours.tensors = kernel, (a, b, d)
+    return ours, lambda: torch.matmul(a, b.t() if key["trans_b"] else b)
+
+
+def print_cublas_kernels(r: dict, cublas) -> None:
+    from tileops.perf.timing import kernel_breakdown
+
+    names = ", ".join(f"{name} ({us:.1f} us)" for name, us in kernel_breakdown(cublas))
+    print(f"  {r['label']} M={r['size']}: cuBLAS runs {names}", flush=True)
+
+
+def measure_variants(cases: list[tuple], kernels: dict, args: argparse.Namespace) -> int:
+    """The model's pick against each --variant of it, side by side with cuBLAS."""
+    from tileops.perf.timing import measure_together
+
+    names = [f"v{i + 1}" for i in range(len(args.variant))]
+    for name, text in zip(names, args.variant, strict=True):
+        print(f"{name} = the pick with {text}")
+    print("| workload | M | N | K | pick | pick us | " + " | ".join(f"{n} us" for n in names)
+          + " | cuBLAS us | " + " | ".join(f"{n}/pick" for n in names)
+          + " | pick vs cuBLAS | best vs cuBLAS |")
+    print("|---|--:|--:|--:|---|" + "--:|" * (2 * len(names) + 4))
+    gains: dict[str, list[float]] = {n: [] for n in names}
+    pick_vs, best_vs = [], []
+    for r, pick, *variants in cases:
+        key, m = r["key"], r["size"]
+        ours, cublas = case_runners(r, kernels)
+        timed = {"pick": ours(pick), **{n: ours(v) for n, v in zip(names, variants,
+                                                                   strict=True) if v},
+                 "cublas": cublas}
+        try:
+            t = measure_together(timed)
+            us = {n: t[n].median_ms * 1e3 for n in timed}
+            if args.cublas_kernels:
+                print_cublas_kernels(r, cublas)
+        except Exception as e:  # noqa: BLE001 - one failing case must not stop the sweep
+            print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {short(asdict_(pick))} | "
+                  f"error: {type(e).__name__}: {e} |", flush=True)
+            continue
+        for n in names:
+            if n in us:
+                gains[n].append(us["pick"] / us[n])
+        best = min(us[n] for n in ["pick", *names] if n in us)
+        pick_vs.append(us["cublas"] / us["pick"])
+        best_vs.append(us["cublas"] / best)
+        print(f"| {r['label']} | {m} | {key['n']} | {key['k']} | {short(asdict_(pick))} | "
+              f"{us['pick']:.1f} | " + " | ".join(f"{us[n]:.1f}" if n in us else "-"
+                                                  for n in names)
+              + f" | {us['cublas']:.1f} | "
+              + " | ".join(f"{us['pick'] / us[n]:.3f}x" if n in us else "-" for n in names)
+              + f" | {pick_vs[-1]:.3f}x | {best_vs[-1]:.3f}x |", flush=True)
+    if pick_vs:
+        print(f"\n{len(pick_vs)} shapes; vs cuBLAS: pick {geo(pick_vs):.3f}x (worst "
+              f"{min(pick_vs):.3f}x), best of all {geo(best_vs):.3f}x (worst {min(best_vs):.3f}x)")
+        for n in (n for n in names if gains[n]):
+            print(f"  {n}/pick over {len(gains[n])}: geomean {geo(gains[n]):.3f}x, "
+                  f"worst {min(gains[n]):.3f}x, best {max(gains[n]):.3f}x")
     return 0
 
 
@@ -392,6 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--wave-fill", action="store_true",
                          help="where the model picks a wave fill (wave_fill.py): old = its "
                               "best pick without one, new = the wave fill")
+    measure.add_argument("--variant", metavar="JSON", action="append",
+                         help="old = the model's pick, new = the pick with these config "
+                              "fields replaced, e.g. '{\"full_row\": true}'")
+    measure.add_argument("--cublas-kernels", action="store_true",
+                         help="also print the kernels cuBLAS launched for each shape")
+    measure.add_argument("--every", type=int, default=1,
+                         help="only every Nth case (a sample of a long list)")
     measure.add_argument("--shape", action="append",
                          help="MxNxK (bf16, Linear layout; MxNxK:kn for b [K, N]) instead of "
                               "the models tier's shapes")

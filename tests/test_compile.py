@@ -83,6 +83,31 @@ def test_odd_k_still_uses_wgmma():
 
 
 @pytest.mark.smoke
+@pytest.mark.parametrize("fields", [
+    {"full_row": True},
+    {"full_row": True, "async_mma": True},
+    {"full_row": True, "async_mma": True, "persistent": True},
+    {"full_row": True, "async_mma": True, "cluster_m": 2, "raster": 0},
+], ids=["full-row", "async", "persistent", "cluster"])
+def test_gemm_pipeline_forms_compile(fields, tmp_path):
+    """Whole-row warp groups issue one m64 x 128 wgmma a K slice; the hand-written pipeline
+    (and its persistent walk) keeps one K step in flight, loads by TMA, spills nothing and
+    leaves ptxas no reason to serialize its wgmmas."""
+    from tileops.kernels.gemm import GemmConfig
+
+    kernel = GemmKernel(dtype="bfloat16", n=3000, k=4192, trans_a=False, trans_b=True)
+    compiled = kernel.compile(GemmConfig(**{**GemmConfig(128, 128, 64, 4, 256, 1, 8).__dict__,
+                                            **fields}), "m4096")
+    source = compiled[0].get_kernel_source()
+    assert "64, 128, 16>" in source and "tma_load" in source
+    if fields.get("async_mma"):
+        assert "wait_wgmma<1>" in source
+    if fields.get("cluster_m"):
+        assert "tma_load_multicast" in source and "cluster_sync" in source
+    assert_no_spills_or_serialized_wgmma(compiled[0], tmp_path)
+
+
+@pytest.mark.smoke
 def test_rms_norm_uses_16_byte_accesses():
     kernel = RMSNormKernel(dtype="bfloat16", n=4096, has_weight=True)
     compiled = kernel.compile(kernel.heuristic_config("all", "sm_90a"), "all")

@@ -142,6 +142,85 @@ def test_wave_fill(flags, dtype):
                              f"{partition(tiles, 66, sm_count(d.device))})")
 
 
+ROWS_AND_ASYNC = {
+    "128x128-full-row": GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True),
+    "128x256-full-row": GemmConfig(128, 256, 64, 3, 256, 1, 8, full_row=True),
+    "128x128-full-row-split2": GemmConfig(128, 128, 64, 4, 256, 2, 8, full_row=True),
+    "128x128-full-row-wave-fill": GemmConfig(128, 128, 64, 4, 256, 1, 8, wave_fill=True,
+                                             full_row=True),
+    "128x128-async": GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True),
+    "128x256-async": GemmConfig(128, 256, 64, 3, 256, 1, 8, full_row=True, async_mma=True),
+    "128x128-async-split4": GemmConfig(128, 128, 64, 4, 256, 4, 8, full_row=True,
+                                       async_mma=True),
+    "128x128-async-square": GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True),
+    "64x128-async": GemmConfig(64, 128, 128, 4, 128, 1, 0, async_mma=True),
+    "128x128-persistent": GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True,
+                                     async_mma=True, persistent=True),
+    "128x256-persistent": GemmConfig(128, 256, 64, 3, 256, 1, 8, full_row=True,
+                                     async_mma=True, persistent=True),
+    "64x128-persistent-row-major": GemmConfig(64, 128, 128, 4, 128, 1, 0, async_mma=True,
+                                              persistent=True),
+    "128x128-cluster": GemmConfig(128, 128, 64, 4, 256, 1, 0, full_row=True, async_mma=True,
+                                  cluster_m=2),
+    "128x256-cluster": GemmConfig(128, 256, 64, 3, 256, 1, 0, full_row=True, async_mma=True,
+                                  cluster_m=2),
+    "128x128-cluster-split2": GemmConfig(128, 128, 64, 4, 256, 2, 0, full_row=True,
+                                         async_mma=True, cluster_m=2),
+    "64x128-cluster": GemmConfig(64, 128, 128, 4, 128, 1, 0, async_mma=True, cluster_m=2),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(ROWS_AND_ASYNC))
+@pytest.mark.parametrize("flags", [{}, {"has_bias": True}, {"trans_b": False},
+                                   {"trans_a": True}])
+def test_full_row_and_async_pipeline(name, flags, dtype):
+    """Whole-row warp groups (GemmConfig.full_row), the hand-written pipeline (async_mma),
+    its persistent walk and its 2-CTA clusters in each tile form and layout, with tails in
+    M, N and K (a partial last K tile, stages reused many times over; 288 tiles of 128 x
+    128 walked by 132 CTAs, 24 by 24; 11 row tiles, the cluster's twelfth all past M), into
+    a NaN-poisoned output."""
+    config = ROWS_AND_ASYNC[name]
+    m, n, k = 1504, 3000, 4192  # M a multiple of 8 (trans_a strides), 66 K tiles of 64
+    trans_a, trans_b = flags.get("trans_a", False), flags.get("trans_b", True)
+    a, b = make_inputs(m, n, k, dtype, trans_a=trans_a, trans_b=trans_b)
+    bias = randn(n, dtype=dtype)
+    kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=k, trans_a=trans_a,
+                        trans_b=trans_b, **({"has_bias": True} if "has_bias" in flags else {}))
+    for rows in (m, 1400, 1):
+        if config.block_m == 128 and rows == 1:
+            continue  # a 128-row tile never serves the m16 bucket
+        kernel.use(config, kernel.bucket_of(rows))
+        a_rows = a[:, :rows].contiguous() if trans_a else a[:rows].contiguous()
+        if trans_a and rows % 8:
+            continue
+        d = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
+        kernel(rows, a_rows, b, *((bias,) if "has_bias" in flags else ()), d)
+        want = reference(a_rows, b, trans_a=trans_a, trans_b=trans_b)
+        if "has_bias" in flags:
+            want = want + bias.float()
+        assert_close(d, want, what=f"{name} M={rows}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_async_pipeline_accumulates_over_symbolic_k(persistent, dtype):
+    """The accumulating, symbolic-K form (a weight gradient: d += a^T b over tokens) on the
+    hand-written pipeline, at token counts that are and are not multiples of the K tile."""
+    n, m_out = 3000, 1000
+    config = GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True,
+                        persistent=persistent)
+    kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=None, trans_a=True,
+                        trans_b=False, accumulate=True)
+    for tokens in (64, 4100):
+        a = randn(tokens, m_out, dtype=dtype)           # [K, M]: trans_a
+        b = randn(tokens, n, dtype=dtype, std=tokens ** -0.5)  # [K, N]
+        kernel.use(config, kernel.bucket_of(m_out))
+        d = randn(m_out, n, dtype=dtype)
+        want = d.float() + a.float().t() @ b.float()
+        kernel(m_out, a, b, d)
+        assert_close(d, want, what=f"K={tokens}")
+
 def test_wave_fill_is_reproducible():
     """The pieces' partials are summed in piece order: the same bits on every call."""
     n, k, m = 3000, 4192, 1500  # 144 tiles of 128 x 256: 132 whole, 12 in 8 pieces each

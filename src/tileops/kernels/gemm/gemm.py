@@ -6,14 +6,14 @@ split K across CTAs: each writes an fp32 partial, and a second kernel sums them.
 without a tuned entry takes the cost model's pick (select.py).
 """
 
-
+import functools
 from dataclasses import dataclass
 
 import tilelang.language as T
 import torch
 
 from ..base import Kernel, sm_count
-from . import select
+from . import async_pipeline, select
 from .wave_fill import SAFE_MEMORY_OFF, merge_buffers, partition, wave_fill_program
 
 NUM_SMS_H200 = 132
@@ -39,18 +39,39 @@ class GemmConfig:
     # Whole waves of tiles, the last partial wave's tiles split over K and merged in the
     # same launch (wave_fill.py); the split is chosen per call from M, so split_k stays 1.
     wave_fill: bool = False
+    # Each consumer warp group takes whole rows of the tile (one m64 x block_n wgmma a K
+    # slice) instead of TileLang's default square split (a 128 x 128 tile: two m64n64
+    # wgmmas per warp group, which read A twice and B at half width from shared memory).
+    full_row: bool = False
+    # The hand-written pipeline (async_pipeline.py): one K step's wgmmas stay in flight
+    # while the next is issued, where TileLang's waits for each step's before the next.
+    async_mma: bool = False
+    # One CTA an SM walks the output tiles (async_mma only, no split): the producer loads a
+    # tile's first stages while the consumers still store the tile before it.
+    persistent: bool = False
+    # CTAs of a cluster on the same column tile and adjacent row tiles (async_mma only, no
+    # swizzle: the hardware pairs CTAs by block index): B tiles arrive by one TMA multicast
+    # for all of them, halving the L2 -> SM traffic of the weight.
+    cluster_m: int = 1
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
-        # TileLang's shared-memory planner places the output staging tile over the pipeline
-        # buffers (the K loop is done when the epilogue writes it): the larger of the two
         pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
         out_bytes = 4 if self.split_k > 1 else elem_bytes
-        return max(pipeline, self.block_m * self.block_n * out_bytes if self.stage_out else 0)
+        out = self.block_m * self.block_n * out_bytes if self.stage_out else 0
+        # TileLang's shared-memory planner places the output staging tile over the pipeline
+        # buffers of its own pipeline (the K loop is done when the epilogue writes it), not
+        # over the hand-written pipeline's
+        return pipeline + out if self.async_mma else max(pipeline, out)
 
     def valid(self) -> bool:
         warps = self.threads // 32
         return (self.smem_bytes() <= SMEM_LIMIT and warps % 4 == 0
                 and not (self.wave_fill and self.split_k > 1)
+                and not (self.wave_fill and self.async_mma)
+                and not (self.persistent and (not self.async_mma or self.split_k > 1))
+                and self.cluster_m in (1, 2)
+                and not (self.cluster_m > 1 and (not self.async_mma or self.persistent
+                                                 or self.raster))
                 and self.block_m >= 64 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
                 and self.block_n % 64 == 0)
 
@@ -61,9 +82,10 @@ def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
 
 
 def k_loop(dtype: str, trans_a: bool, trans_b: bool, block_m: int, block_n: int,
-           block_k: int, stages: int):
+           block_k: int, stages: int, full_row: bool = False):
     """The pipelined K loop of one output tile (row tile tm, column tile tn): `steps` K tiles
     from K tile k0, accumulated into acc (TMA loads, wgmma, warp-specialized)."""
+    policy = T.GemmWarpPolicy.FullRow if full_row else T.GemmWarpPolicy.Square
 
     @T.macro
     def loop(a, b, a_shared, b_shared, acc, tm, tn, k0, steps):
@@ -77,7 +99,8 @@ def k_loop(dtype: str, trans_a: bool, trans_b: bool, block_m: int, block_n: int,
                 T.copy(b[tn * block_n, kt * block_k], b_shared)
             else:
                 T.copy(b[kt * block_k, tn * block_n], b_shared)
-            T.gemm(a_shared, b_shared, acc, transpose_A=trans_a, transpose_B=trans_b)
+            T.gemm(a_shared, b_shared, acc, transpose_A=trans_a, transpose_B=trans_b,
+                   policy=policy)
     return loop
 
 
@@ -102,7 +125,8 @@ def tile_store(n: int, block_m: int, block_n: int, has_bias: bool, stage_out: bo
 def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool,
                  block_m: int, block_n: int, block_k: int, stages: int, threads: int,
                  split_k: int, raster: int, stage_out: bool = True, accumulate: bool = False,
-                 has_bias: bool = False):
+                 has_bias: bool = False, full_row: bool = False, async_mma: bool = False,
+                 persistent: bool = False, cluster_m: int = 1):
     """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]. With
     `accumulate` it adds to d instead (d += op(a) @ op(b), one rounding per call): the
     weight gradient of a chunked loss sums into its output without a temporary. With
@@ -122,40 +146,102 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
     out_dtype = "float" if split_k > 1 else dtype
     epilogue_bias = has_bias and split_k == 1
 
-    main_loop = k_loop(dtype, trans_a, trans_b, block_m, block_n, block_k, stages)
+    main_loop = k_loop(dtype, trans_a, trans_b, block_m, block_n, block_k, stages, full_row)
+    produce = async_pipeline.tma_producer(trans_a, trans_b, block_m, block_n, block_k, stages,
+                                          cluster_m)
+    consume = async_pipeline.wgmma_consumer(trans_a, trans_b, stages, full_row, cluster_m)
+    alloc_empty = T.alloc_cluster_barrier if cluster_m > 1 else T.alloc_barrier
+    arrivals = async_pipeline.empty_arrivals(threads, cluster_m)
+    a_stages, b_stages = async_pipeline.stage_shapes(trans_a, trans_b, block_m, block_n,
+                                                     block_k, stages)
     store = tile_store(n, block_m, block_n, epilogue_bias, stage_out)
+    producer = async_pipeline.PRODUCER_THREADS if async_mma else 0
+    tiles_n = -(-n // block_n)
+    tile_of = async_pipeline.tile_order(tiles_n, raster)
+
+    @T.macro
+    def start(d, acc_local, by, bx):
+        if accumulate:
+            T.copy(d[by * block_m, bx * block_n], acc_local)
+        else:
+            T.clear(acc_local)
 
     @T.macro
     def body(a, b, d, bias):
-        with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m), split_k,
-                      threads=threads) as (bx, by, bz):
-            a_shared = T.alloc_shared(a_tile, dtype)
-            b_shared = T.alloc_shared(b_tile, dtype)
+        # a cluster's row tiles past M load zeros and store nothing (TMA clips both)
+        with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m * cluster_m) * cluster_m,
+                      split_k, threads=threads + producer,
+                      cluster_dims=(1, cluster_m, 1) if cluster_m > 1 else None) as (bx, by, bz):
+            if async_mma:
+                a_shared = T.alloc_shared(a_stages, dtype)
+                b_shared = T.alloc_shared(b_stages, dtype)
+                full = T.alloc_barrier([producer] * stages)
+                empty = alloc_empty([arrivals] * stages)
+            else:
+                a_shared = T.alloc_shared(a_tile, dtype)
+                b_shared = T.alloc_shared(b_tile, dtype)
             acc_local = T.alloc_fragment((block_m, block_n), "float")
             d_shared = T.alloc_shared((block_m, block_n), out_dtype) if stage_out else None
             if raster > 0:
                 T.use_swizzle(raster)
-            if accumulate:
-                T.copy(d[by * block_m, bx * block_n], acc_local)
-            else:
-                T.clear(acc_local)
-            main_loop(a, b, a_shared, b_shared, acc_local, by, bx, bz * tiles, tiles)
             out = d[bz, by * block_m, bx * block_n] if split_k > 1 else d[
                 by * block_m, bx * block_n]
-            store(acc_local, d_shared, bias, bx, out)
+            if async_mma:
+                if T.get_thread_binding() >= threads:
+                    T.set_max_nreg(async_pipeline.PRODUCER_REGISTERS, 0)
+                    produce(a, b, a_shared, b_shared, full, empty, by, bx, bz * tiles, tiles, 0)
+                else:
+                    T.set_max_nreg(async_pipeline.CONSUMER_REGISTERS, 1)
+                    start(d, acc_local, by, bx)
+                    consume(a_shared, b_shared, acc_local, full, empty, tiles, 0)
+                    store(acc_local, d_shared, bias, bx, out)
+                if cluster_m > 1:  # no CTA leaves while its peers may still write to it
+                    T.cluster_sync()
+            else:
+                start(d, acc_local, by, bx)
+                main_loop(a, b, a_shared, b_shared, acc_local, by, bx, bz * tiles, tiles)
+                store(acc_local, d_shared, bias, bx, out)
+
+    @T.macro
+    def persistent_body(a, b, d, bias):
+        tiles_m = T.ceildiv(m, block_m)
+        out_tiles = tiles_m * tiles_n
+        grid = T.min(out_tiles, NUM_SMS_H200)
+        with T.Kernel(grid, threads=threads + producer) as cta:
+            a_shared = T.alloc_shared(a_stages, dtype)
+            b_shared = T.alloc_shared(b_stages, dtype)
+            full = T.alloc_barrier([producer] * stages)
+            empty = T.alloc_barrier([threads] * stages)
+            acc_local = T.alloc_fragment((block_m, block_n), "float")
+            d_shared = T.alloc_shared((block_m, block_n), out_dtype) if stage_out else None
+            mine = T.ceildiv(out_tiles - cta, grid)  # tiles cta, cta + grid, ...
+            if T.get_thread_binding() >= threads:
+                T.set_max_nreg(async_pipeline.PRODUCER_REGISTERS, 0)
+                for i in T.serial(mine):
+                    tm, tn = tile_of(cta + i * grid, tiles_m)
+                    produce(a, b, a_shared, b_shared, full, empty, tm, tn, 0, tiles, i * tiles)
+            else:
+                T.set_max_nreg(async_pipeline.CONSUMER_REGISTERS, 1)
+                for i in T.serial(mine):
+                    tm, tn = tile_of(cta + i * grid, tiles_m)
+                    start(d, acc_local, tm, tn)
+                    consume(a_shared, b_shared, acc_local, full, empty, tiles, i * tiles)
+                    store(acc_local, d_shared, bias, tn, d[tm * block_m, tn * block_n])
+
+    launch = persistent_body if persistent else body
 
     # Each parameter its own annotation object (a shared one would alias the buffers).
     if epilogue_bias:
         @T.prim_func
         def gemm_bias(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
                       bias: T.Tensor((n,), dtype), d: T.Tensor(out_shape, out_dtype)):
-            body(a, b, d, bias)
+            launch(a, b, d, bias)
         return gemm_bias
 
     @T.prim_func
     def gemm(a: T.Tensor(a_shape, dtype), b: T.Tensor(b_shape, dtype),
              d: T.Tensor(out_shape, out_dtype)):
-        body(a, b, d, None)
+        launch(a, b, d, None)
     return gemm
 
 
@@ -218,18 +304,23 @@ class GemmKernel(Kernel):
 
     def program(self, config: GemmConfig, bucket: str):
         k = self.key
+        if config.async_mma and not self.tma_aligned():
+            raise ValueError("the hand-written pipeline loads by TMA: K (and N when b is "
+                             f"[K, N]) must be a multiple of 8 elements, got {k}")
         if config.wave_fill:
             if not self._splittable():
                 raise ValueError("an accumulating or symbolic-K GEMM cannot fill waves")
             return (wave_fill_program(
                 k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"], config.block_m,
                 config.block_n, config.block_k, config.stages, config.threads,
-                config.raster, config.stage_out, k.get("has_bias", False), k_loop,
-                tile_store),)
+                config.raster, config.stage_out, k.get("has_bias", False),
+                functools.partial(k_loop, full_row=config.full_row), tile_store),)
         main = gemm_program(k["n"], k["k"], k["dtype"], k["trans_a"], k["trans_b"],
                             config.block_m, config.block_n, config.block_k, config.stages,
                             config.threads, config.split_k, config.raster, config.stage_out,
-                            k.get("accumulate", False), k.get("has_bias", False))
+                            k.get("accumulate", False), k.get("has_bias", False),
+                            config.full_row, config.async_mma, config.persistent,
+                            config.cluster_m)
         if config.split_k == 1:
             return main
         if not self._splittable():
@@ -239,6 +330,14 @@ class GemmKernel(Kernel):
 
     def pass_configs(self, config: GemmConfig, program_index: int) -> dict:
         return dict(SAFE_MEMORY_OFF) if config.wave_fill else {}
+
+    def tma_aligned(self) -> bool:
+        """Every static row stride of a and b a multiple of 16 bytes (TMA's rule; the
+        symbolic M's stride of a transposed a is the op's to check)."""
+        k, n = self.key["k"], self.key["n"]
+        k_strided = not self.key["trans_a"] or self.key["trans_b"]
+        return ((k is None or not k_strided or k % 8 == 0)
+                and (self.key["trans_b"] or n % 8 == 0))
 
     def _splittable(self) -> bool:
         # split-K partials would each add d; a symbolic K has no static split

@@ -1,0 +1,43 @@
+"""The hand-written GEMM pipeline (kernels/gemm/async_pipeline.py) on the CPU: the persistent
+walk's tile order and which configs may take the pipeline."""
+
+import pytest
+
+from tileops.kernels.gemm import GemmConfig
+from tileops.kernels.gemm.async_pipeline import tile_order
+
+ASYNC = GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True)
+
+
+@pytest.mark.parametrize("raster", [0, 1, 8, 16])
+def test_tile_order_visits_every_tile_once(raster):
+    for tiles_n in (1, 3, 8, 24, 29):
+        for tiles_m in (1, 2, 12, 13):
+            tile_of = tile_order(tiles_n, raster, minimum=min)
+            seen = [tile_of(t, tiles_m) for t in range(tiles_m * tiles_n)]
+            assert sorted(seen) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
+
+
+def test_tile_order_walks_panels_of_raster_columns():
+    tile_of = tile_order(tiles_n=20, raster=8, minimum=min)
+    # the first panel: columns 0-7 of row 0, then of row 1, ...
+    assert [tile_of(t, 3) for t in range(10)] == [(0, c) for c in range(8)] + [(1, 0), (1, 1)]
+    # the last panel is 4 columns wide
+    assert tile_of(48, 3) == (0, 16) and tile_of(52, 3) == (1, 16)
+
+
+def test_pipeline_config_rules():
+    assert ASYNC.valid()
+    # the output staging tile no longer shares the pipeline's shared memory
+    assert ASYNC.smem_bytes() == 4 * (128 + 128) * 64 * 2 + 128 * 128 * 2
+    assert not GemmConfig(128, 256, 64, 4, 256, 1, 8, async_mma=True).valid()  # 256 KB
+    assert not GemmConfig(128, 128, 64, 4, 256, 1, 8, wave_fill=True, async_mma=True).valid()
+    assert not GemmConfig(128, 128, 64, 4, 256, 1, 8, persistent=True).valid()
+    assert not GemmConfig(128, 128, 64, 4, 256, 2, 8, async_mma=True, persistent=True).valid()
+    assert GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True, persistent=True).valid()
+    # clusters: the hand-written pipeline, pairs only, no swizzle (the hardware pairs CTAs
+    # by block index), not persistent
+    assert GemmConfig(128, 128, 64, 4, 256, 1, 0, async_mma=True, cluster_m=2).valid()
+    assert not GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True, cluster_m=2).valid()
+    assert not GemmConfig(128, 128, 64, 4, 256, 1, 0, cluster_m=2).valid()
+    assert not GemmConfig(128, 128, 64, 4, 256, 1, 0, async_mma=True, cluster_m=4).valid()
