@@ -35,9 +35,8 @@ def test_pipeline_config_rules():
     assert not GemmConfig(128, 128, 64, 4, 256, 1, 8, persistent=True).valid()
     assert not GemmConfig(128, 128, 64, 4, 256, 2, 8, async_mma=True, persistent=True).valid()
     assert GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True, persistent=True).valid()
-    # clusters: the hand-written pipeline, pairs only, no swizzle (the hardware pairs CTAs
-    # by block index), not persistent
+    # clusters: the hand-written pipeline, pairs only, not persistent
     assert GemmConfig(128, 128, 64, 4, 256, 1, 0, async_mma=True, cluster_m=2).valid()
-    assert not GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True, cluster_m=2).valid()
+    assert GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True, cluster_m=2).valid()
     assert not GemmConfig(128, 128, 64, 4, 256, 1, 0, cluster_m=2).valid()
     assert not GemmConfig(128, 128, 64, 4, 256, 1, 0, async_mma=True, cluster_m=4).valid()

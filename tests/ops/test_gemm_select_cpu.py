@@ -4,13 +4,14 @@ The frozen files under data/ were written by `scripts/gemm_selection.py freeze` 
 code before M was bucketed up to 16K rows and untuned buckets went to the cost model.
 """
 
+import dataclasses
 import json
 import pathlib
 
 import pytest
 
 from tileops.kernels.base import tuned_table
-from tileops.kernels.fp8.gemm_fp8 import Fp8GemmKernel
+from tileops.kernels.fp8.gemm_fp8 import Fp8GemmConfig, Fp8GemmKernel
 from tileops.kernels.gemm import GemmConfig, GemmKernel, select
 
 from ..helpers import assert_no_spills_or_serialized_wgmma, load_script
@@ -41,9 +42,15 @@ CHANGED_BY_THE_MODEL = {
 
 
 def same_config(now: dict, before: dict) -> bool:
-    """Fields added since the freeze (wave_fill) compare equal at their (false) defaults."""
-    added = [now[f] for f in now if f not in before]
-    return {f: now.get(f) for f in before} == before and not any(added)
+    """Fields added since the freeze (wave_fill, ...) compare equal at their (false)
+    defaults; full_row, the warp split of the model's 128 x 128 tiles (select.FULL_ROW_TILE),
+    leaves the selection as it was."""
+    if (now["block_m"], now["block_n"]) == select.FULL_ROW_TILE:
+        now = {**now, "full_row": False}
+    defaults = {f.name: f.default for config in (GemmConfig, Fp8GemmConfig)
+                for f in dataclasses.fields(config)}
+    added = [f for f in now if f not in before and now[f] != defaults[f]]
+    return {f: now.get(f) for f in before} == before and not added
 
 
 def test_tuned_and_manifest_selection_is_unchanged():

@@ -49,9 +49,9 @@ class GemmConfig:
     # One CTA an SM walks the output tiles (async_mma only, no split): the producer loads a
     # tile's first stages while the consumers still store the tile before it.
     persistent: bool = False
-    # CTAs of a cluster on the same column tile and adjacent row tiles (async_mma only, no
-    # swizzle: the hardware pairs CTAs by block index): B tiles arrive by one TMA multicast
-    # for all of them, halving the L2 -> SM traffic of the weight.
+    # CTAs of a cluster on the same column tile and adjacent row tiles (async_mma only; the
+    # raster panels are of whole clusters): B tiles arrive by one TMA multicast for all of
+    # them, halving the L2 -> SM traffic of the weight.
     cluster_m: int = 1
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
@@ -70,8 +70,7 @@ class GemmConfig:
                 and not (self.wave_fill and self.async_mma)
                 and not (self.persistent and (not self.async_mma or self.split_k > 1))
                 and self.cluster_m in (1, 2)
-                and not (self.cluster_m > 1 and (not self.async_mma or self.persistent
-                                                 or self.raster))
+                and not (self.cluster_m > 1 and (not self.async_mma or self.persistent))
                 and self.block_m >= 64 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
                 and self.block_n % 64 == 0)
 
@@ -182,19 +181,24 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                 b_shared = T.alloc_shared(b_tile, dtype)
             acc_local = T.alloc_fragment((block_m, block_n), "float")
             d_shared = T.alloc_shared((block_m, block_n), out_dtype) if stage_out else None
-            if raster > 0:
+            tm, tn = by, bx
+            if cluster_m > 1:
+                # the swizzle on whole clusters: a cluster's CTAs keep one column tile
+                pm, tn = tile_of(by // cluster_m * tiles_n + bx, T.ceildiv(m, block_m * cluster_m))
+                tm = pm * cluster_m + by % cluster_m
+            elif raster > 0:
                 T.use_swizzle(raster)
-            out = d[bz, by * block_m, bx * block_n] if split_k > 1 else d[
-                by * block_m, bx * block_n]
+            out = d[bz, tm * block_m, tn * block_n] if split_k > 1 else d[
+                tm * block_m, tn * block_n]
             if async_mma:
                 if T.get_thread_binding() >= threads:
                     T.set_max_nreg(async_pipeline.PRODUCER_REGISTERS, 0)
-                    produce(a, b, a_shared, b_shared, full, empty, by, bx, bz * tiles, tiles, 0)
+                    produce(a, b, a_shared, b_shared, full, empty, tm, tn, bz * tiles, tiles, 0)
                 else:
                     T.set_max_nreg(async_pipeline.CONSUMER_REGISTERS, 1)
-                    start(d, acc_local, by, bx)
+                    start(d, acc_local, tm, tn)
                     consume(a_shared, b_shared, acc_local, full, empty, tiles, 0)
-                    store(acc_local, d_shared, bias, bx, out)
+                    store(acc_local, d_shared, bias, tn, out)
                 if cluster_m > 1:  # no CTA leaves while its peers may still write to it
                     T.cluster_sync()
             else:
@@ -399,6 +403,9 @@ class GemmKernel(Kernel):
                     space.append(GemmConfig(bm, bn, 64, st, 256, 1, raster))
             for bm, bn in ((128, 256), (256, 128)):  # a 4th stage in the epilogue's space
                 space.append(GemmConfig(bm, bn, 64, 4, 256, 1, 8, stage_out=False))
+            if self.tma_aligned():  # the hand-written pipeline (not a default: see select.py)
+                space += [GemmConfig(128, bn, 64, st, 256, 1, 8, full_row=True, async_mma=True)
+                          for bn, st in ((256, 3), (128, 4))]
         # the cost model's runners-up (split-K ones among them)
         scored = select.ranked(self.model_shape(), rows, self.gpu)
         space += [c for _, c in sorted(scored, key=lambda s: s[0])[:6]]

@@ -39,7 +39,8 @@ Buckets up to 128 rows have no measured timings: they keep the first calibration
 (DECODE_DEFAULTS) and max(compute, memory).
 
 The candidates (`candidates()`) are the kernel's own config space: 64-row tiles up to 64
-rows, 128-row ones up to 128, and 128 x 256, 128 x 128 or 256 x 128 above; each with every
+rows, 128-row ones up to 128, and 128 x 256, 128 x 128 (whole-row warp groups,
+FULL_ROW_TILE) or 256 x 128 above; each with every
 split that keeps 4 K steps per split, and stages that fit shared memory. Among those within
 TIE of the fastest estimate the first in that list wins (the list is ordered by what the
 autotuner has preferred: the widest tile, the fewest splits), so near ties resolve the way
@@ -88,6 +89,12 @@ SPLIT_BYTES_PER_S = 1.2   # x HBM bandwidth: the fp32 partials' round trip (part
 MERGE_US = 12.0           # wave fill: the pieces' fp32 partials stored, the wait for a tile's
                           # last piece, the stripes summed: for a 128 x 256 tile (128 KB of
                           # fp32), in proportion to the tile's area (fitted, see the doc)
+# The 128 x 128 tile with whole-row warp groups (GemmConfig.full_row): one m64n128 wgmma a
+# K slice per warp group instead of two m64n64; on the 57 models-tier shapes the model gave
+# a 128 x 128 tile, 1.013x the square split (geomean; 0.972x .. 1.057x; 2026-12-03,
+# docs/performance/h200-gemm-pipeline-2026-12-03.md). 128 x 256 keeps the square split
+# (two m64n128 a warp group already): 1.008x / 0.999x in two runs, 0.87x .. 1.04x.
+FULL_ROW_TILE = (128, 128)
 OVERLAP_P = 2.0           # estimate = (compute^p + memory^p)^(1/p); None: max(compute, memory)
 # Buckets up to 128 rows (64-row tiles, decode) have no measured timings yet: they keep the
 # first calibration against the tuned table (see the module doc), and max(compute, memory).
@@ -225,9 +232,11 @@ def candidates(rows: int, k: int | None, splittable: bool) -> list[Any]:
         tiles = ((128, 256, 3), (128, 128, 4), (256, 128, 3))
         for bm, bn, stages in tiles:
             for split in splits(k, 64, splittable):
-                out.append(GemmConfig(bm, bn, 64, stages, 256, split, 8))
+                out.append(GemmConfig(bm, bn, 64, stages, 256, split, 8,
+                                      full_row=(bm, bn) == FULL_ROW_TILE))
         if splittable and k is not None:  # last: a wave fill must beat the rest by TIE
-            out += [GemmConfig(bm, bn, 64, stages, 256, 1, 8, wave_fill=True)
+            out += [GemmConfig(bm, bn, 64, stages, 256, 1, 8, wave_fill=True,
+                               full_row=(bm, bn) == FULL_ROW_TILE)
                     for bm, bn, stages in tiles[:2]]
     return [c for c in out if c.valid()]
 
