@@ -99,7 +99,7 @@ def test_gemm_pipeline_forms_compile(fields, tmp_path):
     compiled = kernel.compile(GemmConfig(**{**GemmConfig(128, 128, 64, 4, 256, 1, 8).__dict__,
                                             **fields}), "m4096")
     source = compiled[0].get_kernel_source()
-    assert "64, 128, 16>" in source and "tma_load" in source
+    assert "kFloat32, 64, 128, 16, " in source and "tma_load" in source
     if fields.get("async_mma"):
         assert "wait_wgmma<1>" in source
     if fields.get("cluster_m"):
