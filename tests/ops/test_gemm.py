@@ -145,6 +145,9 @@ def test_wave_fill(flags, dtype):
 ROWS_AND_ASYNC = {
     "128x128-full-row": GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True),
     "128x256-full-row": GemmConfig(128, 256, 64, 3, 256, 1, 8, full_row=True),
+    "128x96-full-row": GemmConfig(128, 96, 64, 4, 256, 1, 8, full_row=True),
+    "128x160-full-row": GemmConfig(128, 160, 64, 4, 256, 1, 8, full_row=True),
+    "128x128-full-row-6-stages": GemmConfig(128, 128, 64, 6, 256, 1, 8, full_row=True),
     "128x128-full-row-split2": GemmConfig(128, 128, 64, 4, 256, 2, 8, full_row=True),
     "128x128-full-row-wave-fill": GemmConfig(128, 128, 64, 4, 256, 1, 8, wave_fill=True,
                                              full_row=True),

@@ -33,6 +33,9 @@ def test_pipeline_config_rules():
     assert not GemmConfig(128, 256, 64, 4, 256, 1, 8, async_mma=True).valid()  # 256 KB
     assert not GemmConfig(128, 128, 64, 4, 256, 1, 8, wave_fill=True, async_mma=True).valid()
     assert not GemmConfig(128, 128, 64, 4, 256, 1, 8, persistent=True).valid()
+    # whole-row warp groups take wgmma widths in steps of 16; the square split, of 64
+    assert GemmConfig(128, 160, 64, 4, 256, 1, 8, full_row=True).valid()
+    assert not GemmConfig(128, 160, 64, 4, 256, 1, 8).valid()
     assert not GemmConfig(128, 128, 64, 4, 256, 2, 8, async_mma=True, persistent=True).valid()
     assert GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True, persistent=True).valid()
     # clusters: the hand-written pipeline, pairs only, not persistent

@@ -72,7 +72,8 @@ class GemmConfig:
                 and self.cluster_m in (1, 2)
                 and not (self.cluster_m > 1 and (not self.async_mma or self.persistent))
                 and self.block_m >= 64 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
-                and self.block_n % 64 == 0)
+                # whole-row warp groups take any wgmma width in steps of 16
+                and self.block_n % (16 if self.full_row else 64) == 0)
 
 
 def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
