@@ -693,7 +693,13 @@ class DecodeAttentionKernel(Kernel):
         # gathered pages: a cp.async pipeline of all threads (TileLang's warp specialization
         # would hand the gather to a producer of 24 registers a thread)
         if config.gather and program_index == 0:  # (the attention program)
-            return {"tl.disable_warp_specialized": True}
+            configs = {"tl.disable_warp_specialized": True}
+            if self.key["window_left"] >= 0:
+                # TileLang's simplifier inlines the window's tile-range lets into every
+                # gathered index and then grinds on them: 4-5 minutes a program (head_dim
+                # 256, window 127: tl.Simplify 283 of 344 s), 26 s with the lets kept
+                configs["tl.Simplify"] = {"enable_simplify_let_inline": False}
+            return configs
         return {}
 
     def heuristic_config(self, bucket: str, arch: str) -> DecodeConfig:
@@ -709,9 +715,9 @@ class DecodeAttentionKernel(Kernel):
             # (8B batch 64 x 4K), 485.7 -> 447.4 (batch 256 x 1K), 842.2 -> 825.1 (Qwen3-32B
             # 64 x 8K); chunked prefill (packed queries) 11035 -> 8766 with 64-key tiles.
             # fp8 caches keep the TMA tiles (not measured gathered). So do sliding windows:
-            # their gathered programs took 4-5 minutes to compile here (cause not found; 18 s
-            # for the TMA tiles), a first call no server should wait for, and have not run
-            # on a GPU. They keep the previous default, 64-key TMA tiles for one-row queries.
+            # their gathered programs have not run on a GPU (they took 4-5 minutes to
+            # compile until pass_configs kept the simplifier's lets: 26 s). They keep the
+            # previous default, 64-key TMA tiles for one-row queries.
             if self.key["window_left"] < 0:
                 return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64,
                                     stages=1, gather=True)
