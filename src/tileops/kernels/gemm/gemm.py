@@ -131,7 +131,8 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
     `accumulate` it adds to d instead (d += op(a) @ op(b), one rounding per call): the
     weight gradient of a chunked loss sums into its output without a temporary. With
     `has_bias` it adds bias[N] in the epilogue (split_k 1; the split-K reduce adds it
-    otherwise). k=None makes K symbolic, like M (a weight gradient reduces over tokens)."""
+    otherwise). k=None makes K symbolic, like M (a weight gradient reduces over tokens).
+    full_row, async_mma, persistent and cluster_m are GemmConfig's (async_pipeline.py)."""
     m = T.dynamic("m")
     if k is None:
         k = T.dynamic("k")
