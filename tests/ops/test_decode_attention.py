@@ -9,7 +9,7 @@ import torch
 
 import tileops
 from tileops import ChunkedPrefillAttentionFwdOp, DecodeAttentionFwdOp, TileOpsError
-from tileops.kernels.attention.decode import DecodeAttentionKernel
+from tileops.kernels.attention.decode import DecodeAttentionKernel, DecodeConfig
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, poison, randn
@@ -154,6 +154,41 @@ def test_softcap_and_sliding_window():
     check([1, 90, 300, 2500], head_dim=256, heads=16, kv_heads=8, softcap=30.0,
           sm_scale=0.0625, window_left=127)
     check([1, 90, 300, 2500], window_left=0)  # only the query's own key
+
+
+def pinned_gather(op, lengths, heads, kv_heads, head_dim, block_n=64, seq_q=None, chunks=None):
+    """`op` pinned to the gathered-page config (what page-16 caches without a window run by
+    default) for a cache of `lengths` keys at page 16."""
+    k, v, seqlens, table = make_cache(lengths, kv_heads, head_dim, torch.bfloat16, 16)
+    if chunks is None:
+        q = randn(len(lengths), seq_q, heads, head_dim, dtype=torch.bfloat16)
+        op.pin_config(DecodeConfig(block_n, 1, gather=True), q, k, v, seqlens, table)
+    else:
+        cu = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32, device="cuda")
+        q = randn(sum(chunks), heads, head_dim, dtype=torch.bfloat16)
+        op.pin_config(DecodeConfig(block_n, 1, gather=True), q, k, v, cu, seqlens, table)
+    return op
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_sliding_window_gathered_pages(block_n):
+    """Sliding windows over gathered page-16 tiles (their default is still TMA tiles):
+    decode with a softcap, a window of the query's own key only, speculative tokens, and
+    packed chunks."""
+    lengths = [1, 90, 300, 2500]
+    params = dict(softcap=30.0, sm_scale=0.0625, window_left=127)
+    check(lengths, head_dim=256, heads=16, kv_heads=8, **params, op=pinned_gather(
+        DecodeAttentionFwdOp(**params), lengths, 16, 8, 256, 64, seq_q=1))
+    check(lengths, window_left=0, op=pinned_gather(
+        DecodeAttentionFwdOp(window_left=0), lengths, 8, 2, 128, block_n, seq_q=1))
+    lengths = [4, 9, 300, 1500]
+    check(lengths, heads=32, kv_heads=8, seq_q=4, window_left=200, op=pinned_gather(
+        DecodeAttentionFwdOp(window_left=200), lengths, 32, 8, 128, block_n, seq_q=4))
+    chunks, lengths = [257, 3], [2000, 40]
+    params = dict(window_left=300, softcap=20.0)
+    op = ChunkedPrefillAttentionFwdOp(max_seqlen_q=max(chunks), **params)
+    check_chunks(chunks, lengths, heads=64, kv_heads=8, **params, op=pinned_gather(
+        op, lengths, 64, 8, 128, 64, chunks=chunks))
 
 
 @pytest.mark.parametrize("is_causal", [True, False])

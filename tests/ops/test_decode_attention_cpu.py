@@ -919,7 +919,9 @@ def test_gathered_pages_use_cp_async_without_spills(block_n, tmp_path):
                                  causal=True)
     config = DecodeConfig(block_n, 1, gather=True)
     assert config in kernel.config_space("planned")
-    assert kernel.pass_configs(config, 1) == {"tl.disable_warp_specialized": True}
+    assert kernel.pass_configs(config, 1) == {
+        "tl.disable_warp_specialized": True,
+        "tl.Simplify": {"enable_simplify_let_inline": False}}
     assert kernel.pass_configs(config, 0) == {}
     compiled = kernel.compile(config, "planned")[1]
     source = compiled.get_kernel_source()

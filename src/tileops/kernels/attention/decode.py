@@ -693,13 +693,12 @@ class DecodeAttentionKernel(Kernel):
         # gathered pages: a cp.async pipeline of all threads (TileLang's warp specialization
         # would hand the gather to a producer of 24 registers a thread)
         if config.gather and program_index == 0:  # (the attention program)
-            configs = {"tl.disable_warp_specialized": True}
-            if self.key["window_left"] >= 0:
-                # TileLang's simplifier inlines the window's tile-range lets into every
-                # gathered index and then grinds on them: 4-5 minutes a program (head_dim
-                # 256, window 127: tl.Simplify 283 of 344 s), 26 s with the lets kept
-                configs["tl.Simplify"] = {"enable_simplify_let_inline": False}
-            return configs
+            # TileLang's simplifier would inline the tile-range lets into every gathered
+            # index: each cp.async then re-derived its row from three dependent global loads
+            # (slot_table -> cache_seqlens -> block_table), and with a window it ground on
+            # them for 4-5 minutes a program (26 s with the lets kept)
+            return {"tl.disable_warp_specialized": True,
+                    "tl.Simplify": {"enable_simplify_let_inline": False}}
         return {}
 
     def heuristic_config(self, bucket: str, arch: str) -> DecodeConfig:
