@@ -157,8 +157,8 @@ def test_softcap_and_sliding_window():
 
 
 def pinned_gather(op, lengths, heads, kv_heads, head_dim, block_n=64, seq_q=None, chunks=None):
-    """`op` pinned to the gathered-page config (what page-16 caches without a window run by
-    default) for a cache of `lengths` keys at page 16."""
+    """`op` pinned to a gathered-page config (the page-16 default's kind) for a cache of
+    `lengths` keys at page 16."""
     k, v, seqlens, table = make_cache(lengths, kv_heads, head_dim, torch.bfloat16, 16)
     if chunks is None:
         q = randn(len(lengths), seq_q, heads, head_dim, dtype=torch.bfloat16)
@@ -172,9 +172,8 @@ def pinned_gather(op, lengths, heads, kv_heads, head_dim, block_n=64, seq_q=None
 
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_sliding_window_gathered_pages(block_n):
-    """Sliding windows over gathered page-16 tiles (their default is still TMA tiles):
-    decode with a softcap, a window of the query's own key only, speculative tokens, and
-    packed chunks."""
+    """Sliding windows over gathered page-16 tiles of both widths: decode with a softcap, a
+    window of the query's own key only, speculative tokens, and packed chunks."""
     lengths = [1, 90, 300, 2500]
     params = dict(softcap=30.0, sm_scale=0.0625, window_left=127)
     check(lengths, head_dim=256, heads=16, kv_heads=8, **params, op=pinned_gather(

@@ -711,17 +711,14 @@ class DecodeAttentionKernel(Kernel):
             # 128-key tile 16 waits (64-key tiles were faster: 582.1 -> 491.9 us, Llama-3.1-8B
             # batch 64 x 4K). Gathered row by row by cp.async instead (all threads, one
             # stage), 128-key tiles win: 435.2 -> 426.2 us against the 64-key hoisted tile
-            # (8B batch 64 x 4K), 485.7 -> 447.4 (batch 256 x 1K), 842.2 -> 825.1 (Qwen3-32B
-            # 64 x 8K); chunked prefill (packed queries) 11035 -> 8766 with 64-key tiles.
-            # fp8 caches keep the TMA tiles (not measured gathered). So do sliding windows:
-            # their gathered programs have not run on a GPU (they took 4-5 minutes to
-            # compile until pass_configs kept the simplifier's lets: 26 s). They keep the
-            # previous default, 64-key TMA tiles for one-row queries.
-            if self.key["window_left"] < 0:
-                return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64,
-                                    stages=1, gather=True)
-            if self.key["q_len"] > 0:
-                block_n = min(block_n, 64)
+            # (8B batch 64 x 4K); chunked prefill (packed queries) 11035 -> 8766 with 64-key
+            # tiles. With the tile-range lets kept (each cp.async had re-derived its row
+            # from three dependent global loads): 426.2 -> 256.5 us (96% of HBM), 256 x 1K
+            # 447.4 -> 278.4, Qwen3-32B 64 x 8K 825.1 -> 496.0. Sliding windows too (their
+            # gathered programs passed the H200 tests with these lets). fp8 caches keep the
+            # TMA tiles (not measured gathered).
+            return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64,
+                                stages=1, gather=True)
         # a tile of several pages binds its page ids once, ahead of the producer's waits:
         # 487.0 -> 431.6 us (8B batch 64 x 4K, page 16), 960.2 -> 848.1 (Qwen3-32B 64 x 8K)
         return DecodeConfig(block_n=block_n, stages=2, hoist_pages=0 < page < block_n)
