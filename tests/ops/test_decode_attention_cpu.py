@@ -207,12 +207,15 @@ def test_kv_cache_append_checks():
 @pytest.mark.compile
 @pytest.mark.full
 def test_paged_program_uses_tma_and_wgmma_without_spills(tmp_path):
-    """Pages of 16 keys: sixteen page copies per 128-key tile, still by TMA,
-    warp-specialized; ptxas: no spills, no serialized wgmma."""
+    """Pages of 16 keys in the TMA configs of the space (the default gathers them): sixteen
+    page copies per 128-key tile, still by TMA, warp-specialized; ptxas: no spills, no
+    serialized wgmma."""
     kernel = DecodeAttentionKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                    q_len=1, page_size=16, window_left=-1, softcap=0.0,
                                    causal=True)
-    compiled = kernel.compile(kernel.heuristic_config("split", "sm_90a"), "split")
+    config = DecodeConfig(128, 2, hoist_pages=True)
+    assert config in kernel.config_space("split")
+    compiled = kernel.compile(config, "split")
     source = compiled[0].get_kernel_source()
     assert "tma_load" in source and "wgmma" in source, source
     assert "warpgroup_reg_alloc" in source  # a producer warpgroup feeds the consumers

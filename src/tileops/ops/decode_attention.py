@@ -22,8 +22,8 @@ What an engine needs, and what these ops promise:
   block_table are only read on the GPU, and batch and lengths are runtime sizes of the
   compiled programs. Decode (q [B, Sq, H, D]) runs the planned programs: a small schedule
   program splits each request's key tiles in proportion to its share of the batch's keys
-  (one wave of CTAs in all, see `DecodePlan`), the grid comes from shapes (B + one wave of
-  slots). Chunked prefill takes one split count for the batch from shapes (batch, KV
+  (one wave of CTAs in all, four for gathered page-16 programs, see `DecodePlan`), the
+  grid comes from shapes (B + those waves of slots). Chunked prefill takes one split count for the batch from shapes (batch, KV
   heads, max_pages * page_size or S_max, 132 SMs). So a CUDA graph captured once replays
   correctly with new values in cache_seqlens and block_table, and a decode loop whose
   lengths grow by one each step never compiles. A block table wider than the longest
@@ -219,7 +219,8 @@ class DecodeAttentionFwdOp(Op):
             _planned_launch(kernel, True, q, k_cache, v_cache, table,
                             cache_seqlens, k_scale, v_scale, o, lse,
                             _PlanBuffers.make(rows, q_len, heads, kv_heads, head_dim,
-                                              _sms(q.device), q.device), float(scale))
+                                              _sms(q.device), q.device, kernel.split_waves()),
+                            float(scale))
             return
         kernel = self.get_kernel("decode_attention", q.device, **key)
         blocks = row_blocks(heads, kv_heads, max_tokens if max_tokens else q_len)
@@ -556,7 +557,7 @@ def _(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: 
 class _PlanBuffers:
     """The planned program's work buffers for one batch shape: the schedule (slot_table
     [slots, 4], split_ends [B]) in one int32 allocation, the partials (o_part [slots, Sq, H,
-    D], lse_part [slots, Sq, H]) in one fp32 allocation; slots = B + one wave of splits."""
+    D], lse_part [slots, Sq, H]) in one fp32 allocation; slots = B + `waves` waves of splits."""
 
     def __init__(self, slot_table, split_ends, o_part, lse_part, blocks, target):
         self.slot_table, self.split_ends = slot_table, split_ends
@@ -565,10 +566,10 @@ class _PlanBuffers:
 
     @classmethod
     def make(cls, batch: int, q_len: int, heads: int, kv_heads: int, head_dim: int, sms: int,
-             device: torch.device) -> _PlanBuffers:
+             device: torch.device, waves: int = 1) -> _PlanBuffers:
         blocks = row_blocks(heads, kv_heads, q_len)
-        target = target_slots(kv_heads, blocks, sms)
-        slots = slot_count(batch, kv_heads, blocks, sms)
+        target = target_slots(kv_heads, blocks, sms, waves)
+        slots = slot_count(batch, kv_heads, blocks, sms, waves)
         ints = torch.empty(slots * 4 + batch, dtype=torch.int32, device=device)
         part = slots * q_len * heads
         floats = torch.empty(part * (head_dim + 1), dtype=torch.float32, device=device)
@@ -602,7 +603,8 @@ class DecodePlan:
     `plan.schedule` inside the captured region, or call it before each replay).
 
     The schedule splits each request's visible key tiles in proportion to its share of the
-    batch's keys, one wave of CTAs in all (SMs / (KV heads x row blocks) splits) plus at
+    batch's keys, one wave of CTAs in all (SMs / (KV heads x row blocks) splits; four
+    waves for the gathered page-16 programs, which run several CTAs an SM) plus at
     most one per request: a batch of short requests runs one split each (no partials for
     them), a long request among them is still split. A stale schedule (lengths changed, not
     rescheduled) is still exact: the kernel cuts each request's *current* tiles into the
@@ -660,7 +662,7 @@ class DecodePlan:
         self.key = self.op._kernel_key(dtype, num_heads, num_kv_heads, head_dim, q_len,
                                        page_size or 0, kv_dtype)
         self.buffers = _PlanBuffers.make(batch_size, q_len, num_heads, num_kv_heads, head_dim,
-                                         self.num_sms, self.device)
+                                         self.num_sms, self.device, self.kernel.split_waves())
         self._kernel: Kernel | None = None
         self._scheduled = False
 
@@ -673,7 +675,7 @@ class DecodePlan:
 
     @property
     def num_slots(self) -> int:
-        """CTAs per (KV head, row block): the batch plus one wave of splits."""
+        """CTAs per (KV head, row block): the batch plus the schedule's waves of splits."""
         return self.buffers.slot_table.shape[0]
 
     def schedule(self, cache_seqlens: torch.Tensor) -> None:

@@ -579,8 +579,8 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
     """The per-request split counts of the planned decode, on the GPU from cache_seqlens
     (nothing read on the host): request b's t_b visible key tiles get
     max(1, min(t_b * target // sum(t), t_b // MIN_TILES_PER_SPLIT)) splits, so the splits of
-    all requests add up to at most `target_slots` (a wave of CTAs: the caller's SMs / (KV
-    heads x row blocks)) plus one per request, however the keys are spread: a long request
+    all requests add up to at most `target_slots` (waves of CTAs: the caller's SMs / (KV
+    heads x row blocks) each, see GATHERED_SPLIT_WAVES) plus one per request, however the keys are spread: a long request
     among many short ones still splits, a batch of equal requests splits evenly. Writes
     split_ends [B] (the inclusive running sum of the counts) and, per slot (one split of
     one request, in order), slot_table[slot] = (request, first tile, tiles, the request's
@@ -655,14 +655,24 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
     return decode_schedule
 
 
-def target_slots(kv_heads: int, blocks: int, sms: int = SMS) -> int:
-    """Splits the schedule spreads over a batch: one wave of (KV head, row block) CTAs."""
-    return max(1, sms // (kv_heads * blocks))
+# Waves of CTAs the planned schedule spreads a gathered-page program's splits over. Those
+# programs hold 2-3 CTAs an SM, each streaming its keys at about an SM's share of HBM, so
+# a long request split for one wave still finishes long after the rest (H200, Llama-3.1-8B
+# page 16: 64 mixed lengths 512-16K 461.6 -> 352.9 us with 4 waves, 63 x 2K + one 128K
+# 500.1 -> 263.7; uniform batches unchanged, 8 waves split them: 257.5 -> 263.9). The TMA
+# programs keep one wave: with 4, batch 1 x 128K at page 64 went 139.2 -> 160.2 us.
+GATHERED_SPLIT_WAVES = 4
 
 
-def slot_count(batch: int, kv_heads: int, blocks: int, sms: int = SMS) -> int:
+def target_slots(kv_heads: int, blocks: int, sms: int = SMS, waves: int = 1) -> int:
+    """Splits the schedule spreads over a batch: `waves` waves of (KV head, row block)
+    CTAs at one CTA an SM."""
+    return max(1, waves * sms // (kv_heads * blocks))
+
+
+def slot_count(batch: int, kv_heads: int, blocks: int, sms: int = SMS, waves: int = 1) -> int:
     """Slots a planned batch can use: the schedule's target plus one per request."""
-    return batch + target_slots(kv_heads, blocks, sms)
+    return batch + target_slots(kv_heads, blocks, sms, waves)
 
 
 class DecodeAttentionKernel(Kernel):
@@ -772,6 +782,10 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
 
     def bucket_of(self, size: int) -> str:
         return "planned"
+
+    def split_waves(self) -> int:
+        """Waves of CTAs the schedule spreads splits over (GATHERED_SPLIT_WAVES)."""
+        return GATHERED_SPLIT_WAVES if self.select(0)[0].gather else 1
 
     def pass_configs(self, config: DecodeConfig, program_index: int) -> dict:
         # (the attention is program 1 here, after the schedule)
