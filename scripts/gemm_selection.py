@@ -89,8 +89,9 @@ def models_selections(models: list[str] | None = None) -> list[dict]:
     return selections("GemmFwdOp", OP_CLASSES["GemmFwdOp"], accepted)
 
 
+# (rows frozen before wave_fill and full_row were recorded hold the first eight)
 CONFIG_FIELDS = ("block_m", "block_n", "block_k", "stages", "threads", "split_k", "raster",
-                 "stage_out")
+                 "stage_out", "wave_fill", "full_row")
 
 
 def compact(r: dict) -> list:
@@ -132,7 +133,7 @@ def cmd_freeze(_: argparse.Namespace) -> int:
 def cmd_table(args: argparse.Namespace) -> int:
     from tileops.kernels.gemm import select
 
-    before = {tuple(r[:4]): dict(zip(CONFIG_FIELDS, r[4], strict=True))
+    before = {tuple(r[:4]): dict(zip(CONFIG_FIELDS, r[4], strict=False))
               for r in json.loads(MODELS_FROZEN.read_text())}
     rows = models_selections(args.models)
     changed = 0
@@ -147,7 +148,9 @@ def cmd_table(args: argparse.Namespace) -> int:
         shape = select.Shape(m=m, n=key["n"], k=key["k"], dtype=key["dtype"])
         est_new = select.estimate_us(shape, select.as_config(r["config"]))
         est_old = select.estimate_us(shape, select.as_config(old["config"])) if old else None
-        same = old is not None and {"wave_fill": False, **old["config"]} == r["config"]
+        same = old is not None and {"wave_fill": False, "full_row": False,
+                                    **old["config"]} == {f: r["config"][f]
+                                                         for f in CONFIG_FIELDS}
         changed += not same
         if est_old is not None:
             ratios.setdefault(m, []).append(est_old / est_new)
@@ -230,7 +233,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from tileops.kernels.gemm import GemmConfig, GemmKernel
     from tileops.perf.timing import measure_together
 
-    before = {tuple(r[:4]): GemmConfig(**dict(zip(CONFIG_FIELDS, r[4], strict=True)))
+    before = {tuple(r[:4]): GemmConfig(**dict(zip(CONFIG_FIELDS, r[4], strict=False)))
               for r in json.loads(MODELS_FROZEN.read_text())}
     cases = []
     records = shape_records(args.shape) if args.shape else models_selections(args.models)
