@@ -23,10 +23,10 @@ What an engine needs, and what these ops promise:
   compiled programs. Decode (q [B, Sq, H, D]) runs the planned programs: a small schedule
   program splits each request's key tiles in proportion to its share of the batch's keys
   (one wave of CTAs in all, four for gathered page-16 programs, see `DecodePlan`), the
-  grid comes from shapes (B + those waves of slots). Chunked prefill takes one split count for the batch from shapes (batch, KV
-  heads, max_pages * page_size or S_max, 132 SMs). So a CUDA graph captured once replays
-  correctly with new values in cache_seqlens and block_table, and a decode loop whose
-  lengths grow by one each step never compiles. A block table wider than the longest
+  grid comes from shapes (B + those waves of slots). Chunked prefill takes one split
+  count for the batch from shapes (batch, KV heads, max_pages * page_size or S_max, 132
+  SMs). So a CUDA graph captured once replays correctly with new values in cache_seqlens
+  and block_table, and a decode loop whose lengths grow by one each step never compiles. A block table wider than the longest
   request costs nothing.
 - Edge cases: a request of length 0 gets o = 0 and lse = -inf. Block-table entries past a
   request's last page are never used for data and may hold anything (-1, stale pages). Cache
