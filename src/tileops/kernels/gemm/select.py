@@ -95,6 +95,16 @@ MERGE_US = 12.0           # wave fill: the pieces' fp32 partials stored, the wai
 # docs/performance/h200-gemm-pipeline-2026-12-03.md). 128 x 256 keeps the square split
 # (two m64n128 a warp group already): 1.008x / 0.999x in two runs, 0.87x .. 1.04x.
 FULL_ROW_TILE = (128, 128)
+# Its pipeline depth: 4 -> 6 stages took 512 x 4096 x 4096 from 30.4 to 25.8 us (cuBLAS
+# 25.7, whose kernel there is a 128 x 128 tile of 6 stages; 5 stages 27.4), 2026-12-03.
+DEEP_STAGES = 6
+# Whole-row 128-row tiles of other widths (a wgmma width in steps of 16), so that the tiles
+# of a few-row-tile GEMM fill whole waves the way cuBLAS's widths do: at 512 rows, width
+# 96 for N 3072 (128 tiles; 1.066x the 128 x 128 pick), 112 for 3584 (1.026x), 160 for
+# 5120 (1.308x over the wave-filled 128 x 128 pick), 192 for 6144 (1.103x over 128 x 256),
+# 80 for 2560 (1.106x) (2026-12-03). Their efficiency is interpolated between the 128- and
+# 256-wide tiles' (`tile_efficiency`).
+FITTED_WIDTHS = (80, 96, 112, 160, 192, 224)
 OVERLAP_P = 2.0           # estimate = (compute^p + memory^p)^(1/p); None: max(compute, memory)
 # Buckets up to 128 rows (64-row tiles, decode) have no measured timings yet: they keep the
 # first calibration against the tuned table (see the module doc), and max(compute, memory).
@@ -152,6 +162,26 @@ def ctas_per_sm(config: Any) -> int:
     return max(1, min(2, SMEM_PER_SM // (smem_bytes(config) + 1024)))
 
 
+def tile_efficiency(table: dict, bm: int, bn: int) -> float:
+    """`table`'s efficiency of a bm x bn tile; 128-row widths it lacks lie on the line
+    through its 128 x 128 and 128 x 256 tiles (wgmma work per operand byte grows with the
+    width)."""
+    if (bm, bn) in table:
+        return table[(bm, bn)]
+    if bm == 128 and (128, 128) in table and (128, 256) in table:
+        narrow, wide = table[(128, 128)], table[(128, 256)]
+        return narrow + (bn - 128) * (wide - narrow) / 128
+    return 0.6
+
+
+def deepest(bm: int, bn: int, most: int = DEEP_STAGES) -> int:
+    """The most stages, up to `most`, whose whole-row bm x bn tile fits shared memory."""
+    from .gemm import GemmConfig
+
+    return next(s for s in range(most, 1, -1)
+                if GemmConfig(bm, bn, 64, s, 256, 1, 8, full_row=True).valid())
+
+
 def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
                 consts: dict[str, Any] | None = None) -> float:
     """The model's time for `config` on `shape`, in microseconds (see the module doc)."""
@@ -166,7 +196,7 @@ def estimate_us(shape: Shape, config: Any, gpu: str | None = None,
     k_tiles = -(-k // bk)
     k_steps = -(-k_tiles // split)
     step_us = 2 * bm * bn * bk / (dev.flops_per_s / NUM_SMS) * 1e6
-    step_us /= c["tile_efficiency"].get((bm, bn), 0.6)
+    step_us /= tile_efficiency(c["tile_efficiency"], bm, bn)
     cta_us = per_sm * (k_steps + c["fill_steps"]) * step_us + c["cta_us"]
     compute_us = waves * cta_us
     fill_us = 0.0
@@ -229,11 +259,15 @@ def candidates(rows: int, k: int | None, splittable: bool) -> list[Any]:
                 for split in splits(k, bk, splittable):
                     out.append(GemmConfig(block_m, bn, bk, stages, threads, split, 8))
     else:
-        tiles = ((128, 256, 3), (128, 128, 4), (256, 128, 3))
+        tiles = ((128, 256, 3), (128, 128, DEEP_STAGES), (256, 128, 3))
         for bm, bn, stages in tiles:
             for split in splits(k, 64, splittable):
                 out.append(GemmConfig(bm, bn, 64, stages, 256, split, 8,
                                       full_row=(bm, bn) == FULL_ROW_TILE))
+        for bn in FITTED_WIDTHS:  # after the square-ish tiles: they must win by TIE
+            for split in splits(k, 64, splittable):
+                out.append(GemmConfig(128, bn, 64, deepest(128, bn), 256, split, 8,
+                                      full_row=True))
         if splittable and k is not None:  # last: a wave fill must beat the rest by TIE
             out += [GemmConfig(bm, bn, 64, stages, 256, 1, 8, wave_fill=True,
                                full_row=(bm, bn) == FULL_ROW_TILE)
