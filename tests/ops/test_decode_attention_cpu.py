@@ -398,6 +398,9 @@ class _Recorder:
     def __call__(self, size, *tensors):
         self.log.append((self.key, size, tensors))
 
+    def split_waves(self):
+        return 1  # a planned schedule of one wave (a TMA program's)
+
 
 def _recording(op, monkeypatch):
     log = []
@@ -576,13 +579,15 @@ def _planned_kernel(q_len=1, heads=8, kv_heads=2, window_left=-1):
                                window_left=window_left, softcap=0.0, causal=True)
 
 
-def _planned_program(index, q_len=1, heads=8, kv_heads=2, window_left=-1):
-    """Program `index` of the planned kernel (0 schedule, 1 attention, 2 combine), compiled
-    alone (the attention takes ~25 s on two cores; the CPU tests need only the others)."""
+def _planned_program(index, q_len=1, heads=8, kv_heads=2, window_left=-1, config=None):
+    """Program `index` of the planned kernel (0 schedule, 1 attention, 2 combine) in
+    `config` (default: the kernel's), compiled alone (the attention takes ~25 s on two
+    cores; the CPU tests need only the others)."""
     import tilelang
 
     kernel = _planned_kernel(q_len, heads, kv_heads, window_left)
-    program = kernel.program(kernel.heuristic_config("planned", "sm_90a"), "planned")[index]
+    config = config or kernel.heuristic_config("planned", "sm_90a")
+    program = kernel.program(config, "planned")[index]
     return tilelang.compile(program, target=kernel.target)
 
 
@@ -647,10 +652,11 @@ def test_planned_combine_on_the_cpu():
 @pytest.mark.parametrize("q_len, heads, window_left", [(1, 32, -1), (4, 32, 4095)])
 def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_left,
                                                            tmp_path):
-    """The planned attention keeps the first slice's TMA + wgmma pipeline (the slot's
-    request and tile run are global loads, not registers carried into it); ptxas: no
-    spills, no serialized wgmma."""
-    compiled = _planned_program(1, q_len, heads, 8, window_left)
+    """The planned attention in a TMA config keeps the first slice's TMA + wgmma pipeline
+    (the slot's request and tile run are global loads, not registers carried into it);
+    ptxas: no spills, no serialized wgmma. (Page 16's default gathers instead.)"""
+    compiled = _planned_program(1, q_len, heads, 8, window_left,
+                                DecodeConfig(128, 2, hoist_pages=True))
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "warpgroup_reg_alloc" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
@@ -662,14 +668,12 @@ def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_
 def test_hoisted_page_ids_load_once_per_page_without_spills(kv_dtype, tmp_path):
     """`hoist_pages` at page 16: the producer loads each page id of a tile once (K and V
     share them), not once per TMA piece; TMA and wgmma kept, nothing spilled."""
-    import dataclasses
 
     extra = {"kv_dtype": kv_dtype} if kv_dtype else {}
     kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                  q_len=1, page_size=16, window_left=-1, softcap=0.0,
                                  causal=True, **extra)
-    config = dataclasses.replace(kernel.heuristic_config("planned", "sm_90a"),
-                                 hoist_pages=True)
+    config = DecodeConfig(128, 2, hoist_pages=True)  # (16-bit caches gather by default)
     assert config in kernel.config_space("planned")
     compiled = kernel.compile(config, "planned")[1]
     source = compiled.get_kernel_source()

@@ -661,9 +661,9 @@ class DecodePlan:
         self.scale = float(sm_scale if sm_scale is not None else head_dim ** -0.5)
         self.key = self.op._kernel_key(dtype, num_heads, num_kv_heads, head_dim, q_len,
                                        page_size or 0, kv_dtype)
+        self._kernel: Kernel | None = None
         self.buffers = _PlanBuffers.make(batch_size, q_len, num_heads, num_kv_heads, head_dim,
                                          self.num_sms, self.device, self.kernel.split_waves())
-        self._kernel: Kernel | None = None
         self._scheduled = False
 
     @property

@@ -40,8 +40,12 @@ Buckets up to 128 rows have no measured timings: they keep the first calibration
 
 The candidates (`candidates()`) are the kernel's own config space: 64-row tiles up to 64
 rows, 128-row ones up to 128, and 128 x 256, 128 x 128 (whole-row warp groups,
-FULL_ROW_TILE) or 256 x 128 above; each with every
-split that keeps 4 K steps per split, and stages that fit shared memory. Among those within
+FULL_ROW_TILE, 6 stages) or 256 x 128 above, then whole-row 128-row tiles of the widths
+that let a few row tiles fill whole waves (FITTED_WIDTHS, 80-224 columns, as many stages
+up to 6 as fit); each with every split that keeps 4 K steps per split. With those two
+(2026-12-03), 66 models-tier shapes whose pick changed (every second of 132) measured
+1.159x over the picks before (geomean; worst 0.983x, best 1.603x), 0.796x -> 0.922x
+cuBLAS (docs/performance/h200-gemm-widths-2026-12-03.md). Among those within
 TIE of the fastest estimate the first in that list wins (the list is ordered by what the
 autotuner has preferred: the widest tile, the fewest splits), so near ties resolve the way
 tuning resolved them rather than by noise in the model. Last come the wave-filled 128 x 256
