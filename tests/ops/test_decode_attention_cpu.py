@@ -16,6 +16,7 @@ from tileops import (
     TileOpsValueError,
 )
 from tileops.kernels.attention.decode import (
+    GATHERED_SPLIT_WAVES,
     MIN_TILES_PER_SPLIT,
     OPEN_RUN,
     ROWS,
@@ -398,9 +399,6 @@ class _Recorder:
     def __call__(self, size, *tensors):
         self.log.append((self.key, size, tensors))
 
-    def split_waves(self):
-        return 1  # a planned schedule of one wave (a TMA program's)
-
 
 def _recording(op, monkeypatch):
     log = []
@@ -473,7 +471,7 @@ def test_planned_launch_arguments(seq_q, heads, monkeypatch):
     assert schedule is True and k_arg is k and table_arg is table and lens_arg is lens
     assert o_arg is o and lse_arg is lse
     assert blocks == -(-heads // 2 * seq_q // ROWS) and target == target_slots(2, blocks, SMS)
-    slots = 3 + target
+    slots = 3 + GATHERED_SPLIT_WAVES * target  # room for a gathered program's waves
     assert slot_table.shape == (slots, 4) and split_ends.shape == (3,)
     assert slot_table.dtype == split_ends.dtype == torch.int32
     assert o_part.shape == (slots, seq_q, heads, 128) and lse_part.shape == (slots, seq_q, heads)
@@ -695,7 +693,7 @@ def test_decode_plan_argument_errors():
     with pytest.raises(TileOpsValueError, match="DecodePlan: argument 'q_len'"):
         tileops.plan_decode(4, 32, 8, 128, q_len=17, device="cpu")
     plan = tileops.plan_decode(4, 32, 8, 128, device="cpu", num_sms=132)
-    assert plan.num_slots == 4 + 132 // 8
+    assert plan.num_slots == 4 + GATHERED_SPLIT_WAVES * (132 // 8)
     assert plan.buffers.o_part.shape == (plan.num_slots, 1, 32, 128)
     q = torch.randn(3, 32, 128).to(BF16)
     k = torch.randn(64, 16, 8, 128).to(BF16)

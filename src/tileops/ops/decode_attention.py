@@ -26,8 +26,8 @@ What an engine needs, and what these ops promise:
   grid comes from shapes (B + those waves of slots). Chunked prefill takes one split
   count for the batch from shapes (batch, KV heads, max_pages * page_size or S_max, 132
   SMs). So a CUDA graph captured once replays correctly with new values in cache_seqlens
-  and block_table, and a decode loop whose lengths grow by one each step never compiles. A block table wider than the longest
-  request costs nothing.
+  and block_table, and a decode loop whose lengths grow by one each step never compiles.
+  A block table wider than the longest request costs nothing.
 - Edge cases: a request of length 0 gets o = 0 and lse = -inf. Block-table entries past a
   request's last page are never used for data and may hold anything (-1, stale pages). Cache
   rows past a request's length must hold finite values (stale tokens or zeros, as engines
@@ -67,6 +67,7 @@ import torch
 
 from ..errors import TileOpsValueError, op_error
 from ..kernels.attention.decode import (
+    GATHERED_SPLIT_WAVES,
     SMS,
     DecodeAttentionKernel,
     PlannedDecodeKernel,
@@ -219,7 +220,7 @@ class DecodeAttentionFwdOp(Op):
             _planned_launch(kernel, True, q, k_cache, v_cache, table,
                             cache_seqlens, k_scale, v_scale, o, lse,
                             _PlanBuffers.make(rows, q_len, heads, kv_heads, head_dim,
-                                              _sms(q.device), q.device, kernel.split_waves()),
+                                              _sms(q.device), q.device, GATHERED_SPLIT_WAVES),
                             float(scale))
             return
         kernel = self.get_kernel("decode_attention", q.device, **key)
@@ -557,7 +558,9 @@ def _(k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: 
 class _PlanBuffers:
     """The planned program's work buffers for one batch shape: the schedule (slot_table
     [slots, 4], split_ends [B]) in one int32 allocation, the partials (o_part [slots, Sq, H,
-    D], lse_part [slots, Sq, H]) in one fp32 allocation; slots = B + `waves` waves of splits."""
+    D], lse_part [slots, Sq, H]) in one fp32 allocation; slots = B + `waves` waves of splits
+    (room for the gathered programs' schedules: `target` is one wave, the kernel scales it
+    by its config's `split_waves`)."""
 
     def __init__(self, slot_table, split_ends, o_part, lse_part, blocks, target):
         self.slot_table, self.split_ends = slot_table, split_ends
@@ -568,7 +571,7 @@ class _PlanBuffers:
     def make(cls, batch: int, q_len: int, heads: int, kv_heads: int, head_dim: int, sms: int,
              device: torch.device, waves: int = 1) -> _PlanBuffers:
         blocks = row_blocks(heads, kv_heads, q_len)
-        target = target_slots(kv_heads, blocks, sms, waves)
+        target = target_slots(kv_heads, blocks, sms)
         slots = slot_count(batch, kv_heads, blocks, sms, waves)
         ints = torch.empty(slots * 4 + batch, dtype=torch.int32, device=device)
         part = slots * q_len * heads
@@ -661,9 +664,9 @@ class DecodePlan:
         self.scale = float(sm_scale if sm_scale is not None else head_dim ** -0.5)
         self.key = self.op._kernel_key(dtype, num_heads, num_kv_heads, head_dim, q_len,
                                        page_size or 0, kv_dtype)
-        self._kernel: Kernel | None = None
         self.buffers = _PlanBuffers.make(batch_size, q_len, num_heads, num_kv_heads, head_dim,
-                                         self.num_sms, self.device, self.kernel.split_waves())
+                                         self.num_sms, self.device, GATHERED_SPLIT_WAVES)
+        self._kernel: Kernel | None = None
         self._scheduled = False
 
     @property

@@ -576,20 +576,19 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
 
 
 def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
-    """The per-request split counts of the planned decode, on the GPU from cache_seqlens
-    (nothing read on the host): request b's t_b visible key tiles get
-    max(1, min(t_b * target // sum(t), t_b // MIN_TILES_PER_SPLIT)) splits, so the splits of
-    all requests add up to at most `target_slots` (waves of CTAs: the caller's SMs / (KV
-    heads x row blocks) each, see GATHERED_SPLIT_WAVES) plus one per request, however the keys are spread: a long request
+    """The per-request split counts of the planned decode, on the GPU from cache_seqlens (nothing
+    read on the host): request b's t_b visible key tiles get max(1, min(t_b * target //
+    sum(t), t_b // MIN_TILES_PER_SPLIT)) splits, so the splits of all requests add up to at
+    most `target_slots` (waves of CTAs: the caller's SMs / (KV heads x row blocks) each, see
+    GATHERED_SPLIT_WAVES) plus one per request, however the keys are spread: a long request
     among many short ones still splits, a batch of equal requests splits evenly. Writes
-    split_ends [B] (the inclusive running sum of the counts) and, per slot (one split of
-    one request, in order), slot_table[slot] = (request, first tile, tiles, the request's
-    split count); (-1, 0, 0, 0) past the last. A request's first run starts at tile 0 and
-    its last one is open-ended (OPEN_RUN tiles): the attention cuts the runs to the tiles
-    a request sees when it runs, so a stale schedule (lengths grown or shrunk since, not
-    rescheduled) still covers every key once; closed runs missed the tiles a request had
-    gained (the H200's stale-schedule test). One CTA; the batch is walked in chunks of
-    its threads."""
+    split_ends [B] (the inclusive running sum of the counts) and, per slot (one split of one
+    request, in order), slot_table[slot] = (request, first tile, tiles, the request's split
+    count); (-1, 0, 0, 0) past the last. A request's first run starts at tile 0 and its last
+    one is open-ended (OPEN_RUN tiles): the attention cuts the runs to the tiles a request
+    sees when it runs, so a stale schedule (lengths grown or shrunk since, not rescheduled)
+    still covers every key once; closed runs missed the tiles a request had gained (the
+    H200's stale-schedule test). One CTA; the batch is walked in chunks of its threads."""
     batch, n_slots = T.dynamic("batch, n_slots")
     threads = SCHEDULE_THREADS
 
@@ -664,15 +663,21 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
 GATHERED_SPLIT_WAVES = 4
 
 
-def target_slots(kv_heads: int, blocks: int, sms: int = SMS, waves: int = 1) -> int:
-    """Splits the schedule spreads over a batch: `waves` waves of (KV head, row block)
-    CTAs at one CTA an SM."""
-    return max(1, waves * sms // (kv_heads * blocks))
+def split_waves(config: DecodeConfig) -> int:
+    """Waves of CTAs the planned schedule spreads `config`'s splits over."""
+    return GATHERED_SPLIT_WAVES if config.gather else 1
+
+
+def target_slots(kv_heads: int, blocks: int, sms: int = SMS) -> int:
+    """Splits the schedule spreads over a batch per wave: one wave of (KV head, row block)
+    CTAs at one CTA an SM (a gathered program's schedule takes `split_waves` of them)."""
+    return max(1, sms // (kv_heads * blocks))
 
 
 def slot_count(batch: int, kv_heads: int, blocks: int, sms: int = SMS, waves: int = 1) -> int:
-    """Slots a planned batch can use: the schedule's target plus one per request."""
-    return batch + target_slots(kv_heads, blocks, sms, waves)
+    """Slots a planned batch can use: `waves` waves of the schedule's target plus one per
+    request."""
+    return batch + waves * target_slots(kv_heads, blocks, sms)
 
 
 class DecodeAttentionKernel(Kernel):
@@ -783,9 +788,6 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
     def bucket_of(self, size: int) -> str:
         return "planned"
 
-    def split_waves(self) -> int:
-        """Waves of CTAs the schedule spreads splits over (GATHERED_SPLIT_WAVES)."""
-        return GATHERED_SPLIT_WAVES if self.select(0)[0].gather else 1
 
     def pass_configs(self, config: DecodeConfig, program_index: int) -> dict:
         # (the attention is program 1 here, after the schedule)
@@ -796,8 +798,8 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
             row_blocks: int, target: int, scale: float) -> None:
         """With `schedule`, recomputes the split counts from cache_seqlens first; q None:
         the schedule only."""
-        if schedule:
-            compiled[0](cache_seqlens, slot_table, split_ends, target)
+        if schedule:  # `target`: one wave; the buffers hold GATHERED_SPLIT_WAVES of them
+            compiled[0](cache_seqlens, slot_table, split_ends, target * split_waves(config))
         if q is None:
             return
         compiled[1](q, k, v, block_table, cache_seqlens, slot_table, k_scale, v_scale, o, lse,
