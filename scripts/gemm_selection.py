@@ -395,15 +395,21 @@ def measured_rows(path: pathlib.Path) -> list[dict]:
 
     from tileops.kernels.gemm import GemmConfig
 
-    def parse(text: str) -> GemmConfig:
-        bm, bn, bk, st, th, ra, sp = re.fullmatch(
-            r"(\d+)x(\d+)x(\d+) s(\d+) t(\d+) r(\d+)(?: split(\d+))?", text).groups()
-        return GemmConfig(int(bm), int(bn), int(bk), int(st), int(th), int(sp or 1), int(ra))
+    def parse(text: str) -> GemmConfig | None:
+        """`short()`'s text back into a config (None: not a config)."""
+        found = re.fullmatch(r"(\d+)x(\d+)x(\d+) s(\d+) t(\d+) r(\d+)(?: split(\d+))?"
+                             r"( regs-out)?( wave-fill)?( full-row)?", text)
+        if found is None:
+            return None
+        bm, bn, bk, st, th, ra, sp, regs, fill, row = found.groups()
+        return GemmConfig(int(bm), int(bn), int(bk), int(st), int(th), int(sp or 1), int(ra),
+                          stage_out=not regs, wave_fill=bool(fill), full_row=bool(row))
 
     out = []
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 12 and cells[1].isdigit():
+        # old vs new rows only (a --variant table's fifth column is a time)
+        if len(cells) == 12 and cells[1].isdigit() and parse(cells[5]) is not None:
             out.append({"label": cells[0], "m": int(cells[1]), "n": int(cells[2]),
                         "k": int(cells[3]), "old": parse(cells[4]), "new": parse(cells[5]),
                         "old_us": float(cells[6]), "new_us": float(cells[7])})
