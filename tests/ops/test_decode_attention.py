@@ -9,7 +9,7 @@ import torch
 
 import tileops
 from tileops import ChunkedPrefillAttentionFwdOp, DecodeAttentionFwdOp, TileOpsError
-from tileops.kernels.attention.decode import DecodeAttentionKernel, DecodeConfig
+from tileops.kernels.attention.decode import LONG_CHUNK, DecodeAttentionKernel, DecodeConfig
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, poison, randn
@@ -467,6 +467,19 @@ def test_chunked_prefill_gqa_window_softcap_and_bidirectional():
     check_chunks([70, 5], [200, 90], is_causal=False)
 
 
+@pytest.mark.parametrize("page_size", [16, 64, None])
+def test_chunked_prefill_long_chunks_take_128_row_ctas(page_size):
+    """Chunks of LONG_CHUNK tokens or more run ChunkedPrefillKernel (128 rows a CTA, TMA
+    tiles): a 1K chunk over a 5K prefix beside a decode token and a chunk of exactly
+    LONG_CHUNK, GQA groups of 8 and 4."""
+    chunks, lengths = [1024, 1, LONG_CHUNK], [5000, 77, LONG_CHUNK + 3]
+    op = check_chunks(chunks, lengths, heads=64, kv_heads=8, page_size=page_size)
+    used = [(name, kernel.select(1)[0]) for (name, *_), kernel in op._kernel_memo.items()]
+    assert [(name, config.block_m) for name, config in used] == [
+        ("chunked_prefill_attention", 128)]
+    check_chunks(chunks, lengths, heads=32, kv_heads=8, page_size=page_size, softcap=30.0)
+
+
 def test_chunked_prefill_short_chunk_over_a_long_prefix_splits():
     op = check_chunks([16], [20000], page_size=64)
     assert op._splits(op._kernel_key(torch.bfloat16, 8, 2, 128, 0, 64), 1, 1, 20032) > 1
@@ -510,8 +523,10 @@ def test_long_request_among_many_short_is_split():
     o_ref, lse_ref = reference(q, k, v, seqlens, table)
     assert_close(o, o_ref, scale=2.0)
     torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
-    ends = plan.buffers.split_ends.tolist()
-    assert ends[-1] - ends[-2] >= 8 and ends[0] == 1
+    runs = [row[0] for row in plan.buffers.slot_table.tolist()]
+    assert runs.count(len(lengths) - 1) >= 8
+    assert all(runs.count(b) == 1 for b in range(len(lengths) - 1))
+    assert runs[0] == len(lengths) - 1  # the longest splits run first
 
 
 @pytest.mark.parametrize("page_size, seq_q, params", [

@@ -17,11 +17,13 @@ from tileops import (
 )
 from tileops.kernels.attention.decode import (
     GATHERED_SPLIT_WAVES,
+    LONG_CHUNK,
     MIN_TILES_PER_SPLIT,
     OPEN_RUN,
     ROWS,
     SCHEDULE_THREADS,
     SMS,
+    ChunkedPrefillKernel,
     DecodeAttentionKernel,
     DecodeConfig,
     PlannedDecodeKernel,
@@ -30,6 +32,7 @@ from tileops.kernels.attention.decode import (
     key_visible,
     slot_count,
     slot_tiles,
+    split_class,
     split_tiles,
     target_slots,
     tile_visible,
@@ -400,9 +403,15 @@ class _Recorder:
         self.log.append((self.key, size, tensors))
 
 
-def _recording(op, monkeypatch):
+def _recording(op, monkeypatch, names=None):
     log = []
-    monkeypatch.setattr(op, "get_kernel", lambda dispatch, device, **key: _Recorder(log, key))
+
+    def get_kernel(dispatch, device, **key):
+        if names is not None:
+            names.append(dispatch)
+        return _Recorder(log, key)
+
+    monkeypatch.setattr(op, "get_kernel", get_kernel)
     return log
 
 
@@ -485,17 +494,20 @@ def schedule_model(lengths, q_len, block_n, window_left, causal, target, n_slots
              for n in lengths]
     total = sum(t for _, t in tiles)
     table = [[-1, 0, 0, 0] for _ in range(n_slots)]
-    ends, slot = [], 0
+    requests = []  # (size class, request, first tile, tiles, splits, tiles per split)
     for b, (first, t) in enumerate(tiles):
-        count = max(1, min(t * target // max(total, 1), t // MIN_TILES_PER_SPLIT))
+        count = max(1, min(-(-t * target // max(total, 1)), t // MIN_TILES_PER_SPLIT))
         per = -(-t // count)
+        requests.append((split_class(per, target, total, INT_OPS), b, first, count, per))
+    ends, slot = [0] * len(lengths), 0
+    for _, b, first, count, per in sorted(requests):  # longest splits first, then b
         for i in range(count):
             start = 0 if i == 0 else first + i * per
-            tiles = OPEN_RUN if i == count - 1 else first + (i + 1) * per - start
+            run = OPEN_RUN if i == count - 1 else first + (i + 1) * per - start
             if slot + i < n_slots:
-                table[slot + i] = [b, start, tiles, count]
+                table[slot + i] = [b, start, run, count]
         slot += count
-        ends.append(slot)
+        ends[b] = slot
     return table, ends
 
 
@@ -514,12 +526,21 @@ SCHEDULES = {  # name -> (lengths, q_len, kv_heads, window_left)
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_schedule_balances_and_bounds_the_slots(name):
     """The schedule's arithmetic: at most one wave of splits plus one per request, a long
-    request splits however full the batch, every request's runs partition its tiles."""
+    request splits however full the batch, no split longer than a target's share of the
+    keys, the slots laid out longest split first, every request's runs partition its
+    tiles."""
     lengths, q_len, kv_heads, window_left = SCHEDULES[name]
     target = target_slots(kv_heads, 1)
     n_slots = slot_count(len(lengths), kv_heads, 1)
     table, ends = schedule_model(lengths, q_len, 128, window_left, True, target, n_slots)
-    assert ends[-1] <= n_slots
+    assert max(ends) <= n_slots
+    tiles = [block_tiles(n - q_len, n - 1, n, 128, window_left, True, INT_OPS)[1]
+             for n in lengths]
+    share = -(-sum(tiles) // target)
+    sizes = [-(-tiles[b] // count) for b, _, _, count in table if b >= 0]
+    assert all(size <= max(share, MIN_TILES_PER_SPLIT) for size in sizes)
+    classes = [split_class(size, target, sum(tiles), INT_OPS) for size in sizes]
+    assert classes == sorted(classes)
     for b, n in enumerate(lengths):
         runs = [row for row in table if row[0] == b]
         assert all(row[3] == len(runs) for row in runs)
@@ -618,26 +639,31 @@ def test_schedule_program_on_the_cpu(name):
 @pytest.mark.compile
 def test_planned_combine_on_the_cpu():
     """The planned combine (tests/cuda_emulation.py): a request of several slots gets the
-    lse-weighted merge of its own slots, one of a single split is left as the attention
-    program wrote it, an all-empty request gets 0 and -inf."""
+    lse-weighted merge of its own slots wherever the schedule laid them (not in request
+    order: longest splits first), one of a single split is left as the attention program
+    wrote it, an all-empty request gets 0 and -inf."""
     from ..cuda_emulation import run
 
     compiled = _planned_program(2, q_len=2, heads=4)
-    ends = torch.tensor([3, 4, 6], dtype=torch.int32)  # 3 slots, 1 (direct), 2 (empty)
+    # request 0: slots 2-4; request 1: slot 5 (direct); request 2: slots 0-1 (empty runs)
+    ends = torch.tensor([5, 6, 2], dtype=torch.int32)
+    slot_table = torch.tensor([[2, 0, 0, 2], [2, 0, 0, 2], [0, 0, 0, 3], [0, 0, 0, 3],
+                               [0, 0, 0, 3], [1, 0, 0, 1], [-1, 0, 0, 0]], dtype=torch.int32)
     torch.manual_seed(0)
     o_part = torch.randn(7, 2, 4, 128)
     lse_part = torch.randn(7, 2, 4) * 4
-    lse_part[1] = -math.inf  # an empty run
-    lse_part[4:6] = -math.inf
-    o_part[4:6] = 0.0
+    lse_part[3] = -math.inf  # an empty run of request 0
+    lse_part[0:2] = -math.inf
+    o_part[0:2] = 0.0
     o = torch.full((3, 2, 4, 128), math.nan).to(BF16)
     lse = torch.full((3, 4, 2), math.nan)
     run(_HostMath(compiled), 3 * 2 * 4, 64,
-        dict(o_part=o_part, lse_part=lse_part, split_ends=ends, o=o, lse=lse),
+        dict(o_part=o_part, lse_part=lse_part, slot_table=slot_table, split_ends=ends, o=o,
+             lse=lse),
         dict(batch=3, n_slots=7))
-    want_lse = torch.logsumexp(lse_part[0:3], dim=0)  # [Sq, H]
-    weights = torch.exp(lse_part[0:3] - want_lse).nan_to_num(0.0)
-    want_o = (weights[..., None] * o_part[0:3]).sum(0)
+    want_lse = torch.logsumexp(lse_part[2:5], dim=0)  # [Sq, H]
+    weights = torch.exp(lse_part[2:5] - want_lse).nan_to_num(0.0)
+    want_o = (weights[..., None] * o_part[2:5]).sum(0)
     torch.testing.assert_close(o[0].float(), want_o, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse[0], want_lse.transpose(0, 1))
     assert torch.isnan(o[1].float()).all() and torch.isnan(lse[1]).all()  # left alone
@@ -657,6 +683,24 @@ def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_
                                 DecodeConfig(128, 2, hoist_pages=True))
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "warpgroup_reg_alloc" in source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.compile
+def test_long_chunk_program_is_warp_specialized_without_spills(tmp_path):
+    """The 128-row chunked-prefill program at page 16 (Qwen3-32B heads): TMA tiles from a
+    producer warpgroup, wgmma on two consumer warpgroups (384 threads), nothing spilled or
+    serialized."""
+    import tilelang
+
+    kernel = ChunkedPrefillKernel(dtype="bfloat16", heads=64, kv_heads=8, head_dim=128,
+                                  q_len=0, page_size=16, window_left=-1, softcap=0.0,
+                                  causal=True)
+    config = kernel.heuristic_config("direct", "sm_90a")
+    compiled = tilelang.compile(kernel.program(config, "direct"), target=kernel.target)
+    source = compiled.get_kernel_source()
+    assert "tma_load" in source and "wgmma" in source and "warpgroup_reg_alloc" in source
+    assert "__launch_bounds__(384" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
@@ -785,9 +829,11 @@ def test_chunked_prefill_roofline():
 @pytest.mark.smoke
 def test_chunked_prefill_launch_arguments(monkeypatch):
     """Packed rows of one token each, q_len 0 in the program key, the grid's row blocks
-    from max_seqlen_q (group 4 x 100 tokens = 400 rows: 7 blocks of 64)."""
+    from max_seqlen_q (group 4 x 100 tokens = 400 rows: 7 blocks of 64, which the 128-row
+    kernel of chunks of LONG_CHUNK tokens or more launches as 4)."""
     op = ChunkedPrefillAttentionFwdOp(max_seqlen_q=100)
-    log = _recording(op, monkeypatch)
+    names = []
+    log = _recording(op, monkeypatch, names)
     q = torch.randn(150, 8, 64).to(BF16)
     k = v = torch.randn(40, 32, 2, 64).to(BF16)
     cu = torch.tensor([0, 100, 150], dtype=torch.int32)
@@ -801,8 +847,19 @@ def test_chunked_prefill_launch_arguments(monkeypatch):
     assert o_arg.data_ptr() == o.data_ptr() and lse_arg.shape == (150, 8, 1)
     assert cu_arg is cu and blocks == 7
     assert splits == choose_splits(2, 2, 7, 640, 128)
+    assert names == ["chunked_prefill_attention"]
     assert op.kernels_for(op.check((q, k, v, cu, lens, table))) == [
-        ("decode_attention", key, splits)]
+        ("chunked_prefill_attention", key, splits)]
+    short = ChunkedPrefillAttentionFwdOp(max_seqlen_q=LONG_CHUNK - 1)
+    assert short.kernels_for(short.check((q[:LONG_CHUNK - 1], k, v, cu // 100, lens,
+                                          table)))[0][0] == "decode_attention"
+    # the 128-row kernel's run converts the op's ROWS-row blocks to its own
+    launched = []
+    kernel = ChunkedPrefillKernel(**key)
+    config = kernel.heuristic_config("direct", "sm_90a")
+    assert config.block_m == 2 * ROWS and not config.gather
+    kernel.run(config, (lambda *a: launched.append(a),), *args[:12], 7, 0.1)
+    assert launched[0][-2] == 4
 
 
 # -- fp8 caches ---------------------------------------------------------------------------

@@ -68,7 +68,9 @@ import torch
 from ..errors import TileOpsValueError, op_error
 from ..kernels.attention.decode import (
     GATHERED_SPLIT_WAVES,
+    LONG_CHUNK,
     SMS,
+    ChunkedPrefillKernel,
     DecodeAttentionKernel,
     PlannedDecodeKernel,
     choose_splits,
@@ -223,7 +225,7 @@ class DecodeAttentionFwdOp(Op):
                                               _sms(q.device), q.device, GATHERED_SPLIT_WAVES),
                             float(scale))
             return
-        kernel = self.get_kernel("decode_attention", q.device, **key)
+        kernel = self.get_kernel(self._kernel_name(max_tokens), q.device, **key)
         blocks = row_blocks(heads, kv_heads, max_tokens if max_tokens else q_len)
         splits = self._splits(key, cache_seqlens.shape[0], blocks,
                               page_rows * (block_table.shape[1] if paged else 1))
@@ -237,6 +239,11 @@ class DecodeAttentionFwdOp(Op):
         cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else cache_seqlens
         kernel(splits, q, k_cache, v_cache, table, cache_seqlens, cu, k_scale,
                v_scale, o, lse, o_part, lse_part, blocks, float(scale))
+
+    @staticmethod
+    def _kernel_name(max_tokens: int | None) -> str:
+        """The kernel of a launch (packed chunks of at most max_tokens tokens)."""
+        return "decode_attention"
 
     def _kernel_key(self, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                     q_len: int, page_size: int,
@@ -305,7 +312,9 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
     as chunks of one token. `max_seqlen_q` bounds every chunk (it sizes the grid; checked
     with `checked`, like the indices)."""
 
-    kernel_map = {"decode_attention": DecodeAttentionKernel}  # one split count per batch
+    # one split count per batch; chunks of LONG_CHUNK tokens or more take 128-row CTAs
+    kernel_map = {"decode_attention": DecodeAttentionKernel,
+                  "chunked_prefill_attention": ChunkedPrefillKernel}
 
     def __init__(self, *, max_seqlen_q: int, sm_scale: float | None = None,
                  softcap: float = 0.0, window_left: int = -1, is_causal: bool = True,
@@ -365,7 +374,13 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
                                ns["k_cache"].dtype)
         max_keys = ns["S"] * (table.shape[1] if table is not None else 1)
         blocks = row_blocks(ns["H"], ns["Hkv"], self.max_seqlen_q)
-        return [("decode_attention", key, self._splits(key, ns["B"], blocks, max_keys))]
+        return [(self._kernel_name(self.max_seqlen_q), key,
+                 self._splits(key, ns["B"], blocks, max_keys))]
+
+    @staticmethod
+    def _kernel_name(max_tokens: int | None) -> str:
+        return "chunked_prefill_attention" if (max_tokens or 0) >= LONG_CHUNK \
+            else "decode_attention"
 
 
 class KVCacheAppendFwdOp(Op):

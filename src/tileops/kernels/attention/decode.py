@@ -36,7 +36,7 @@ from ..selection.topk import exclusive_offsets
 from .attention_fwd import LOG2E, AttentionFwdConfig, _attention_macros
 from .mask import TIR_OPS
 
-ROWS = 64  # query rows per CTA: one wgmma warpgroup tile
+ROWS = 64  # query rows per CTA by default: one wgmma warpgroup tile
 SMS = 132  # H200 SMs; the split rule aims at whole waves of them
 MAX_SPLITS = 64
 OPEN_RUN = 1 << 30  # tiles of a request's last planned run: to whatever end it has then
@@ -45,6 +45,7 @@ T_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 MAX_PIECES = 16  # TMA copies per paged tile: (pages per tile) x (head_dim / 64)
 MIN_TILES_PER_SPLIT = 2  # fewer and the combine and per-CTA setup outweigh the split
 SCHEDULE_THREADS = 512
+SIZE_CLASSES = 4  # split sizes the schedule orders its slots by (see schedule_program)
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,22 @@ class DecodeConfig:
     # pages shorter than a tile gathered row by row by cp.async in a software pipeline of
     # all threads (no warp specialization) instead of one TMA copy per (page, 64 columns)
     gather: bool = False
+    # query rows per CTA, a consumer warpgroup per 64: 128 for long prefill chunks, whose
+    # compute-bound key loop wants the dense forward's two warpgroups per K/V tile
+    block_m: int = ROWS
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False) -> int:
         """q, the K/V stages, and for an fp8 cache the widened K and V tiles besides its
         fp8 stages."""
         if fp8:
-            return (ROWS + 2 * self.block_n) * head_dim * elem_bytes + \
+            return (self.block_m + 2 * self.block_n) * head_dim * elem_bytes + \
                 2 * self.stages * self.block_n * head_dim
-        return (ROWS + 2 * self.stages * self.block_n) * head_dim * elem_bytes
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes
 
 
-def row_blocks(heads: int, kv_heads: int, q_len: int) -> int:
+def row_blocks(heads: int, kv_heads: int, q_len: int, block_m: int = ROWS) -> int:
     """CTAs per (request, KV head) along the query rows."""
-    return -(-(heads // kv_heads) * q_len // ROWS)
+    return -(-(heads // kv_heads) * q_len // block_m)
 
 
 @functools.lru_cache(maxsize=4096)  # on every call's host path: decode calls are host-bound
@@ -151,7 +155,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     cu_seqlens_q[b + 1]), else q [B, q_len, H, D]. With `split`, writes partials
     o_part [rows, Sq, H, splits, D] and lse_part [rows, Sq, H, splits] (fp32, natural log);
     without, o like q and lse [rows, H, Sq]. `row_blocks` (a launch argument) counts the
-    CTAs along one request's rows, group * (longest request's tokens) / ROWS. The grid is
+    CTAs along one request's rows, group * (longest request's tokens) / block_m. The grid is
     (splits, row blocks, requests x KV heads): no index divides by a runtime size but the
     split count (TIR's floor division by a runtime divisor expands into sign tests at
     every use, which tripled the packed program's source and its compile time).
@@ -177,7 +181,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     n_scale = T.dynamic("n_scale")
     packed = q_len == 0
     tokens = 1 if packed else q_len  # q's second dimension
-    block_n, stages = config.block_n, config.stages
+    block_n, stages, block_m = config.block_n, config.stages, config.block_m
+    threads = 2 * block_m  # a consumer warpgroup per 64 rows
     paged = page_size > 0
     batch, n_splits, n_cu = T.dynamic("batch, n_splits, n_cu")
     q_rows = T.dynamic("q_rows") if packed else batch
@@ -193,7 +198,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                    else (outer, rows, kv_heads, head_dim))
     table_shape = (batch, max_pages) if paged else (1, 1)
     q_shape = (q_rows, tokens, heads, head_dim)
-    fwd_config = AttentionFwdConfig(block_m=ROWS, block_n=block_n, stages=stages, threads=128)
+    fwd_config = AttentionFwdConfig(block_m=block_m, block_n=block_n, stages=stages,
+                                    threads=threads)
     step = _attention_macros(head_dim, dtype, -1, -1, softcap, fwd_config)
 
     def q_at(b, q_start, token):
@@ -276,13 +282,13 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         T.gemm(q_shared, k_shared, st.s, transpose_B=True, clear_accum=True,
                policy=T.GemmWarpPolicy.FullRow)
         if softcap > 0:
-            for i, j in T.Parallel(ROWS, block_n):
+            for i, j in T.Parallel(block_m, block_n):
                 st.s[i, j] = T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E)
         first_position = seqlen - n_q + row0 // group
-        last_position = seqlen - n_q + (row0 + ROWS - 1) // group
+        last_position = seqlen - n_q + (row0 + block_m - 1) // group
         if T.Not(live & tile_visible(kv_start, first_position, last_position, seqlen,
                                      block_n, window_left, causal)):
-            for i, j in T.Parallel(ROWS, block_n):
+            for i, j in T.Parallel(block_m, block_n):
                 st.s[i, j] = T.if_then_else(
                     live & key_visible(seqlen - n_q + (row0 + i) // group, kv_start + j,
                                        seqlen, window_left, causal),
@@ -291,7 +297,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     def alloc_tiles():
         """(q, K, V, K landing, V landing) shared tiles: an fp8 cache lands in fp8 tiles of
         its own and is widened into the K/V tiles the wgmmas read."""
-        tiles = (T.alloc_shared((ROWS, head_dim), dtype),
+        tiles = (T.alloc_shared((block_m, head_dim), dtype),
                  T.alloc_shared((block_n, head_dim), dtype),
                  T.alloc_shared((block_n, head_dim), dtype))
         if not fp8:
@@ -314,20 +320,20 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     @T.macro
     def attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b, h,
                q_start, n_q, row0, split_index, n_split, scale):
-        """Rows [row0, row0 + ROWS) of request b's n_q * group (token, head) rows, then the
+        """Rows [row0, row0 + block_m) of request b's n_q * group (token, head) rows, then the
         online softmax over its split of the key tiles they see."""
         q_shared, k_shared, v_shared, k_land, v_land = tiles
         if fp8:
             scale = scale * kv_scale(k_scale, h)
         n_rows = n_q * group
-        for i, d in T.Parallel(ROWS, head_dim):
+        for i, d in T.Parallel(block_m, head_dim):
             # rows past the request's repeat its last row (never stored); an empty request
             # reads row 0 of q (kept inside q by the clamp)
             r = T.max(T.min(row0 + i, n_rows - 1), 0)
             qb, qt = q_at(b, q_start, r // group)
             q_shared[i, d] = q[T.min(qb, q_rows - 1), qt, h * group + r % group, d]
         seqlen = cache_seqlens[b]
-        last_row = T.min(row0 + ROWS, n_rows) - 1
+        last_row = T.min(row0 + block_m, n_rows) - 1
         first, n_tiles = block_tiles(seqlen - n_q + row0 // group,
                                      seqlen - n_q + last_row // group, seqlen, block_n,
                                      window_left, causal)
@@ -395,9 +401,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                            o_part: T.Tensor((n_slots, tokens, heads, head_dim), "float"),
                            lse_part: T.Tensor((n_slots, tokens, heads), "float"),
                            row_blocks: T.int32, scale: T.float32):
-            with T.Kernel(kv_heads, row_blocks, n_slots, threads=128) as (bx, by, bz):
+            with T.Kernel(kv_heads, row_blocks, n_slots, threads=threads) as (bx, by, bz):
                 h = bx
-                row0 = by * ROWS
+                row0 = by * block_m
                 tiles = alloc_tiles()
                 (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
                  l_local, lse_local, hold, stale) = step.alloc_state()
@@ -413,19 +419,19 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                            st, b, h, b, q_len, row0, slot_table[bz, 1], slot_table[bz, 2],
                            scale)
                     if slot_table[bz, 3] == 1:
-                        for i, d in T.Parallel(ROWS, head_dim):
+                        for i, d in T.Parallel(block_m, head_dim):
                             if row0 + i < q_len * group:
                                 o[b, (row0 + i) // group, head_of(row0 + i, h),
                                   d] = out(st, i, d, v_scale, h)
-                        for i in T.Parallel(ROWS):
+                        for i in T.Parallel(block_m):
                             if row0 + i < q_len * group:
                                 lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
                     else:
-                        for i, d in T.Parallel(ROWS, head_dim):
+                        for i, d in T.Parallel(block_m, head_dim):
                             if row0 + i < q_len * group:
                                 o_part[bz, (row0 + i) // group, head_of(row0 + i, h),
                                        d] = out(st, i, d, v_scale, h)
-                        for i in T.Parallel(ROWS):
+                        for i in T.Parallel(block_m):
                             if row0 + i < q_len * group:
                                 lse_part[bz, (row0 + i) // group,
                                          head_of(row0 + i, h)] = st.lse[i]
@@ -444,9 +450,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                          o_part: T.Tensor((q_rows, tokens, heads, n_splits, head_dim), "float"),
                          lse_part: T.Tensor((q_rows, tokens, heads, n_splits), "float"),
                          row_blocks: T.int32, scale: T.float32):
-            with T.Kernel(n_splits, row_blocks, batch * kv_heads, threads=128) as (sx, by, bz):
+            with T.Kernel(n_splits, row_blocks, batch * kv_heads, threads=threads) as (sx, by, bz):
                 b, h = bz // kv_heads, bz % kv_heads
-                row0 = by * ROWS
+                row0 = by * block_m
                 q_start, n_q = request(cu_seqlens_q, b)
                 tiles = alloc_tiles()
                 (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
@@ -455,12 +461,12 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                                 row_sum, l_local, lse_local, hold, stale)
                 attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st,
                        b, h, q_start, n_q, row0, sx, n_splits, scale)
-                for i, d in T.Parallel(ROWS, head_dim):
+                for i, d in T.Parallel(block_m, head_dim):
                     if row0 + i < n_q * group:
                         qb, qt = q_at(b, q_start, (row0 + i) // group)
                         o_part[qb, qt, head_of(row0 + i, h), sx, d] = out(st, i, d, v_scale,
                                                                          h)
-                for i in T.Parallel(ROWS):
+                for i in T.Parallel(block_m):
                     if row0 + i < n_q * group:
                         qb, qt = q_at(b, q_start, (row0 + i) // group)
                         lse_part[qb, qt, head_of(row0 + i, h), sx] = st.lse[i]
@@ -478,9 +484,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                       o: T.Tensor(q_shape, dtype),
                       lse: T.Tensor((q_rows, heads, tokens), "float"),
                       row_blocks: T.int32, scale: T.float32):
-        with T.Kernel(1, row_blocks, batch * kv_heads, threads=128) as (sx, by, bz):
+        with T.Kernel(1, row_blocks, batch * kv_heads, threads=threads) as (sx, by, bz):
             b, h = bz // kv_heads, bz % kv_heads
-            row0 = by * ROWS
+            row0 = by * block_m
             q_start, n_q = request(cu_seqlens_q, b)
             tiles = alloc_tiles()
             (s_local, p_local, o_local, m_local, m_prev, m_safe, rescale, row_sum,
@@ -489,11 +495,11 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                             row_sum, l_local, lse_local, hold, stale)
             attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b,
                    h, q_start, n_q, row0, sx, 1, scale)
-            for i, d in T.Parallel(ROWS, head_dim):
+            for i, d in T.Parallel(block_m, head_dim):
                 if row0 + i < n_q * group:
                     qb, qt = q_at(b, q_start, (row0 + i) // group)
                     o[qb, qt, head_of(row0 + i, h), d] = out(st, i, d, v_scale, h)
-            for i in T.Parallel(ROWS):
+            for i in T.Parallel(block_m):
                 if row0 + i < n_q * group:
                     qb, qt = q_at(b, q_start, (row0 + i) // group)
                     lse[qb, head_of(row0 + i, h), qt] = st.lse[i]
@@ -505,9 +511,9 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
     """o [B, Sq, H, D] and lse [B, H, Sq] from the splits' partials: weights
     exp(lse_s - lse), lse the log-sum-exp of the splits'; no split saw a key -> 0, -inf.
 
-    `planned`: the partials are per slot, o_part [slots, Sq, H, D], request b owning slots
-    [split_ends[b - 1], split_ends[b]); a request of one split was written by the attention
-    program itself and is left alone."""
+    `planned`: the partials are per slot, o_part [slots, Sq, H, D], request b owning the n
+    slots before split_ends[b], n = slot_table[split_ends[b] - 1, 3] (see schedule_program);
+    a request of one split was written by the attention program itself and is left alone."""
     batch, n_splits = T.dynamic("batch, n_splits")
     threads = max(32, head_dim // 2)
 
@@ -547,6 +553,7 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
         def decode_combine_planned(
                 o_part: T.Tensor((n_slots, q_len, heads, head_dim), "float"),
                 lse_part: T.Tensor((n_slots, q_len, heads), "float"),
+                slot_table: T.Tensor((n_slots, 4), "int32"),
                 split_ends: T.Tensor((batch,), "int32"),
                 o: T.Tensor((batch, q_len, heads, head_dim), dtype),
                 lse: T.Tensor((batch, heads, q_len), "float")):
@@ -554,9 +561,9 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
                 h = bx % heads
                 i = bx // heads % q_len
                 b = bx // (heads * q_len)
-                first = T.if_then_else(b == 0, 0, split_ends[T.max(b - 1, 0)])
-                if split_ends[b] - first > 1:
-                    merge(o_part, lse_part, o, lse, b, i, h, first, split_ends[b] - first)
+                splits = slot_table[split_ends[b] - 1, 3]
+                if splits > 1:
+                    merge(o_part, lse_part, o, lse, b, i, h, split_ends[b] - splits, splits)
 
         return decode_combine_planned
 
@@ -575,20 +582,32 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
     return decode_combine
 
 
+def split_class(split_tiles, target, total_tiles, ops=TIR_OPS):
+    """0 for a split of >= P/2 tiles (P = total_tiles / target), 1 for >= P/4, 2 for >= P/8,
+    3 for shorter ones: the schedule lays slots out by class, longest first."""
+    return sum(ops.select(split_tiles * (2 << k) * target < total_tiles, 1, 0)
+               for k in range(SIZE_CLASSES - 1))
+
+
 def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
     """The per-request split counts of the planned decode, on the GPU from cache_seqlens (nothing
-    read on the host): request b's t_b visible key tiles get max(1, min(t_b * target //
-    sum(t), t_b // MIN_TILES_PER_SPLIT)) splits, so the splits of all requests add up to at
-    most `target_slots` (waves of CTAs: the caller's SMs / (KV heads x row blocks) each, see
-    GATHERED_SPLIT_WAVES) plus one per request, however the keys are spread: a long request
-    among many short ones still splits, a batch of equal requests splits evenly. Writes
-    split_ends [B] (the inclusive running sum of the counts) and, per slot (one split of one
-    request, in order), slot_table[slot] = (request, first tile, tiles, the request's split
-    count); (-1, 0, 0, 0) past the last. A request's first run starts at tile 0 and its last
-    one is open-ended (OPEN_RUN tiles): the attention cuts the runs to the tiles a request
-    sees when it runs, so a stale schedule (lengths grown or shrunk since, not rescheduled)
-    still covers every key once; closed runs missed the tiles a request had gained (the
-    H200's stale-schedule test). One CTA; the batch is walked in chunks of its threads."""
+    read on the host): request b's t_b visible key tiles get max(1, min(ceil(t_b * target /
+    sum(t)), t_b // MIN_TILES_PER_SPLIT)) splits, so no split holds more than a target's
+    share of the keys (P = sum(t) / target tiles) and the splits of all requests add up to
+    at most `target_slots` (waves of CTAs: the caller's SMs / (KV heads x row blocks) each,
+    see GATHERED_SPLIT_WAVES) plus one per request, however the keys are spread: a long
+    request among many short ones still splits, a batch of equal requests splits evenly.
+
+    Slots are laid out longest split first (`SIZE_CLASSES` classes of split size: >= P/2,
+    >= P/4, >= P/8, shorter; request order within a class), since the CTAs start in slot
+    order and a long split that starts last finishes last. A request's slots are
+    consecutive: split_ends[b] is the end of request b's slots (exclusive) and slot_table
+    [slot] = (request, first tile, tiles, the request's split count); (-1, 0, 0, 0) past the
+    last. A request's first run starts at tile 0 and its last one is open-ended (OPEN_RUN
+    tiles): the attention cuts the runs to the tiles a request sees when it runs, so a stale
+    schedule (lengths grown or shrunk since, not rescheduled) still covers every key once;
+    closed runs missed the tiles a request had gained (the H200's stale-schedule test). One
+    CTA; the batch is walked in chunks of its threads, once per size class."""
     batch, n_slots = T.dynamic("batch, n_slots")
     threads = SCHEDULE_THREADS
 
@@ -619,34 +638,38 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
                 all_tiles[0] = all_tiles[0] + total[0]
                 T.sync_threads()  # warp_sums is rewritten by the next chunk
             carry[0] = 0
-            for c in T.serial(T.ceildiv(batch, threads)):
-                count[0] = 0
-                per[0] = 0
-                if c * threads + tx < batch:
-                    count[0] = T.max(1, T.min(
-                        tiles(cache_seqlens, c * threads + tx)[1] * target_slots
-                        // T.max(all_tiles[0], 1),
-                        tiles(cache_seqlens, c * threads + tx)[1] // MIN_TILES_PER_SPLIT))
-                    per[0] = T.ceildiv(tiles(cache_seqlens, c * threads + tx)[1], count[0])
-                exclusive_offsets(count, tx, threads, warp_sums, first, total)
-                if c * threads + tx < batch:
-                    split_ends[c * threads + tx] = carry[0] + first[0] + count[0]
-                    for i in T.serial(count[0]):
-                        if carry[0] + first[0] + i < n_slots:
-                            slot_table[carry[0] + first[0] + i, 0] = c * threads + tx
-                            # runs [start_i, start_i+1): start_0 = 0, the last open
-                            slot_table[carry[0] + first[0] + i, 1] = T.if_then_else(
-                                i == 0, 0, tiles(cache_seqlens, c * threads + tx)[0]
-                                + i * per[0])
-                            slot_table[carry[0] + first[0] + i, 2] = T.if_then_else(
-                                i == count[0] - 1, OPEN_RUN,
-                                tiles(cache_seqlens, c * threads + tx)[0] + (i + 1) * per[0]
-                                - T.if_then_else(i == 0, 0, tiles(cache_seqlens,
-                                                                  c * threads + tx)[0]
-                                                 + i * per[0]))
-                            slot_table[carry[0] + first[0] + i, 3] = count[0]
-                carry[0] = carry[0] + total[0]
-                T.sync_threads()
+            for size_class in T.serial(SIZE_CLASSES):
+                for c in T.serial(T.ceildiv(batch, threads)):
+                    count[0] = 0
+                    per[0] = 0
+                    if c * threads + tx < batch:
+                        count[0] = T.max(1, T.min(
+                            T.ceildiv(tiles(cache_seqlens, c * threads + tx)[1] * target_slots,
+                                      T.max(all_tiles[0], 1)),
+                            tiles(cache_seqlens, c * threads + tx)[1] // MIN_TILES_PER_SPLIT))
+                        per[0] = T.ceildiv(tiles(cache_seqlens, c * threads + tx)[1], count[0])
+                        if split_class(per[0], target_slots, all_tiles[0]) != size_class:
+                            count[0] = 0
+                    exclusive_offsets(count, tx, threads, warp_sums, first, total)
+                    if count[0] > 0:
+                        split_ends[c * threads + tx] = carry[0] + first[0] + count[0]
+                        for i in T.serial(count[0]):
+                            if carry[0] + first[0] + i < n_slots:
+                                slot = carry[0] + first[0] + i
+                                slot_table[slot, 0] = c * threads + tx
+                                # runs [start_i, start_i+1): start_0 = 0, the last open
+                                slot_table[slot, 1] = T.if_then_else(
+                                    i == 0, 0, tiles(cache_seqlens, c * threads + tx)[0]
+                                    + i * per[0])
+                                slot_table[slot, 2] = T.if_then_else(
+                                    i == count[0] - 1, OPEN_RUN,
+                                    tiles(cache_seqlens, c * threads + tx)[0] + (i + 1) * per[0]
+                                    - T.if_then_else(i == 0, 0, tiles(cache_seqlens,
+                                                                      c * threads + tx)[0]
+                                                     + i * per[0]))
+                                slot_table[slot, 3] = count[0]
+                    carry[0] = carry[0] + total[0]
+                    T.sync_threads()
             for r, j in T.grid(T.ceildiv(n_slots, threads), 4):
                 if r * threads + tx < n_slots and r * threads + tx >= carry[0]:
                     slot_table[r * threads + tx, j] = T.if_then_else(j == 0, -1, 0)
@@ -767,6 +790,44 @@ class DecodeAttentionKernel(Kernel):
             compiled[1](o_part, lse_part, o, lse)
 
 
+LONG_CHUNK = 64  # packed chunks from this many tokens take ChunkedPrefillKernel
+
+
+class ChunkedPrefillKernel(DecodeAttentionKernel):
+    """Packed queries (q_len 0 in the key) when the longest chunk has LONG_CHUNK tokens or
+    more: then the key loop is compute-bound, so each CTA takes 128 (token, head) rows on
+    two consumer warpgroups, as the dense forward does, and K/V tiles arrive by TMA from a
+    producer warpgroup (a copy per page and 64 columns, the page ids hoisted), not
+    gathered by all threads. Same key, buckets and program as DecodeAttentionKernel; the
+    op passes row blocks of ROWS rows."""
+
+    name = "chunked_prefill_attention"
+
+    def heuristic_config(self, bucket: str, arch: str) -> DecodeConfig:
+        block_n = tile_keys(self.key["head_dim"])
+        page = self.key["page_size"]
+        return DecodeConfig(block_n=block_n, stages=2, hoist_pages=0 < page < block_n,
+                            block_m=2 * ROWS)
+
+    def config_space(self, bucket: str) -> list[DecodeConfig]:
+        page = self.key["page_size"]
+        space = [self.heuristic_config(bucket, "sm_90a")]
+        space += [DecodeConfig(block_n, stages, hoist_pages=0 < page < block_n,
+                               block_m=2 * ROWS)
+                  for block_n in (64, 128) for stages in (1, 2, 3)]
+        return [c for c in dict.fromkeys(space)
+                if c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key) <= 227 * 1024
+                and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
+
+    def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
+            cu_seqlens_q, k_scale, v_scale, o, lse, o_part, lse_part, row_blocks: int,
+            scale: float) -> None:
+        # ceil(ceil(x / ROWS) / m) = ceil(x / (ROWS m)): the op's ROWS-row blocks in ours
+        super().run(config, compiled, q, k, v, block_table, cache_seqlens, cu_seqlens_q,
+                    k_scale, v_scale, o, lse, o_part, lse_part,
+                    -(-row_blocks * ROWS // config.block_m), scale)
+
+
 class PlannedDecodeKernel(DecodeAttentionKernel):
     """The planned decode (q [B, q_len, H, D]): the schedule, the attention over per-request
     splits and the combine. Same key and configs as DecodeAttentionKernel (q_len >= 1);
@@ -804,4 +865,4 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
             return
         compiled[1](q, k, v, block_table, cache_seqlens, slot_table, k_scale, v_scale, o, lse,
                     o_part, lse_part, row_blocks, scale)
-        compiled[2](o_part, lse_part, split_ends, o, lse)
+        compiled[2](o_part, lse_part, slot_table, split_ends, o, lse)

@@ -171,4 +171,4 @@ class MLADecodeKernel(Kernel):
             compiled[0](cache_seqlens, slot_table, split_ends, target)
         compiled[1](q_nope, q_pe, kv, block_table, cache_seqlens, slot_table, o, lse, o_part,
                     lse_part, scale)
-        compiled[2](o_part, lse_part, split_ends, o, lse)
+        compiled[2](o_part, lse_part, slot_table, split_ends, o, lse)
