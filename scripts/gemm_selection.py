@@ -2,7 +2,7 @@
 
     python3 scripts/gemm_selection.py table [--models TEXT ...]   # models tier: picks vs frozen
     python3 scripts/gemm_selection.py agreement                   # model vs the tuned table
-    python3 scripts/gemm_selection.py freeze                      # rewrite the frozen files
+    python3 scripts/gemm_selection.py freeze [--manifest]         # rewrite the frozen picks
     python3 scripts/gemm_selection.py measure [--workload TEXT ...] [--models TEXT ...]
         # on the GPU: the models-tier shapes whose config changed, old config vs new config
         # vs cuBLAS in one process (both compiled in parallel first), no branch switch
@@ -16,7 +16,8 @@
 subclass), every dtype and every GEMM the op launches, the config the current code selects
 (tuned table for h200, else the default), plus the models tier's GemmFwdOp picks. The
 manifest file backs tests/ops/test_gemm_select_cpu.py (tuned shapes keep their configs);
-the models file is the "before" column of `table`.
+the models file is the "before" column of `table`. `freeze` rewrites the models file; the
+manifest file only with --manifest (it is the baseline the tuned shapes must keep).
 """
 
 from __future__ import annotations
@@ -121,12 +122,15 @@ def short(config: dict) -> str:
     return text
 
 
-def cmd_freeze(_: argparse.Namespace) -> int:
-    MANIFEST_FROZEN.parent.mkdir(parents=True, exist_ok=True)
-    MANIFEST_FROZEN.write_text(json.dumps(manifest_selections(), indent=1, sort_keys=True) + "\n")
+def cmd_freeze(args: argparse.Namespace) -> int:
+    MODELS_FROZEN.parent.mkdir(parents=True, exist_ok=True)
     rows = [compact(r) for r in models_selections()]
     MODELS_FROZEN.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
-    print(f"wrote {MANIFEST_FROZEN} and {MODELS_FROZEN}")
+    print(f"wrote {MODELS_FROZEN}")
+    if args.manifest:
+        MANIFEST_FROZEN.write_text(json.dumps(manifest_selections(), indent=1, sort_keys=True)
+                                   + "\n")
+        print(f"wrote {MANIFEST_FROZEN}")
     return 0
 
 
@@ -481,7 +485,12 @@ def cmd_agreement(_: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("freeze").set_defaults(fn=cmd_freeze)
+    freeze = sub.add_parser("freeze")
+    # the manifest file is the pre-model baseline test_gemm_select_cpu.py checks against:
+    # rewrite it only when a tuned table's picks are meant to change
+    freeze.add_argument("--manifest", action="store_true",
+                        help="also rewrite the manifest workloads' frozen picks")
+    freeze.set_defaults(fn=cmd_freeze)
     sub.add_parser("agreement").set_defaults(fn=cmd_agreement)
     measure = sub.add_parser("measure")
     measure.add_argument("--models", action="append", help="only models whose name contains TEXT")
