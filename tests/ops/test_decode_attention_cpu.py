@@ -687,20 +687,28 @@ def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_
 
 
 @pytest.mark.compile
-def test_long_chunk_program_is_warp_specialized_without_spills(tmp_path):
-    """The 128-row chunked-prefill program at page 16 (Qwen3-32B heads): TMA tiles from a
-    producer warpgroup, wgmma on two consumer warpgroups (384 threads), nothing spilled or
-    serialized."""
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_long_chunk_programs_compile_without_spills(page_size, tmp_path):
+    """The 128-row chunked-prefill programs (Qwen3-32B heads): at page 64 TMA tiles from a
+    producer warpgroup and wgmma on two consumer warpgroups (384 threads); at page 16 the
+    cp.async gather of all 256 threads; nothing spilled or serialized either way."""
     import tilelang
 
     kernel = ChunkedPrefillKernel(dtype="bfloat16", heads=64, kv_heads=8, head_dim=128,
-                                  q_len=0, page_size=16, window_left=-1, softcap=0.0,
+                                  q_len=0, page_size=page_size, window_left=-1, softcap=0.0,
                                   causal=True)
     config = kernel.heuristic_config("direct", "sm_90a")
-    compiled = tilelang.compile(kernel.program(config, "direct"), target=kernel.target)
+    assert config.block_m == 2 * ROWS and config.gather == (page_size == 16)
+    compiled = tilelang.compile(kernel.program(config, "direct"), target=kernel.target,
+                                pass_configs=kernel.pass_configs(config, 0))
     source = compiled.get_kernel_source()
-    assert "tma_load" in source and "wgmma" in source and "warpgroup_reg_alloc" in source
-    assert "__launch_bounds__(384" in source
+    assert "wgmma" in source
+    if config.gather:
+        assert "cp_async" in source and "tma_load" not in source
+        assert "__launch_bounds__(256" in source
+    else:
+        assert "tma_load" in source and "warpgroup_reg_alloc" in source
+        assert "__launch_bounds__(384" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
@@ -857,7 +865,7 @@ def test_chunked_prefill_launch_arguments(monkeypatch):
     launched = []
     kernel = ChunkedPrefillKernel(**key)
     config = kernel.heuristic_config("direct", "sm_90a")
-    assert config.block_m == 2 * ROWS and not config.gather
+    assert config.block_m == 2 * ROWS and not config.gather  # page 32: TMA tiles
     kernel.run(config, (lambda *a: launched.append(a),), *args[:12], 7, 0.1)
     assert launched[0][-2] == 4
 
