@@ -774,6 +774,11 @@ class DecodeAttentionKernel(Kernel):
             # gathered pages (the page-16 default); one stage: with more, TileLang 0.1.15's
             # software pipeline over the symbolic tile count fails in codegen
             space += [DecodeConfig(block_n, 1, gather=True) for block_n in (64, 128)]
+        return self.fitting(space)
+
+    def fitting(self, space: list[DecodeConfig]) -> list[DecodeConfig]:
+        """`space` without repeats, shared-memory overflows and tiles that cut pages."""
+        page = self.key["page_size"]
         return [c for c in dict.fromkeys(space)
                 if c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key) <= 227 * 1024
                 and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
@@ -826,9 +831,7 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
         if 0 < page < 64 and "kv_dtype" not in self.key:
             space += [DecodeConfig(block_n, 1, gather=True, block_m=2 * ROWS)
                       for block_n in (64, 128)]
-        return [c for c in dict.fromkeys(space)
-                if c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key) <= 227 * 1024
-                and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
+        return self.fitting(space)
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
             cu_seqlens_q, k_scale, v_scale, o, lse, o_part, lse_part, row_blocks: int,
