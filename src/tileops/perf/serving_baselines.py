@@ -5,6 +5,7 @@ kernels on the widened cache."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -156,7 +157,7 @@ def _packed_once(cache: torch.Tensor, block_table: torch.Tensor | None,
         rows = [_keys_of(cache if block_table is not None else cache[b:b + 1],
                          None if block_table is None else block_table[b:b + 1])[0, :n]
                 for b, n in enumerate(lengths)]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
                           device=cache.device)
         found = _packed[key] = (torch.cat(rows), cu, max(lengths))
     return found

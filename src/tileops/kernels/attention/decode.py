@@ -69,9 +69,9 @@ class DecodeConfig:
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes
 
 
-def row_blocks(heads: int, kv_heads: int, q_len: int, block_m: int = ROWS) -> int:
-    """CTAs per (request, KV head) along the query rows."""
-    return -(-(heads // kv_heads) * q_len // block_m)
+def row_blocks(heads: int, kv_heads: int, q_len: int) -> int:
+    """CTAs per (request, KV head) along the query rows, ROWS rows each."""
+    return -(-(heads // kv_heads) * q_len // ROWS)
 
 
 @functools.lru_cache(maxsize=4096)  # on every call's host path: decode calls are host-bound
@@ -804,8 +804,8 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
     two consumer warpgroups, as the dense forward does. K/V tiles arrive by TMA from a
     producer warpgroup (a copy per page and 64 columns, the page ids hoisted), except for
     16-bit caches with pages under 32 keys, which gather by cp.async from all threads
-    (faster than 32 TMA copies a tile). Same key, buckets and program as DecodeAttentionKernel; the
-    op passes row blocks of ROWS rows."""
+    (faster than 32 TMA copies a tile). Same key, buckets and program as
+    DecodeAttentionKernel; the op passes row blocks of ROWS rows (`row_blocks`)."""
 
     name = "chunked_prefill_attention"
 
