@@ -687,6 +687,36 @@ def test_fp8_cache_without_scales_is_scale_one():
                  scale=2.0)
 
 
+@pytest.mark.parametrize("config", DecodeAttentionKernel(
+    dtype="bfloat16", heads=8, kv_heads=2, head_dim=128, q_len=1, page_size=16,
+    window_left=-1, softcap=0.0, causal=True, kv_dtype="float8_e4m3fn").config_space("split"),
+    ids=str)
+def test_every_fp8_config_of_the_space(config):
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(
+        MIXED, 2, 128, 16, True)
+    q = randn(len(MIXED), 1, 8, 128, dtype=torch.bfloat16)
+    op = tileops.DecodeAttentionFp8FwdOp()
+    op.pin_config(config, q, k8, v8, seqlens, table, k_scale, v_scale)
+    o, _ = op(q, k8, v8, seqlens, table, k_scale, v_scale)
+    assert_close(o, reference(q, k_ref, v_ref, seqlens, table)[0], scale=2.0)
+
+
+def test_fp8_cache_takes_bf16_queries_beyond_fp16_range():
+    """The kernel runs fp16 (q enters divided by 16, exactly): a bf16 q past 65504 stays
+    finite."""
+    k8, v8, seqlens, table, k_scale, v_scale, _, v_ref = fp8_cache(
+        [37, 900], 2, 128, 16, False)
+    # column 0 of q past fp16's 65504, of k tiny (e4m3 subnormals): logits of order one
+    q = randn(2, 1, 8, 128, dtype=torch.bfloat16)
+    q[..., 0] = 7e4 * q[..., 0].sign()
+    k8[..., 0] = (torch.rand(k8.shape[:-1], device="cuda") * 0.01 - 0.005).to(FP8)
+    k_ref = k8.float() * k_scale.view(1, 1, -1, 1)
+    o, lse = tileops.DecodeAttentionFp8FwdOp()(q, k8, v8, seqlens, table, k_scale, v_scale)
+    o_ref, lse_ref = reference(q, k_ref, v_ref, seqlens, table)
+    assert torch.isfinite(o).all()
+    assert_close(o, o_ref, scale=2.0)
+
+
 @pytest.mark.parametrize("page_size", [16, None])
 def test_fp8_cache_chunked_prefill(page_size):
     k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(

@@ -34,6 +34,7 @@ from tilelang.layout import make_swizzled_layout
 from ..base import Kernel
 from ..selection.topk import exclusive_offsets
 from .attention_fwd import LOG2E, AttentionFwdConfig, _attention_macros
+from .decode_key_major import key_major_macros
 from .mask import TIR_OPS
 
 ROWS = 64  # query rows per CTA by default: one wgmma warpgroup tile
@@ -45,6 +46,9 @@ T_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 MAX_PIECES = 16  # TMA copies per paged tile: (pages per tile) x (head_dim / 64)
 MIN_TILES_PER_SPLIT = 2  # fewer and the combine and per-CTA setup outweigh the split
 SCHEDULE_THREADS = 512
+# An fp8 cache's kernel runs fp16 (see decode_program): q enters it divided by this power of
+# two, exact down to fp16's subnormals (|q| < 2^-10, negligible terms of a score)
+FP8_Q_DIVISOR = 16.0
 SIZE_CLASSES = 4  # split sizes the schedule orders its slots by (see schedule_program)
 
 
@@ -59,14 +63,22 @@ class DecodeConfig:
     # query rows per CTA, a consumer warpgroup per 64: 128 for long prefill chunks, whose
     # compute-bound key loop wants the dense forward's two warpgroups per K/V tile
     block_m: int = ROWS
+    # CTAs resident per SM (their shared memory must fit together): an fp8 cache's key loop
+    # is bound by its consumer warpgroup (widening, the padded wgmmas, the softmax), so two
+    # CTAs' consumers overlap where one waits
+    ctas_per_sm: int = 1
+    # S^T = K Q^T and O^T += V^T P^T (decode_key_major): keys on the wgmma's M side, the
+    # CTA's group x q_len query rows padded to 16 on N instead of to 64 on M (q_len >= 1)
+    key_major: bool = False
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False) -> int:
         """q, the K/V stages, and for an fp8 cache the widened K and V tiles besides its
         fp8 stages."""
+        p_tile = self.block_n * self.block_m * elem_bytes if self.key_major else 0
         if fp8:
             return (self.block_m + 2 * self.block_n) * head_dim * elem_bytes + \
-                2 * self.stages * self.block_n * head_dim
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes
+                2 * self.stages * self.block_n * head_dim + p_tile
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes + p_tile
 
 
 def row_blocks(heads: int, kv_heads: int, q_len: int) -> int:
@@ -178,6 +190,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     group = heads // kv_heads
     kv_dtype = kv_dtype or dtype
     fp8 = kv_dtype != dtype
+    # An fp8 cache widens to fp16 whatever q's dtype: e4m3 -> fp16 is one exact conversion
+    # per two values (-> bf16 took two more per value, 64% of the key loop's time on the
+    # H200). q enters fp16 divided by FP8_Q_DIVISOR (see attend), P is fp16 in [0, 1].
+    compute = "float16" if fp8 else dtype
     n_scale = T.dynamic("n_scale")
     packed = q_len == 0
     tokens = 1 if packed else q_len  # q's second dimension
@@ -198,9 +214,18 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                    else (outer, rows, kv_heads, head_dim))
     table_shape = (batch, max_pages) if paged else (1, 1)
     q_shape = (q_rows, tokens, heads, head_dim)
-    fwd_config = AttentionFwdConfig(block_m=block_m, block_n=block_n, stages=stages,
-                                    threads=threads)
-    step = _attention_macros(head_dim, dtype, -1, -1, softcap, fwd_config)
+    key_major = config.key_major
+    if key_major:
+        assert not packed, "key-major programs serve q [B, q_len, H, D]"
+        # the rows a CTA holds, padded to the wgmma's N granule of 16
+        tile_rows = min(block_m, -(-group * q_len // 16) * 16)
+        step = key_major_macros(tile_rows, block_n, head_dim, compute, softcap, threads,
+                                config.ctas_per_sm)
+    else:
+        tile_rows = block_m
+        fwd_config = AttentionFwdConfig(block_m=block_m, block_n=block_n, stages=stages,
+                                        threads=threads, ctas_per_sm=config.ctas_per_sm)
+        step = _attention_macros(head_dim, compute, -1, -1, softcap, fwd_config)
 
     def q_at(b, q_start, token):
         """(first, second) index of query token `token` of request b in q, o and lse."""
@@ -275,39 +300,47 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             load_piece(cache, pages, h, dst, 14)
             load_piece(cache, pages, h, dst, 15)
 
+    st_shape = (block_n, tile_rows) if key_major else (tile_rows, block_n)
+
     @T.macro
     def scores(st, q_shared, k_shared, kv_start, seqlen, n_q, row0, live, scale):
         """S = Q K^T (capped), -inf where row i's query (position seqlen - n_q + its token)
         does not see the key, or everywhere when the tile is not live."""
-        T.gemm(q_shared, k_shared, st.s, transpose_B=True, clear_accum=True,
-               policy=T.GemmWarpPolicy.FullRow)
+        if key_major:  # s is S^T [keys, rows]
+            T.gemm(k_shared, q_shared, st.s, transpose_B=True, clear_accum=True)
+        else:
+            T.gemm(q_shared, k_shared, st.s, transpose_B=True, clear_accum=True,
+                   policy=T.GemmWarpPolicy.FullRow)
         if softcap > 0:
-            for i, j in T.Parallel(block_m, block_n):
+            for i, j in T.Parallel(*st_shape):
                 st.s[i, j] = T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E)
         first_position = seqlen - n_q + row0 // group
         last_position = seqlen - n_q + (row0 + block_m - 1) // group
         if T.Not(live & tile_visible(kv_start, first_position, last_position, seqlen,
                                      block_n, window_left, causal)):
-            for i, j in T.Parallel(block_m, block_n):
+            for i, j in T.Parallel(*st_shape):
+                row, key = (j, i) if key_major else (i, j)
                 st.s[i, j] = T.if_then_else(
-                    live & key_visible(seqlen - n_q + (row0 + i) // group, kv_start + j,
+                    live & key_visible(seqlen - n_q + (row0 + row) // group, kv_start + key,
                                        seqlen, window_left, causal),
                     st.s[i, j], -T.infinity("float"))
 
     def alloc_tiles():
         """(q, K, V, K landing, V landing) shared tiles: an fp8 cache lands in fp8 tiles of
         its own and is widened into the K/V tiles the wgmmas read."""
-        tiles = (T.alloc_shared((block_m, head_dim), dtype),
-                 T.alloc_shared((block_n, head_dim), dtype),
-                 T.alloc_shared((block_n, head_dim), dtype))
+        tiles = (T.alloc_shared((tile_rows, head_dim), compute),
+                 T.alloc_shared((block_n, head_dim), compute),
+                 T.alloc_shared((block_n, head_dim), compute))
         if not fp8:
-            return (*tiles, tiles[1], tiles[2])
+            return (*tiles, tiles[1], tiles[2], None)
         k_land = T.alloc_shared((block_n, head_dim), kv_dtype)
         v_land = T.alloc_shared((block_n, head_dim), kv_dtype)
         # the 128-byte swizzle TMA writes (TileLang infers none for tiles no wgmma reads)
         T.annotate_layout({k_land: make_swizzled_layout(k_land),
                            v_land: make_swizzled_layout(v_land)})
-        return (*tiles, k_land, v_land)
+        # the fp8 tile in registers between landing and widening: its loads issue back to
+        # back (shared-to-shared, each load waited for the previous store)
+        return (*tiles, k_land, v_land, T.alloc_fragment((block_n, head_dim), kv_dtype))
 
     def kv_scale(scales, h):
         """The KV head's scale: scales [1] per tensor or [Hkv] per head."""
@@ -315,23 +348,28 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
 
     def out(st, i, d, v_scale, h):
         """Row i's output (or partial) element d, V's scale applied."""
-        return st.o[i, d] * kv_scale(v_scale, h) if fp8 else st.o[i, d]
+        o = st.o[d, i] if key_major else st.o[i, d]
+        return o * kv_scale(v_scale, h) if fp8 else o
 
     @T.macro
     def attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b, h,
                q_start, n_q, row0, split_index, n_split, scale):
         """Rows [row0, row0 + block_m) of request b's n_q * group (token, head) rows, then the
         online softmax over its split of the key tiles they see."""
-        q_shared, k_shared, v_shared, k_land, v_land = tiles
+        q_shared, k_shared, v_shared, k_land, v_land, held = tiles
+        # fp8: q enters fp16 divided by FP8_Q_DIVISOR, exactly (a power of two), so bf16
+        # queries up to 16 x 65504 stay finite; the softmax scale takes the factor back
         if fp8:
-            scale = scale * kv_scale(k_scale, h)
+            scale = scale * kv_scale(k_scale, h) * FP8_Q_DIVISOR
         n_rows = n_q * group
-        for i, d in T.Parallel(block_m, head_dim):
+        for i, d in T.Parallel(tile_rows, head_dim):
             # rows past the request's repeat its last row (never stored); an empty request
             # reads row 0 of q (kept inside q by the clamp)
             r = T.max(T.min(row0 + i, n_rows - 1), 0)
             qb, qt = q_at(b, q_start, r // group)
-            q_shared[i, d] = q[T.min(qb, q_rows - 1), qt, h * group + r % group, d]
+            value = q[T.min(qb, q_rows - 1), qt, h * group + r % group, d]
+            q_shared[i, d] = T.cast(T.cast(value, "float32") * (1.0 / FP8_Q_DIVISOR),
+                                    compute) if fp8 else value
         seqlen = cache_seqlens[b]
         last_row = T.min(row0 + block_m, n_rows) - 1
         first, n_tiles = block_tiles(seqlen - n_q + row0 // group,
@@ -363,7 +401,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                     if chunks > 1 else ()
             load_tile(k, block_table, b, tile, h, k_land, pages)
             if fp8:
-                T.copy(k_land, k_shared)
+                T.copy(k_land, held)
+                T.copy(held, k_shared)
             scores(st, q_shared, k_shared, (begin + t) * block_n, seqlen, n_q, row0, t < mine,
                    scale)
             step.online_softmax(st, scale)
@@ -371,8 +410,12 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             step.rescale_output(st)
             load_tile(v, block_table, b, tile, h, v_land, pages)
             if fp8:
-                T.copy(v_land, v_shared)
-            T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(v_land, held)
+                T.copy(held, v_shared)
+            if key_major:
+                T.gemm(v_shared, st.p, st.o, transpose_A=True)
+            else:
+                T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
         step.finish(st, scale)
 
     def head_of(r, h):
@@ -402,6 +445,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                            lse_part: T.Tensor((n_slots, tokens, heads), "float"),
                            row_blocks: T.int32, scale: T.float32):
             with T.Kernel(kv_heads, row_blocks, n_slots, threads=threads) as (bx, by, bz):
+                step.share_sm()
                 h = bx
                 row0 = by * block_m
                 tiles = alloc_tiles()
@@ -419,19 +463,19 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                            st, b, h, b, q_len, row0, slot_table[bz, 1], slot_table[bz, 2],
                            scale)
                     if slot_table[bz, 3] == 1:
-                        for i, d in T.Parallel(block_m, head_dim):
+                        for i, d in T.Parallel(tile_rows, head_dim):
                             if row0 + i < q_len * group:
                                 o[b, (row0 + i) // group, head_of(row0 + i, h),
                                   d] = out(st, i, d, v_scale, h)
-                        for i in T.Parallel(block_m):
+                        for i in T.Parallel(tile_rows):
                             if row0 + i < q_len * group:
                                 lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
                     else:
-                        for i, d in T.Parallel(block_m, head_dim):
+                        for i, d in T.Parallel(tile_rows, head_dim):
                             if row0 + i < q_len * group:
                                 o_part[bz, (row0 + i) // group, head_of(row0 + i, h),
                                        d] = out(st, i, d, v_scale, h)
-                        for i in T.Parallel(block_m):
+                        for i in T.Parallel(tile_rows):
                             if row0 + i < q_len * group:
                                 lse_part[bz, (row0 + i) // group,
                                          head_of(row0 + i, h)] = st.lse[i]
@@ -451,6 +495,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                          lse_part: T.Tensor((q_rows, tokens, heads, n_splits), "float"),
                          row_blocks: T.int32, scale: T.float32):
             with T.Kernel(n_splits, row_blocks, batch * kv_heads, threads=threads) as (sx, by, bz):
+                step.share_sm()
                 b, h = bz // kv_heads, bz % kv_heads
                 row0 = by * block_m
                 q_start, n_q = request(cu_seqlens_q, b)
@@ -461,12 +506,12 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                                 row_sum, l_local, lse_local, hold, stale)
                 attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st,
                        b, h, q_start, n_q, row0, sx, n_splits, scale)
-                for i, d in T.Parallel(block_m, head_dim):
+                for i, d in T.Parallel(tile_rows, head_dim):
                     if row0 + i < n_q * group:
                         qb, qt = q_at(b, q_start, (row0 + i) // group)
                         o_part[qb, qt, head_of(row0 + i, h), sx, d] = out(st, i, d, v_scale,
                                                                          h)
-                for i in T.Parallel(block_m):
+                for i in T.Parallel(tile_rows):
                     if row0 + i < n_q * group:
                         qb, qt = q_at(b, q_start, (row0 + i) // group)
                         lse_part[qb, qt, head_of(row0 + i, h), sx] = st.lse[i]
@@ -485,6 +530,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                       lse: T.Tensor((q_rows, heads, tokens), "float"),
                       row_blocks: T.int32, scale: T.float32):
         with T.Kernel(1, row_blocks, batch * kv_heads, threads=threads) as (sx, by, bz):
+            step.share_sm()
             b, h = bz // kv_heads, bz % kv_heads
             row0 = by * block_m
             q_start, n_q = request(cu_seqlens_q, b)
@@ -495,11 +541,11 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                             row_sum, l_local, lse_local, hold, stale)
             attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b,
                    h, q_start, n_q, row0, sx, 1, scale)
-            for i, d in T.Parallel(block_m, head_dim):
+            for i, d in T.Parallel(tile_rows, head_dim):
                 if row0 + i < n_q * group:
                     qb, qt = q_at(b, q_start, (row0 + i) // group)
                     o[qb, qt, head_of(row0 + i, h), d] = out(st, i, d, v_scale, h)
-            for i in T.Parallel(block_m):
+            for i in T.Parallel(tile_rows):
                 if row0 + i < n_q * group:
                     qb, qt = q_at(b, q_start, (row0 + i) // group)
                     lse[qb, head_of(row0 + i, h), qt] = st.lse[i]
@@ -687,8 +733,9 @@ GATHERED_SPLIT_WAVES = 4
 
 
 def split_waves(config: DecodeConfig) -> int:
-    """Waves of CTAs the planned schedule spreads `config`'s splits over."""
-    return GATHERED_SPLIT_WAVES if config.gather else 1
+    """Waves of CTAs the planned schedule spreads `config`'s splits over (a wave: one CTA
+    an SM)."""
+    return GATHERED_SPLIT_WAVES if config.gather else config.ctas_per_sm
 
 
 def target_slots(kv_heads: int, blocks: int, sms: int = SMS) -> int:
@@ -757,6 +804,13 @@ class DecodeAttentionKernel(Kernel):
             # TMA tiles (not measured gathered).
             return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64,
                                 stages=1, gather=True)
+        if "kv_dtype" in self.key and self.key["q_len"] > 0:
+            # fp8 decode: bound by the consumer warpgroup, not HBM (PROVISIONAL, measured next)
+            config = DecodeConfig(block_n=64, stages=2, hoist_pages=0 < page < 64,
+                                  ctas_per_sm=2, key_major=True)
+            if not self.fitting([config]):  # head_dim 256: one CTA an SM
+                config = dataclasses.replace(config, ctas_per_sm=1)
+            return config
         # a tile of several pages binds its page ids once, ahead of the producer's waits:
         # 487.0 -> 431.6 us (8B batch 64 x 4K, page 16), 960.2 -> 848.1 (Qwen3-32B 64 x 8K)
         return DecodeConfig(block_n=block_n, stages=2, hoist_pages=0 < page < block_n)
@@ -766,6 +820,9 @@ class DecodeAttentionKernel(Kernel):
         for block_n in (64, 128):
             for stages in (2, 3, 4):
                 space.append(DecodeConfig(block_n, stages))
+        if "kv_dtype" in self.key:  # two CTAs an SM (64-key tiles fit them), key-major
+            space += [DecodeConfig(64, stages, ctas_per_sm=2, key_major=major)
+                      for stages in (2, 3) for major in (False, True)]
         page = self.key["page_size"]
         # tiles of several pages again with the page ids hoisted (the default's choice)
         space += [dataclasses.replace(c, hoist_pages=True) for c in space
@@ -777,10 +834,17 @@ class DecodeAttentionKernel(Kernel):
         return self.fitting(space)
 
     def fitting(self, space: list[DecodeConfig]) -> list[DecodeConfig]:
-        """`space` without repeats, shared-memory overflows and tiles that cut pages."""
+        """`space` without repeats, shared-memory overflows, tiles that cut pages and
+        key-major programs of packed queries."""
         page = self.key["page_size"]
+        if self.key["q_len"] == 0:
+            space = [c for c in space if not c.key_major]
+        # (key-major 128-key tiles: TileLang 0.1.15's reduce cannot lower the column
+        # reduction over two m64 wgmma tiles)
+        space = [c for c in space if not c.key_major or c.block_n == 64]
         return [c for c in dict.fromkeys(space)
-                if c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key) <= 227 * 1024
+                if c.ctas_per_sm * c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key)
+                <= 227 * 1024
                 and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
