@@ -74,7 +74,8 @@ class DecodeConfig:
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False) -> int:
         """q, the K/V stages, and for an fp8 cache the widened K and V tiles besides its
         fp8 stages."""
-        p_tile = self.block_n * self.block_m * elem_bytes if self.key_major else 0
+        # key-major: P, and S^T in fp32 on its way to the softmax's row-major fragment
+        p_tile = self.block_n * self.block_m * (elem_bytes + 4) if self.key_major else 0
         if fp8:
             return (self.block_m + 2 * self.block_n) * head_dim * elem_bytes + \
                 2 * self.stages * self.block_n * head_dim + p_tile
@@ -406,14 +407,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             scores(st, q_shared, k_shared, (begin + t) * block_n, seqlen, n_q, row0, t < mine,
                    scale)
             step.online_softmax(st, scale)
-            T.copy(st.s, st.p)
+            if not key_major:  # (the key-major softmax stores P itself)
+                T.copy(st.s, st.p)
             step.rescale_output(st)
             load_tile(v, block_table, b, tile, h, v_land, pages)
             if fp8:
                 T.copy(v_land, held)
                 T.copy(held, v_shared)
             if key_major:
-                T.gemm(v_shared, st.p, st.o, transpose_A=True)
+                T.gemm(v_shared, st.p, st.o, transpose_A=True, transpose_B=True)
             else:
                 T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
         step.finish(st, scale)
