@@ -806,12 +806,16 @@ class DecodeAttentionKernel(Kernel):
             # TMA tiles (not measured gathered).
             return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64,
                                 stages=1, gather=True)
-        if "kv_dtype" in self.key and self.key["q_len"] > 0:
-            # fp8 decode: bound by the consumer warpgroup, not HBM (PROVISIONAL, measured next)
-            config = DecodeConfig(block_n=64, stages=2, hoist_pages=0 < page < 64,
-                                  ctas_per_sm=2, key_major=True)
+        if "kv_dtype" in self.key:
+            # fp8: the key loop is bound by its consumer warpgroup (widening, wgmmas,
+            # softmax), not HBM, so two CTAs an SM on 64-key tiles overlap two of them: 70B
+            # 16 x 32K 590.3 -> 463.7 us, 8B 64 x 4K page 16 391.9 -> 269.8, 8B 1 x 128K
+            # 172.3 -> 132.6 (1.05x, 0.94x, 1.03x the 16-bit cache; key-major 520.9,
+            # 296.2, 143.2)
+            config = DecodeConfig(block_n=64, stages=3, hoist_pages=0 < page < 64,
+                                  ctas_per_sm=2)
             if not self.fitting([config]):  # head_dim 256: one CTA an SM
-                config = dataclasses.replace(config, ctas_per_sm=1)
+                config = DecodeConfig(block_n=64, stages=2, hoist_pages=0 < page < 64)
             return config
         # a tile of several pages binds its page ids once, ahead of the producer's waits:
         # 487.0 -> 431.6 us (8B batch 64 x 4K, page 16), 960.2 -> 848.1 (Qwen3-32B 64 x 8K)
