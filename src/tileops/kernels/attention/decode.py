@@ -71,15 +71,24 @@ class DecodeConfig:
     # CTA's group x q_len query rows padded to 16 on N instead of to 64 on M (q_len >= 1)
     key_major: bool = False
 
-    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False) -> int:
-        """q, the K/V stages, and for an fp8 cache the widened K and V tiles besides its
-        fp8 stages."""
+    def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False,
+                   rows: int | None = None) -> int:
+        """q (`rows` of it, block_m by default), the K/V stages, and for an fp8 cache the
+        widened K and V tiles (key-major: one, shared) besides its fp8 stages."""
+        rows = self.block_m if rows is None else rows
         # key-major: P, and S^T in fp32 on its way to the softmax's row-major fragment
-        p_tile = self.block_n * self.block_m * (elem_bytes + 4) if self.key_major else 0
+        p_tile = self.block_n * rows * (elem_bytes + 4) if self.key_major else 0
         if fp8:
-            return (self.block_m + 2 * self.block_n) * head_dim * elem_bytes + \
+            widened = self.block_n if self.key_major else 2 * self.block_n
+            return (rows + widened) * head_dim * elem_bytes + \
                 2 * self.stages * self.block_n * head_dim + p_tile
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * elem_bytes + p_tile
+        return (rows + 2 * self.stages * self.block_n) * head_dim * elem_bytes + p_tile
+
+
+def key_major_rows(group: int, q_len: int, block_m: int) -> int:
+    """Query rows a key-major CTA holds: its group x q_len rows padded to the wgmma's N
+    granule of 16, at most block_m."""
+    return min(block_m, -(-group * q_len // 16) * 16)
 
 
 def row_blocks(heads: int, kv_heads: int, q_len: int) -> int:
@@ -218,8 +227,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     key_major = config.key_major
     if key_major:
         assert not packed, "key-major programs serve q [B, q_len, H, D]"
-        # the rows a CTA holds, padded to the wgmma's N granule of 16
-        tile_rows = min(block_m, -(-group * q_len // 16) * 16)
+        tile_rows = key_major_rows(group, q_len, block_m)
         step = key_major_macros(tile_rows, block_n, head_dim, compute, softcap, threads,
                                 config.ctas_per_sm)
     else:
@@ -329,9 +337,12 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     def alloc_tiles():
         """(q, K, V, K landing, V landing) shared tiles: an fp8 cache lands in fp8 tiles of
         its own and is widened into the K/V tiles the wgmmas read."""
-        tiles = (T.alloc_shared((tile_rows, head_dim), compute),
-                 T.alloc_shared((block_n, head_dim), compute),
-                 T.alloc_shared((block_n, head_dim), compute))
+        q_tile = T.alloc_shared((tile_rows, head_dim), compute)
+        k_tile = T.alloc_shared((block_n, head_dim), compute)
+        # key-major fp8: K and V widen in turn into one tile (each product waits for its
+        # wgmma before the next widening), which lets three CTAs share an SM
+        v_tile = k_tile if fp8 and key_major else T.alloc_shared((block_n, head_dim), compute)
+        tiles = (q_tile, k_tile, v_tile)
         if not fp8:
             return (*tiles, tiles[1], tiles[2], None)
         k_land = T.alloc_shared((block_n, head_dim), kv_dtype)
@@ -829,6 +840,7 @@ class DecodeAttentionKernel(Kernel):
         if "kv_dtype" in self.key:  # two CTAs an SM (64-key tiles fit them), key-major
             space += [DecodeConfig(64, stages, ctas_per_sm=2, key_major=major)
                       for stages in (2, 3) for major in (False, True)]
+            space.append(DecodeConfig(64, 2, ctas_per_sm=3, key_major=True))
         page = self.key["page_size"]
         # tiles of several pages again with the page ids hoisted (the default's choice)
         space += [dataclasses.replace(c, hoist_pages=True) for c in space
@@ -848,9 +860,13 @@ class DecodeAttentionKernel(Kernel):
         # (key-major 128-key tiles: TileLang 0.1.15's reduce cannot lower the column
         # reduction over two m64 wgmma tiles)
         space = [c for c in space if not c.key_major or c.block_n == 64]
-        return [c for c in dict.fromkeys(space)
-                if c.ctas_per_sm * c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key)
-                <= 227 * 1024
+        group = self.key["heads"] // self.key["kv_heads"]
+
+        def smem(c: DecodeConfig) -> int:
+            rows = key_major_rows(group, self.key["q_len"], c.block_m) if c.key_major else None
+            return c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key, rows=rows)
+
+        return [c for c in dict.fromkeys(space) if c.ctas_per_sm * smem(c) <= 227 * 1024
                 and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
