@@ -13,9 +13,10 @@ A CTA owns 64 rows of one request's (token, query head) rows under one KV head (
 token * group + head, padded to one 64-row wgmma tile), so K and V are read once per KV
 head and 64 / group tokens, and one split of the key tiles those rows see. A TMA producer
 streams K/V tiles (page by page when pages are shorter than a tile), the consumer
-warpgroup runs the forward's online softmax (`attention_fwd._attention_macros`). The key
-tiles are divided evenly over the splits, so a short request's CTAs finish early and every
-split of a long one does the same work; nothing on the host reads cache_seqlens. A CTA with
+warpgroup runs the forward's online softmax (`attention_fwd._attention_macros`), or with
+`key_major` the transposed products of `decode_key_major` (rows padded to 16, not 64).
+The key tiles are divided evenly over the splits, so a short request's CTAs finish early
+and every split of a long one does the same work; nothing on the host reads cache_seqlens. A CTA with
 no tile in its split still walks one fully masked tile and writes a neutral partial
 (o = 0, lse = -inf).
 
@@ -335,8 +336,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                     st.s[i, j], -T.infinity("float"))
 
     def alloc_tiles():
-        """(q, K, V, K landing, V landing) shared tiles: an fp8 cache lands in fp8 tiles of
-        its own and is widened into the K/V tiles the wgmmas read."""
+        """(q, K, V, K landing, V landing, held): shared tiles, and for an fp8 cache the
+        register tile `held` it passes through from its own fp8 landing tiles to the
+        widened K/V tiles the wgmmas read."""
         q_tile = T.alloc_shared((tile_rows, head_dim), compute)
         k_tile = T.alloc_shared((block_n, head_dim), compute)
         # key-major fp8: K and V widen in turn into one tile (each product waits for its
