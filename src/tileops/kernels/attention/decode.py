@@ -16,9 +16,9 @@ streams K/V tiles (page by page when pages are shorter than a tile), the consume
 warpgroup runs the forward's online softmax (`attention_fwd._attention_macros`), or with
 `key_major` the transposed products of `decode_key_major` (rows padded to 16, not 64).
 The key tiles are divided evenly over the splits, so a short request's CTAs finish early
-and every split of a long one does the same work; nothing on the host reads cache_seqlens. A CTA with
-no tile in its split still walks one fully masked tile and writes a neutral partial
-(o = 0, lse = -inf).
+and every split of a long one does the same work; nothing on the host reads
+cache_seqlens. A CTA with no tile in its split still walks one fully masked tile and
+writes a neutral partial (o = 0, lse = -inf).
 
 With one split the CTA writes o and lse directly; otherwise it writes fp32 partials and a
 second program merges them by their log-sum-exp.
