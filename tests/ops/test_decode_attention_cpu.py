@@ -29,6 +29,7 @@ from tileops.kernels.attention.decode import (
     PlannedDecodeKernel,
     block_tiles,
     choose_splits,
+    key_major_rows,
     key_visible,
     slot_count,
     slot_tiles,
@@ -949,8 +950,9 @@ def test_fp8_launch_arguments(planned, monkeypatch):
 @pytest.mark.parametrize("page_size, head_dim", [(64, 128), (16, 128), (0, 128), (32, 256),
                                                  (16, 64)])
 def test_fp8_programs_use_tma_and_wgmma(page_size, head_dim, tmp_path):
-    """fp8 tiles land by TMA (128-byte swizzle), the consumers widen them to bf16 for
-    wgmma (TileLang puts a fence.proxy.async before each wgmma that reads them)."""
+    """fp8 tiles land by TMA (128-byte swizzle), the consumers widen them to fp16 for
+    wgmma, bf16 queries included (one conversion per two values; TileLang puts a
+    fence.proxy.async before each wgmma that reads them), two CTAs an SM where they fit."""
     import tilelang
 
     kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
@@ -960,9 +962,50 @@ def test_fp8_programs_use_tma_and_wgmma(page_size, head_dim, tmp_path):
     compiled = tilelang.compile(kernel.program(config, "planned")[1], target=kernel.target)
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "fence_proxy_async" in source
-    assert "__tl_cvt_e4m3x2_to_bfloat162" in source
-    # page 16 spills 24 bytes (docs/performance, serving attention): not yet worth a config
-    assert_no_spills_or_serialized_wgmma(compiled, tmp_path, spills=True)
+    assert "__tl_cvt_fp8x2_to_half2" in source and "e4m3x2_to_bfloat162" not in source
+    assert f"__launch_bounds__(256, {config.ctas_per_sm})" in source
+    assert config.ctas_per_sm == (1 if head_dim == 256 else 2)
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("q_len, heads", [(1, 32), pytest.param(4, 32, marks=pytest.mark.full),
+                                          pytest.param(1, 64, marks=pytest.mark.full)])
+def test_key_major_programs_pad_rows_to_16(q_len, heads, tmp_path):
+    """Key-major: S^T = K Q^T and O^T += V^T P^T as m64 x n(rows) wgmmas (rows = the CTA's
+    group x q_len padded to 16), the softmax's reductions within a warp (8 lanes a row,
+    no cross-warp rounds), nothing spilled; K and V share one widened tile."""
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=heads, kv_heads=8, head_dim=128,
+                                 q_len=q_len, page_size=64, window_left=-1, softcap=0.0,
+                                 causal=True, kv_dtype="float8_e4m3fn")
+    config = DecodeConfig(64, 2, ctas_per_sm=2, key_major=True)
+    assert config in kernel.config_space("planned")
+    compiled = kernel.compile(config, "planned")[1]
+    source = compiled.get_kernel_source()
+    rows = key_major_rows(heads // 8, q_len, ROWS)
+    assert rows == (16 if heads // 8 * q_len <= 16 else 32)
+    assert f"kFloat32, 64, {rows}, 16" in source  # m64 n(rows) k16 wgmmas
+    assert "AllReduce<tl::MaxOp, 8, 1" in source and "AllReduce<tl::MaxOp, 128" not in source
+    # one widened tile for K and V (named after whichever variable TileLang saw last)
+    assert sum(f"void* {name} =" in source for name in ("k_shared", "v_shared")) == 1
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+def test_key_major_configs_only_where_they_compile_and_fit():
+    """Key-major configs: decode rows only (not packed chunks), 64-key tiles (TileLang
+    cannot lower 128-key ones), three CTAs an SM only where shared memory holds them."""
+    base = dict(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128, q_len=1, page_size=16,
+                window_left=-1, softcap=0.0, causal=True, kv_dtype="float8_e4m3fn")
+    space = PlannedDecodeKernel(**base).config_space("planned")
+    major = [c for c in space if c.key_major]
+    assert major and all(c.block_n == 64 for c in major)
+    assert any(c.ctas_per_sm == 3 for c in major)
+    packed = DecodeAttentionKernel(**{**base, "q_len": 0}).config_space("split")
+    assert not any(c.key_major for c in packed)
+    kernel = PlannedDecodeKernel(**base)
+    assert kernel.fitting([DecodeConfig(128, 2, key_major=True)]) == []
+    wide = PlannedDecodeKernel(**{**base, "head_dim": 256})
+    assert not any(c.ctas_per_sm == 3 for c in wide.config_space("planned"))
 
 
 @pytest.mark.compile
@@ -1004,8 +1047,9 @@ def test_gathered_pages_use_cp_async_without_spills(block_n, tmp_path):
 
 def test_page_16_default_gathers_unless_fp8():
     """16-bit caches with 16-key pages gather their rows by default (128-key tiles for one
-    query row, 64 for packed queries), sliding windows included; fp8 caches and longer
-    pages keep TMA tiles."""
+    query row, 64 for packed queries), sliding windows included; longer pages keep TMA
+    tiles, and fp8 caches 64-key TMA tiles with two CTAs an SM (one at head_dim 256, where
+    two do not fit in shared memory)."""
     base = dict(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128, q_len=1, page_size=16,
                 window_left=-1, softcap=0.0, causal=True)
     for key, want in [
@@ -1013,7 +1057,11 @@ def test_page_16_default_gathers_unless_fp8():
         ({"q_len": 0}, DecodeConfig(64, 1, gather=True)),
         ({"window_left": 4095}, DecodeConfig(128, 1, gather=True)),
         ({"window_left": 0, "q_len": 0}, DecodeConfig(64, 1, gather=True)),
-        ({"kv_dtype": "float8_e4m3fn"}, DecodeConfig(128, 2, hoist_pages=True)),
+        ({"kv_dtype": "float8_e4m3fn"}, DecodeConfig(64, 3, hoist_pages=True, ctas_per_sm=2)),
+        ({"kv_dtype": "float8_e4m3fn", "q_len": 0},
+         DecodeConfig(64, 3, hoist_pages=True, ctas_per_sm=2)),
+        ({"kv_dtype": "float8_e4m3fn", "head_dim": 256}, DecodeConfig(64, 2, hoist_pages=True)),
+        ({"kv_dtype": "float8_e4m3fn", "page_size": 0}, DecodeConfig(64, 3, ctas_per_sm=2)),
         ({"page_size": 64}, DecodeConfig(128, 2, hoist_pages=True)),
     ]:
         kernel = PlannedDecodeKernel(**{**base, **key})
