@@ -34,7 +34,7 @@ from tilelang.layout import make_swizzled_layout
 
 from ..base import Kernel
 from ..selection.topk import exclusive_offsets
-from .attention_fwd import LOG2E, AttentionFwdConfig, _attention_macros
+from .attention_fwd import LOG2E, SMEM_LIMIT, AttentionFwdConfig, _attention_macros
 from .decode_key_major import key_major_macros
 from .mask import TIR_OPS
 
@@ -868,7 +868,7 @@ class DecodeAttentionKernel(Kernel):
             rows = key_major_rows(group, self.key["q_len"], c.block_m) if c.key_major else None
             return c.smem_bytes(self.key["head_dim"], fp8="kv_dtype" in self.key, rows=rows)
 
-        return [c for c in dict.fromkeys(space) if c.ctas_per_sm * smem(c) <= 227 * 1024
+        return [c for c in dict.fromkeys(space) if c.ctas_per_sm * smem(c) <= SMEM_LIMIT
                 and (page == 0 or page >= c.block_n or c.block_n % page == 0)]
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
