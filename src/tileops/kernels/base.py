@@ -71,6 +71,13 @@ def gpu_slug(device_name: str) -> str:
     return device_name.lower().replace("nvidia", "").strip().split()[0].replace("-", "_")
 
 
+# TileLang builds a prim_func by parsing and recompiling the kernel's Python source; CPython's
+# AST conversion keeps a per-interpreter recursion counter, so two threads building at once
+# fail with "AST constructor recursion depth mismatch". Building is milliseconds; lowering and
+# nvcc (the seconds) stay parallel.
+_PROGRAM_BUILD_LOCK = threading.RLock()
+
+
 class TunedTable:
     """Winning configs per (kernel, key, bucket): the shipped table overlaid by the user's."""
 
@@ -205,7 +212,8 @@ class Kernel:
                     tuple(sorted(self.target.items())))
         compiled = Kernel._compiled.get(memo_key)
         if compiled is None:
-            programs = self.program(config, bucket)
+            with _PROGRAM_BUILD_LOCK:
+                programs = self.program(config, bucket)
             if not isinstance(programs, tuple):
                 programs = (programs,)
             compiled = tuple(tilelang.compile(p, target=self.target,
