@@ -22,6 +22,7 @@ from typing import Any
 
 _PRELUDE = r"""
 #include <cstdint>
+#include <cstring>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <vector_types.h>
@@ -53,6 +54,20 @@ static inline float clamp(float x, float lo, float hi) {
   return x != x ? x : fminf(fmaxf(x, lo), hi);
 }
 }  // namespace tl
+"""
+# kernels/l2_hints.py's helpers: 16-byte loads and stores whose L2 eviction hint has no
+# meaning on the host (the policies are opaque numbers)
+L2_HINTS = r"""
+namespace tileops_l2 {
+static inline unsigned long long keep_policy() { return 1; }
+static inline unsigned long long drop_policy() { return 2; }
+static inline void load16(void *dst, const void *src, unsigned long long) {
+  std::memcpy(dst, src, 16);
+}
+static inline void store16(void *dst, const void *src, unsigned long long) {
+  std::memcpy(dst, src, 16);
+}
+}  // namespace tileops_l2
 """
 _KERNEL = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\((.*?)\) \{',
                      re.S)
@@ -90,7 +105,7 @@ def _library(source: str, threads: int) -> tuple[Any, list[str]]:
               f"  for (int b = 0; b < grid; ++b) for (int t = 0; t < {threads}; ++t) {{\n"
               f"    emu_block.x = b; emu_thread.x = t; {name}({', '.join(names)});\n  }}\n}}\n")
     # -O0 and no strict aliasing: the generated code type-puns vectors through pointers
-    return build(_PRELUDE + body + driver, "", ["-O0"]), param_list
+    return build(_PRELUDE + L2_HINTS + body + driver, "", ["-O0"]), param_list
 
 
 def _launch_arguments(host: str, func: str) -> list[tuple]:

@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from . import cuda_emulation as emulation
-from .cuda_emulation import _KERNEL, build
+from .cuda_emulation import _KERNEL, L2_HINTS, build
 
 _PRELUDE = r"""
 #include <cstdint>
@@ -178,8 +178,8 @@ def _library(source: str, threads: int, cluster: int = 1) -> tuple[Any, list[str
               f"      {name}({', '.join(names)});\n"
               f"    }});\n"
               f"    for (auto &th : pool) th.join();\n  }}\n}}\n")
-    return build(_PRELUDE + _CLUSTER_SHARED + body + driver, "threads-", ["-O1"], ",-pthread"), \
-        [p.strip() for p in params.split(",")]
+    source = _PRELUDE + L2_HINTS + _CLUSTER_SHARED + body + driver
+    return build(source, "threads-", ["-O1"], ",-pthread"), [p.strip() for p in params.split(",")]
 
 
 def run(compiled: Any, grid: int, threads: int, tensors: dict[str, Any],

@@ -42,8 +42,10 @@ def _run_on_cpu(x, target, config, ignore_index=-100, eps=0.0, cap=None, zloss=0
     kernel = CrossEntropyKernel(mode="loss_and_grad", n=n, dtype=dtype, softcap=cap is not None,
                                 smoothing=eps != 0.0, dloss_per_row=False)
     compiled = kernel.compile(config, "many")[0]
+    source = compiled.get_kernel_source()
     if config.kept_chunks:  # the kept chunks are in the program
-        assert "kept_shared" in compiled.get_kernel_source()
+        assert "kept_shared" in source
+    assert ("tileops_l2::load16" in source) == config.l2_hints
     loss = torch.full((rows,), float("nan"))
     lse = torch.full((rows,), float("nan"))
     grad = torch.full_like(x, float("nan"))
@@ -88,15 +90,29 @@ CASES = [
      {"cap": 30.0, "ignore_index": 7}),
     (3, 3000, FP32, CrossEntropyConfig(threads=64, ctas_per_sm=2, cluster=3),
      {"eps": 0.05, "cap": 10.0}),
+    # the second pass last chunk first, with and without L2 hints (kernels/l2_hints.py)
+    (5, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, reverse=True), {"cap": 30.0}),
+    (4, 4104, FP16, CrossEntropyConfig(64, 64, 2, 2, reverse=True, l2_hints=True,
+                                       launch_bound=True), {"eps": 0.1, "zloss": 1e-4}),
+    (3, 3000, FP32, CrossEntropyConfig(64, 64, 2, 1, l2_hints=True), {"ignore_index": 7}),
+    (4, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, kept_chunks=2, reverse=True), {}),
 ]
+
+
+def _case_id(case) -> str:
+    rows, vocab, dtype, config = case[:4]
+    flags = [f"kept{config.kept_chunks}"] + [
+        name for name in ("prefetch", "reverse", "l2_hints") if getattr(config, name)]
+    if config.cluster:
+        flags.append(f"cluster{config.cluster}")
+    return f"{rows}x{vocab}-{str(dtype)[6:]}-{'-'.join(flags)}"
+
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("rows, vocab, dtype, config, params", [
     pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
-                 id=f"{case[0]}x{case[1]}-{str(case[2])[6:]}-kept{case[3].kept_chunks}"
-                    f"{'-prefetch' if case[3].prefetch else ''}"
-                    f"{f'-cluster{case[3].cluster}' if case[3].cluster else ''}")
+                 id=_case_id(case))
     for i, case in enumerate(CASES)])
 def test_loss_and_gradient_with_kept_chunks_on_the_cpu(rows, vocab, dtype, config, params):
     gen = torch.Generator().manual_seed(rows * vocab)

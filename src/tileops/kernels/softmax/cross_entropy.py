@@ -24,7 +24,15 @@ import tilelang.language as T
 
 from .cluster_rows import ClusterRows, slice_shape
 from .row_map import NEG_INF, RowMap, exp, tanh, vector_width
-from .softmax import SM_COUNT, RowConfig, RowKernel, default_row_config
+from .softmax import (
+    SM_COUNT,
+    RowConfig,
+    RowKernel,
+    default_row_config,
+    row_map,
+    two_pass_accesses,
+    walk_variants,
+)
 
 MODES = ("loss", "loss_and_grad", "grad")
 SMEM_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
@@ -76,13 +84,18 @@ def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
     return configs
 
 
-def default_variants(default: CrossEntropyConfig, mode: str) -> list[CrossEntropyConfig]:
+def default_variants(default: CrossEntropyConfig, mode: str, n: int,
+                     dtype: str) -> list[CrossEntropyConfig]:
     """The default thread map with prefetch, with its CTAs per SM made resident, and both
-    (not in `grad` mode: its prefetch buffer spills under the 64-register bound)."""
+    (not in `grad` mode: its prefetch buffer spills under the 64-register bound); in
+    `loss_and_grad` mode also its second-pass walks (softmax.walk_variants), resident."""
     variants = [dataclasses.replace(default, prefetch=True),
                 dataclasses.replace(default, launch_bound=True)]
     if mode != "grad":
         variants.append(dataclasses.replace(default, prefetch=True, launch_bound=True))
+    if mode == "loss_and_grad":  # the second pass's walks, made resident as configured
+        variants += [dataclasses.replace(v, launch_bound=True)
+                     for v in walk_variants(default, n, dtype)]
     return variants
 
 
@@ -232,8 +245,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
             mode, n, dtype, softcap, smoothing, dloss_per_row, config)
         return prim_func_of(mode, rows, n, dtype, dloss_per_row, forward, backward)
     rows = T.dynamic("rows")
-    rm = RowMap(n, dtype, config.threads, config.row_threads, config.vecs,
-                SM_COUNT * config.ctas_per_sm)
+    rm = row_map(n, dtype, config)
     load, store, reduce_sum, reduce_max_sum, chunk_max_sum = rm.macros(rows)
     vecs, vec, rpc, rt, ctas, chunk = rm.vecs, rm.vec, rm.rows_per_cta, rm.row_threads, \
         rm.ctas, rm.chunk
@@ -253,6 +265,10 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
         if bound:
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
     raw_path = prefetch or kept > 0  # else the plain `load` (the code of the default)
+    if rm.l2_hints and raw_path:
+        raise ValueError("l2_hints is a form of the plain streaming walk: not with "
+                         f"prefetch={prefetch} or kept_chunks={kept}")
+    hint_state, first_load, second_load, out_store = two_pass_accesses(rm, load, store)
 
     @T.macro
     def fetch(x, row, c, raw, raw_next, lane):
@@ -308,6 +324,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
             kept_shared = T.alloc_shared((rpc, kept * chunk), dtype) if kept else None
             raw = T.alloc_local((vecs, vec), dtype) if raw_path else None
             raw_next = T.alloc_local((vecs, vec), dtype) if prefetch else None
+            hinted_raw, policy = hint_state()
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
@@ -321,7 +338,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                             fetch(x, row, c, raw, raw_next, lane)
                             unpack(raw, c, xl, kept_shared, r, lane, NEG_INF)
                         else:
-                            load(x, row, c, xl, lane, NEG_INF)
+                            first_load(x, row, c, hinted_raw, xl, lane, NEG_INF, policy)
                         capped(xl, c, lane, cap, zsum, smoothing)
                         chunk_max_sum(xl, m, s)
                     t = target[row]
@@ -347,12 +364,13 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                         tc = column_of(t)
                         # the chunks not kept first: the statistics pass read them last
                         if kept < rm.chunks:
-                            for c in T.serial(kept, rm.chunks):
+                            for step2 in T.serial(rm.chunks - kept):
+                                c = rm.second_pass_chunk(step2, kept)
                                 if reload:  # else the one chunk's z is still in registers
-                                    load(x, row, c, xl, lane, 0.0)
+                                    second_load(x, row, c, hinted_raw, xl, lane, 0.0, policy)
                                     capped(xl, c, lane, cap, None, False)
                                 gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
-                                store(xl, grad, row, c, lane)
+                                out_store(xl, hinted_raw, grad, row, c, lane, policy)
                         if kept:
                             for c in T.serial(kept):
                                 load(kept_shared, r, c, xl, lane, 0.0)  # from shared memory
@@ -432,6 +450,7 @@ class CrossEntropyKernel(RowKernel):
 
     name = "cross_entropy"
     Config = CrossEntropyConfig
+    offers_walks = False  # default_variants adds them, resident, in loss_and_grad mode only
 
     def heuristic_config(self, bucket: str, arch: str) -> CrossEntropyConfig:
         row = super().heuristic_config(bucket, arch)
@@ -449,7 +468,7 @@ class CrossEntropyKernel(RowKernel):
             space += kept_row_configs(self.key["n"], self.key["dtype"])
         streaming = default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
         space += default_variants(CrossEntropyConfig(**dataclasses.asdict(streaming)),
-                                  self.key["mode"])
+                                  self.key["mode"], self.key["n"], self.key["dtype"])
         return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):

@@ -12,8 +12,11 @@ shared memory across the row's warps.
 
 The grid is persistent: at most `ctas` CTAs (a config value, a multiple of the SM count)
 each take every `ctas`-th group of rows. The two-pass kernels (statistics, then outputs)
-read a row twice; bounding the rows in flight keeps the second read in L2 for vocab-size
-rows. Row count is symbolic; the row length is compiled in.
+read a row twice; bounding the rows in flight keeps more of the second read in L2 for
+vocab-size rows, and so do two walk options: `reverse` (the second pass takes the chunks
+last to first, so it starts with those the first pass read last) and `l2_hints` (eviction
+priorities on the loads and stores: l2_hints.py). Row count is symbolic; the row length is
+compiled in.
 """
 
 import math
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
+from .. import l2_hints
 from ..vectors import ELEM_BYTES, vector_width
 
 NEG_INF = -math.inf
@@ -47,6 +51,8 @@ class RowMap:
     row_threads: int
     vecs: int
     ctas: int
+    reverse: bool = False
+    l2_hints: bool = False
 
     def __post_init__(self):
         rt = self.row_threads
@@ -55,6 +61,9 @@ class RowMap:
         if (rt % 32 if rt >= 32 else rt & (rt - 1)) or rt < 1 or self.threads % rt:
             raise ValueError(f"row_threads={rt} must be a multiple of 32 or a power of two "
                              f"below 32, dividing threads={self.threads}")
+        if self.l2_hints and self.vec * ELEM_BYTES[self.dtype] != l2_hints.VECTOR_BYTES:
+            raise ValueError(f"l2_hints needs 16-byte vectors; rows of {self.n} {self.dtype} "
+                             f"take {self.vec}-element ones")
 
     @property
     def vec(self) -> int:
@@ -167,6 +176,42 @@ class RowMap:
             m[0] = hi[0]
 
         return load, store, reduce_sum, reduce_max_sum, chunk_max_sum
+
+    def second_pass_chunk(self, step, first: int = 0):
+        """The chunk a two-pass kernel's second pass takes at its `step`, walking chunks
+        `first` to the last (`reverse`: the last down to `first`)."""
+        return self.chunks - 1 - step if self.reverse else first + step
+
+    def hinted_macros(self):
+        """(load_hinted, store_hinted): `load` and `store` through a raw[vecs, vec] local
+        buffer of the row dtype, each 16-byte vector moved with an L2 cache policy (a uint64
+        from l2_hints.keep_policy / drop_policy). The kernel calls l2_hints.import_hints()."""
+        n, vec, vecs, rt, chunk = self.n, self.vec, self.vecs, self.row_threads, self.chunk
+
+        @T.macro
+        def load_hinted(buf, row, c, raw, local, lane, fill, policy):
+            for i in T.unroll(vecs):  # every load issued before the first use
+                col = c * chunk + (i * rt + lane) * vec
+                if col < n:
+                    T.evaluate(l2_hints.load16(raw[i, 0], buf[row, col], policy))
+            for i in T.unroll(vecs):
+                if c * chunk + (i * rt + lane) * vec < n:
+                    for j in T.unroll(vec):
+                        local[i, j] = T.cast(raw[i, j], "float")
+                else:
+                    for j in T.unroll(vec):
+                        local[i, j] = fill
+
+        @T.macro
+        def store_hinted(local, raw, buf, row, c, lane, policy):
+            for i in T.unroll(vecs):
+                col = c * chunk + (i * rt + lane) * vec
+                if col < n:
+                    for j in T.unroll(vec):
+                        raw[i, j] = T.cast(local[i, j], raw.dtype)
+                    T.evaluate(l2_hints.store16(buf[row, col], raw[i, 0], policy))
+
+        return load_hinted, store_hinted
 
     def kept_bytes(self, kept_chunks: int) -> int:
         """Shared memory of `kept_chunks` chunks of every row a CTA holds, in the row dtype."""

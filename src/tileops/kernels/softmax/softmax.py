@@ -10,11 +10,14 @@ Math in fp32, outputs in the input dtype (as torch). The two-pass kinds read the
 twice; see row_map.py for the thread map and why the grid is persistent.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import tilelang.language as T
 
+from .. import l2_hints
 from ..base import Kernel
+from ..vectors import ELEM_BYTES
 from .cluster_rows import ClusterRows, cluster_shapes
 from .row_map import NEG_INF, RowMap, exp, vector_width
 
@@ -34,11 +37,13 @@ class RowConfig:
     vecs: int = 2
     ctas_per_sm: int = 2
     cluster: int = 0
+    reverse: bool = False
+    l2_hints: bool = False
 
 
 def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
     return RowMap(n, dtype, config.threads, config.row_threads, config.vecs,
-                  SM_COUNT * config.ctas_per_sm)
+                  SM_COUNT * config.ctas_per_sm, config.reverse, config.l2_hints)
 
 
 def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
@@ -51,6 +56,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     warps = max(rm.row_warps, 1)
     # a row that fits one chunk stays in registers between the passes: read once
     reload = rm.chunks > 1
+    hint_state, first_load, second_load, out_store = two_pass_accesses(rm, load, store)
 
     @T.macro
     def forward(x, y, lse_out):
@@ -62,13 +68,14 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             s = T.alloc_local((1,), "float")
             red_m = T.alloc_shared((rpc, warps), "float")
             red_s = T.alloc_shared((rpc, warps), "float")
+            raw, policy = hint_state()
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
                     m[0] = NEG_INF
                     s[0] = 0.0
                     for c in T.serial(rm.chunks):
-                        load(x, row, c, xl, lane, NEG_INF)
+                        first_load(x, row, c, raw, xl, lane, NEG_INF, policy)
                         chunk_max_sum(xl, m, s)
                     reduce_max_sum(m, s, red_m, red_s, r, lane)
                     if kind == "logsumexp":
@@ -79,16 +86,17 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                         shift = rm.shift_of(m[0])
                         scale = 1.0 / s[0]
                         lse = m[0] + T.log(s[0])
-                        for c in T.serial(rm.chunks):
+                        for step2 in T.serial(rm.chunks):
+                            c = rm.second_pass_chunk(step2)
                             if reload:  # else the one chunk is still in registers
-                                load(x, row, c, xl, lane, 0.0)
+                                second_load(x, row, c, raw, xl, lane, 0.0, policy)
                             for i in T.unroll(vecs):
                                 for j in T.unroll(vec):
                                     if kind == "softmax":
                                         xl[i, j] = exp(xl[i, j] - shift) * scale
                                     else:
                                         xl[i, j] = xl[i, j] - lse
-                            store(xl, y, row, c, lane)
+                            out_store(xl, raw, y, row, c, lane, policy)
                 # the shared partials are reused by the next row group
                 if rm.row_warps > 1:
                     T.sync_threads()
@@ -102,14 +110,15 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             yl = T.alloc_local((vecs, vec), "float")
             total = T.alloc_local((1,), "float")
             red = T.alloc_shared((rpc, warps), "float")
+            raw, policy = hint_state()
             for step in T.serial(rm.row_loop_bounds(rows)):
                 row = (step * ctas + bx) * rpc + r
                 if row < rows:
                     total[0] = 0.0
                     for c in T.serial(rm.chunks):
-                        load(dy, row, c, dyl, lane, 0.0)
+                        first_load(dy, row, c, raw, dyl, lane, 0.0, policy)
                         if kind == "softmax_bwd" or not reload:
-                            load(y, row, c, yl, lane, 0.0)
+                            first_load(y, row, c, raw, yl, lane, 0.0, policy)
                         for i in T.unroll(vecs):
                             for j in T.unroll(vec):
                                 if kind == "softmax_bwd":
@@ -117,17 +126,18 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                 else:
                                     total[0] = total[0] + dyl[i, j]
                     reduce_sum(total, red, r, lane)
-                    for c in T.serial(rm.chunks):
+                    for step2 in T.serial(rm.chunks):
+                        c = rm.second_pass_chunk(step2)
                         if reload:
-                            load(dy, row, c, dyl, lane, 0.0)
-                            load(y, row, c, yl, lane, 0.0)
+                            second_load(dy, row, c, raw, dyl, lane, 0.0, policy)
+                            second_load(y, row, c, raw, yl, lane, 0.0, policy)
                         for i in T.unroll(vecs):
                             for j in T.unroll(vec):
                                 if kind == "softmax_bwd":
                                     dyl[i, j] = yl[i, j] * (dyl[i, j] - total[0])
                                 else:
                                     dyl[i, j] = dyl[i, j] - exp(yl[i, j]) * total[0]
-                        store(dyl, dx, row, c, lane)
+                        out_store(dyl, raw, dx, row, c, lane, policy)
                 if rm.row_warps > 1:
                     T.sync_threads()
 
@@ -150,6 +160,50 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                         store(xl, dx, row, c, lane)
 
     return prim_func_of(kind, rows, n, dtype, forward, backward, lse_backward)
+
+
+def two_pass_accesses(rm: RowMap, load, store):
+    """(hint_state, first_load, second_load, out_store) macros of a two-pass row kernel:
+    the plain `load` / `store` of the row map, or with `rm.l2_hints` their hinted forms (the
+    first read kept in L2, the second read and the outputs evicted first). hint_state(),
+    called at the top of the kernel, returns the (raw staging buffer, policies) they share
+    (None, None without hints); the loads take (buf, row, c, raw, local, lane, fill,
+    policy), the store (local, raw, buf, row, c, lane, policy)."""
+    hints = rm.l2_hints
+    load_hinted, store_hinted = rm.hinted_macros() if hints else (None, None)
+
+    def hint_state():
+        if not hints:
+            return None, None
+        l2_hints.import_hints()
+        raw = T.alloc_local((rm.vecs, rm.vec), rm.dtype)
+        policy = T.alloc_local((2,), "uint64")
+        T.buffer_store(policy, l2_hints.keep_policy(), [0])
+        T.buffer_store(policy, l2_hints.drop_policy(), [1])
+        return raw, policy
+
+    @T.macro
+    def first_load(buf, row, c, raw, local, lane, fill, policy):
+        if hints:
+            load_hinted(buf, row, c, raw, local, lane, fill, policy[0])
+        else:
+            load(buf, row, c, local, lane, fill)
+
+    @T.macro
+    def second_load(buf, row, c, raw, local, lane, fill, policy):
+        if hints:
+            load_hinted(buf, row, c, raw, local, lane, fill, policy[1])
+        else:
+            load(buf, row, c, local, lane, fill)
+
+    @T.macro
+    def out_store(local, raw, buf, row, c, lane, policy):
+        if hints:
+            store_hinted(local, raw, buf, row, c, lane, policy[1])
+        else:
+            store(local, buf, row, c, lane)
+
+    return hint_state, first_load, second_load, out_store
 
 
 def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
@@ -293,6 +347,20 @@ def default_row_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
     return RowConfig(threads=512, row_threads=512, vecs=4, ctas_per_sm=1 if few_rows else 2)
 
 
+def walk_variants(config: RowConfig, n: int, dtype: str) -> list[RowConfig]:
+    """`config` with its second pass reversed, and reversed with L2 hints at one and two CTAs
+    an SM (16-byte vectors only); none for a row of one chunk (read once). In the tuner's
+    space, unmeasured as defaults."""
+    rm = row_map(n, dtype, config)
+    if rm.chunks == 1:
+        return []
+    variants = [dataclasses.replace(config, reverse=True)]
+    if rm.vec * ELEM_BYTES[dtype] == l2_hints.VECTOR_BYTES:
+        variants += [dataclasses.replace(config, reverse=True, l2_hints=True, ctas_per_sm=c)
+                     for c in (1, 2)]
+    return variants
+
+
 class RowKernel(Kernel):
     """Base of the row kernels (this module's and cross-entropy's): one program per key,
     launched with every buffer; buckets `few` rows (decode batches) and `many`."""
@@ -300,6 +368,7 @@ class RowKernel(Kernel):
     Config = RowConfig
     clustered = True  # whether the kernel has a cluster form for long rows
     held = 1  # inputs its cluster form keeps in registers
+    offers_walks = True  # whether its space adds walk_variants (rows read twice)
 
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*tensors)
@@ -323,6 +392,8 @@ class RowKernel(Kernel):
         if self.clustered and n // vector_width(n, dtype) > 1024:
             for cluster, threads, ctas_per_sm in cluster_shapes(n, dtype, self.held):
                 space.append(RowConfig(threads, threads, 4, ctas_per_sm, cluster))
+        if self.offers_walks:
+            space += walk_variants(default_row_config(n, dtype, bucket == "few"), n, dtype)
         return list(dict.fromkeys(space))
 
 
@@ -338,6 +409,10 @@ class SoftmaxKernel(RowKernel):
     @property
     def held(self) -> int:
         return 2 if self.key["kind"] in ("softmax_bwd", "log_softmax_bwd") else 1
+
+    @property
+    def offers_walks(self) -> bool:
+        return self.key["kind"] not in ("logsumexp", "logsumexp_bwd")
 
     def program(self, config: RowConfig, bucket: str):
         return softmax_program(self.key["kind"], self.key["n"], self.key["dtype"], config)
