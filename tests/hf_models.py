@@ -32,6 +32,15 @@ FAMILIES = {
                 {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128}),
+    # multi-head latent attention (q/k 192 = 128 + 64 rope, v 128; interleaved rotary pairs),
+    # a dense first layer, then sigmoid-routed grouped top-k experts beside a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"num_key_value_heads": 4, "head_dim": 64, "q_lora_rank": 128,
+                     "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                     "n_shared_experts": 1, "first_k_dense_replace": 1,
+                     "rope_interleave": True}),
 }
 
 # families whose attention needs the eager reference (SDPA refuses softcap)

@@ -47,6 +47,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma2", gemma_norm=True, gelu_mlp=True),
     Family("gemma3_text", gemma_norm=True, gelu_mlp=True),
     Family("mixtral", moe=True), Family("qwen3_moe", moe=True), Family("qwen2_moe", moe=True),
+    # multi-head latent attention: q/k heads of qk_nope + qk_rope dims, v of v_head_dim, the
+    # rotary part (qk_rope dims) on the queries' heads and one shared key head
+    Family("deepseek_v3", moe=True),
 )}
 
 
@@ -190,6 +193,28 @@ def _make_rotary(original: Callable) -> Callable:
 
     apply_rotary_pos_emb.__tileops__ = True
     return apply_rotary_pos_emb
+
+
+def _make_rotary_interleave(original: Callable, rotate_half: Callable) -> Callable:
+    """DeepSeek's apply_rotary_pos_emb_interleave: pairs (x0, x1), (x2, x3), ... rotated, the
+    output laid out de-interleaved (the rotated even entries, then the odd ones). That is
+    the rotate-half rotation of the de-interleaved input, which `rotate_half` (the TileOPs
+    apply_rotary_pos_emb) computes."""
+    def apply_rotary_pos_emb_interleave(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                                        sin: torch.Tensor, position_ids: Any = None,
+                                        unsqueeze_dim: int = 1) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+        if position_ids is not None or not attn_impl.served(q, k, cos, sin):
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+        def deinterleaved(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat((x[..., 0::2], x[..., 1::2]), -1)
+
+        return rotate_half(deinterleaved(q), deinterleaved(k), cos, sin,
+                           unsqueeze_dim=unsqueeze_dim)
+
+    apply_rotary_pos_emb_interleave.__tileops__ = True
+    return apply_rotary_pos_emb_interleave
 
 
 class _Unbindable(Exception):
@@ -402,13 +427,13 @@ def _plan_attention(model: torch.nn.Module, config: Any, dtype: torch.dtype,
         return
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim, head_dim_v = _attention_head_dims(config)
     softcap = getattr(config, "attn_logit_softcapping", None) or 0.0
     window = getattr(config, "sliding_window", None)
     windows = {(-1, 0)} | ({(window - 1, 0)} if window else set())
     for w in sorted(windows):
-        why = probe(("attention", w), _attention_probe, heads, kv_heads, head_dim, dtype,
-                    w, softcap)
+        why = probe(("attention", w), _attention_probe, heads, kv_heads, head_dim, head_dim_v,
+                    dtype, w, softcap)
         if why:
             report.skip("attention", "config", why)
             return
@@ -431,13 +456,27 @@ def _plan_attention(model: torch.nn.Module, config: Any, dtype: torch.dtype,
     report.add("attention", "config")
 
 
-def _attention_probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                     window: tuple[int, int], softcap: float) -> None:
+def _attention_head_dims(config: Any) -> tuple[int, int]:
+    """(query/key head dim, value head dim) of the attention calls: multi-head latent
+    attention's qk_nope + qk_rope and v_head_dim (its config's head_dim is the rope part
+    alone), else head_dim (or hidden / heads) for both."""
+    nope = getattr(config, "qk_nope_head_dim", None)
+    rope = getattr(config, "qk_rope_head_dim", None)
+    if nope is not None and rope is not None:
+        return nope + rope, getattr(config, "v_head_dim", None) or nope + rope
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    return head_dim, head_dim
+
+
+def _attention_probe(heads: int, kv_heads: int, head_dim: int, head_dim_v: int,
+                     dtype: torch.dtype, window: tuple[int, int], softcap: float) -> None:
     from ..ops import attention
 
     q = _meta(1, 128, heads, head_dim, dtype=dtype)
     k = _meta(1, 128, kv_heads, head_dim, dtype=dtype)
-    attention(q, k, k, is_causal=True, window_size=window, softcap=softcap)
+    v = _meta(1, 128, kv_heads, head_dim_v, dtype=dtype)
+    attention(q, k, v, is_causal=True, window_size=window, softcap=softcap)
 
 
 def _plan_norm(name: str, module: torch.nn.Module, family: Family, dtype: torch.dtype,
@@ -472,34 +511,37 @@ def _plan_rope(name: str, module: torch.nn.Module, dtype: torch.dtype, report: P
     import sys
 
     modeling = sys.modules.get(type(module).__module__)
-    original = getattr(modeling, "apply_rotary_pos_emb", None)
     forward = type(module).forward
     code_names = set()
     f = forward
     while f is not None:
         code_names |= set(getattr(getattr(f, "__code__", None), "co_names", ()))
         f = getattr(f, "__wrapped__", None)
-    if original is None or "apply_rotary_pos_emb" not in code_names:
+    # the module's rotary functions that its forward calls, each with its TileOPs form
+    originals = {fn: getattr(modeling, fn, None) for fn in _ROTARY_FUNCTIONS}
+    called = {fn: original for fn, original in originals.items()
+              if original is not None and fn in code_names}
+    if "apply_rotary_pos_emb" not in called:
         report.skip("rope", name, "its forward does not call its module's "
                     "apply_rotary_pos_emb")
         return
-    head_dim = getattr(module, "head_dim", None)
-    config = getattr(module, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if head_dim is None or heads is None:
+    shape = _rotary_shape(module)
+    if shape is None:
         report.skip("rope", name, "no head_dim / num_attention_heads to check the kernel with")
         return
-    why = probe(("rope", heads, kv_heads, head_dim), _rope_probe, heads, kv_heads, head_dim,
-                dtype)
+    why = probe(("rope",) + shape, _rope_probe, *shape, dtype)
     if why:
         report.skip("rope", name, why)
         return
     key = type(module).__qualname__ + type(module).__module__
     if key not in cache:
+        rotary = _make_rotary(called["apply_rotary_pos_emb"])
+        overrides = {"apply_rotary_pos_emb": rotary}
+        if "apply_rotary_pos_emb_interleave" in called:
+            overrides["apply_rotary_pos_emb_interleave"] = _make_rotary_interleave(
+                called["apply_rotary_pos_emb_interleave"], rotary)
         try:
-            cache[key] = _rebind_globals(forward, {
-                "apply_rotary_pos_emb": _make_rotary(original)})
+            cache[key] = _rebind_globals(forward, overrides)
         except _Unbindable as e:
             cache[key] = None
             report.skip("rope", name, f"cannot rebind its forward: {e}")
@@ -510,6 +552,26 @@ def _plan_rope(name: str, module: torch.nn.Module, dtype: torch.dtype, report: P
         return
     plan.append(lambda: _set_forward(module, "rope", rebound))
     report.add("rope", name)
+
+
+# transformers' rotary functions, by the names the modeling files give them
+_ROTARY_FUNCTIONS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+
+
+def _rotary_shape(module: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(query heads, key heads, rotary dims) of an attention module's rotary call, or None:
+    all of head_dim on the config's heads; for multi-head latent attention (qk_rope_head_dim)
+    the rope part of each query head and one key head shared by all."""
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    rope_dim = getattr(module, "qk_rope_head_dim", None)
+    if heads is not None and rope_dim is not None:
+        return heads, 1, rope_dim
+    head_dim = getattr(module, "head_dim", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if head_dim is None or heads is None:
+        return None
+    return heads, kv_heads, head_dim
 
 
 def _rope_probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
