@@ -32,7 +32,8 @@ from . import hf_models  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe",
+            "deepseek_v3"]
 BATCH, SEQ = 2, 203  # a ragged tail: 203 tokens per row, windows of 16
 # the real models' head sizes where they differ from the small configs' 64
 HEAD_DIM = {"llama": dict(head_dim=128), "qwen3": dict(head_dim=128),
