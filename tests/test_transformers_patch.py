@@ -93,6 +93,9 @@ def test_family_helper_refuses_another_family():
     with pytest.raises(tileops.TileOpsUnsupportedError, match="apply_to_llama.*'qwen3'"):
         tt.apply_to_llama(model)
     assert tt.apply_to_qwen3(model, verbose=False).patched["rms_norm"]
+    with pytest.raises(tileops.TileOpsUnsupportedError, match="apply_to_deepseek_v3"):
+        tt.apply_to_deepseek_v3(model)
+    assert tt.apply_to_deepseek_v3(hf_models.model("deepseek_v3"), verbose=False).patched["moe"]
 
 
 def test_unpatched_parts_warn_and_strict_raises_before_patching():

@@ -23,7 +23,7 @@ untouched):
   the output's `logits` is None); Gemma-2's final logit softcap is applied in the loss.
 - moe: each *Experts module (fused weights gate_up_proj [E, 2F, H], down_proj [E, H, F],
   SiLU) -> tileops.fused_moe on the top-k ids and weights of the model's own router (so
-  the router's gradient is transformers').
+  the router's gradient is transformers'; DeepSeek-V3's sigmoid grouped router included).
 - linear (off by default): every nn.Linear -> tileops.linear.
 
 The patched forwards fall back to the original forward on inputs TileOPs does not serve
@@ -45,7 +45,7 @@ from ._patch import FAMILIES, Family, PatchReport, apply, family_of, revert
 __all__ = ["apply", "revert", "PatchReport", "Family", "FAMILIES", "family_of",
            "apply_to_llama", "apply_to_mistral", "apply_to_qwen2", "apply_to_qwen3",
            "apply_to_gemma", "apply_to_gemma2", "apply_to_gemma3", "apply_to_mixtral",
-           "apply_to_qwen3_moe"]
+           "apply_to_qwen3_moe", "apply_to_deepseek_v3"]
 
 
 def _for(name: str, *model_types: str):
@@ -75,3 +75,4 @@ apply_to_gemma2 = _for("gemma2", "gemma2")
 apply_to_gemma3 = _for("gemma3", "gemma3_text")
 apply_to_mixtral = _for("mixtral", "mixtral")
 apply_to_qwen3_moe = _for("qwen3_moe", "qwen3_moe")
+apply_to_deepseek_v3 = _for("deepseek_v3", "deepseek_v3")
