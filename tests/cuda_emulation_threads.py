@@ -7,9 +7,12 @@ for its warp: each lane posts its value, the warp meets, each lane reads its par
 the warp meets again). Shared arrays become one static array, used by one block at a
 time. So a kernel runs here as on the GPU provided every lane of a warp reaches each
 shuffle (warp-uniform control flow around shuffles, which TileLang's code has) and it
-uses no atomics, `__syncthreads_count` or async copies: anything outside that set fails
-to compile, it is never silently emulated. Arguments are bound as in
-`tests/cuda_emulation.py`, which handles kernels whose threads never talk.
+uses no `__syncthreads_count` or async copies: anything outside that set fails to compile,
+it is never silently emulated. Atomic adds (TileLang's `AtomicAddRet`) run under one lock;
+as the blocks run one after another, a protocol where the last block of a group to arrive
+merges the others' results (meeting_slices.py) runs in one arrival order, the launch's.
+Arguments are bound as in `tests/cuda_emulation.py`, which handles kernels whose threads
+never talk.
 
 Thread-block clusters (`cluster` > 1): the blocks of a cluster run concurrently, each with
 its own shared memory, barriers and shuffle slots; `map_shared_rank` points into a peer's
@@ -33,6 +36,7 @@ _PRELUDE = r"""
 #include <thread>
 #include <vector>
 #include <pthread.h>
+#include <mutex>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <vector_types.h>
@@ -78,6 +82,13 @@ template <class V> static V emu_exchange(V v, int src_lane) {
   V out;
   std::memcpy(&out, &bits, sizeof(V));
   return out;
+}
+static std::mutex emu_atomic_lock;
+template <class T, class V> static T AtomicAddRet(T *address, V value, int = 0) {
+  std::lock_guard<std::mutex> hold(emu_atomic_lock);
+  T old = *address;
+  *address = T(old + value);
+  return old;
 }
 template <class V> static V emu_shfl_xor(unsigned, V v, int m, int) {
   return emu_exchange(v, (emu_thread.x % 32) ^ m);

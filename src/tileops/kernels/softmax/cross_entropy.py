@@ -23,12 +23,14 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .cluster_rows import ClusterRows, slice_shape
+from .meeting_slices import meeting_macros
 from .row_map import NEG_INF, RowMap, exp, tanh, vector_width
 from .softmax import (
     SM_COUNT,
     RowConfig,
     RowKernel,
     default_row_config,
+    meeting_configs,
     row_map,
     two_pass_accesses,
     walk_variants,
@@ -131,6 +133,105 @@ def row_scale(t, ignore_index, n: int, value):
                           T.if_then_else(bad, T.float32(float("nan")), value))
 
 
+def slice_macros(cr: ClusterRows, softcap: bool, smoothing: bool):
+    """(z_of, slice_statistics) over a thread's slots of a slice held as loaded (raw)."""
+
+    def z_of(raw, rank, tx, i, j, cap):
+        """Slot (i, j)'s soft-capped logit (the logit without softcap; -inf padding stays)."""
+        x = T.cast(raw[i, j], "float")
+        if not softcap:
+            return x
+        return T.if_then_else(cr.valid(rank, tx, i), soft_capped(x, cap), NEG_INF)
+
+    @T.macro
+    def slice_statistics(raw, rank, tx, cap, m, s, zsum):
+        """The thread's (max, exp-sum, and with smoothing the z-sum) of its slots."""
+        m[0] = NEG_INF
+        for i in T.unroll(cr.per_thread):
+            for j in T.unroll(cr.vec):
+                m[0] = T.max(m[0], z_of(raw, rank, tx, i, j, cap))
+        shift = RowMap.shift_of(m[0])
+        s[0] = 0.0
+        zsum[0] = 0.0
+        for i in T.unroll(cr.per_thread):
+            for j in T.unroll(cr.vec):
+                s[0] = s[0] + exp(z_of(raw, rank, tx, i, j, cap) - shift)
+                if smoothing:
+                    zsum[0] = zsum[0] + T.if_then_else(
+                        cr.valid(rank, tx, i), z_of(raw, rank, tx, i, j, cap), 0.0)
+
+    return z_of, slice_statistics
+
+
+def target_logit(x, row, t, ignore_index, n: int, cap, softcap: bool):
+    """z[t] of the row (soft-capped), 0 for an ignored row or a target outside it."""
+    inside = (t != ignore_index) & (t >= 0) & (t < n)
+    z = T.cast(x[row, T.if_then_else(inside, t, T.int64(0))], "float")
+    if softcap:
+        z = soft_capped(z, cap)
+    return T.if_then_else(inside, z, T.float32(0.0))
+
+
+def row_loss(lse, zt, zsum, eps, zloss, n: int):
+    """loss of a row from its lse, target logit and z-sum (label smoothing eps, z-loss)."""
+    return lse - (1.0 - eps) * zt - eps / n * zsum + zloss * lse * lse
+
+
+CROSS_ENTROPY_PARTIALS = 3  # max, exp-sum, z-sum
+
+
+def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: bool,
+                                  config: RowConfig):
+    """The `loss` mode with each row cut into `config.cluster` slices, one CTA each, meeting
+    through global memory (meeting_slices.py): one read of the logits; the last CTA of a row
+    reads z[target] and writes the loss and lse."""
+    rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
+    cr = ClusterRows(n, dtype, config.cluster, config.threads)
+    load = cr.macros()[0]
+    reduce_sum, reduce_max_sum = cr.reductions()
+    _, slice_statistics = slice_macros(cr, softcap, smoothing)
+    meet, merged_max_sum, merged_sum = meeting_macros(cr.cluster, CROSS_ENTROPY_PARTIALS)
+    R, V = (rows, n), (rows,)
+
+    @T.prim_func
+    def cross_entropy_fwd(x: T.Tensor(R, dtype), target: T.Tensor(V, "int64"),
+                          loss: T.Tensor(V, "float"), lse_out: T.Tensor(V, "float"),
+                          ignore_index: T.int64, cap: T.float32, eps: T.float32,
+                          zloss: T.float32, part: T.Tensor((width, slots), "float"),
+                          count: T.Tensor((slots,), "int32")):
+        with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
+            tx = T.get_thread_binding()
+            row, rank = bx // cr.cluster, bx % cr.cluster
+            raw = T.alloc_local((cr.per_thread, cr.vec), dtype)
+            m = T.alloc_local((1,), "float")
+            s = T.alloc_local((1,), "float")
+            zsum = T.alloc_local((1,), "float")
+            arrived = T.alloc_local((1,), "int32")
+            red_m = T.alloc_shared((1, cr.warps), "float")
+            red_s = T.alloc_shared((1, cr.warps), "float")
+            red_z = T.alloc_shared((1, cr.warps), "float")
+            load(x, row, rank, tx, raw, NEG_INF)
+            slice_statistics(raw, rank, tx, cap, m, s, zsum)
+            reduce_max_sum(m, s, red_m, red_s, 0, tx)
+            if smoothing:
+                reduce_sum(zsum, red_z, 0, tx)
+            if tx == 0:
+                meet(part, count, row, rank, (m, s, zsum), arrived)
+                if arrived[0] == cr.cluster - 1:
+                    merged_max_sum(part, row, m, s)
+                    if smoothing:
+                        merged_sum(part, row, 2, zsum)
+                    t = target[row]
+                    lse = m[0] + T.log(s[0])
+                    zt = target_logit(x, row, t, ignore_index, n, cap, softcap)
+                    loss[row] = row_scale(t, ignore_index, n,
+                                          row_loss(lse, zt, zsum[0], eps, zloss, n))
+                    lse_out[row] = lse
+                    count[row] = 0
+
+    return cross_entropy_fwd
+
+
 def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                                   smoothing: bool, dloss_per_row: bool, config: RowConfig):
     """The MODES on rows split over a cluster (cluster_rows.py): the logits are read once and
@@ -143,13 +244,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     load, _, begin, share, merged_max_sum, merged_sum = cr.macros()
     reduce_sum, reduce_max_sum = cr.reductions()
     per, vec, cluster, clusters = cr.per_thread, cr.vec, cr.cluster, cr.resident_clusters
-
-    def z_of(raw, rank, tx, i, j, cap):
-        """Slot (i, j)'s soft-capped logit (the logit without softcap; -inf padding stays)."""
-        x = T.cast(raw[i, j], "float")
-        if not softcap:
-            return x
-        return T.if_then_else(cr.valid(rank, tx, i), soft_capped(x, cap), NEG_INF)
+    z_of, slice_statistics = slice_macros(cr, softcap, smoothing)
 
     @T.macro
     def store_gradient(raw, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
@@ -193,19 +288,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                         zt[0] = T.cast(x[row, t], "float")
                         if softcap:
                             zt[0] = soft_capped(zt[0], cap)
-                    m[0] = NEG_INF
-                    for i in T.unroll(per):
-                        for j in T.unroll(vec):
-                            m[0] = T.max(m[0], z_of(raw, rank, tx, i, j, cap))
-                    shift = RowMap.shift_of(m[0])
-                    s[0] = 0.0
-                    zsum[0] = 0.0
-                    for i in T.unroll(per):
-                        for j in T.unroll(vec):
-                            s[0] = s[0] + exp(z_of(raw, rank, tx, i, j, cap) - shift)
-                            if smoothing:
-                                zsum[0] = zsum[0] + T.if_then_else(
-                                    cr.valid(rank, tx, i), z_of(raw, rank, tx, i, j, cap), 0.0)
+                    slice_statistics(raw, rank, tx, cap, m, s, zsum)
                     reduce_max_sum(m, s, red_m, red_s, 0, tx)
                     if smoothing:
                         reduce_sum(zsum, red_z, 0, tx)
@@ -215,8 +298,8 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                         merged_sum(part, step % 2, 2, zsum)
                     lse = m[0] + T.log(s[0])
                     if (rank == 0) & (tx == 0):
-                        loss[row] = row_scale(t, ignore_index, n, lse - (1.0 - eps) * zt[0]
-                                              - eps / n * zsum[0] + zloss * lse * lse)
+                        loss[row] = row_scale(t, ignore_index, n,
+                                              row_loss(lse, zt[0], zsum[0], eps, zloss, n))
                         lse_out[row] = lse
                     if mode == "loss_and_grad":
                         store_gradient(raw, grad, row, rank, tx, target_column(t, n), lse,
@@ -240,6 +323,11 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
 
 def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothing: bool,
                           dloss_per_row: bool, config: RowConfig):
+    if config.meet:
+        if mode != "loss" or not config.cluster:
+            raise ValueError(f"meet={config.meet} is a form of the loss mode on cluster > 1 "
+                             f"slices; got mode {mode!r}, cluster={config.cluster}")
+        return meeting_cross_entropy_program(n, dtype, softcap, smoothing, config)
     if config.cluster:
         rows, forward, backward = cluster_cross_entropy_program(
             mode, n, dtype, softcap, smoothing, dloss_per_row, config)
@@ -355,9 +443,8 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                         reduce_sum(zsum, red_z, r, lane)
                     lse = m[0] + T.log(s[0])
                     if lane == 0:
-                        row_loss = lse - (1.0 - eps) * zt[0] - eps / n * zsum[0] \
-                            + zloss * lse * lse
-                        loss[row] = row_scale(t, ignore_index, n, row_loss)
+                        loss[row] = row_scale(t, ignore_index, n,
+                                              row_loss(lse, zt[0], zsum[0], eps, zloss, n))
                         lse_out[row] = lse
                     if mode == "loss_and_grad":
                         scale = row_scale(t, ignore_index, n, T.float32(1.0))
@@ -451,6 +538,7 @@ class CrossEntropyKernel(RowKernel):
     name = "cross_entropy"
     Config = CrossEntropyConfig
     offers_walks = False  # default_variants adds them, resident, in loss_and_grad mode only
+    meeting_partials = CROSS_ENTROPY_PARTIALS
 
     def heuristic_config(self, bucket: str, arch: str) -> CrossEntropyConfig:
         row = super().heuristic_config(bucket, arch)
@@ -469,6 +557,8 @@ class CrossEntropyKernel(RowKernel):
         streaming = default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
         space += default_variants(CrossEntropyConfig(**dataclasses.asdict(streaming)),
                                   self.key["mode"], self.key["n"], self.key["dtype"])
+        if self.key["mode"] == "loss":
+            space += meeting_configs(self.key["n"], self.key["dtype"], CrossEntropyConfig)
         return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):

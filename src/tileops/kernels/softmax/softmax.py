@@ -18,7 +18,8 @@ import tilelang.language as T
 from .. import l2_hints
 from ..base import Kernel
 from ..vectors import ELEM_BYTES
-from .cluster_rows import ClusterRows, cluster_shapes
+from .cluster_rows import ClusterRows, cluster_shapes, slice_shape
+from .meeting_slices import meeting_macros, scratch_for
 from .row_map import NEG_INF, RowMap, exp, vector_width
 
 KINDS = ("softmax", "log_softmax", "logsumexp", "softmax_bwd", "log_softmax_bwd",
@@ -28,9 +29,11 @@ SM_COUNT = 132  # H200
 
 @dataclass(frozen=True)
 class RowConfig:
-    """The streaming thread map of row_map.py; or, with `cluster` > 0, each row split over a
-    cluster of that many CTAs of `threads` threads holding it in registers (cluster_rows.py;
-    row_threads, vecs and ctas_per_sm unused)."""
+    """The streaming thread map of row_map.py (with `reverse` and `l2_hints`, its second
+    pass's walks); or, with `cluster` > 0, each row split over a cluster of that many CTAs
+    of `threads` threads holding it in registers (cluster_rows.py; row_threads, vecs and
+    ctas_per_sm unused), or with `meet` over that many unclustered CTAs that meet through
+    global memory (meeting_slices.py: the one-pass statistics, logsumexp and the loss)."""
 
     threads: int = 256
     row_threads: int = 256
@@ -39,6 +42,7 @@ class RowConfig:
     cluster: int = 0
     reverse: bool = False
     l2_hints: bool = False
+    meet: bool = False
 
 
 def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
@@ -47,6 +51,11 @@ def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
 
 
 def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
+    if config.meet:
+        if kind != "logsumexp" or not config.cluster:
+            raise ValueError(f"meet={config.meet} is a form of logsumexp on cluster > 1 "
+                             f"slices; got kind {kind!r}, cluster={config.cluster}")
+        return meeting_logsumexp_program(n, dtype, config)
     if config.cluster and kind != "logsumexp_bwd":
         return cluster_softmax_program(kind, n, dtype, config)
     rows = T.dynamic("rows")
@@ -301,6 +310,54 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     return prim_func_of(kind, rows, n, dtype, forward, backward)
 
 
+def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
+    """logsumexp with each row cut into `config.cluster` slices, one CTA each, meeting
+    through global memory (meeting_slices.py); one read of each element."""
+    rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
+    cr = ClusterRows(n, dtype, config.cluster, config.threads)
+    load, slice_max_sum = cr.macros()[:2]
+    reduce_max_sum = cr.reductions()[1]
+    meet, merged_max_sum, _ = meeting_macros(cr.cluster, LOGSUMEXP_PARTIALS)
+
+    @T.prim_func
+    def logsumexp_fwd(x: T.Tensor((rows, n), dtype), out: T.Tensor((rows,), dtype),
+                      part: T.Tensor((width, slots), "float"),
+                      count: T.Tensor((slots,), "int32")):
+        with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
+            tx = T.get_thread_binding()
+            row, rank = bx // cr.cluster, bx % cr.cluster
+            raw = T.alloc_local((cr.per_thread, cr.vec), dtype)
+            m = T.alloc_local((1,), "float")
+            s = T.alloc_local((1,), "float")
+            arrived = T.alloc_local((1,), "int32")
+            red_m = T.alloc_shared((1, cr.warps), "float")
+            red_s = T.alloc_shared((1, cr.warps), "float")
+            load(x, row, rank, tx, raw, NEG_INF)
+            slice_max_sum(raw, m, s)
+            reduce_max_sum(m, s, red_m, red_s, 0, tx)
+            if tx == 0:
+                meet(part, count, row, rank, (m, s), arrived)
+                if arrived[0] == cr.cluster - 1:
+                    merged_max_sum(part, row, m, s)
+                    out[row] = T.cast(RowMap.logsumexp_of(m[0], s[0]), dtype)
+                    count[row] = 0
+
+    return logsumexp_fwd
+
+
+LOGSUMEXP_PARTIALS = 2  # max, exp-sum
+
+
+def meeting_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
+    """The `meet` configs of a row length: slice_shape's slices at 4, 8 and 16 vectors a
+    thread (rows of more than one CTA's worth only)."""
+    if n // vector_width(n, dtype) <= 1024:
+        return []
+    shapes = dict.fromkeys(slice_shape(n, dtype, per) for per in (4, 8, 16))
+    return [config_class(threads, threads, 1, 1, slices, meet=True)
+            for slices, threads in shapes]
+
+
 def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_backward=None):
     """The program of `kind` around the kernel macros (the streaming or the cluster ones,
     which size their grids by the same symbolic `rows`)."""
@@ -370,7 +427,13 @@ class RowKernel(Kernel):
     held = 1  # inputs its cluster form keeps in registers
     offers_walks = True  # whether its space adds walk_variants (rows read twice)
 
+    meeting_partials = LOGSUMEXP_PARTIALS  # floats each slice of a `meet` config leaves
+
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
+        if config.meet:  # the slices' scratch (partials, counts) after the op's arguments
+            compiled[0](*tensors, *scratch_for(tensors[0], config.cluster,
+                                               self.meeting_partials))
+            return
         compiled[0](*tensors)
 
     def bucket_of(self, rows: int) -> str:
@@ -413,6 +476,12 @@ class SoftmaxKernel(RowKernel):
     @property
     def offers_walks(self) -> bool:
         return self.key["kind"] not in ("logsumexp", "logsumexp_bwd")
+
+    def config_space(self, bucket: str) -> list[RowConfig]:
+        space = super().config_space(bucket)
+        if self.key["kind"] == "logsumexp":
+            space += meeting_configs(self.key["n"], self.key["dtype"])
+        return space
 
     def program(self, config: RowConfig, bucket: str):
         return softmax_program(self.key["kind"], self.key["n"], self.key["dtype"], config)
