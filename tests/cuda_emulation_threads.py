@@ -8,9 +8,11 @@ the warp meets again). Shared arrays become one static array, used by one block 
 time. So a kernel runs here as on the GPU provided every lane of a warp reaches each
 shuffle (warp-uniform control flow around shuffles, which TileLang's code has) and it
 uses no `__syncthreads_count` or async copies: anything outside that set fails to compile,
-it is never silently emulated. Atomic adds (TileLang's `AtomicAddRet`) run under one lock;
-as the blocks run one after another, a protocol where the last block of a group to arrive
-merges the others' results (meeting_slices.py) runs in one arrival order, the launch's.
+it is never silently emulated. Atomic adds and loads (TileLang's `AtomicAddRet`,
+`AtomicLoad`) run under one lock. Blocks run one after another (or a cluster's together),
+so a protocol where the last block of a group to arrive merges the others' results runs
+in the launch's arrival order, and one where a group's blocks wait for each other
+(meeting_slices.py's exchange) must run each group as a "cluster" of concurrent blocks.
 Arguments are bound as in `tests/cuda_emulation.py`, which handles kernels whose threads
 never talk.
 
@@ -89,6 +91,11 @@ template <class T, class V> static T AtomicAddRet(T *address, V value, int = 0) 
   T old = *address;
   *address = T(old + value);
   return old;
+}
+template <class T> static T AtomicLoad(T *address, int = 0) {
+  std::this_thread::yield();  // a spinning reader lets the writers it waits for run
+  std::lock_guard<std::mutex> hold(emu_atomic_lock);
+  return *address;
 }
 template <class V> static V emu_shfl_xor(unsigned, V v, int m, int) {
   return emu_exchange(v, (emu_thread.x % 32) ^ m);

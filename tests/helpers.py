@@ -209,11 +209,12 @@ def load_script(name: str) -> types.ModuleType:
 
 
 def cluster_configs(kernel):
-    """The space's first cluster config of every (cluster size, CTAs per SM) pair (the
-    softmax family's cluster_rows.py)."""
+    """The space's first cluster config of every (cluster size, CTAs per SM, meeting) triple
+    (the softmax family's cluster_rows.py, and its slices meeting through global memory,
+    meeting_slices.py)."""
     firsts = {}
     for config in kernel.config_space("many"):
         if config.cluster:
-            firsts.setdefault((config.cluster, config.ctas_per_sm), config)
+            firsts.setdefault((config.cluster, config.ctas_per_sm, config.meet), config)
     assert firsts
     return list(firsts.values())

@@ -1,8 +1,12 @@
-"""The one-pass statistics on slices that meet through global memory
-(kernels/softmax/meeting_slices.py: logsumexp and cross-entropy's loss) run on the CPU
-(tests/cuda_emulation_threads.py, atomics under a lock, the blocks in launch order) against
-float64 references: short last slices, a slice of -inf only, a fully masked row, +inf, every
-loss term; the counts are zero again after the launch; scratch larger than needed."""
+"""Slices that meet through global memory (kernels/softmax/meeting_slices.py) run on the CPU
+(tests/cuda_emulation_threads.py, atomics under a lock) against float64 references: the
+one-pass statistics (logsumexp, cross-entropy's loss; the blocks in launch order, the last
+to arrive merging) and the two-pass kinds (softmax, log_softmax, their backward, the loss
+and gradient; each row's blocks run together, as they wait for each other). Short last
+slices, a slice of -inf only, a fully masked row, +inf, every loss term; the counts are
+zero again after the launch; scratch larger than needed."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,17 +24,20 @@ def _scratch(rows, slices, values):
     """Partials and counts as workspace.scratch / zeroed_scratch hand them out: at least the
     launch's size (here more), the partials holding garbage, the counts zero."""
     part = torch.full((slices * values + 3, rows + 5), float("nan"))
-    count = torch.zeros(rows + 5, dtype=torch.int32)
+    count = torch.zeros(3, rows + 5, dtype=torch.int32)
     return part, count
 
 
-def _run(compiled, config, rows, tensors, scalars):
+def _run(compiled, config, rows, tensors, scalars, together=False):
+    """`together`: each row's blocks run concurrently (the two-pass exchange waits)."""
     from ..cuda_emulation_threads import run
 
+    counts = tensors.get("count", tensors.get("counts"))
+    part = tensors.get("part", tensors.get("gpart"))
     run(compiled, rows * config.cluster, config.threads, tensors,
-        dict(rows=rows, slots=tensors["count"].shape[0], width=tensors["part"].shape[0],
-             **scalars))
-    assert not tensors["count"].any()  # set back for the next launch
+        dict(rows=rows, slots=counts.shape[1], width=part.shape[0], tallies=counts.shape[0],
+             **scalars), cluster=config.cluster if together else 1)
+    assert not counts.any()  # set back for the next launch
 
 
 @pytest.mark.compile
@@ -95,27 +102,128 @@ def test_cross_entropy_loss_meets_on_the_cpu(dtype, slices, threads, params):
 @pytest.mark.parametrize("n, dtype", [(128256, "bfloat16"), (256000, "bfloat16"),
                                       (32000, "float16"), (151936, "float32")])
 def test_meeting_configs_are_offered_where_they_apply(n, dtype):
-    """The meeting slices join the spaces of logsumexp and the loss mode (not the defaults:
-    unmeasured), never those of the two-pass kinds; slices of <= 16 vectors a thread."""
+    """The one-pass meeting slices join the spaces of logsumexp and the loss mode; the
+    two-pass kinds (and loss_and_grad) get each cluster shape also as a meeting one; none
+    is a default (unmeasured), and logsumexp_bwd and the gradient pass get none."""
     configs = meeting_configs(n, dtype)
     assert configs and all(c.meet and 2 <= c.cluster <= 8 for c in configs)
     key = dict(n=n, dtype=dtype)
     lse = SoftmaxKernel(kind="logsumexp", **key)
     assert set(configs) <= set(lse.config_space("many"))
     assert not lse.heuristic_config("many", "sm_90a").meet
-    assert not any(c.meet for c in SoftmaxKernel(kind="softmax", **key).config_space("many"))
     ce = dict(softcap=False, smoothing=False, dloss_per_row=False, **key)
     loss_space = CrossEntropyKernel(mode="loss", **ce).config_space("many")
     assert sum(c.meet for c in loss_space) == len(configs)
-    assert not any(c.meet for c in CrossEntropyKernel(mode="loss_and_grad", **ce).config_space(
-        "many"))
+    for kernel in (SoftmaxKernel(kind="softmax", **key), SoftmaxKernel(kind="softmax_bwd", **key),
+                   CrossEntropyKernel(mode="loss_and_grad", **ce)):
+        space = kernel.config_space("many")
+        clustered = {dataclasses.replace(c, meet=True) for c in space if c.cluster and not c.meet}
+        assert clustered and clustered == {c for c in space if c.meet}
+        assert not kernel.heuristic_config("many", "sm_90a").meet
+    for kernel in (SoftmaxKernel(kind="logsumexp_bwd", **key),
+                   CrossEntropyKernel(mode="grad", **ce)):
+        assert not any(c.meet for c in kernel.config_space("many"))
 
 
-def test_meet_is_refused_outside_the_one_pass_statistics():
+def test_meet_is_refused_without_statistics_to_share():
     with pytest.raises(ValueError, match="meet"):
-        SoftmaxKernel(kind="softmax", n=5000, dtype="bfloat16").program(
+        SoftmaxKernel(kind="logsumexp_bwd", n=5000, dtype="bfloat16").program(
             RowConfig(64, 64, 1, 1, 3, meet=True), "many")
     with pytest.raises(ValueError, match="meet"):
-        CrossEntropyKernel(mode="loss_and_grad", n=5000, dtype="bfloat16", softcap=False,
+        SoftmaxKernel(kind="softmax", n=5000, dtype="bfloat16").program(
+            RowConfig(64, 64, 1, 1, 0, meet=True), "many")
+    with pytest.raises(ValueError, match="meet"):
+        CrossEntropyKernel(mode="grad", n=5000, dtype="bfloat16", softcap=False,
                            smoothing=False, dloss_per_row=False).program(
             CrossEntropyConfig(64, 64, 1, 1, 3, meet=True), "many")
+
+
+def _rows(rows, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+    x[0, : n // 2] = float("-inf")  # whole slices of -inf
+    x[2] = float("-inf")  # softmax NaN, as torch
+    return x
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("rows, n, dtype, slices, threads", [
+    pytest.param(4, 5000, BF16, 3, 64, marks=pytest.mark.smoke),
+    pytest.param(3, 4104, FP16, 8, 32, marks=pytest.mark.full),
+    pytest.param(3, 3000, FP32, 2, 128, marks=pytest.mark.full)])
+def test_two_pass_forward_meets_on_the_cpu(kind, rows, n, dtype, slices, threads):
+    x = _rows(rows, n, dtype, rows + n)
+    config = RowConfig(threads, threads, 4, 1, slices, meet=True)
+    compiled = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype]).compile(config, "many")[0]
+    assert "AtomicLoad" in compiled.get_kernel_source()
+    y = torch.full_like(x, float("nan"))
+    part, count = _scratch(rows, slices, 2)
+    _run(compiled, config, rows, dict(x=x, y=y, gpart=part, counts=count), {}, together=True)
+    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
+    torch.testing.assert_close(y.double(), getattr(torch, kind)(x.double(), -1), rtol=tol,
+                               atol=tol * 1e-2, equal_nan=True)
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("kind", ["softmax_bwd", "log_softmax_bwd"])
+def test_two_pass_backward_meets_on_the_cpu(kind):
+    rows, n, dtype, slices, threads = 3, 3000, BF16, 5, 64
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    y = (torch.softmax if kind == "softmax_bwd" else torch.log_softmax)(x, -1).to(dtype)
+    dy = torch.randn(rows, n, generator=gen).to(dtype)
+    dx = torch.full_like(y, float("nan"))
+    config = RowConfig(threads, threads, 4, 1, slices, meet=True)
+    compiled = SoftmaxKernel(kind=kind, n=n, dtype="bfloat16").compile(config, "many")[0]
+    part, count = _scratch(rows, slices, 1)
+    _run(compiled, config, rows, dict(dy=dy, y=y, dx=dx, gpart=part, counts=count), {},
+         together=True)
+    yd, dyd = y.double(), dy.double()
+    if kind == "softmax_bwd":
+        want = yd * (dyd - (dyd * yd).sum(-1, keepdim=True))
+    else:
+        want = dyd - yd.exp() * dyd.sum(-1, keepdim=True)
+    torch.testing.assert_close(dx.double(), want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype, slices, threads, params", [
+    pytest.param(BF16, 3, 64, {"eps": 0.1, "zloss": 1e-4}, marks=pytest.mark.smoke),
+    pytest.param(FP16, 8, 32, {"cap": 30.0, "ignore_index": 7}, marks=pytest.mark.full),
+    pytest.param(FP32, 2, 128, {"eps": 0.05, "cap": 10.0}, marks=pytest.mark.full)])
+def test_loss_and_gradient_meet_on_the_cpu(dtype, slices, threads, params):
+    rows, n = 4, 4104
+    gen = torch.Generator().manual_seed(slices + threads)
+    x = (torch.randn(rows, n, generator=gen) * 2).to(dtype)
+    ignore_index = params.get("ignore_index", -100)
+    target = torch.randint(0, n, (rows,), generator=gen)
+    target[1] = ignore_index
+    target[2] = n - 1
+    eps, cap, zloss = params.get("eps", 0.0), params.get("cap"), params.get("zloss", 0.0)
+    config = CrossEntropyConfig(threads, threads, 4, 1, slices, meet=True)
+    kernel = CrossEntropyKernel(mode="loss_and_grad", n=n, dtype=NAMES[dtype],
+                                softcap=cap is not None, smoothing=eps != 0.0,
+                                dloss_per_row=False)
+    compiled = kernel.compile(config, "many")[0]
+    loss = torch.full((rows,), float("nan"))
+    lse = torch.full((rows,), float("nan"))
+    grad = x.clone()  # written over the logits, as the in-place flavour does
+    part, count = _scratch(rows, slices, 3)
+    _run(compiled, config, rows,
+         dict(x=grad, target=target, loss=loss, lse=lse, grad=grad, gpart=part,
+              counts=count),
+         dict(ignore_index=ignore_index, cap=1.0 if cap is None else cap, eps=eps,
+              zloss=zloss), together=True)
+    leaf = x.double().requires_grad_()
+    z = leaf if cap is None else cap * torch.tanh(leaf / cap)
+    want_lse = torch.logsumexp(z, -1)
+    want = F.cross_entropy(z, target, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=eps) + zloss * want_lse.square() * (
+                               target != ignore_index)
+    want.sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), want_lse.detach(), rtol=1e-5, atol=1e-5)
+    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
+    torch.testing.assert_close(grad.double(), leaf.grad, rtol=tol, atol=tol * 1e-2)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from ..vectors import ELEM_BYTES, vector_width
+from .meeting_slices import exchange_macro
 from .row_map import NEG_INF, RowMap, exp
 
 MAX_CLUSTER = 8  # the portable cluster size on Hopper
@@ -44,6 +45,7 @@ class ClusterRows:
     cluster: int
     threads: int
     ctas_per_sm: int = 1
+    meet: bool = False  # the slices are unclustered CTAs meeting through global memory
 
     def __post_init__(self):
         if not 1 <= self.cluster <= MAX_CLUSTER or self.threads % 32 or self.threads > 1024:
@@ -86,6 +88,24 @@ class ClusterRows:
     def row_steps(self, rows):
         """Rows per cluster of the persistent grid (the last step partly empty)."""
         return T.ceildiv(rows, self.resident_clusters)
+
+    # the launch of the two-pass kernels: persistent clusters, or with `meet` one CTA per
+    # slice of every row, unclustered (meeting_slices.exchange_macro)
+    def launch_grid(self, rows):
+        return self.grid(rows) if self.meet else self.persistent_grid(rows)
+
+    @property
+    def launch_cluster(self) -> int:
+        return 1 if self.meet else self.cluster
+
+    def launch_steps(self, rows):
+        return 1 if self.meet else self.row_steps(rows)
+
+    def row_of(self, step, bx):
+        """The row that CTA bx takes at `step` (the same in the whole cluster)."""
+        if self.meet:
+            return bx // self.cluster
+        return step * self.resident_clusters + bx // self.cluster
 
     def column(self, rank, tx, i):
         """The first column of register slot i's vector."""
@@ -143,7 +163,8 @@ class ClusterRows:
                 for p in T.unroll(2):
                     for c in T.unroll(part.shape[2]):
                         part[p, tx, c] = 0.0
-            T.cluster_sync()
+            if not self.meet:
+                T.cluster_sync()
 
         @T.macro
         def share(values, mine, part, parity, rank, tx):
@@ -181,6 +202,28 @@ class ClusterRows:
                 total[0] = total[0] + part[parity, k, column]
 
         return load, slice_max_sum, begin, share, merged_max_sum, merged_sum
+
+    def swap_macros(self, values: int):
+        """(swap, parity) of a two-pass kernel's exchange of `values` partials a CTA:
+        swap(partials, mine, part, step, rank, tx, row, gpart, counts, arrived) leaves every
+        CTA of the row the row's partials in part[parity(step), :, :], through the cluster
+        (`share`; gpart, counts, arrived unused) or, with `meet`, through global memory
+        (meeting_slices.exchange_macro; mine unused)."""
+        share = self.macros()[3]
+        exchange = exchange_macro(self.cluster, values) if self.meet else None
+        meet = self.meet
+
+        @T.macro
+        def swap(partials, mine, part, step, rank, tx, row, gpart, counts, arrived):
+            if meet:
+                exchange(partials, part, gpart, counts, row, rank, tx, arrived)
+            else:
+                share(partials, mine, part, step % 2, rank, tx)
+
+        def parity(step):
+            return 0 if meet else step % 2
+
+        return swap, parity
 
 
 REGISTERS = 65536  # per SM

@@ -186,6 +186,7 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
     through global memory (meeting_slices.py): one read of the logits; the last CTA of a row
     reads z[target] and writes the loss and lse."""
     rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
+    tallies = T.dynamic("tallies")  # the counts' rows (>= 2: scratch may be larger)
     cr = ClusterRows(n, dtype, config.cluster, config.threads)
     load = cr.macros()[0]
     reduce_sum, reduce_max_sum = cr.reductions()
@@ -198,7 +199,7 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
                           loss: T.Tensor(V, "float"), lse_out: T.Tensor(V, "float"),
                           ignore_index: T.int64, cap: T.float32, eps: T.float32,
                           zloss: T.float32, part: T.Tensor((width, slots), "float"),
-                          count: T.Tensor((slots,), "int32")):
+                          count: T.Tensor((tallies, slots), "int32")):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
@@ -227,7 +228,7 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
                     loss[row] = row_scale(t, ignore_index, n,
                                           row_loss(lse, zt, zsum[0], eps, zloss, n))
                     lse_out[row] = lse
-                    count[row] = 0
+                    count[0, row] = 0
 
     return cross_entropy_fwd
 
@@ -237,14 +238,18 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     """The MODES on rows split over a cluster (cluster_rows.py): the logits are read once and
     kept in registers as loaded; the CTAs swap their (max, exp-sum, z-sum) partials; the
     gradient comes from the registers (written over the logits when asked: each CTA writes
-    only the slice it holds). Persistent clusters. The `grad` mode has nothing to swap: one
-    unclustered CTA per slice of every row."""
+    only the slice it holds). Persistent clusters; with `config.meet` (loss_and_grad)
+    unclustered CTAs, one per slice of every row, swapping through global memory
+    (meeting_slices.exchange_macro). The `grad` mode has nothing to swap: one unclustered
+    CTA per slice of every row."""
     rows = T.dynamic("rows")
-    cr = ClusterRows(n, dtype, config.cluster, config.threads, config.ctas_per_sm)
-    load, _, begin, share, merged_max_sum, merged_sum = cr.macros()
+    meet = config.meet
+    cr = ClusterRows(n, dtype, config.cluster, config.threads, config.ctas_per_sm, meet)
+    load, _, begin, _, merged_max_sum, merged_sum = cr.macros()
     reduce_sum, reduce_max_sum = cr.reductions()
-    per, vec, cluster, clusters = cr.per_thread, cr.vec, cr.cluster, cr.resident_clusters
+    per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
     z_of, slice_statistics = slice_macros(cr, softcap, smoothing)
+    swap, parity = cr.swap_macros(CROSS_ENTROPY_PARTIALS)
 
     @T.macro
     def store_gradient(raw, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
@@ -260,8 +265,10 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                     grad[row, cr.column(rank, tx, i) + j] = T.cast(g[j], dtype)
 
     @T.macro
-    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
-        with T.Kernel(cr.persistent_grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss, gpart=None,
+                counts=None):
+        with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
+                      cluster_dims=cr.launch_cluster) as bx:
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
             rank = bx % cluster
@@ -275,14 +282,15 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
             red_z = T.alloc_shared((1, cr.warps), "float")
             mine = T.alloc_shared((3,), "float")
             part = T.alloc_shared((2, cluster, 3), "float")
+            arrived = T.alloc_local((1,), "int32")
             begin(part, tx)
-            for step in T.serial(cr.row_steps(rows)):
-                row = step * clusters + bx // cluster  # the same in the whole cluster
+            for step in T.serial(cr.launch_steps(rows)):
+                row = cr.row_of(step, bx)
                 if row < rows:
                     load(x, row, rank, tx, raw, NEG_INF)
                     t = target[row]
-                    # z[t], read before the cluster barrier in `share`, so before any CTA of
-                    # the row stores a gradient (possibly over x)
+                    # z[t], read before the exchange (a barrier of the row's CTAs), so before
+                    # any CTA of the row stores a gradient (possibly over x)
                     zt[0] = 0.0
                     if (rank == 0) & (tx == 0) & (t != ignore_index) & (t >= 0) & (t < n):
                         zt[0] = T.cast(x[row, t], "float")
@@ -292,10 +300,10 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                     reduce_max_sum(m, s, red_m, red_s, 0, tx)
                     if smoothing:
                         reduce_sum(zsum, red_z, 0, tx)
-                    share((m, s, zsum), mine, part, step % 2, rank, tx)
-                    merged_max_sum(part, step % 2, m, s)
+                    swap((m, s, zsum), mine, part, step, rank, tx, row, gpart, counts, arrived)
+                    merged_max_sum(part, parity(step), m, s)
                     if smoothing:
-                        merged_sum(part, step % 2, 2, zsum)
+                        merged_sum(part, parity(step), 2, zsum)
                     lse = m[0] + T.log(s[0])
                     if (rank == 0) & (tx == 0):
                         loss[row] = row_scale(t, ignore_index, n,
@@ -324,14 +332,16 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
 def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothing: bool,
                           dloss_per_row: bool, config: RowConfig):
     if config.meet:
-        if mode != "loss" or not config.cluster:
-            raise ValueError(f"meet={config.meet} is a form of the loss mode on cluster > 1 "
-                             f"slices; got mode {mode!r}, cluster={config.cluster}")
-        return meeting_cross_entropy_program(n, dtype, softcap, smoothing, config)
+        if mode == "grad" or not config.cluster:
+            raise ValueError(f"meet={config.meet} needs slices (cluster > 1) and statistics "
+                             f"to share; got mode {mode!r}, cluster={config.cluster}")
+        if mode == "loss":
+            return meeting_cross_entropy_program(n, dtype, softcap, smoothing, config)
     if config.cluster:
         rows, forward, backward = cluster_cross_entropy_program(
             mode, n, dtype, softcap, smoothing, dloss_per_row, config)
-        return prim_func_of(mode, rows, n, dtype, dloss_per_row, forward, backward)
+        return prim_func_of(mode, rows, n, dtype, dloss_per_row, forward, backward,
+                            meeting=config.meet)
     rows = T.dynamic("rows")
     rm = row_map(n, dtype, config)
     load, store, reduce_sum, reduce_max_sum, chunk_max_sum = rm.macros(rows)
@@ -499,10 +509,25 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
     return prim_func_of(mode, rows, n, dtype, dloss_per_row, forward, backward)
 
 
-def prim_func_of(mode: str, rows, n: int, dtype: str, dloss_per_row: bool, forward, backward):
+def prim_func_of(mode: str, rows, n: int, dtype: str, dloss_per_row: bool, forward, backward,
+                 meeting: bool = False):
     """The program of `mode` around the kernel macros (the streaming or the cluster ones,
-    which size their grids by the same symbolic `rows`)."""
+    which size their grids by the same symbolic `rows`); `meeting`: loss_and_grad on
+    meeting slices, which takes the scratch buffers (meeting_slices.scratch_for) last."""
     R, V = (rows, n), (rows,)
+    if meeting:
+        slots = T.dynamic("slots")
+        P, C = (T.dynamic("width"), slots), (T.dynamic("tallies"), slots)
+
+        @T.prim_func
+        def cross_entropy_loss_grad_meeting(
+                x: T.Tensor(R, dtype), target: T.Tensor(V, "int64"),
+                loss: T.Tensor(V, "float"), lse: T.Tensor(V, "float"),
+                grad: T.Tensor(R, dtype), ignore_index: T.int64, cap: T.float32,
+                eps: T.float32, zloss: T.float32, gpart: T.Tensor(P, "float"),
+                counts: T.Tensor(C, "int32")):
+            forward(x, target, loss, lse, grad, ignore_index, cap, eps, zloss, gpart, counts)
+        return cross_entropy_loss_grad_meeting
     if mode == "grad":
         D = (rows,) if dloss_per_row else (1,)
 
@@ -539,6 +564,10 @@ class CrossEntropyKernel(RowKernel):
     Config = CrossEntropyConfig
     offers_walks = False  # default_variants adds them, resident, in loss_and_grad mode only
     meeting_partials = CROSS_ENTROPY_PARTIALS
+
+    @property
+    def meets_in_two_passes(self) -> bool:
+        return self.key["mode"] == "loss_and_grad"
 
     def heuristic_config(self, bucket: str, arch: str) -> CrossEntropyConfig:
         row = super().heuristic_config(bucket, arch)

@@ -31,7 +31,8 @@ def meeting_macros(slices: int, values: int):
         reads of the others' partials after it."""
         for k, value in enumerate(partials):  # unrolled while tracing
             part[rank * values + k, row] = value[0]
-        arrived[0] = T.atomic_add(count[row], T.int32(1), memory_order="acq_rel",
+        # (return_prev: TileLang's integer AtomicAdd without it drops the memory order)
+        arrived[0] = T.atomic_add(count[0, row], T.int32(1), memory_order="acq_rel",
                                   return_prev=True)
 
     @T.macro
@@ -57,11 +58,50 @@ def meeting_macros(slices: int, values: int):
 
 
 def scratch_for(x, slices: int, values: int) -> tuple:
-    """(partials, counts) scratch buffers of a launch over the rows of x [rows, n]."""
+    """(partials [>= slices * values, >= rows] float32, counts [>= 2, >= rows] int32, zero)
+    scratch buffers of a launch over the rows of x [rows, n]: counts[0] the arrivals,
+    counts[1] the departures (the two-pass kernels' exchange)."""
     import torch
 
     from ..workspace import scratch, zeroed_scratch
 
     rows = x.shape[0]
     return (scratch(x.device, slices * values, rows, torch.float32),
-            zeroed_scratch(x.device, 1, rows, torch.int32)[0])
+            zeroed_scratch(x.device, 2, rows, torch.int32))
+
+
+def exchange_macro(slices: int, values: int):
+    """`exchange`: the two-pass kernels' form of ClusterRows' `share` for meeting slices.
+    Every CTA of a row must have its partials before any writes outputs, so thread 0
+    stores its partials, counts itself in (release), and waits until the row's `slices`
+    CTAs are in (acquire); it copies every CTA's partials into the shared
+    part[0, c, k] (the layout the cluster kernels' merge macros read), then counts itself
+    out, and the last CTA out sets both counts back to zero (no CTA reads them after its
+    own departure). A barrier then hands part to the CTA's threads.
+
+    The wait needs the row's CTAs resident together. They are adjacent in the grid and the
+    GPU dispatches a grid's CTAs in order, so at most one row is partly dispatched at a
+    time and every other resident CTA belongs to a row whose CTAs are all running: those
+    finish and free their slots for the rest of the partial row (a row has at most 8 CTAs;
+    an SM holds one to four)."""
+
+    @T.macro
+    def exchange(partials, part, gpart, counts, row, rank, tx, arrived):
+        if tx == 0:
+            for k, value in enumerate(partials):  # unrolled while tracing
+                gpart[rank * values + k, row] = value[0]
+            arrived[0] = T.atomic_add(counts[0, row], T.int32(1), memory_order="acq_rel",
+                                      return_prev=True)
+            while T.atomic_load(counts[0, row], memory_order="acquire") < slices:
+                T.evaluate(0)
+            for c in T.unroll(slices):
+                for k in T.unroll(values):
+                    part[0, c, k] = gpart[c * values + k, row]
+            arrived[0] = T.atomic_add(counts[1, row], T.int32(1), memory_order="acq_rel",
+                                      return_prev=True)
+            if arrived[0] == slices - 1:
+                counts[0, row] = 0
+                counts[1, row] = 0
+        T.sync_threads()
+
+    return exchange

@@ -52,10 +52,11 @@ def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
 
 def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     if config.meet:
-        if kind != "logsumexp" or not config.cluster:
-            raise ValueError(f"meet={config.meet} is a form of logsumexp on cluster > 1 "
-                             f"slices; got kind {kind!r}, cluster={config.cluster}")
-        return meeting_logsumexp_program(n, dtype, config)
+        if kind == "logsumexp_bwd" or not config.cluster:
+            raise ValueError(f"meet={config.meet} needs slices (cluster > 1) and a kind with "
+                             f"statistics to share; got kind {kind!r}, cluster={config.cluster}")
+        if kind == "logsumexp":
+            return meeting_logsumexp_program(n, dtype, config)
     if config.cluster and kind != "logsumexp_bwd":
         return cluster_softmax_program(kind, n, dtype, config)
     rows = T.dynamic("rows")
@@ -218,16 +219,21 @@ def two_pass_accesses(rm: RowMap, load, store):
 def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     """The KINDS but logsumexp_bwd (one pass, nothing to share) on rows split over a cluster:
     one read of each input, the statistics swapped between the cluster's CTAs; persistent
-    clusters, `ctas_per_sm` CTAs made resident on each SM."""
+    clusters, `ctas_per_sm` CTAs made resident on each SM. With `config.meet` (the two-pass
+    kinds) the slices are unclustered CTAs, one per slice of every row, swapping through
+    global memory (meeting_slices.exchange_macro; the program takes the scratch buffers)."""
     rows = T.dynamic("rows")
-    cr = ClusterRows(n, dtype, config.cluster, config.threads, config.ctas_per_sm)
-    load, slice_max_sum, begin, share, merged_max_sum, merged_sum = cr.macros()
+    meet = config.meet
+    cr = ClusterRows(n, dtype, config.cluster, config.threads, config.ctas_per_sm, meet)
+    load, slice_max_sum, begin, _, merged_max_sum, merged_sum = cr.macros()
     reduce_sum, reduce_max_sum = cr.reductions()
-    per, vec, cluster, clusters = cr.per_thread, cr.vec, cr.cluster, cr.resident_clusters
+    per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
+    swap, parity = cr.swap_macros(1 if kind.endswith("_bwd") else 2)
 
     @T.macro
-    def forward(x, y, lse_out):
-        with T.Kernel(cr.persistent_grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+    def forward(x, y, lse_out, gpart=None, counts=None):
+        with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
+                      cluster_dims=cr.launch_cluster) as bx:
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
             rank = bx % cluster
@@ -238,15 +244,16 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             red_s = T.alloc_shared((1, cr.warps), "float")
             mine = T.alloc_shared((2,), "float")
             part = T.alloc_shared((2, cluster, 2), "float")
+            arrived = T.alloc_local((1,), "int32")
             begin(part, tx)
-            for step in T.serial(cr.row_steps(rows)):
-                row = step * clusters + bx // cluster  # the same in the whole cluster
+            for step in T.serial(cr.launch_steps(rows)):
+                row = cr.row_of(step, bx)
                 if row < rows:
                     load(x, row, rank, tx, raw, NEG_INF)
                     slice_max_sum(raw, m, s)
                     reduce_max_sum(m, s, red_m, red_s, 0, tx)
-                    share((m, s), mine, part, step % 2, rank, tx)
-                    merged_max_sum(part, step % 2, m, s)
+                    swap((m, s), mine, part, step, rank, tx, row, gpart, counts, arrived)
+                    merged_max_sum(part, parity(step), m, s)
                     if kind == "logsumexp":
                         if (rank == 0) & (tx == 0):
                             lse_out[row] = T.cast(RowMap.logsumexp_of(m[0], s[0]),
@@ -267,8 +274,9 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                             T.cast(raw[i, j], "float") - lse, dtype)
 
     @T.macro
-    def backward(dy, y, dx):
-        with T.Kernel(cr.persistent_grid(rows), threads=cr.threads, cluster_dims=cluster) as bx:
+    def backward(dy, y, dx, gpart=None, counts=None):
+        with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
+                      cluster_dims=cr.launch_cluster) as bx:
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
             rank = bx % cluster
@@ -278,9 +286,10 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             red = T.alloc_shared((1, cr.warps), "float")
             mine = T.alloc_shared((1,), "float")
             part = T.alloc_shared((2, cluster, 1), "float")
+            arrived = T.alloc_local((1,), "int32")
             begin(part, tx)
-            for step in T.serial(cr.row_steps(rows)):
-                row = step * clusters + bx // cluster
+            for step in T.serial(cr.launch_steps(rows)):
+                row = cr.row_of(step, bx)
                 if row < rows:
                     load(dy, row, rank, tx, dyr, 0.0)
                     load(y, row, rank, tx, yr, 0.0)
@@ -293,8 +302,8 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                             else:
                                 total[0] = total[0] + T.cast(dyr[i, j], "float")
                     reduce_sum(total, red, 0, tx)
-                    share((total,), mine, part, step % 2, rank, tx)
-                    merged_sum(part, step % 2, 0, total)
+                    swap((total,), mine, part, step, rank, tx, row, gpart, counts, arrived)
+                    merged_sum(part, parity(step), 0, total)
                     for i in T.unroll(per):
                         if cr.valid(rank, tx, i):
                             for j in T.vectorized(vec):
@@ -307,13 +316,14 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                         T.cast(dyr[i, j], "float")
                                         - exp(T.cast(yr[i, j], "float")) * total[0], dtype)
 
-    return prim_func_of(kind, rows, n, dtype, forward, backward)
+    return prim_func_of(kind, rows, n, dtype, forward, backward, meeting=meet)
 
 
 def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
     """logsumexp with each row cut into `config.cluster` slices, one CTA each, meeting
     through global memory (meeting_slices.py); one read of each element."""
     rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
+    tallies = T.dynamic("tallies")  # the counts' rows (>= 2: scratch may be larger)
     cr = ClusterRows(n, dtype, config.cluster, config.threads)
     load, slice_max_sum = cr.macros()[:2]
     reduce_max_sum = cr.reductions()[1]
@@ -322,7 +332,7 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
     @T.prim_func
     def logsumexp_fwd(x: T.Tensor((rows, n), dtype), out: T.Tensor((rows,), dtype),
                       part: T.Tensor((width, slots), "float"),
-                      count: T.Tensor((slots,), "int32")):
+                      count: T.Tensor((tallies, slots), "int32")):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
@@ -340,7 +350,7 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
                 if arrived[0] == cr.cluster - 1:
                     merged_max_sum(part, row, m, s)
                     out[row] = T.cast(RowMap.logsumexp_of(m[0], s[0]), dtype)
-                    count[row] = 0
+                    count[0, row] = 0
 
     return logsumexp_fwd
 
@@ -358,10 +368,28 @@ def meeting_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
             for slices, threads in shapes]
 
 
-def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_backward=None):
+def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_backward=None,
+                 meeting: bool = False):
     """The program of `kind` around the kernel macros (the streaming or the cluster ones,
-    which size their grids by the same symbolic `rows`)."""
+    which size their grids by the same symbolic `rows`); `meeting`: the two-pass kinds'
+    meeting slices, which take the scratch buffers (meeting_slices.scratch_for) last."""
     R, V = (rows, n), (rows,)
+    if meeting:
+        slots = T.dynamic("slots")
+        P, C = (T.dynamic("width"), slots), (T.dynamic("tallies"), slots)
+        if kind in ("softmax", "log_softmax"):
+            @T.prim_func
+            def softmax_fwd_meeting(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype),
+                                    gpart: T.Tensor(P, "float"), counts: T.Tensor(C, "int32")):
+                forward(x, y, None, gpart, counts)
+            return softmax_fwd_meeting
+
+        @T.prim_func
+        def softmax_bwd_meeting(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype),
+                                dx: T.Tensor(R, dtype), gpart: T.Tensor(P, "float"),
+                                counts: T.Tensor(C, "int32")):
+            backward(dy, y, dx, gpart, counts)
+        return softmax_bwd_meeting
     if kind == "logsumexp":
         @T.prim_func
         def logsumexp_fwd(x: T.Tensor(R, dtype), out: T.Tensor(V, dtype)):
@@ -426,8 +454,8 @@ class RowKernel(Kernel):
     clustered = True  # whether the kernel has a cluster form for long rows
     held = 1  # inputs its cluster form keeps in registers
     offers_walks = True  # whether its space adds walk_variants (rows read twice)
-
     meeting_partials = LOGSUMEXP_PARTIALS  # floats each slice of a `meet` config leaves
+    meets_in_two_passes = True  # whether its cluster shapes also come as `meet` configs
 
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
         if config.meet:  # the slices' scratch (partials, counts) after the op's arguments
@@ -455,6 +483,9 @@ class RowKernel(Kernel):
         if self.clustered and n // vector_width(n, dtype) > 1024:
             for cluster, threads, ctas_per_sm in cluster_shapes(n, dtype, self.held):
                 space.append(RowConfig(threads, threads, 4, ctas_per_sm, cluster))
+                if self.meets_in_two_passes:  # the same slices, exchanging through memory
+                    space.append(RowConfig(threads, threads, 4, ctas_per_sm, cluster,
+                                           meet=True))
         if self.offers_walks:
             space += walk_variants(default_row_config(n, dtype, bucket == "few"), n, dtype)
         return list(dict.fromkeys(space))
@@ -476,6 +507,14 @@ class SoftmaxKernel(RowKernel):
     @property
     def offers_walks(self) -> bool:
         return self.key["kind"] not in ("logsumexp", "logsumexp_bwd")
+
+    @property
+    def meets_in_two_passes(self) -> bool:
+        return self.offers_walks  # the kinds with a second pass
+
+    @property
+    def meeting_partials(self) -> int:
+        return 1 if self.key["kind"].endswith("_bwd") else LOGSUMEXP_PARTIALS
 
     def config_space(self, bucket: str) -> list[RowConfig]:
         space = super().config_space(bucket)
