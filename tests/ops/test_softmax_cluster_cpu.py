@@ -14,6 +14,8 @@ from tileops.kernels.softmax.cluster_rows import (
     slice_shape,
 )
 
+from .softmax_emulated import check_backward, check_forward
+
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
 
@@ -52,16 +54,7 @@ CASES = [(4, 5000, BF16, 4, 64), (3, 2056, FP16, 3, 64), (3, 1000, FP32, 8, 32),
 def test_cluster_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
     x = _rows(rows, n, dtype, rows * n)
     config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster)
-    if kind == "logsumexp":
-        out = torch.full((rows,), float("nan"), dtype=dtype)
-        _run(kind, dict(x=x, out=out), n, dtype, config, rows)
-        want = torch.logsumexp(x.double(), -1)
-    else:
-        out = torch.full_like(x, float("nan"))
-        _run(kind, dict(x=x, y=out), n, dtype, config, rows)
-        want = getattr(torch, kind)(x.double(), -1)
-    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
-    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * 1e-2, equal_nan=True)
+    check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
 
 
 @pytest.mark.compile
@@ -74,15 +67,9 @@ def test_cluster_backward_on_the_cpu(kind):
     forward = torch.softmax if kind == "softmax_bwd" else torch.log_softmax
     y = forward(x, -1).to(dtype)
     dy = torch.randn(rows, n, generator=gen).to(dtype)
-    dx = torch.full_like(y, float("nan"))
-    _run(kind, dict(dy=dy, y=y, dx=dx), n, dtype, RowConfig(threads=64, ctas_per_sm=1, cluster=5),
-         rows)
-    yd, dyd = y.double(), dy.double()
-    if kind == "softmax_bwd":
-        want = yd * (dyd - (dyd * yd).sum(-1, keepdim=True))
-    else:
-        want = dyd - yd.exp() * dyd.sum(-1, keepdim=True)
-    torch.testing.assert_close(dx.double(), want, rtol=1e-2, atol=1e-3)
+    config = RowConfig(threads=64, ctas_per_sm=1, cluster=5)
+    check_backward(kind, y, dy, lambda tensors: _run(kind, tensors, n, dtype, config, rows),
+                   1e-2, 1e-3)
 
 
 @pytest.mark.compile

@@ -16,6 +16,8 @@ from tileops.kernels.softmax import RowConfig, SoftmaxKernel
 from tileops.kernels.softmax.cross_entropy import CrossEntropyConfig, CrossEntropyKernel
 from tileops.kernels.softmax.softmax import meeting_configs
 
+from .softmax_emulated import TOL, check_backward, check_forward
+
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
 
@@ -55,12 +57,9 @@ def test_logsumexp_meets_on_the_cpu(rows, n, dtype, slices, threads):
     kernel = SoftmaxKernel(kind="logsumexp", n=n, dtype=NAMES[dtype])
     compiled = kernel.compile(config, "many")[0]
     assert "AtomicAddRet" in compiled.get_kernel_source()
-    out = torch.full((rows,), float("nan"), dtype=dtype)
     part, count = _scratch(rows, slices, 2)
-    _run(compiled, config, rows, dict(x=x, out=out, part=part, count=count), {})
-    want = torch.logsumexp(x.double(), -1)
-    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
-    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol, equal_nan=True)
+    check_forward("logsumexp", x, lambda tensors: _run(
+        compiled, config, rows, dict(tensors, part=part, count=count), {}))
 
 
 @pytest.mark.compile
@@ -157,12 +156,9 @@ def test_two_pass_forward_meets_on_the_cpu(kind, rows, n, dtype, slices, threads
     config = RowConfig(threads, threads, 4, 1, slices, meet=True)
     compiled = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype]).compile(config, "many")[0]
     assert "AtomicLoad" in compiled.get_kernel_source()
-    y = torch.full_like(x, float("nan"))
     part, count = _scratch(rows, slices, 2)
-    _run(compiled, config, rows, dict(x=x, y=y, gpart=part, counts=count), {}, together=True)
-    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
-    torch.testing.assert_close(y.double(), getattr(torch, kind)(x.double(), -1), rtol=tol,
-                               atol=tol * 1e-2, equal_nan=True)
+    check_forward(kind, x, lambda tensors: _run(
+        compiled, config, rows, dict(tensors, gpart=part, counts=count), {}, together=True))
 
 
 @pytest.mark.compile
@@ -174,18 +170,12 @@ def test_two_pass_backward_meets_on_the_cpu(kind):
     x = torch.randn(rows, n, generator=gen, dtype=torch.float64)
     y = (torch.softmax if kind == "softmax_bwd" else torch.log_softmax)(x, -1).to(dtype)
     dy = torch.randn(rows, n, generator=gen).to(dtype)
-    dx = torch.full_like(y, float("nan"))
     config = RowConfig(threads, threads, 4, 1, slices, meet=True)
     compiled = SoftmaxKernel(kind=kind, n=n, dtype="bfloat16").compile(config, "many")[0]
     part, count = _scratch(rows, slices, 1)
-    _run(compiled, config, rows, dict(dy=dy, y=y, dx=dx, gpart=part, counts=count), {},
-         together=True)
-    yd, dyd = y.double(), dy.double()
-    if kind == "softmax_bwd":
-        want = yd * (dyd - (dyd * yd).sum(-1, keepdim=True))
-    else:
-        want = dyd - yd.exp() * dyd.sum(-1, keepdim=True)
-    torch.testing.assert_close(dx.double(), want, rtol=1e-2, atol=1e-3)
+    check_backward(kind, y, dy, lambda tensors: _run(
+        compiled, config, rows, dict(tensors, gpart=part, counts=count), {}, together=True),
+        1e-2, 1e-3)
 
 
 @pytest.mark.compile
@@ -225,5 +215,5 @@ def test_loss_and_gradient_meet_on_the_cpu(dtype, slices, threads, params):
     want.sum().backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lse.double(), want_lse.detach(), rtol=1e-5, atol=1e-5)
-    tol = {BF16: 1e-2, FP16: 1e-3, FP32: 1e-5}[dtype]
+    tol = TOL[dtype]
     torch.testing.assert_close(grad.double(), leaf.grad, rtol=tol, atol=tol * 1e-2)

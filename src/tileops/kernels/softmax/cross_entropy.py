@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .cluster_rows import ClusterRows, slice_shape
-from .meeting_slices import meeting_macros
+from .meeting_slices import meeting_macros, reduced_slice_macro
 from .row_map import NEG_INF, RowMap, exp, tanh, vector_width
 from .softmax import (
     SM_COUNT,
@@ -188,9 +188,7 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
     rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
     tallies = T.dynamic("tallies")  # the counts' rows (>= 2: scratch may be larger)
     cr = ClusterRows(n, dtype, config.cluster, config.threads)
-    load = cr.macros()[0]
-    reduce_sum, reduce_max_sum = cr.reductions()
-    _, slice_statistics = slice_macros(cr, softcap, smoothing)
+    reduced_slice = reduced_slice_macro(cr, slice_macros(cr, softcap, smoothing)[1], smoothing)
     meet, merged_max_sum, merged_sum = meeting_macros(cr.cluster, CROSS_ENTROPY_PARTIALS)
     R, V = (rows, n), (rows,)
 
@@ -203,19 +201,11 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
-            raw = T.alloc_local((cr.per_thread, cr.vec), dtype)
             m = T.alloc_local((1,), "float")
             s = T.alloc_local((1,), "float")
             zsum = T.alloc_local((1,), "float")
             arrived = T.alloc_local((1,), "int32")
-            red_m = T.alloc_shared((1, cr.warps), "float")
-            red_s = T.alloc_shared((1, cr.warps), "float")
-            red_z = T.alloc_shared((1, cr.warps), "float")
-            load(x, row, rank, tx, raw, NEG_INF)
-            slice_statistics(raw, rank, tx, cap, m, s, zsum)
-            reduce_max_sum(m, s, red_m, red_s, 0, tx)
-            if smoothing:
-                reduce_sum(zsum, red_z, 0, tx)
+            reduced_slice(x, row, rank, tx, cap, m, s, zsum)
             if tx == 0:
                 meet(part, count, row, rank, (m, s, zsum), arrived)
                 if arrived[0] == cr.cluster - 1:

@@ -15,7 +15,7 @@ is read). No second launch: a merge kernel would cost host time per call (argmax
 
 import tilelang.language as T
 
-from .row_map import RowMap, exp
+from .row_map import NEG_INF, RowMap, exp
 
 
 def meeting_macros(slices: int, values: int):
@@ -55,6 +55,29 @@ def meeting_macros(slices: int, values: int):
             total[0] = total[0] + part[k * values + column, row]
 
     return meet, merged_max_sum, merged_sum
+
+
+def reduced_slice_macro(cr, statistics, smoothing: bool):
+    """`reduced_slice(x, row, rank, tx, cap, m, s, zsum)` of a one-pass kernel: the CTA's
+    slice of x's row (cr: a ClusterRows) loaded into registers at once, every thread left
+    with the slice's max and exp-sum (and with `smoothing` its z-sum) in m, s, zsum;
+    `statistics(raw, rank, tx, cap, m, s, zsum)` folds a thread's slots."""
+    load = cr.macros()[0]
+    reduce_sum, reduce_max_sum = cr.reductions()
+
+    @T.macro
+    def reduced_slice(x, row, rank, tx, cap, m, s, zsum):
+        raw = T.alloc_local((cr.per_thread, cr.vec), cr.dtype)
+        red_m = T.alloc_shared((1, cr.warps), "float")
+        red_s = T.alloc_shared((1, cr.warps), "float")
+        load(x, row, rank, tx, raw, NEG_INF)
+        statistics(raw, rank, tx, cap, m, s, zsum)
+        reduce_max_sum(m, s, red_m, red_s, 0, tx)
+        if smoothing:
+            red_z = T.alloc_shared((1, cr.warps), "float")
+            reduce_sum(zsum, red_z, 0, tx)
+
+    return reduced_slice
 
 
 def scratch_for(x, slices: int, values: int) -> tuple:

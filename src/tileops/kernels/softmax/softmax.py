@@ -19,7 +19,7 @@ from .. import l2_hints
 from ..base import Kernel
 from ..vectors import ELEM_BYTES
 from .cluster_rows import ClusterRows, cluster_shapes, slice_shape
-from .meeting_slices import meeting_macros, scratch_for
+from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_for
 from .row_map import NEG_INF, RowMap, exp, vector_width
 
 KINDS = ("softmax", "log_softmax", "logsumexp", "softmax_bwd", "log_softmax_bwd",
@@ -193,18 +193,17 @@ def two_pass_accesses(rm: RowMap, load, store):
         return raw, policy
 
     @T.macro
-    def first_load(buf, row, c, raw, local, lane, fill, policy):
+    def load_as(buf, row, c, raw, local, lane, fill, policy, use):
         if hints:
-            load_hinted(buf, row, c, raw, local, lane, fill, policy[0])
+            load_hinted(buf, row, c, raw, local, lane, fill, policy[use])
         else:
             load(buf, row, c, local, lane, fill)
 
-    @T.macro
+    def first_load(buf, row, c, raw, local, lane, fill, policy):
+        return load_as(buf, row, c, raw, local, lane, fill, policy, 0)  # kept in L2
+
     def second_load(buf, row, c, raw, local, lane, fill, policy):
-        if hints:
-            load_hinted(buf, row, c, raw, local, lane, fill, policy[1])
-        else:
-            load(buf, row, c, local, lane, fill)
+        return load_as(buf, row, c, raw, local, lane, fill, policy, 1)  # evicted first
 
     @T.macro
     def out_store(local, raw, buf, row, c, lane, policy):
@@ -325,9 +324,14 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
     rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
     tallies = T.dynamic("tallies")  # the counts' rows (>= 2: scratch may be larger)
     cr = ClusterRows(n, dtype, config.cluster, config.threads)
-    load, slice_max_sum = cr.macros()[:2]
-    reduce_max_sum = cr.reductions()[1]
+    slice_max_sum = cr.macros()[1]
     meet, merged_max_sum, _ = meeting_macros(cr.cluster, LOGSUMEXP_PARTIALS)
+
+    @T.macro
+    def max_sum(raw, rank, tx, cap, m, s, zsum):
+        slice_max_sum(raw, m, s)
+
+    reduced_slice = reduced_slice_macro(cr, max_sum, smoothing=False)
 
     @T.prim_func
     def logsumexp_fwd(x: T.Tensor((rows, n), dtype), out: T.Tensor((rows,), dtype),
@@ -336,15 +340,10 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
-            raw = T.alloc_local((cr.per_thread, cr.vec), dtype)
             m = T.alloc_local((1,), "float")
             s = T.alloc_local((1,), "float")
             arrived = T.alloc_local((1,), "int32")
-            red_m = T.alloc_shared((1, cr.warps), "float")
-            red_s = T.alloc_shared((1, cr.warps), "float")
-            load(x, row, rank, tx, raw, NEG_INF)
-            slice_max_sum(raw, m, s)
-            reduce_max_sum(m, s, red_m, red_s, 0, tx)
+            reduced_slice(x, row, rank, tx, None, m, s, None)
             if tx == 0:
                 meet(part, count, row, rank, (m, s), arrived)
                 if arrived[0] == cr.cluster - 1:
