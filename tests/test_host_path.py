@@ -175,3 +175,19 @@ def test_fused_add_plan_and_the_in_place_form(stub):
         a, b = bf16(*shape), bf16(*shape)
         out, res = tileops.fused_add_rms_norm_(a, b, w)
         assert out is a and res is b
+
+
+def test_argmax_plan_and_its_fallbacks(stub):
+    from tileops import ArgmaxFwdOp
+
+    op = ArgmaxFwdOp(dim=-1)
+    x = bf16(8, 1000)
+    for logits in (x, bf16(8, 1000), bf16(1000, 8).t()):  # the last: strided, to forward
+        out = op(logits)
+        assert out.shape == (8,) and out.dtype == torch.int64
+    assert op._validated[((x.shape, x.dtype, x.device),)] is not None
+    assert ArgmaxFwdOp(dim=-1, keepdim=True).plan(x) is None
+    assert ArgmaxFwdOp().plan(x) is None  # dim=None: the flattened tensor
+    assert op.plan(bf16(2, 4, 1000)) is None  # leading dims: forward's view
+    assert op.plan(bf16(0, 1000)) is None
+    assert tileops.argmax(x, -1, keepdim=True).shape == (8, 1)

@@ -29,7 +29,7 @@ from ..kernels.base import Kernel
 from ..kernels.selection import MAX_K, ArgmaxKernel, TopkKernel, k_cap_of
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import tma_ready
+from .layout import is_tma_ready, tma_ready
 
 _MAX_ROW = (1 << 31) - 1  # row positions are int32 in the kernels
 
@@ -73,6 +73,26 @@ class ArgmaxFwdOp(Op):
                                   lambda: {"dtype": DTYPE_NAMES[x.dtype], "vocab": n})
         kernel(rows, x, out if out.dim() == 1 else out.view(rows))
         return out
+
+    def plan(self, input: torch.Tensor) -> Any:
+        """[rows, vocab] logits over the last dim, without keepdim (the decoding call): the
+        kernel and sizes bound, per call only the layout check, the output and the launch."""
+        if self.dim is None or self.keepdim or input.dim() != 2 or 0 in input.shape \
+                or input.shape[1] > _MAX_ROW:
+            return None
+        rows, n = input.shape
+        kernel = self.memo_kernel(("argmax", input.device, input.dtype, n), "argmax",
+                                  input.device,
+                                  lambda: {"dtype": DTYPE_NAMES[input.dtype], "vocab": n})
+        device, forward, empty, int64 = input.device, self.forward, torch.empty, torch.int64
+
+        def launch(input: torch.Tensor) -> torch.Tensor:
+            if not is_tma_ready(input):
+                return forward(input)
+            out = empty(rows, dtype=int64, device=device)
+            kernel(rows, input, out)
+            return out
+        return launch
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = {"dtype": DTYPE_NAMES[ns["input"].dtype], "vocab": ns["V"]}
