@@ -11,6 +11,11 @@ acquire-release atomic add; the CTA that arrives last sees every partial, merges
 writes the row's results and sets the count back to zero for the next launch on the stream
 (`workspace.zeroed_scratch`; the partials' buffer is `workspace.scratch`, written before it
 is read). No second launch: a merge kernel would cost host time per call (argmax.py).
+
+The two-pass kinds (softmax, log_softmax, their backward, the loss and gradient) keep
+their slices in registers as the cluster kernels do and need every slice's partials
+before any writes: `exchange_macro` (arrive, wait for the row's slices, depart) replaces
+the cluster's distributed-shared-memory swap, with no cluster to place.
 """
 
 import tilelang.language as T
