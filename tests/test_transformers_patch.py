@@ -734,3 +734,23 @@ def test_static_cache_decode_step_under_inductor(family, spies, monkeypatch):
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4,
                                atol=1e-4)
     assert len(_HND_CALLS) == 4 * model.config.num_hidden_layers  # every decode step ran it
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_deepseek_latent_cache_generate_matches(cache, spies):
+    """DeepSeek-V3 caches latents, so its decode steps reach the attention function with
+    keys and values expanded from them (q/k 192, v 128), never a static layer's own
+    tensors: the prefill runs the attention kernel, the masked steps PyTorch's SDPA, and
+    generation equals the unpatched model's."""
+    model = hf_models.model("deepseek_v3")
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(0, 512, (2, 20))
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation=cache,
+              disable_compile=True, return_dict_in_generate=True, output_logits=True)
+    out, ref = model.generate(ids, **kw), reference.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4,
+                               atol=1e-4)
+    assert spies["attention"] and "decode_attention" not in spies
+    assert len(spies["fused_moe"]) == 4  # its MoE layer: the prefill and 3 decode steps
