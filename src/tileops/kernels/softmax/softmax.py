@@ -6,8 +6,11 @@
               log_softmax: dx = dy - exp(y) * sum(dy)
               logsumexp:   dx = g * exp(x - lse)   (one pass: the row statistic is an input)
 
-Math in fp32, outputs in the input dtype (as torch). The two-pass kinds read their rows
-twice; see row_map.py for the thread map and why the grid is persistent.
+Math in fp32, outputs in the input dtype (as torch). The streaming kernels' two-pass kinds
+read their rows twice (row_map.py: the thread map, why the grid is persistent, the second
+pass's walks); the slice forms read them once, holding each slice in registers and
+swapping partial statistics within a thread-block cluster (cluster_rows.py) or through
+global memory (meeting_slices.py).
 """
 
 import dataclasses
