@@ -165,15 +165,35 @@ def test_every_cluster_config_agrees(kind, rows, n, dtype):
     space's first config of every cluster size and CTAs-per-SM count, into NaN-poisoned
     outputs, against float64; a row with -inf entries and a fully masked row (NaN softmax,
     -inf logsumexp, as torch)."""
-    name = kind.removesuffix("_bwd")
     kernel = SoftmaxKernel(kind=kind, n=n, dtype=str(dtype).removeprefix("torch."))
-    configs = cluster_configs(kernel)
+    _check_configs(kernel, kind, cluster_configs(kernel), rows, n, dtype)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd"])
+@pytest.mark.parametrize("rows, n, dtype", [(300, 128256, BF16), (77, 50257, FP16),
+                                            (65, 151936, FP32)])
+def test_second_pass_walks_agree(kind, rows, n, dtype):
+    """The streaming default's second-pass walks (row_map.py: chunks last to first, and with
+    L2 eviction hints where vectors are 16 bytes, at one and two CTAs an SM) into
+    NaN-poisoned outputs against float64; -inf entries and a fully masked row."""
+    from tileops.kernels.softmax.softmax import default_row_config, walk_variants
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    kernel = SoftmaxKernel(kind=kind, n=n, dtype=dtype_name)
+    configs = walk_variants(default_row_config(n, dtype_name, False), n, dtype_name)
+    assert configs and set(configs) <= set(kernel.config_space("many"))
+    _check_configs(kernel, kind, configs, rows, n, dtype)
+
+
+def _check_configs(kernel, kind, configs, rows, n, dtype):
+    """Each config's program into NaN-poisoned outputs against float64: rows of std-3
+    values, a row with -inf entries and (forward) a fully masked row."""
     kernel.compile_many(configs, "many")
     x = randn(rows, n, dtype=dtype, std=3.0)
     x[1, ::3] = float("-inf")
     if not kind.endswith("_bwd"):
         x[2] = float("-inf")
-    want = _reference(name, x)
+    want = _reference(kind.removesuffix("_bwd"), x)
     if kind.endswith("_bwd"):
         y = want.to(dtype)
         dy = randn(rows, n, dtype=dtype)
@@ -193,43 +213,6 @@ def test_every_cluster_config_agrees(kind, rows, n, dtype):
         assert torch.equal(out.isnan(), want.isnan()), config
         finite = torch.isfinite(want)
         assert torch.equal(torch.isinf(out), torch.isinf(want)), config
-        assert_close(out[finite].to(dtype), want[finite], what=f"{kind} {config}")
-
-
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "softmax_bwd", "log_softmax_bwd"])
-@pytest.mark.parametrize("rows, n, dtype", [(300, 128256, BF16), (77, 50257, FP16),
-                                            (65, 151936, FP32)])
-def test_second_pass_walks_agree(kind, rows, n, dtype):
-    """The streaming default's second-pass walks (row_map.py: chunks last to first, and with
-    L2 eviction hints where vectors are 16 bytes, at one and two CTAs an SM) into
-    NaN-poisoned outputs against float64; -inf entries and a fully masked row."""
-    from tileops.kernels.softmax.softmax import default_row_config, walk_variants
-
-    name = kind.removesuffix("_bwd")
-    dtype_name = str(dtype).removeprefix("torch.")
-    kernel = SoftmaxKernel(kind=kind, n=n, dtype=dtype_name)
-    configs = walk_variants(default_row_config(n, dtype_name, False), n, dtype_name)
-    assert configs and set(configs) <= set(kernel.config_space("many"))
-    kernel.compile_many(configs, "many")
-    x = randn(rows, n, dtype=dtype, std=3.0)
-    x[1, ::3] = float("-inf")
-    if not kind.endswith("_bwd"):
-        x[2] = float("-inf")
-    want = _reference(name, x)
-    if kind.endswith("_bwd"):
-        y, dy = want.to(dtype), randn(rows, n, dtype=dtype)
-        yd, dyd = y.double(), dy.double()
-        want = yd * (dyd - (dyd * yd).sum(-1, keepdim=True)) if kind == "softmax_bwd" else \
-            dyd - yd.exp() * dyd.sum(-1, keepdim=True)
-    for config in configs:
-        out = poison(torch.empty_like(x))
-        compiled = launchers(kernel.compile(config, "many"))
-        if kind.endswith("_bwd"):
-            kernel.run(config, compiled, dy, y, out)
-        else:
-            kernel.run(config, compiled, x, out)
-        assert torch.equal(out.isnan(), want.isnan()), config
-        finite = torch.isfinite(want)
         assert_close(out[finite].to(dtype), want[finite], what=f"{kind} {config}")
 
 

@@ -69,10 +69,14 @@ class ArgmaxFwdOp(Op):
         x = _rows(input, self.dim is None)
         rows, n = x.shape
         _check_row(self, n)
-        kernel = self.memo_kernel(("argmax", input.device, x.dtype, n), "argmax", input.device,
-                                  lambda: {"dtype": DTYPE_NAMES[x.dtype], "vocab": n})
-        kernel(rows, x, out if out.dim() == 1 else out.view(rows))
+        self._kernel(x)(rows, x, out if out.dim() == 1 else out.view(rows))
         return out
+
+    def _kernel(self, x: torch.Tensor) -> Kernel:
+        """The kernel for rows of x [rows, vocab] (memoized by the op)."""
+        n = x.shape[1]
+        return self.memo_kernel(("argmax", x.device, x.dtype, n), "argmax", x.device,
+                                lambda: {"dtype": DTYPE_NAMES[x.dtype], "vocab": n})
 
     def plan(self, input: torch.Tensor) -> Any:
         """[rows, vocab] logits over the last dim, without keepdim (the decoding call): the
@@ -80,10 +84,8 @@ class ArgmaxFwdOp(Op):
         if self.dim is None or self.keepdim or input.dim() != 2 or 0 in input.shape \
                 or input.shape[1] > _MAX_ROW:
             return None
-        rows, n = input.shape
-        kernel = self.memo_kernel(("argmax", input.device, input.dtype, n), "argmax",
-                                  input.device,
-                                  lambda: {"dtype": DTYPE_NAMES[input.dtype], "vocab": n})
+        rows = input.shape[0]
+        kernel = self._kernel(input)
         device, forward, empty, int64 = input.device, self.forward, torch.empty, torch.int64
 
         def launch(input: torch.Tensor) -> torch.Tensor:

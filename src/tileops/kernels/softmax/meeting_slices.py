@@ -19,7 +19,9 @@ the cluster's distributed-shared-memory swap, with no cluster to place.
 """
 
 import tilelang.language as T
+import torch
 
+from ..workspace import scratch, zeroed_scratch
 from .row_map import NEG_INF, RowMap, exp
 
 
@@ -89,10 +91,6 @@ def scratch_for(x, slices: int, values: int) -> tuple:
     """(partials [>= slices * values, >= rows] float32, counts [>= 2, >= rows] int32, zero)
     scratch buffers of a launch over the rows of x [rows, n]: counts[0] the arrivals,
     counts[1] the departures (the two-pass kernels' exchange)."""
-    import torch
-
-    from ..workspace import scratch, zeroed_scratch
-
     rows = x.shape[0]
     return (scratch(x.device, slices * values, rows, torch.float32),
             zeroed_scratch(x.device, 2, rows, torch.int32))

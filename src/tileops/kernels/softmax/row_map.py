@@ -187,6 +187,7 @@ class RowMap:
         buffer of the row dtype, each 16-byte vector moved with an L2 cache policy (a uint64
         from l2_hints.keep_policy / drop_policy). The kernel calls l2_hints.import_hints()."""
         n, vec, vecs, rt, chunk = self.n, self.vec, self.vecs, self.row_threads, self.chunk
+        unpack = self.kept_macros(0)[1]  # raw -> float, `fill` past the row (nothing kept)
 
         @T.macro
         def load_hinted(buf, row, c, raw, local, lane, fill, policy):
@@ -194,13 +195,7 @@ class RowMap:
                 col = c * chunk + (i * rt + lane) * vec
                 if col < n:
                     T.evaluate(l2_hints.load16(raw[i, 0], buf[row, col], policy))
-            for i in T.unroll(vecs):
-                if c * chunk + (i * rt + lane) * vec < n:
-                    for j in T.unroll(vec):
-                        local[i, j] = T.cast(raw[i, j], "float")
-                else:
-                    for j in T.unroll(vec):
-                        local[i, j] = fill
+            unpack(raw, c, local, None, 0, lane, fill)
 
         @T.macro
         def store_hinted(local, raw, buf, row, c, lane, policy):
