@@ -112,6 +112,21 @@ def test_autograd_through_tileops_attention():
         assert_close(got, want.to(got.dtype), scale=4.0, what=name)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_autograd_of_qk_192_v_128(is_causal):
+    """DeepSeek-V3's MLA widths (q/k 192, v 128): the backward runs at 192 with V, O and dO
+    zero-padded; dv comes back 128 wide."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 333, 333, 8, 2, 192, torch.bfloat16,
+                                                    head_dim_v=128))
+    o = tileops.attention(q, k, v, is_causal=is_causal)
+    do = torch.randn_like(o)
+    o.backward(do)
+    assert v.grad.shape == v.shape
+    for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad),
+                               reference_grads(q, k, v, do, is_causal=is_causal), strict=True):
+        assert_close(got, want.to(got.dtype), scale=4.0, what=name)
+
+
 def test_training_step_under_torch_compile():
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 256, 256, 4, 2, 128, torch.bfloat16))
 

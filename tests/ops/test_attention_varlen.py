@@ -165,10 +165,11 @@ def test_torch_compile_and_cuda_graph():
     assert_close(out, expected, scale=2.0)
 
 
-def varlen_grads(lens_q, lens_kv, dtype=torch.bfloat16, compile_step=False, **opts):
+def varlen_grads(lens_q, lens_kv, dtype=torch.bfloat16, compile_step=False, head_dim=128,
+                 head_dim_v=None, **opts):
     """(TileOPs grads, reference grads) of sum(o * do) through tileops.attention_varlen."""
-    q, k, v, cu_q, cu_kv = packed(lens_q, lens_kv, 8, 2, 128, dtype)
-    do = torch.randn_like(q)
+    q, k, v, cu_q, cu_kv = packed(lens_q, lens_kv, 8, 2, head_dim, dtype, head_dim_v)
+    do = randn(*q.shape[:-1], v.shape[-1], dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
     def step(q, k, v):
@@ -192,6 +193,14 @@ def varlen_grads(lens_q, lens_kv, dtype=torch.bfloat16, compile_step=False, **op
 def test_gradients_through_attention_varlen(lens_q, lens_kv, opts):
     """Backward through the dense backward on a left-padded batch (ops/varlen_backward.py)."""
     got, want = varlen_grads(lens_q, lens_kv, **opts)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert_close(g, w.to(g.dtype), scale=4.0, what=name)
+
+
+def test_gradients_of_qk_192_v_128():
+    """DeepSeek-V3's MLA widths through the padded dense backward (V, O, dO widened to 192)."""
+    got, want = varlen_grads([100, 0, 300], [100, 7, 300], head_dim=192, head_dim_v=128,
+                             is_causal=True)
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert_close(g, w.to(g.dtype), scale=4.0, what=name)
 

@@ -24,9 +24,10 @@ NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
 
 def _scratch(rows, slices, values):
     """Partials and counts as workspace.scratch / zeroed_scratch hand them out: at least the
-    launch's size (here more), the partials holding garbage, the counts zero."""
+    launch's size (here more, each buffer grown on its own), the partials holding garbage,
+    the counts zero."""
     part = torch.full((slices * values + 3, rows + 5), float("nan"))
-    count = torch.zeros(3, rows + 5, dtype=torch.int32)
+    count = torch.zeros(3, rows + 9, dtype=torch.int32)
     return part, count
 
 
@@ -37,8 +38,8 @@ def _run(compiled, config, rows, tensors, scalars, together=False):
     counts = tensors.get("count", tensors.get("counts"))
     part = tensors.get("part", tensors.get("gpart"))
     run(compiled, rows * config.cluster, config.threads, tensors,
-        dict(rows=rows, slots=counts.shape[1], width=part.shape[0], tallies=counts.shape[0],
-             **scalars), cluster=config.cluster if together else 1)
+        dict(rows=rows, part_rows=part.shape[0], part_slots=part.shape[1],
+             count_rows=counts.shape[0], count_slots=counts.shape[1], **scalars), cluster=config.cluster if together else 1)
     assert not counts.any()  # set back for the next launch
 
 

@@ -99,19 +99,23 @@ def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.mark_non_differentiable(lse)  # a statistic for the backward, not a model output
 
 
-def _same_head_dims(q: torch.Tensor, v: torch.Tensor) -> None:
-    """The backward kernel takes V as wide as Q and K; say so instead of a shape mismatch."""
-    if v.shape[-1] != q.shape[-1]:
-        raise op_error(TileOpsValueError, "GroupedQueryAttentionBwdOp", "v",
-                       f"head dim {q.shape[-1]} like q's (the backward of a narrower V, "
-                       "q/k 192 with v 128, is not built yet)", f"head dim {v.shape[-1]}")
+def _widened_to_qk(q: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                   grad_o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(v, o, grad_o) zero-padded to q's head dim when V is narrower (DeepSeek-V3's q/k 192
+    with v 128): the backward kernel takes V as wide as Q and K, and zero columns of V, O and
+    dO leave dq, dk and dv's first columns exact (rowsum(dO * O) and dO V^T unchanged, dV's
+    padded columns zero). It costs the padded copies and 192-wide dO V^T / P^T dO products."""
+    width = q.shape[-1] - v.shape[-1]
+    if width == 0:
+        return v, o, grad_o
+    return tuple(torch.nn.functional.pad(t, (0, width)) for t in (v, o, grad_o))
 
 
 def _attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
     q, k, v, o, lse = ctx.saved_tensors
-    _same_head_dims(q, v)
-    dq, dk, dv = GroupedQueryAttentionBwdOp.torch_op(grad_o, q, k, v, o, lse, *ctx.params)
-    return (dq, dk, dv) + (None,) * len(ctx.params)
+    wide_v, o, grad_o = _widened_to_qk(q, v, o, grad_o)
+    dq, dk, dv = GroupedQueryAttentionBwdOp.torch_op(grad_o, q, k, wide_v, o, lse, *ctx.params)
+    return (dq, dk, dv[..., :v.shape[-1]]) + (None,) * len(ctx.params)
 
 
 GroupedQueryAttentionFwdOp.register_autograd(_attention_backward, setup_context=_save_for_backward)
@@ -185,11 +189,12 @@ def _save_varlen_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _varlen_attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
     q, k, v, cu_seqlens_q, cu_seqlens_kv, o, lse = ctx.saved_tensors
-    _same_head_dims(q, v)
-    dq, dk, dv = varlen_backward(grad_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_kv,
+    wide_v, o, grad_o = _widened_to_qk(q, v, o, grad_o)
+    dq, dk, dv = varlen_backward(grad_o, q, k, wide_v, o, lse, cu_seqlens_q, cu_seqlens_kv,
                                  *ctx.max_seqlens, ctx.params,
                                  GroupedQueryAttentionBwdOp.torch_op)
-    return (dq, dk, dv) + (None,) * (4 + len(ctx.params))  # cu_seqlens, max_seqlens, params
+    # None for cu_seqlens, max_seqlens and params
+    return (dq, dk, dv[..., :v.shape[-1]]) + (None,) * (4 + len(ctx.params))
 
 
 GroupedQueryAttentionVarlenFwdOp.register_autograd(_varlen_attention_backward,
@@ -201,7 +206,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
               softcap: float = 0.0) -> torch.Tensor:
     """Attention over BSHD tensors (q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv,
     Dv]; Dv = D, or 128 with D = 192 as in DeepSeek-V3's prefill); returns o [B, Sq, H, Dv].
-    The backward takes Dv = D only."""
+    The backward of a narrower V runs the kernel at D with V, O and dO zero-padded."""
     o, _ = GroupedQueryAttentionFwdOp.apply(q, k, v, is_causal=is_causal, scale=scale,
                                             window_size=list(window_size),
                                             softcap=float(softcap))

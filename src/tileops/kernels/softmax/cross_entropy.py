@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .cluster_rows import ClusterRows, slice_shape
-from .meeting_slices import meeting_macros, reduced_slice_macro
+from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_shapes
 from .row_map import NEG_INF, RowMap, exp, tanh, vector_width
 from .softmax import (
     SM_COUNT,
@@ -185,8 +185,8 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
     """The `loss` mode with each row cut into `config.cluster` slices, one CTA each, meeting
     through global memory (meeting_slices.py): one read of the logits; the last CTA of a row
     reads z[target] and writes the loss and lse."""
-    rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
-    tallies = T.dynamic("tallies")  # the counts' rows (>= 2: scratch may be larger)
+    rows = T.dynamic("rows")
+    P, C = scratch_shapes()
     cr = ClusterRows(n, dtype, config.cluster, config.threads)
     reduced_slice = reduced_slice_macro(cr, slice_macros(cr, softcap, smoothing)[1], smoothing)
     meet, merged_max_sum, merged_sum = meeting_macros(cr.cluster, CROSS_ENTROPY_PARTIALS)
@@ -196,8 +196,8 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
     def cross_entropy_fwd(x: T.Tensor(R, dtype), target: T.Tensor(V, "int64"),
                           loss: T.Tensor(V, "float"), lse_out: T.Tensor(V, "float"),
                           ignore_index: T.int64, cap: T.float32, eps: T.float32,
-                          zloss: T.float32, part: T.Tensor((width, slots), "float"),
-                          count: T.Tensor((tallies, slots), "int32")):
+                          zloss: T.float32, part: T.Tensor(P, "float"),
+                          count: T.Tensor(C, "int32")):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
@@ -506,8 +506,7 @@ def prim_func_of(mode: str, rows, n: int, dtype: str, dloss_per_row: bool, forwa
     meeting slices, which takes the scratch buffers (meeting_slices.scratch_for) last."""
     R, V = (rows, n), (rows,)
     if meeting:
-        slots = T.dynamic("slots")
-        P, C = (T.dynamic("width"), slots), (T.dynamic("tallies"), slots)
+        P, C = scratch_shapes()
 
         @T.prim_func
         def cross_entropy_loss_grad_meeting(

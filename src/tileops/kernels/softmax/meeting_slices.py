@@ -87,6 +87,13 @@ def reduced_slice_macro(cr, statistics, smoothing: bool):
     return reduced_slice
 
 
+def scratch_shapes() -> tuple:
+    """The symbolic shapes (partials, counts) of scratch_for's buffers in a program. Each has
+    its own sizes: the workspace grows each buffer on its own, so their columns differ."""
+    return ((T.dynamic("part_rows"), T.dynamic("part_slots")),
+            (T.dynamic("count_rows"), T.dynamic("count_slots")))
+
+
 def scratch_for(x, slices: int, values: int) -> tuple:
     """(partials [>= slices * values, >= rows] float32, counts [>= 2, >= rows] int32, zero)
     scratch buffers of a launch over the rows of x [rows, n]: counts[0] the arrivals,

@@ -21,13 +21,14 @@ import tilelang.language as T
 from .. import l2_hints
 from ..base import Kernel
 from ..vectors import ELEM_BYTES
-from .cluster_rows import ClusterRows, cluster_shapes, slice_shape
-from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_for
+from .cluster_rows import MAX_CLUSTER, ClusterRows, cluster_shapes, slice_shape
+from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_for, scratch_shapes
 from .row_map import NEG_INF, RowMap, exp, vector_width
 
 KINDS = ("softmax", "log_softmax", "logsumexp", "softmax_bwd", "log_softmax_bwd",
          "logsumexp_bwd")
 SM_COUNT = 132  # H200
+L2_BYTES = 50 * 2**20  # H200
 
 
 @dataclass(frozen=True)
@@ -324,8 +325,8 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
 def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
     """logsumexp with each row cut into `config.cluster` slices, one CTA each, meeting
     through global memory (meeting_slices.py); one read of each element."""
-    rows, slots, width = T.dynamic("rows"), T.dynamic("slots"), T.dynamic("width")
-    tallies = T.dynamic("tallies")  # the counts' rows (>= 2: scratch may be larger)
+    rows = T.dynamic("rows")
+    P, C = scratch_shapes()
     cr = ClusterRows(n, dtype, config.cluster, config.threads)
     slice_max_sum = cr.macros()[1]
     meet, merged_max_sum, _ = meeting_macros(cr.cluster, LOGSUMEXP_PARTIALS)
@@ -338,8 +339,7 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
 
     @T.prim_func
     def logsumexp_fwd(x: T.Tensor((rows, n), dtype), out: T.Tensor((rows,), dtype),
-                      part: T.Tensor((width, slots), "float"),
-                      count: T.Tensor((tallies, slots), "int32")):
+                      part: T.Tensor(P, "float"), count: T.Tensor(C, "int32")):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
@@ -377,8 +377,7 @@ def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_bac
     meeting slices, which take the scratch buffers (meeting_slices.scratch_for) last."""
     R, V = (rows, n), (rows,)
     if meeting:
-        slots = T.dynamic("slots")
-        P, C = (T.dynamic("width"), slots), (T.dynamic("tallies"), slots)
+        P, C = scratch_shapes()
         if kind in ("softmax", "log_softmax"):
             @T.prim_func
             def softmax_fwd_meeting(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype),
@@ -434,10 +433,16 @@ def default_row_config(n: int, dtype: str, few_rows: bool) -> RowConfig:
     return RowConfig(threads=512, row_threads=512, vecs=4, ctas_per_sm=1 if few_rows else 2)
 
 
+def walked(config: RowConfig, n: int, dtype: str) -> RowConfig:
+    """`config` with its second pass reversed, with L2 hints where its vectors are 16 bytes."""
+    hints = row_map(n, dtype, config).vec * ELEM_BYTES[dtype] == l2_hints.VECTOR_BYTES
+    return dataclasses.replace(config, reverse=True, l2_hints=hints)
+
+
 def walk_variants(config: RowConfig, n: int, dtype: str) -> list[RowConfig]:
     """`config` with its second pass reversed, and reversed with L2 hints at one and two CTAs
     an SM (16-byte vectors only); none for a row of one chunk (read once). In the tuner's
-    space, unmeasured as defaults."""
+    space; `walked` is the default where rows_outgrow_l2."""
     rm = row_map(n, dtype, config)
     if rm.chunks == 1:
         return []
@@ -446,6 +451,27 @@ def walk_variants(config: RowConfig, n: int, dtype: str) -> list[RowConfig]:
         variants += [dataclasses.replace(config, reverse=True, l2_hints=True, ctas_per_sm=c)
                      for c in (1, 2)]
     return variants
+
+
+def rows_outgrow_l2(n: int, dtype: str, config: RowConfig, inputs: int) -> bool:
+    """Whether the rows a streaming grid has in flight (one a CTA, `inputs` tensors of each)
+    outgrow the L2, so that the second pass rereads a row's first chunks from HBM. Where they
+    do, the walks and the meeting slices pay (measured 2026-12-04 at 2-8K rows: softmax and
+    log_softmax 1.03-1.10x walked on Llama-3, Qwen3 and Gemma-2 vocabularies, softmax_bwd
+    1.19-1.28x on meeting slices); where they do not (Mistral's 32K rows, 17-34 MB in
+    flight) both measured 0.74-0.79x."""
+    return SM_COUNT * config.ctas_per_sm * n * ELEM_BYTES[dtype] * inputs > L2_BYTES
+
+
+def meeting_default(n: int, dtype: str, held: int) -> RowConfig | None:
+    """The two-pass kinds' meeting slices: rows in 8 slices of 256 threads at 2 CTAs an SM,
+    or of 512 threads at one where `held` slices of 256 would not fit the registers (Gemma's
+    256K columns: 0.28x at 256 threads, 1.19x at 512); None if neither fits."""
+    shapes = cluster_shapes(n, dtype, held)
+    for cluster, threads, ctas_per_sm in ((MAX_CLUSTER, 256, 2), (MAX_CLUSTER, 512, 1)):
+        if (cluster, threads, ctas_per_sm) in shapes:
+            return RowConfig(threads, threads, 4, ctas_per_sm, cluster, meet=True)
+    return None
 
 
 class RowKernel(Kernel):
@@ -517,6 +543,24 @@ class SoftmaxKernel(RowKernel):
     @property
     def meeting_partials(self) -> int:
         return 1 if self.key["kind"].endswith("_bwd") else LOGSUMEXP_PARTIALS
+
+    def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
+        """The streaming map (default_row_config), but on rows longer than one chunk: the
+        backward kinds on meeting slices for few rows (each row over 8 CTAs instead of one:
+        1.12-1.16x at 64 rows), softmax_bwd also for many rows that outgrow the L2; the
+        forward two-pass kinds walked for many rows that outgrow it (rows_outgrow_l2)."""
+        streaming = super().heuristic_config(bucket, arch)
+        n, dtype, kind = self.key["n"], self.key["dtype"], self.key["kind"]
+        if n // vector_width(n, dtype) <= 1024 or not self.offers_walks:
+            return streaming
+        if kind.endswith("_bwd"):
+            if bucket == "few" or (kind == "softmax_bwd"
+                                   and rows_outgrow_l2(n, dtype, streaming, 2)):
+                return meeting_default(n, dtype, self.held) or streaming
+            return streaming
+        if bucket == "many" and rows_outgrow_l2(n, dtype, streaming, 1):
+            return walked(streaming, n, dtype)
+        return streaming
 
     def config_space(self, bucket: str) -> list[RowConfig]:
         space = super().config_space(bucket)
