@@ -100,3 +100,42 @@ def test_nothing_to_differentiate_gives_zeros():
     dq, dk, dv = varlen_backward(q, q, k, v, q, torch.zeros(2, 0), cu_q, cu_kv, 0, 3,
                                  [True, None, [-1, -1], 0.0], dense_backward_model)
     assert dq.shape == q.shape and not dk.any() and not dv.any()
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v, width", [(192, 128, 256), (80, 80, 96)])
+@pytest.mark.parametrize("options", [{"is_causal": True}, {"window_size": (4, 2), "scale": 0.3}])
+def test_head_dims_the_kernel_lacks_run_zero_padded(head_dim, head_dim_v, width, options,
+                                                    monkeypatch):
+    """DeepSeek-V3's q/k 192 with v 128 and Phi-2's 80: the backward kernel (here its model)
+    is called at a width it takes, with the unpadded head dim's scale, and the gradients
+    come back at the inputs' widths equal to autograd's."""
+    import importlib
+
+    from tileops import GroupedQueryAttentionBwdOp
+
+    attention_ops = importlib.import_module("tileops.ops.attention")  # (the package exports a
+    # function of that name)
+
+    widths = []
+
+    def kernel_model(do, q, k, v, o, lse, *params):
+        widths.append((q.shape[-1], v.shape[-1], do.shape[-1], o.shape[-1]))
+        return dense_backward_model(do, q, k, v, o, lse, *params)
+
+    monkeypatch.setattr(GroupedQueryAttentionBwdOp, "torch_op", kernel_model)
+    torch.manual_seed(1)
+    q = torch.randn(2, 9, 4, head_dim, dtype=torch.float64)
+    k = torch.randn(2, 11, 2, head_dim, dtype=torch.float64)
+    v = torch.randn(2, 11, 2, head_dim_v, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = reference(*leaves, **options)
+    do = torch.randn_like(o)
+    want = torch.autograd.grad(o, leaves, do)
+    params = [options.get("is_causal", False), options.get("scale"),
+              list(options.get("window_size", (-1, -1))), 0.0]
+    got = attention_ops._backward_at_kernel_width(do, q, k, v, o.detach(), lse.detach(),
+                                                  *params)
+    assert widths == [(width,) * 4]
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert g.shape == w.shape, name
+        assert (g - w).abs().max() <= 1e-5 * (1 + w.abs().max()), name

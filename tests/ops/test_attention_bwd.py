@@ -113,11 +113,12 @@ def test_autograd_through_tileops_attention():
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_autograd_of_qk_192_v_128(is_causal):
-    """DeepSeek-V3's MLA widths (q/k 192, v 128): the backward runs at 192 with V, O and dO
-    zero-padded; dv comes back 128 wide."""
-    q, k, v = (t.requires_grad_() for t in make_qkv(2, 333, 333, 8, 2, 192, torch.bfloat16,
-                                                    head_dim_v=128))
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (80, 80)])
+def test_autograd_of_head_dims_the_kernel_lacks(head_dim, head_dim_v, is_causal):
+    """DeepSeek-V3's MLA widths (q/k 192, v 128) and Phi-2's 80: the backward kernel runs at
+    256 / 96 on zero-padded tensors; the gradients come back at the inputs' widths."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 333, 333, 8, 2, head_dim,
+                                                    torch.bfloat16, head_dim_v=head_dim_v))
     o = tileops.attention(q, k, v, is_causal=is_causal)
     do = torch.randn_like(o)
     o.backward(do)

@@ -39,7 +39,8 @@ def _run(compiled, config, rows, tensors, scalars, together=False):
     part = tensors.get("part", tensors.get("gpart"))
     run(compiled, rows * config.cluster, config.threads, tensors,
         dict(rows=rows, part_rows=part.shape[0], part_slots=part.shape[1],
-             count_rows=counts.shape[0], count_slots=counts.shape[1], **scalars), cluster=config.cluster if together else 1)
+             count_rows=counts.shape[0], count_slots=counts.shape[1], **scalars),
+        cluster=config.cluster if together else 1)
     assert not counts.any()  # set back for the next launch
 
 

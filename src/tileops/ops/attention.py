@@ -99,23 +99,38 @@ def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.mark_non_differentiable(lse)  # a statistic for the backward, not a model output
 
 
-def _widened_to_qk(q: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   grad_o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(v, o, grad_o) zero-padded to q's head dim when V is narrower (DeepSeek-V3's q/k 192
-    with v 128): the backward kernel takes V as wide as Q and K, and zero columns of V, O and
-    dO leave dq, dk and dv's first columns exact (rowsum(dO * O) and dO V^T unchanged, dV's
-    padded columns zero). It costs the padded copies and 192-wide dO V^T / P^T dO products."""
-    width = q.shape[-1] - v.shape[-1]
-    if width == 0:
-        return v, o, grad_o
-    return tuple(torch.nn.functional.pad(t, (0, width)) for t in (v, o, grad_o))
+BACKWARD_HEAD_DIMS = (64, 96, 128, 256)  # the backward kernel's (the manifest's shape rule)
+
+
+def _backward_at_kernel_width(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                              *params: Any) -> tuple:
+    """GroupedQueryAttentionBwdOp's (dq, dk, dv), for head dims it lacks (DeepSeek-V3's q/k
+    192 with v 128, Phi-2's 80) run at the narrowest width it takes (256, 96) on zero-padded
+    q, k, v, o and dO, the scale pinned to the unpadded head dim's: zero columns change no
+    score, no rowsum(dO * O) and no real column of a gradient. It costs the padded copies
+    and the wider products."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    width = next((d for d in BACKWARD_HEAD_DIMS if d >= max(head_dim, head_dim_v)), None)
+    if width is None or (head_dim, head_dim_v) == (width, width):
+        return GroupedQueryAttentionBwdOp.torch_op(grad_o, q, k, v, o, lse, *params)
+    params = list(params)
+    slot = [p.name for p in GroupedQueryAttentionFwdOp.spec.params].index("scale")
+    if params[slot] is None:
+        params[slot] = head_dim ** -0.5
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+    dq, dk, dv = GroupedQueryAttentionBwdOp.torch_op(
+        padded(grad_o), padded(q), padded(k), padded(v), padded(o), lse, *params)
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
 
 
 def _attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
     q, k, v, o, lse = ctx.saved_tensors
-    wide_v, o, grad_o = _widened_to_qk(q, v, o, grad_o)
-    dq, dk, dv = GroupedQueryAttentionBwdOp.torch_op(grad_o, q, k, wide_v, o, lse, *ctx.params)
-    return (dq, dk, dv[..., :v.shape[-1]]) + (None,) * len(ctx.params)
+    dq, dk, dv = _backward_at_kernel_width(grad_o, q, k, v, o, lse, *ctx.params)
+    return (dq, dk, dv) + (None,) * len(ctx.params)
 
 
 GroupedQueryAttentionFwdOp.register_autograd(_attention_backward, setup_context=_save_for_backward)
@@ -189,12 +204,9 @@ def _save_varlen_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _varlen_attention_backward(ctx: Any, grad_o: torch.Tensor, grad_lse: Any) -> tuple:
     q, k, v, cu_seqlens_q, cu_seqlens_kv, o, lse = ctx.saved_tensors
-    wide_v, o, grad_o = _widened_to_qk(q, v, o, grad_o)
-    dq, dk, dv = varlen_backward(grad_o, q, k, wide_v, o, lse, cu_seqlens_q, cu_seqlens_kv,
-                                 *ctx.max_seqlens, ctx.params,
-                                 GroupedQueryAttentionBwdOp.torch_op)
-    # None for cu_seqlens, max_seqlens and params
-    return (dq, dk, dv[..., :v.shape[-1]]) + (None,) * (4 + len(ctx.params))
+    dq, dk, dv = varlen_backward(grad_o, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_kv,
+                                 *ctx.max_seqlens, ctx.params, _backward_at_kernel_width)
+    return (dq, dk, dv) + (None,) * (4 + len(ctx.params))  # cu_seqlens, max_seqlens, params
 
 
 GroupedQueryAttentionVarlenFwdOp.register_autograd(_varlen_attention_backward,
@@ -206,7 +218,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
               softcap: float = 0.0) -> torch.Tensor:
     """Attention over BSHD tensors (q [B, Sq, H, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv,
     Dv]; Dv = D, or 128 with D = 192 as in DeepSeek-V3's prefill); returns o [B, Sq, H, Dv].
-    The backward of a narrower V runs the kernel at D with V, O and dO zero-padded."""
+    The backward of head dims its kernel lacks (192/128, 80) runs zero-padded to one it has."""
     o, _ = GroupedQueryAttentionFwdOp.apply(q, k, v, is_causal=is_causal, scale=scale,
                                             window_size=list(window_size),
                                             softcap=float(softcap))
