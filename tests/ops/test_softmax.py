@@ -216,6 +216,38 @@ def _check_configs(kernel, kind, configs, rows, n, dtype):
         assert_close(out[finite].to(dtype), want[finite], what=f"{kind} {config}")
 
 
+def _softmax_bwd_reference(dy, y):
+    g, yd = dy.double(), y.double()
+    return yd * (g - (g * yd).sum(-1, keepdim=True))
+
+
+def test_meeting_defaults_under_cuda_graph_and_growing_scratch():
+    """softmax_bwd's default on few vocabulary rows meets in slices through the per-stream
+    scratch (workspace.py): captured in a CUDA graph and replayed on new values, then eager
+    on more rows than any call before (the partials and the counts grow each on its own)
+    and on fewer again, every element of each result checked."""
+    op = SoftmaxBwdOp()
+    key = dict(kind="softmax_bwd", n=128256, dtype="bfloat16")
+    assert SoftmaxKernel(**key).heuristic_config("few", "sm_90a").meet
+
+    def inputs(rows):
+        return (randn(rows, 128256, dtype=BF16),
+                torch.softmax(randn(rows, 128256, dtype=FP32, std=2.0), -1).to(BF16))
+
+    dy, y = inputs(64)
+    op(dy, y)  # load the kernel and size the scratch before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dx = op(dy, y)
+    new_dy, new_y = inputs(64)
+    dy.copy_(new_dy), y.copy_(new_y)
+    graph.replay()
+    assert_close(dx, _softmax_bwd_reference(dy, y), what="replayed")
+    for rows in (200, 3000, 7):  # few, many (the L2 rule meets too), few again
+        dy, y = inputs(rows)
+        assert_close(op(dy, y), _softmax_bwd_reference(dy, y), what=f"{rows} rows")
+
+
 def test_zero_rows():
     x = torch.empty(0, 1000, dtype=BF16, device="cuda")
     assert tileops.softmax(x).shape == (0, 1000)
