@@ -139,3 +139,15 @@ def test_head_dims_the_kernel_lacks_run_zero_padded(head_dim, head_dim_v, width,
     for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert g.shape == w.shape, name
         assert (g - w).abs().max() <= 1e-5 * (1 + w.abs().max()), name
+
+
+def test_padding_widths_are_the_backward_ops_head_dims():
+    """The widths the autograd formulas pad to are exactly those the backward op's shape rule
+    admits (a width it refused would fail, one it gained would go unused)."""
+    import importlib
+
+    from tileops import GroupedQueryAttentionBwdOp
+
+    widths = importlib.import_module("tileops.ops.attention").BACKWARD_HEAD_DIMS
+    rules = [rule.text for rule in GroupedQueryAttentionBwdOp.spec.shape_rules]
+    assert f"D in {tuple(widths)}" in rules
