@@ -414,8 +414,8 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
             raw_next = T.alloc_local((vecs, vec), dtype) if prefetch else None
             hinted_raw, policy = hint_state()
             for step in T.serial(rm.row_loop_bounds(rows)):
-                row = (step * ctas + bx) * rpc + r
-                if row < rows:
+                row, guard, live = rm.placed_row(step * ctas + bx, r, rows)
+                if guard:
                     m[0] = NEG_INF
                     s[0] = 0.0
                     zsum[0] = 0.0
@@ -442,10 +442,11 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     if smoothing:
                         reduce_sum(zsum, red_z, r, lane)
                     lse = m[0] + T.log(s[0])
-                    if lane == 0:
-                        loss[row] = row_scale(t, ignore_index, n,
-                                              row_loss(lse, zt[0], zsum[0], eps, zloss, n))
-                        lse_out[row] = lse
+                    if live:
+                        if lane == 0:
+                            loss[row] = row_scale(t, ignore_index, n,
+                                                  row_loss(lse, zt[0], zsum[0], eps, zloss, n))
+                            lse_out[row] = lse
                     if mode == "loss_and_grad":
                         scale = row_scale(t, ignore_index, n, T.float32(1.0))
                         tc = column_of(t)
@@ -457,13 +458,15 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                                     second_load(x, row, c, hinted_raw, xl, lane, 0.0, policy)
                                     capped(xl, c, lane, cap, None, False)
                                 gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
-                                out_store(xl, hinted_raw, grad, row, c, lane, policy)
+                                if live:
+                                    out_store(xl, hinted_raw, grad, row, c, lane, policy)
                         if kept:
                             for c in T.serial(kept):
                                 load(kept_shared, r, c, xl, lane, 0.0)  # from shared memory
                                 capped(xl, c, lane, cap, None, False)
                                 gradient(xl, row, c, lane, tc, lse, scale, cap, eps, zloss)
-                                store(xl, grad, row, c, lane)
+                                if live:
+                                    store(xl, grad, row, c, lane)
                 if rm.row_warps > 1:
                     T.sync_threads()
 

@@ -264,6 +264,18 @@ class RowMap:
         softmax is 0 / 0 = NaN as torch's, not exp(NaN)."""
         return T.if_then_else(m == NEG_INF, T.float32(0), m)
 
+    def placed_row(self, group, r, rows):
+        """(row, guard, live) of row slot r of row group `group` in a [rows, n] problem. A CTA
+        whose rows each span several warps meets at CTA-wide barriers inside the row work
+        (the reductions' shared-memory step), and CUDA wants every thread at each one; so in
+        its last group the slots past the end run along on the last row (guard True) and
+        store nothing (live: row < rows). Otherwise such slots skip the row (guard: row <
+        rows) and a slot that runs stores (live True)."""
+        row = group * self.rows_per_cta + r
+        if self.rows_per_cta > 1 and self.row_warps > 1:
+            return T.min(row, rows - 1), True, row < rows
+        return row, row < rows, True
+
     def row_loop_bounds(self, rows):
         """(number of row-group steps per CTA) for the persistent loop."""
         return T.ceildiv(rows, self.rows_per_cta * self.ctas)

@@ -84,8 +84,8 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             red_s = T.alloc_shared((rpc, warps), "float")
             raw, policy = hint_state()
             for step in T.serial(rm.row_loop_bounds(rows)):
-                row = (step * ctas + bx) * rpc + r
-                if row < rows:
+                row, guard, live = rm.placed_row(step * ctas + bx, r, rows)
+                if guard:
                     m[0] = NEG_INF
                     s[0] = 0.0
                     for c in T.serial(rm.chunks):
@@ -93,8 +93,10 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                         chunk_max_sum(xl, m, s)
                     reduce_max_sum(m, s, red_m, red_s, r, lane)
                     if kind == "logsumexp":
-                        if lane == 0:
-                            lse_out[row] = T.cast(rm.logsumexp_of(m[0], s[0]), lse_out.dtype)
+                        if live:
+                            if lane == 0:
+                                lse_out[row] = T.cast(rm.logsumexp_of(m[0], s[0]),
+                                                      lse_out.dtype)
                     else:
                         # softmax: exp(x - m) / s; log_softmax: x - (m + log s)
                         shift = rm.shift_of(m[0])
@@ -110,7 +112,8 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                         xl[i, j] = exp(xl[i, j] - shift) * scale
                                     else:
                                         xl[i, j] = xl[i, j] - lse
-                            out_store(xl, raw, y, row, c, lane, policy)
+                            if live:
+                                out_store(xl, raw, y, row, c, lane, policy)
                 # the shared partials are reused by the next row group
                 if rm.row_warps > 1:
                     T.sync_threads()
@@ -126,8 +129,8 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             red = T.alloc_shared((rpc, warps), "float")
             raw, policy = hint_state()
             for step in T.serial(rm.row_loop_bounds(rows)):
-                row = (step * ctas + bx) * rpc + r
-                if row < rows:
+                row, guard, live = rm.placed_row(step * ctas + bx, r, rows)
+                if guard:
                     total[0] = 0.0
                     for c in T.serial(rm.chunks):
                         first_load(dy, row, c, raw, dyl, lane, 0.0, policy)
@@ -151,7 +154,8 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                     dyl[i, j] = yl[i, j] * (dyl[i, j] - total[0])
                                 else:
                                     dyl[i, j] = dyl[i, j] - exp(yl[i, j]) * total[0]
-                        out_store(dyl, raw, dx, row, c, lane, policy)
+                        if live:
+                            out_store(dyl, raw, dx, row, c, lane, policy)
                 if rm.row_warps > 1:
                     T.sync_threads()
 
