@@ -585,3 +585,21 @@ def test_tail_launch_order_is_a_permutation_heavy_first_at_the_end(n_kv, n_heads
     tail_blocks = [bx for bx, _ in order[head_part:]]
     assert tail_blocks == sorted(tail_blocks)
     assert len(order) - head_part >= min(tail_ctas, n_kv * n_heads)
+
+
+@pytest.mark.smoke
+def test_compile_jobs_share_the_cores_with_other_xdist_workers(monkeypatch):
+    """compile_many's threads: every core alone, 4 x cores / workers under pytest-xdist (16
+    workers each compiling on 16 threads took a worker down on the 16-core GPU machine)."""
+    from tileops.kernels import base
+
+    monkeypatch.setattr(base.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    assert base.default_compile_jobs() == 16
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "16")
+    assert base.default_compile_jobs() == 4
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert base.default_compile_jobs() == 16
+    monkeypatch.setattr(base.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "16")
+    assert base.default_compile_jobs() == 1
