@@ -133,13 +133,17 @@ def test_masked_and_infinite_entries_behave_as_torch(dtype):
         assert_close(got[finite].to(dtype), want[finite], what=name)
 
 
+def _softmax_bwd_reference(dy, y):
+    g, yd = dy.double(), y.double()
+    return yd * (g - (g * yd).sum(-1, keepdim=True))
+
+
 def test_softmax_backward_op_every_element_written():
     y = torch.softmax(randn(100, 7000, dtype=FP32), -1)
     dy = randn(100, 7000, dtype=FP32)
     dx = poison(torch.empty_like(y))
     SoftmaxBwdOp()._launch(y, dy, y, dx)
-    ref = y.double() * (dy.double() - (dy.double() * y.double()).sum(-1, keepdim=True))
-    assert_close(dx, ref)
+    assert_close(dx, _softmax_bwd_reference(dy, y))
 
 
 @pytest.mark.parametrize("config", [RowConfig(256, 32, 1, 1), RowConfig(256, 64, 2, 8),
@@ -214,11 +218,6 @@ def _check_configs(kernel, kind, configs, rows, n, dtype):
         finite = torch.isfinite(want)
         assert torch.equal(torch.isinf(out), torch.isinf(want)), config
         assert_close(out[finite].to(dtype), want[finite], what=f"{kind} {config}")
-
-
-def _softmax_bwd_reference(dy, y):
-    g, yd = dy.double(), y.double()
-    return yd * (g - (g * yd).sum(-1, keepdim=True))
 
 
 def test_meeting_defaults_under_cuda_graph_and_growing_scratch():

@@ -100,6 +100,8 @@ def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 BACKWARD_HEAD_DIMS = (64, 96, 128, 256)  # the backward kernel's (the manifest's shape rule)
+# where `scale` sits among the params the autograd formulas get (the forward's, in order)
+_SCALE_SLOT = [p.name for p in GroupedQueryAttentionFwdOp.spec.params].index("scale")
 
 
 def _backward_at_kernel_width(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -115,9 +117,8 @@ def _backward_at_kernel_width(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
     if width is None or (head_dim, head_dim_v) == (width, width):
         return GroupedQueryAttentionBwdOp.torch_op(grad_o, q, k, v, o, lse, *params)
     params = list(params)
-    slot = [p.name for p in GroupedQueryAttentionFwdOp.spec.params].index("scale")
-    if params[slot] is None:
-        params[slot] = head_dim ** -0.5
+    if params[_SCALE_SLOT] is None:
+        params[_SCALE_SLOT] = head_dim ** -0.5
 
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
