@@ -102,7 +102,7 @@ def test_nothing_to_differentiate_gives_zeros():
     assert dq.shape == q.shape and not dk.any() and not dv.any()
 
 
-@pytest.mark.parametrize("head_dim, head_dim_v, width", [(192, 128, 256), (80, 80, 96)])
+@pytest.mark.parametrize("head_dim, head_dim_v, width", [(192, 128, 192), (80, 80, 96)])
 @pytest.mark.parametrize("options", [{"is_causal": True}, {"window_size": (4, 2), "scale": 0.3}])
 def test_head_dims_the_kernel_lacks_run_zero_padded(head_dim, head_dim_v, width, options,
                                                     monkeypatch):

@@ -37,7 +37,7 @@ def check(batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype=torch.bfloat16,
 
 @pytest.mark.smoke
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])  # 96: Phi-3
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192])  # 96: Phi-3; 192: DeepSeek-V3
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gradients(head_dim, is_causal, dtype):
     check(2, 300, 300, 8, 2, head_dim, dtype, is_causal=is_causal)
@@ -85,11 +85,12 @@ def test_ds_handoff_over_long_key_loops(head_dim, is_causal, index):
     check(2, 2600, 2600, 8, 2, head_dim, config=config, is_causal=is_causal)
 
 
-@pytest.mark.parametrize("config", AttentionBwdKernel(
-    dtype="bfloat16", heads=4, kv_heads=2, head_dim=256, window_left=127, window_right=0,
-    softcap=50.0).config_space("all"), ids=str)
-def test_every_config_of_the_head_dim_256_space(config):
-    check(1, 400, 400, 4, 2, 256, config=config, is_causal=True, window_size=(127, 0),
+@pytest.mark.parametrize("head_dim, config", [
+    (head_dim, config) for head_dim in (192, 256) for config in AttentionBwdKernel(
+        dtype="bfloat16", heads=4, kv_heads=2, head_dim=head_dim, window_left=127,
+        window_right=0, softcap=50.0).config_space("all")], ids=str)
+def test_every_config_of_the_wide_head_spaces(head_dim, config):
+    check(1, 400, 400, 4, 2, head_dim, config=config, is_causal=True, window_size=(127, 0),
           softcap=50.0)
 
 
@@ -116,7 +117,7 @@ def test_autograd_through_tileops_attention():
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (80, 80)])
 def test_autograd_of_head_dims_the_kernel_lacks(head_dim, head_dim_v, is_causal):
     """DeepSeek-V3's MLA widths (q/k 192, v 128) and Phi-2's 80: the backward kernel runs at
-    256 / 96 on zero-padded tensors; the gradients come back at the inputs' widths."""
+    192 / 96 on zero-padded tensors; the gradients come back at the inputs' widths."""
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 333, 333, 8, 2, head_dim,
                                                     torch.bfloat16, head_dim_v=head_dim_v))
     o = tileops.attention(q, k, v, is_causal=is_causal)

@@ -99,7 +99,7 @@ def _save_for_backward(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.mark_non_differentiable(lse)  # a statistic for the backward, not a model output
 
 
-BACKWARD_HEAD_DIMS = (64, 96, 128, 256)  # the backward kernel's (the manifest's shape rule)
+BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)  # the backward kernel's (the manifest's shape rule)
 # where `scale` sits among the params the autograd formulas get (the forward's, in order)
 _SCALE_SLOT = [p.name for p in GroupedQueryAttentionFwdOp.spec.params].index("scale")
 
@@ -108,7 +108,7 @@ def _backward_at_kernel_width(grad_o: torch.Tensor, q: torch.Tensor, k: torch.Te
                               v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                               *params: Any) -> tuple:
     """GroupedQueryAttentionBwdOp's (dq, dk, dv), for head dims it lacks (DeepSeek-V3's q/k
-    192 with v 128, Phi-2's 80) run at the narrowest width it takes (256, 96) on zero-padded
+    192 with v 128, Phi-2's 80) run at the narrowest width it takes (192, 96) on zero-padded
     q, k, v, o and dO, the scale pinned to the unpadded head dim's: zero columns change no
     score, no rowsum(dO * O) and no real column of a gradient. It costs the padded copies
     and the wider products."""
