@@ -189,6 +189,18 @@ def test_second_pass_walks_agree(kind, rows, n, dtype):
     _check_configs(kernel, kind, configs, rows, n, dtype)
 
 
+@pytest.mark.parametrize("kind", ["softmax_bwd", "log_softmax_bwd"])
+@pytest.mark.parametrize("rows, n, dtype", [(300, 32000, BF16), (257, 20000, FP16),
+                                            (260, 12000, FP32)])
+def test_whole_row_backward_defaults_agree(kind, rows, n, dtype):
+    """The backward kinds' default on rows one CTA holds whole in registers (Mistral's
+    32000 columns: a cluster of one, softmax.whole_row_default) against float64."""
+    kernel = SoftmaxKernel(kind=kind, n=n, dtype=str(dtype).removeprefix("torch."))
+    config = kernel.heuristic_config("many", "sm_90a")
+    assert config.cluster == 1 and not config.meet
+    _check_configs(kernel, kind, [config], rows, n, dtype)
+
+
 def _check_configs(kernel, kind, configs, rows, n, dtype):
     """Each config's program into NaN-poisoned outputs against float64: rows of std-3
     values, a row with -inf entries and (forward) a fully masked row."""

@@ -104,3 +104,35 @@ def test_cluster_shapes_fit_the_registers(n, dtype):
                 assert cr.resident_clusters * 2 == 132 * ctas_per_sm
     slices, threads = slice_shape(n, dtype)
     assert ClusterRows(n, dtype, slices, threads).per_thread <= 8
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("kind", ["softmax_bwd", "log_softmax_bwd"])
+@pytest.mark.parametrize("n, dtype", [(8200, BF16), (5000, FP32)])
+def test_whole_row_backward_default_on_the_cpu(kind, n, dtype):
+    """The backward kinds' default for rows one CTA holds whole (a cluster of one,
+    softmax.whole_row_default): the last vectors of the row in a part of the threads only,
+    more rows than the persistent grid has CTAs on a 2-SM device."""
+    from tileops.kernels.softmax import cluster_rows, softmax
+
+    kernel = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype])
+    config = kernel.heuristic_config("many", "sm_90a")
+    assert config == softmax.whole_row_default(n, NAMES[dtype]) and config.cluster == 1
+    rows = 5
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(rows, n, generator=gen, dtype=torch.float64) * 3
+    x[1, ::3] = float("-inf")
+    forward = torch.softmax if kind == "softmax_bwd" else torch.log_softmax
+    y = forward(x, -1).to(dtype)
+    dy = torch.randn(rows, n, generator=gen).to(dtype)
+
+    def launch(tensors):
+        from ..cuda_emulation_threads import run
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cluster_rows, "SM_COUNT", 2)  # two resident CTAs walk the five rows
+            compiled = kernel.compile(config, "many")[0]
+        run(compiled, 2, config.threads, tensors, dict(rows=rows), cluster=1)
+
+    check_backward(kind, y, dy, launch, 1e-2, 1e-3)

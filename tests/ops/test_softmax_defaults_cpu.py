@@ -2,7 +2,8 @@
 docs/performance/README.md, twenty-ninth session): on rows longer than one chunk, the
 forward two-pass kinds walk their second pass and softmax_bwd meets in slices where the
 rows a streaming grid has in flight outgrow the L2; the backward kinds meet in slices for
-few rows; everything else streams."""
+few rows, and hold rows of up to 8 vectors a thread whole in one CTA where they stay in L2
+(thirtieth session); everything else streams."""
 
 import dataclasses
 
@@ -15,6 +16,7 @@ STREAM = "stream"
 WALK = "walk"  # reverse, with L2 hints on 16-byte vectors
 MEET_256 = RowConfig(256, 256, 4, 2, 8, meet=True)
 MEET_512 = RowConfig(512, 512, 4, 1, 8, meet=True)
+WHOLE_ROW = RowConfig(512, 512, 4, 1, 1)  # a cluster of one: the row in one CTA's registers
 
 
 @pytest.mark.parametrize("kind, n, dtype, bucket, want", [
@@ -25,7 +27,10 @@ MEET_512 = RowConfig(512, 512, 4, 1, 8, meet=True)
     ("softmax", 128256, "bfloat16", "few", STREAM),  # decode 64: walked 0.95x
     ("softmax_bwd", 128256, "bfloat16", "many", MEET_256),  # 1.23x
     ("softmax_bwd", 256000, "bfloat16", "many", MEET_512),  # 8 x 256 spills: 0.28x
-    ("softmax_bwd", 32000, "bfloat16", "many", STREAM),  # meeting 0.74x
+    ("softmax_bwd", 32000, "bfloat16", "many", WHOLE_ROW),  # Mistral: 1.28x, meeting 0.74x
+    ("log_softmax_bwd", 32000, "float16", "many", WHOLE_ROW),  # 1.08x
+    ("softmax_bwd", 32769, "bfloat16", "many", STREAM),  # 9 vectors a thread: not whole
+    ("log_softmax_bwd", 12000, "float32", "many", WHOLE_ROW),
     ("log_softmax_bwd", 128256, "bfloat16", "many", STREAM),  # meeting 0.97x
     ("softmax_bwd", 128256, "bfloat16", "few", MEET_256),  # 1.16x at 64 rows
     ("log_softmax_bwd", 128256, "bfloat16", "few", MEET_256),  # 1.12x
