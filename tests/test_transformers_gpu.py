@@ -111,7 +111,7 @@ def test_logits_loss_and_gradients_match(family, dtype, counts):
     assert bool(counts.get("geglu" if gelu else "swiglu")) == bool(patched.get("mlp")), counts
     assert patched.get("mlp") or family in ("mixtral", "qwen3_moe"), patched
     assert bool(counts.get("fused_moe")) == bool(patched.get("moe")), counts
-    assert bool(patched.get("moe")) == (family in ("mixtral", "qwen3_moe"))
+    assert bool(patched.get("moe")) == (family in ("mixtral", "qwen3_moe", "deepseek_v3"))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
