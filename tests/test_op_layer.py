@@ -257,5 +257,5 @@ def test_attention_backward_refuses_head_dim_80_by_name():
     q, kv = meta(1, 8, 8, 80), meta(1, 8, 2, 80)
     lse = meta(1, 8, 8, dtype=torch.float32)
     with pytest.raises(TileOpsValueError, match=r"GroupedQueryAttentionBwdOp: argument 'do'.*"
-                                                r"`D in \(64, 96, 128, 256\)`.*D=80"):
+                                                r"`D in \(64, 96, 128, 192, 256\)`.*D=80"):
         GroupedQueryAttentionBwdOp().check([q, q, kv, kv, q, lse])
