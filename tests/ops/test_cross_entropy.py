@@ -254,10 +254,12 @@ def _cluster_configs(mode, vocab, dtype, params):
     return configs
 
 
+@pytest.mark.parametrize("mode", ["loss_and_grad", "loss"])
 @pytest.mark.parametrize("rows, vocab, dtype, params", KEPT_CASES, ids=_ids(KEPT_CASES))
-def test_every_cluster_config_matches_float64(rows, vocab, dtype, params):
+def test_every_cluster_config_matches_float64(rows, vocab, dtype, params, mode):
     """Rows split over persistent clusters, a config of every cluster size: the one-pass
-    loss and gradient into NaN-poisoned outputs, in place and not, and the loss pass."""
+    loss and gradient into NaN-poisoned outputs, in place and not, or the loss pass (one
+    mode a test: Gemma-2's configs of both took a fresh device's worker past 150 s)."""
     x = randn(rows, vocab, dtype=dtype, std=2.0)
     if "label_smoothing" not in params:  # (smoothing sums every logit: an infinite loss)
         x[3, ::5] = float("-inf")  # masked logits
@@ -266,9 +268,10 @@ def test_every_cluster_config_matches_float64(rows, vocab, dtype, params):
     ref_leaf = x.double().requires_grad_()
     ref = reference_rows(ref_leaf, target, **params)
     ref.sum().backward()
-    for config in _cluster_configs("loss_and_grad", vocab, dtype, params):
-        _check_loss_and_grad(config, params, x, target, ref, ref_leaf.grad)
-    for config in _cluster_configs("loss", vocab, dtype, params):
+    for config in _cluster_configs(mode, vocab, dtype, params):
+        if mode == "loss_and_grad":
+            _check_loss_and_grad(config, params, x, target, ref, ref_leaf.grad)
+            continue
         op = CrossEntropyFwdOp(**params)
         op.pin_config(config, x, target)
         assert_close(op(x, target)[0], ref, what=f"loss pass {config}")
