@@ -671,15 +671,16 @@ class AttentionBwdKernel(Kernel):
             return AttentionBwdConfig(block_kv=128, block_q=32, stages=1, threads=256)
         if self.key["head_dim"] >= 192:
             # DeepSeek-V3's q/k width (its v zero-padded to it by the op): two 128 x 192 fp32
-            # accumulators leave room for 32-row Q tiles in one stage only; the 128-width
-            # default's loop then spills least (ptxas: 168 registers, 144 B of spill stores;
+            # accumulators leave room for 32-row Q tiles in one stage only; the default to 128's
+            # loop then spills least (ptxas: 168 registers, 144 B of spill stores;
             # the plain loop 260 B; 256 wide, 17 KB)
-            return dataclasses.replace(self._wide_loop(), block_q=32, stages=1)
-        return self._wide_loop()
+            return dataclasses.replace(self._default_to_128(), block_q=32, stages=1)
+        return self._default_to_128()
 
     @staticmethod
-    def _wide_loop() -> AttentionBwdConfig:
-        """The default of head dims up to 128, as measured there."""
+    def _default_to_128() -> AttentionBwdConfig:
+        """The default of head dims up to 128, as measured there (the 192 default narrows
+        its Q tiles)."""
         # H200 tuning (Llama-3.1-8B training 4 x 4K): the TMA dq reduce with two Q/dO stages
         # ran 7% faster than per-element atomics with one stage; masking only the tiles a mask
         # cuts through, with lse and delta staged by TMA, 18% faster again (3702.7 vs 4499.3

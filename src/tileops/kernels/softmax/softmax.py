@@ -570,18 +570,21 @@ class SoftmaxKernel(RowKernel):
     def heuristic_config(self, bucket: str, arch: str) -> RowConfig:
         """The streaming map (default_row_config), but on rows longer than one chunk: the
         backward kinds on meeting slices for few rows (each row over 8 CTAs instead of one:
-        1.12-1.16x at 64 rows), softmax_bwd also for many rows that outgrow the L2; the
-        forward two-pass kinds walked for many rows that outgrow it (rows_outgrow_l2)."""
+        1.12-1.16x at 64 rows); for many rows, whole in one CTA where they stay in L2 and
+        fit its registers (whole_row_default), softmax_bwd on meeting slices where they
+        outgrow the L2; the forward two-pass kinds walked for many rows that outgrow it
+        (rows_outgrow_l2)."""
         streaming = super().heuristic_config(bucket, arch)
         n, dtype, kind = self.key["n"], self.key["dtype"], self.key["kind"]
         if n // vector_width(n, dtype) <= 1024 or not self.offers_walks:
             return streaming
         if kind.endswith("_bwd"):
-            if bucket == "few" or (kind == "softmax_bwd"
-                                   and rows_outgrow_l2(n, dtype, streaming, 2)):
+            if bucket == "few":
                 return meeting_default(n, dtype, self.held) or streaming
             if not rows_outgrow_l2(n, dtype, streaming, 2):
                 return whole_row_default(n, dtype) or streaming
+            if kind == "softmax_bwd":
+                return meeting_default(n, dtype, self.held) or streaming
             return streaming
         if bucket == "many" and rows_outgrow_l2(n, dtype, streaming, 1):
             return walked(streaming, n, dtype)
