@@ -79,10 +79,11 @@ def lane_configs(n: int, dtype: str, elems_per_thread: tuple[int, int]) -> list[
 
 
 def default_lanes(n: int, dtype: str) -> NormConfig | None:
-    """The lane map with three or four 16-byte vectors a thread (then two, one, six), one row
-    per CTA of at most 576 threads, or None where no such split exists. On the H200 (bf16,
-    2026-12-02) three vectors beat two by 17% at 6144 columns (256 threads: 52.2 us, 384:
-    61.0) and five were level with two at 2560 (22.9 / 23.4 us): more bytes in flight a
+    """The lane map with three, four or five 16-byte vectors a thread (then two, one, six),
+    one row per CTA of at most 576 threads, or None where no such split exists. On the H200
+    (bf16) three vectors beat two by 17% at 6144 columns (256 threads: 52.2 us, 384: 61.0),
+    five beat one by 14% at 1280 (ViT-H, 2026-12-04: four rows of 32 threads 21.8 us, one
+    of 160 25.3) and were level with two at 2560 (23.0-23.4 us): more bytes in flight a
     thread, while small shares still leave registers for several rows per SM. ~55
     registers a thread: 576 threads still fit two CTAs per SM (13824 columns), 864 would fit
     one. A short row (8 threads or more) shares its CTA with others, up to ~128
@@ -90,7 +91,7 @@ def default_lanes(n: int, dtype: str) -> NormConfig | None:
     vec = vector_width(n, dtype)
     if vec * ELEM_BYTES[dtype] < 16 or n % vec:
         return None
-    for vecs in (3, 4, 2, 1, 6):
+    for vecs in (3, 4, 5, 2, 1, 6):
         if (n // vec) % vecs:
             continue
         row_threads = n // vec // vecs
