@@ -103,8 +103,8 @@ def test_default_configs_keep_registers_in_bounds(n):
         config = fwd.heuristic_config(bucket, "sm_90a")
         tile = RowTile(n, config.block_rows, config.threads)
         assert tile.n_tile * config.block_rows <= 64 * config.threads, (bucket, config)
-        if config.lanes:
-            assert n * config.block_rows <= 32 * config.threads, (bucket, config)
+        if config.lanes:  # at most five 16-byte vectors a thread
+            assert n * config.block_rows <= 40 * config.threads, (bucket, config)
     for cls, key in ((RMSNormBwdKernel, {"has_weight": True}),
                      (LayerNormBwdKernel, {"has_weight": True, "has_bias": True})):
         bwd = cls(dtype="bfloat16", n=n, **key)
@@ -123,8 +123,9 @@ def test_default_configs_keep_registers_in_bounds(n):
 
 
 @pytest.mark.parametrize("n, dtype, block_rows, threads", [
-    (1280, "bfloat16", 1, 160),    # ViT-H: one vector per thread (two would be 80 threads)
-    (2560, "bfloat16", 1, 160),    # Phi-2: two vectors (three or four split into no warps)
+    (1280, "bfloat16", 4, 128),    # ViT-H: five vectors, a warp a row (one a thread: 14%
+                                   # slower on the H200; two or four split into no warps)
+    (2560, "bfloat16", 2, 128),    # Phi-2: five vectors, two warps a row
     (5120, "float16", 1, 160),     # Qwen3-32B: four vectors
     (6144, "bfloat16", 1, 256),    # GPT-NeoX-20B: three vectors (17% over two on the H200)
     (7168, "bfloat16", 1, 224),    # DeepSeek-V3: four vectors
