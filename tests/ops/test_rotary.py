@@ -638,6 +638,22 @@ def test_smoke_kernels_use_16_byte_accesses():
             assert body.count(f"*(uint4*)({buffer} + ") >= 2, (buffer, item.describe())
 
 
+@pytest.mark.compile
+@pytest.mark.full
+def test_launch_bound_configs_bound_the_program():
+    """`ctas_per_sm` (a tuner option) reaches the launch bounds of the default it varies:
+    72 heads at 4 heads x 2 tokens (288 threads), 3 CTAs an SM."""
+    import dataclasses
+
+    kernel = RotaryKernel(form="hf", dtype="bfloat16", table_dtype="bfloat16", q_heads=64,
+                          k_heads=8, head_dim=128, rotary_dim=128, interleaved=False,
+                          backward=False, bhsd=False, inplace=False)
+    default = kernel.heuristic_config("all", "sm_90a")
+    bound = dataclasses.replace(default, ctas_per_sm=3)
+    assert bound in kernel.config_space("all")
+    assert "__launch_bounds__(288, 3)" in kernel.compile(bound, "all")[0].get_kernel_source()
+
+
 def emulate(kernel, config):
     """Runs `kernel`'s program for `config` on the CPU (tests/cuda_emulation.py) on small
     strided inputs (padded rows, per-sequence tables for the backward, a token tail in the

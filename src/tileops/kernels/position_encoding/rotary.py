@@ -18,6 +18,7 @@ NeoX style pairs element j with j + R/2 (a unit is a vector of each half); GPT-J
 symbolic; head counts, head_dim, rotary_dim, layout and flags are compiled in.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import tilelang.language as T
@@ -48,6 +49,10 @@ class RotaryConfig:
     heads_per_thread: int = 4
     block_tokens: int = 1
     head_chunks: int = 1
+    # a launch bound for that many resident CTAs (0: none): TileLang's default bound of one
+    # CTA leaves ptxas 84-119 registers a thread (72 heads at 4 x 2 tokens: 96, two CTAs of
+    # 288 an SM), fewer threads than the SM holds to keep loads in flight
+    ctas_per_sm: int = 0
 
 
 def chunk_heads(heads: int, config: RotaryConfig) -> int:
@@ -64,7 +69,7 @@ def thread_layout(heads: int, units: int, config: RotaryConfig) -> tuple[int, in
 def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_heads: int,
                    head_dim: int, rotary_dim: int, interleaved: bool, backward: bool,
                    bhsd: bool, inplace: bool, vec: int, heads_per_thread: int,
-                   block_tokens: int, head_chunks: int = 1):
+                   block_tokens: int, head_chunks: int = 1, ctas_per_sm: int = 0):
     """The prim_func of one (form, shape, flags, config).
 
     hf:    (q, k, cos, sin, q_out, k_out)
@@ -177,7 +182,7 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
 
     shared = dict(units=units, groups=groups, threads=threads, used=used, width=width,
                   unit_offsets=unit_offsets, heads_body=heads_body, accum=accum,
-                  head_chunks=head_chunks, per_chunk=per_chunk)
+                  head_chunks=head_chunks, per_chunk=per_chunk, ctas_per_sm=ctas_per_sm)
     if form == "hf":
         return _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec,
                            block_tokens, **shared)
@@ -187,7 +192,7 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
 
 def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_tokens, *,
                 units, groups, threads, used, width, unit_offsets, heads_body, accum,
-                head_chunks, per_chunk):
+                head_chunks, per_chunk, ctas_per_sm):
     batch, seq, table_batch = T.dynamic("batch, seq, table_batch")
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh = T.dynamic("q_sb, q_ss, q_sh, k_sb, k_ss, k_sh",
                                                    "int64")
@@ -212,6 +217,8 @@ def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_
             k_out: T.Tensor(dims(k_heads), dtype)):
         token_blocks = T.ceildiv(batch * seq, block_tokens)
         with T.Kernel(token_blocks * head_chunks, threads=threads) as bx:
+            if ctas_per_sm:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
             for stride in (q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, c_sb, c_ss, s_sb, s_ss):
                 T.assume(stride % vec == 0)
             T.assume(seq > 0)
@@ -245,7 +252,7 @@ def _hf_program(dtype, q_heads, k_heads, head_dim, rotary_dim, bhsd, vec, block_
 
 def _cache_program(dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim, interleaved,
                    inplace, vec, block_tokens, *, units, groups, threads, used, width,
-                   unit_offsets, heads_body, accum, head_chunks, per_chunk):
+                   unit_offsets, heads_body, accum, head_chunks, per_chunk, ctas_per_sm):
     tokens, max_pos = T.dynamic("tokens, max_pos")
     q_st, q_sh, k_st, k_sh = T.dynamic("q_st, q_sh, k_st, k_sh", "int64")
     half = rotary_dim // 2
@@ -257,6 +264,8 @@ def _cache_program(dtype, table_dtype, q_heads, k_heads, head_dim, rotary_dim, i
     def body(positions, q, k, cos_sin_cache, q_out, k_out):
         token_blocks = T.ceildiv(tokens, block_tokens)
         with T.Kernel(token_blocks * head_chunks, threads=threads) as bx:
+            if ctas_per_sm:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
             for stride in (q_st, q_sh, k_st, k_sh):
                 T.assume(stride % vec == 0)
             T.assume(max_pos > 0)
@@ -365,7 +374,7 @@ class RotaryKernel(Kernel):
         return rotary_program(**self.key, vec=self.vec,
                               heads_per_thread=config.heads_per_thread,
                               block_tokens=config.block_tokens,
-                              head_chunks=config.head_chunks)
+                              head_chunks=config.head_chunks, ctas_per_sm=config.ctas_per_sm)
 
     def run(self, config: RotaryConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*tensors)
@@ -397,4 +406,10 @@ class RotaryKernel(Kernel):
                 if 64 <= threads <= 512 and \
                         block_tokens * per_chunk * units >= 0.75 * threads * hpt:
                     space.append(config)
+        # the default under launch bounds of 3-6 resident CTAs that still fill at most the
+        # SM's 2048 threads (ptxas then caps registers at 64K / (CTAs x threads))
+        _, threads = thread_layout(heads, units, space[0])
+        for ctas in (3, 4, 6):
+            if ctas * threads <= 2048 and 65536 // (ctas * threads) >= 40:
+                space.append(dataclasses.replace(space[0], ctas_per_sm=ctas))
         return list(dict.fromkeys(space))
