@@ -177,6 +177,11 @@ LANE_CASES = {  # name -> (kind, n, dtype, config, rows)
     "fused add 5120 in place": ("fused_add", 5120, torch.bfloat16, (1, 320), 2),
     "layer norm 6144, weight and bias prefetched": ("layer", 6144, torch.float16,
                                                     (1, 384, True), 2),
+    # the five-vector defaults (ViT-H, Phi-2): a warp a row, and two warps a row
+    "layer norm 1280, 4 rows of 32 lanes, a last CTA of 1": ("layer", 1280, torch.bfloat16,
+                                                             (4, 128), 5),
+    "rms norm 2560, 2 rows of 64 lanes, a last CTA of 1": ("rms", 2560, torch.float16,
+                                                           (2, 128), 3),
 }
 
 

@@ -610,6 +610,24 @@ def test_kernel_configs_are_launchable():
             assert heads % config.head_chunks == 0, config
 
 
+@pytest.mark.parametrize("form, q_heads, k_heads, head_dim, rot, interleaved, bhsd, want", [
+    ("hf", 64, 8, 128, 128, False, False, (4, 2)),    # 70B / Qwen3-32B prefill: 288 threads
+    ("cache", 64, 8, 128, 128, False, False, (4, 2)),
+    ("hf", 32, 8, 128, 128, False, False, (4, 2)),    # 8B: 160 threads
+    ("hf", 16, 8, 256, 256, False, False, (4, 1)),    # Gemma-2: 96 threads, none idle
+    ("hf", 64, 8, 128, 128, False, True, (3, 1)),     # [B, H, S, D]: the scored pick
+    ("hf", 128, 1, 64, 64, True, False, (3, 1)),      # DeepSeek-V3's 129 rope heads
+])
+def test_default_layouts(form, q_heads, k_heads, head_dim, rot, interleaved, bhsd, want):
+    """4 heads a thread where a token's heads are contiguous and 4 divides their count (the
+    H200 sweeps of 2026-12-04), the scored pick elsewhere (the wider rule slowed those)."""
+    kernel = RotaryKernel(form=form, dtype="bfloat16", table_dtype="bfloat16",
+                          q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=rot,
+                          interleaved=interleaved, backward=False, bhsd=bhsd, inplace=False)
+    config = kernel.heuristic_config("all", "sm_90a")
+    assert (config.heads_per_thread, config.block_tokens, config.head_chunks) == (*want, 1)
+
+
 def test_vector_width():
     assert vector_width("bfloat16", 128, 128) == 8
     assert vector_width("float16", 64, 192) == 8
@@ -739,9 +757,11 @@ def test_smoke_programs_on_the_cpu():
     ("hf", "bfloat16", "bfloat16", 16, 2, 32, 32, False, False, True, False, (2, 4, 3)),
     ("hf", "float16", "float16", 14, 2, 64, 32, True, True, False, False, (4, 2, 2)),
     ("cache", "bfloat16", "bfloat16", 12, 4, 64, 64, False, False, False, True, (2, 4, 2)),
+    # the token-major default's shape (4 heads a thread, 2 tokens a CTA), launch-bounded
+    ("hf", "bfloat16", "bfloat16", 10, 2, 64, 64, False, False, False, False, (4, 2, 1, 3)),
 ], ids=["bhsd", "bhsd-gptj-partial", "bshd-gptj-bwd", "partial-24-bwd", "cache-f32",
         "cache-in-place", "bhsd-head-chunks", "bshd-gptj-bwd-head-chunks",
-        "cache-in-place-head-chunks"])
+        "cache-in-place-head-chunks", "bshd-4-heads-2-tokens-bounded"])
 def test_generated_cuda_on_the_cpu(form, dtype, table_dtype, q_heads, k_heads, head_dim, rot,
                                    interleaved, backward, bhsd, inplace, config):
     """Small shapes off every vector and CTA boundary, each flag of the program."""
