@@ -187,8 +187,10 @@ class GatedActivationKernel(Kernel):
         # The split backward (five tensors: dy, gate, up in; dgate, dup out) keeps one vector
         # of each: on the H200 (bf16, 2026-12-04) two ran 1.3-1.8% slower (SwiGLU 8B 550.6
         # against 543.7 us, GeGLU Gemma-3-4B 785.7 against 773.6).
-        if bucket == "small" or (self.key["backward"] and not self.key["fused"]):
-            return GatedActivationConfig(threads=128 if bucket == "small" else 256, vecs=1)
+        if bucket == "small":
+            return GatedActivationConfig(threads=128, vecs=1)
+        if self.key["backward"] and not self.key["fused"]:
+            return GatedActivationConfig(threads=256, vecs=1)
         return GatedActivationConfig(threads=256, vecs=2)
 
     def config_space(self, bucket: str) -> list[GatedActivationConfig]:

@@ -407,7 +407,8 @@ class RotaryKernel(Kernel):
                         block_tokens * per_chunk * units >= 0.75 * threads * hpt:
                     space.append(config)
         # the default under launch bounds of 3-6 resident CTAs that still fill at most the
-        # SM's 2048 threads (ptxas then caps registers at 64K / (CTAs x threads))
+        # SM's 2048 threads (ptxas then caps registers at 64K / (CTAs x threads); caps under
+        # 40 left out: 56 already spilled 40 B at 72 heads, 48 spilled 116 B at 40)
         _, threads = thread_layout(heads, units, space[0])
         for ctas in (3, 4, 6):
             if ctas * threads <= 2048 and 65536 // (ctas * threads) >= 40:
