@@ -55,9 +55,10 @@ static inline float clamp(float x, float lo, float hi) {
 }
 }  // namespace tl
 """
-# kernels/l2_hints.py's helpers: 16-byte loads and stores whose L2 eviction hint has no
-# meaning on the host (the policies are opaque numbers)
-L2_HINTS = r"""
+# kernels/cuda_helpers.py's functions on the host: l2_hints' 16-byte loads and stores, whose
+# L2 eviction hint has no meaning here (the policies are opaque numbers), and fast_math's
+# SFU 2^x as exp2f
+CUDA_HELPERS = r"""
 namespace tileops_l2 {
 static inline unsigned long long keep_policy() { return 1; }
 static inline unsigned long long drop_policy() { return 2; }
@@ -68,6 +69,9 @@ static inline void store16(void *dst, const void *src, unsigned long long) {
   std::memcpy(dst, src, 16);
 }
 }  // namespace tileops_l2
+namespace tileops_math {
+static inline float ex2(float x) { return exp2f(x); }
+}  // namespace tileops_math
 """
 _KERNEL = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\((.*?)\) \{',
                      re.S)
@@ -105,7 +109,7 @@ def _library(source: str, threads: int) -> tuple[Any, list[str]]:
               f"  for (int b = 0; b < grid; ++b) for (int t = 0; t < {threads}; ++t) {{\n"
               f"    emu_block.x = b; emu_thread.x = t; {name}({', '.join(names)});\n  }}\n}}\n")
     # -O0 and no strict aliasing: the generated code type-puns vectors through pointers
-    return build(_PRELUDE + L2_HINTS + body + driver, "", ["-O0"]), param_list
+    return build(_PRELUDE + CUDA_HELPERS + body + driver, "", ["-O0"]), param_list
 
 
 def _launch_arguments(host: str, func: str) -> list[tuple]:

@@ -29,7 +29,7 @@ import re
 from typing import Any
 
 from . import cuda_emulation as emulation
-from .cuda_emulation import _KERNEL, L2_HINTS, build
+from .cuda_emulation import _KERNEL, CUDA_HELPERS, build
 
 _PRELUDE = r"""
 #include <cstdint>
@@ -196,7 +196,7 @@ def _library(source: str, threads: int, cluster: int = 1) -> tuple[Any, list[str
               f"      {name}({', '.join(names)});\n"
               f"    }});\n"
               f"    for (auto &th : pool) th.join();\n  }}\n}}\n")
-    source = _PRELUDE + L2_HINTS + _CLUSTER_SHARED + body + driver
+    source = _PRELUDE + CUDA_HELPERS + _CLUSTER_SHARED + body + driver
     return build(source, "threads-", ["-O1"], ",-pthread"), [p.strip() for p in params.split(",")]
 
 

@@ -138,9 +138,14 @@ KEPT_CASES = [
 ]
 
 
+def _name(dtype):
+    """'bfloat16' for torch.bfloat16: the kernels' dtype names."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _kernel(mode, vocab, dtype, params):
     from tileops.kernels.softmax.cross_entropy import CrossEntropyKernel
-    return CrossEntropyKernel(mode=mode, n=vocab, dtype=str(dtype).removeprefix("torch."),
+    return CrossEntropyKernel(mode=mode, n=vocab, dtype=_name(dtype),
                               softcap="softcap" in params,
                               smoothing="label_smoothing" in params, dloss_per_row=False)
 
@@ -149,7 +154,7 @@ def _streaming_default(vocab, dtype):
     """The streaming thread map's default (the heuristic's without clusters)."""
     from tileops.kernels.softmax.cross_entropy import CrossEntropyConfig
     from tileops.kernels.softmax.softmax import default_row_config
-    row = default_row_config(vocab, str(dtype).removeprefix("torch."), False)
+    row = default_row_config(vocab, _name(dtype), False)
     return CrossEntropyConfig(**dataclasses.asdict(row))
 
 
@@ -160,8 +165,8 @@ def _kept_configs(vocab, dtype, params):
     from tileops.kernels.softmax.cross_entropy import default_variants, kept_row_configs
     kernel = _kernel("loss_and_grad", vocab, dtype, params)
     default = _streaming_default(vocab, dtype)
-    configs = kept_row_configs(vocab, str(dtype).removeprefix("torch."))
-    configs += default_variants(default, "loss_and_grad")
+    configs = kept_row_configs(vocab, _name(dtype))
+    configs += default_variants(default, "loss_and_grad", vocab, _name(dtype))
     assert set(configs) <= set(kernel.config_space("many"))
     kernel.compile_many(configs, "many")  # in parallel; the ops find them compiled
     return configs
@@ -209,7 +214,7 @@ def test_loss_pass_with_prefetch_matches_float64(rows, vocab, dtype, params):
     z = x.double() if "softcap" not in params else params["softcap"] * torch.tanh(
         x.double() / params["softcap"])
     default = _streaming_default(vocab, dtype)
-    for config in default_variants(default, "loss") + [
+    for config in default_variants(default, "loss", vocab, _name(dtype)) + [
             dataclasses.replace(default, prefetch=True, ctas_per_sm=1)]:
         op = CrossEntropyFwdOp(**params)
         op.pin_config(config, x, target)
@@ -231,13 +236,13 @@ def test_gradient_pass_variants_match_float64(rows, vocab, dtype, params, per_ro
     grad_loss = randn(rows if per_row else 1, dtype=FP32)
     ref.backward(grad_loss.double().expand(rows))
     lse = CrossEntropyFwdOp(**params)(x, target)[1]
-    kernel = CrossEntropyKernel(mode="grad", n=vocab, dtype=str(dtype).removeprefix("torch."),
+    kernel = CrossEntropyKernel(mode="grad", n=vocab, dtype=_name(dtype),
                                 softcap="softcap" in params,
                                 smoothing="label_smoothing" in params, dloss_per_row=per_row)
     default = _streaming_default(vocab, dtype)
     # the default (rows past one chunk: unclustered slices) and the streaming variants
     for config in [kernel.heuristic_config("many", "sm_90a"), default,
-                   *default_variants(default, "grad")]:
+                   *default_variants(default, "grad", vocab, _name(dtype))]:
         assert config in kernel.config_space("many")
         op = CrossEntropyBwdOp(**params)
         op.pin_config(config, grad_loss, x, target, lse)

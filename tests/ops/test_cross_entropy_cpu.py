@@ -160,6 +160,21 @@ def test_kept_configs_fit_shared_memory(vocab, dtype):
     assert isinstance(default, CrossEntropyConfig)
 
 
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936, 256000])
+def test_gradient_pass_defaults(vocab):
+    """The gradient pass's default on rows past one chunk: unclustered slices of at most 8
+    vectors a thread; 1024 threads with soft-capping (its SFU chain hides behind more
+    warps), the fewest threads from 256 without."""
+    for softcap in (False, True):
+        kernel = CrossEntropyKernel(mode="grad", n=vocab, dtype="bfloat16", softcap=softcap,
+                                    smoothing=False, dloss_per_row=False)
+        config = kernel.heuristic_config("many", "sm_90a")
+        cr = ClusterRows(vocab, "bfloat16", config.cluster, config.threads)
+        assert cr.per_thread <= 8 and config.ctas_per_sm == 1 and not config.prefetch
+        assert (config.threads == 1024) if softcap else (config.threads < 1024)
+        assert config in kernel.config_space("many")
+
+
 def test_kept_chunks_over_shared_memory_are_refused():
     kernel = CrossEntropyKernel(mode="loss_and_grad", n=128256, dtype="bfloat16",
                                 softcap=False, smoothing=False, dloss_per_row=False)

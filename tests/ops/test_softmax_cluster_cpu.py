@@ -102,8 +102,10 @@ def test_cluster_shapes_fit_the_registers(n, dtype):
             assert fits_registers(cr, held) and (cluster - 1) * cr.slice_vectors < n // cr.vec
             if cluster == 2:
                 assert cr.resident_clusters * 2 == 132 * ctas_per_sm
-    slices, threads = slice_shape(n, dtype)
-    assert ClusterRows(n, dtype, slices, threads).per_thread <= 8
+    for min_threads in (256, 1024):
+        slices, threads = slice_shape(n, dtype, min_threads=min_threads)
+        assert threads >= min_threads
+        assert ClusterRows(n, dtype, slices, threads).per_thread <= 8
 
 
 @pytest.mark.compile

@@ -10,11 +10,14 @@ holds the rows in flight between their two reads.
 
 TileLang has no load with a cache policy, so these are small CUDA functions (PTX
 `createpolicy` and `ld/st.global.L2::cache_hint`) imported into the kernel's source with
-`T.import_source` and called with `T.call_extern`. Each moves 16 bytes between global memory
+`T.import_source` (cuda_helpers: with the other helpers, one text a kernel) and called with
+`T.call_extern`. Each moves 16 bytes between global memory
 and a local array slot that the caller addresses; the caller unpacks or packs the values.
 """
 
 import tilelang.language as T
+
+from . import cuda_helpers
 
 CUDA_SOURCE = r"""
 namespace tileops_l2 {
@@ -46,8 +49,8 @@ VECTOR_BYTES = 16
 
 
 def import_hints():
-    """Call once inside a T.Kernel body that uses the functions below."""
-    T.import_source(CUDA_SOURCE)
+    """Call inside a T.Kernel body that uses the functions below."""
+    cuda_helpers.import_source()
 
 
 def keep_policy():

@@ -254,14 +254,15 @@ def cluster_shapes(n: int, dtype: str, held: int = 1) -> list[tuple[int, int, in
     return shapes
 
 
-def slice_shape(n: int, dtype: str, per_thread: int = 8) -> tuple[int, int]:
+def slice_shape(n: int, dtype: str, per_thread: int = 8,
+                min_threads: int = 256) -> tuple[int, int]:
     """(slices, threads) for a one-pass kernel that splits rows into unclustered CTAs (nothing
-    to share): the fewest threads (256 up) whose slices take at most `per_thread` vectors a
-    thread within MAX_CLUSTER slices (95% of HBM measured for cross-entropy's gradient pass
-    at 8 x 256 on Llama-3's vocabulary)."""
+    to share): the fewest threads (`min_threads` up) whose slices take at most `per_thread`
+    vectors a thread within MAX_CLUSTER slices (95% of HBM measured for cross-entropy's
+    gradient pass at 8 x 256 on Llama-3's vocabulary)."""
     vectors = n // vector_width(n, dtype)
     for threads in (256, 512, 1024):
         slices = -(-vectors // (threads * per_thread))
-        if slices <= MAX_CLUSTER:
+        if threads >= min_threads and slices <= MAX_CLUSTER:
             return max(slices, 2), threads
     return MAX_CLUSTER, 1024

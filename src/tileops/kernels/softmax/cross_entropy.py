@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
+from .. import fast_math
 from .cluster_rows import ClusterRows, slice_shape
 from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_shapes
-from .row_map import NEG_INF, RowMap, exp, tanh, vector_width
+from .row_map import LOG2E, NEG_INF, RowMap, exp, vector_width
 from .softmax import (
     SM_COUNT,
     RowConfig,
@@ -109,16 +110,20 @@ def target_column(t, n: int):
 
 
 def soft_capped(x, cap):
-    """cap * tanh(x / cap), dividing by a multiply with 1 / cap (loop-invariant, hoisted): an
-    IEEE division per element, three with the gradient's, made the soft-capped kernels
-    compute-bound (24% of HBM, 2026-12-02)."""
-    return cap * tanh(x * (1.0 / cap))
+    """cap * tanh(x / cap) written as cap - 2 cap / (e^(2x / cap) + 1): a multiply into the
+    SFU's ex2, an add, the approximate reciprocal and a fused multiply-add an element, the
+    factors 2 log2(e) / cap and 2 cap loop-invariant (hoisted). Exact at +-inf, absolute
+    error ~cap * 1e-7. An IEEE division per element made these kernels compute-bound (24% of
+    HBM, 2026-12-02), tanh from exp2f and three multiplies by 1 / cap still issue-bound (48%,
+    2026-12-02)."""
+    return cap - (2.0 * cap) * T.fast_rcp(fast_math.exp2(x * (2.0 * LOG2E / cap)) + 1.0)
 
 
 def gradient_of(z, col, t, lse, scale, cap, eps, zloss, n: int, softcap: bool):
     """d(loss * scale)/dx at one element: z its soft-capped logit, col its column, t
-    target_column(target)."""
-    g = exp(z - lse) * (1.0 + 2.0 * zloss * lse) - eps / n \
+    target_column(target). e^(z - lse) as 2^(z log2 e - lse log2 e): one fused multiply-add
+    into the ex2."""
+    g = fast_math.exp2(z * LOG2E - lse * LOG2E) * (1.0 + 2.0 * zloss * lse) - eps / n \
         - T.if_then_else(col == t, 1.0 - eps, 0.0)
     if softcap:
         g = g * (1.0 - (z * (1.0 / cap)) * (z * (1.0 / cap)))
@@ -199,6 +204,7 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
                           zloss: T.float32, part: T.Tensor(P, "float"),
                           count: T.Tensor(C, "int32")):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
+            fast_math.import_source()
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
             m = T.alloc_local((1,), "float")
@@ -259,6 +265,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                 counts=None):
         with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
+            fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
             rank = bx % cluster
@@ -307,6 +314,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     @T.macro
     def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
+            fast_math.import_source()
             tx = T.get_thread_binding()
             row, rank = bx // cluster, bx % cluster
             raw = T.alloc_local((per, vec), dtype)
@@ -398,6 +406,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
     @T.macro
     def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            fast_math.import_source()
             resident()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
@@ -473,6 +482,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
     @T.macro
     def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            fast_math.import_source()
             resident()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
@@ -565,8 +575,12 @@ class CrossEntropyKernel(RowKernel):
         row = super().heuristic_config(bucket, arch)
         n, dtype = self.key["n"], self.key["dtype"]
         if self.key["mode"] == "grad" and n // vector_width(n, dtype) > 1024:
-            # one pass over rows past one chunk: unclustered slices, every load in flight
-            slices, threads = slice_shape(n, dtype)
+            # one pass over rows past one chunk: unclustered slices, every load in flight.
+            # Soft-capped logits (a tanh and an exp an element) want the most warps an SM to
+            # hide the SFU's latency: Gemma-2's 256K row in 4 slices of 1024 threads, 1472
+            # us against 1752 in 8 of 512 (H200, 2026-12-04)
+            slices, threads = slice_shape(n, dtype,
+                                          min_threads=1024 if self.key["softcap"] else 256)
             row = RowConfig(threads, threads, row.vecs, 1, slices)
         return CrossEntropyConfig(**dataclasses.asdict(row))
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from .. import l2_hints
+from .. import fast_math, l2_hints
 from ..base import Kernel
 from ..vectors import ELEM_BYTES
 from .cluster_rows import MAX_CLUSTER, ClusterRows, cluster_shapes, slice_shape
@@ -75,6 +75,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     @T.macro
     def forward(x, y, lse_out):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            fast_math.import_source()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
             xl = T.alloc_local((vecs, vec), "float")
@@ -121,6 +122,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     @T.macro
     def backward(dy, y, dx):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            fast_math.import_source()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
             dyl = T.alloc_local((vecs, vec), "float")
@@ -162,6 +164,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     @T.macro
     def lse_backward(g, x, lse, dx):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
+            fast_math.import_source()
             tx = T.get_thread_binding()
             r, lane = tx // rt, tx % rt
             xl = T.alloc_local((vecs, vec), "float")
@@ -241,6 +244,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     def forward(x, y, lse_out, gpart=None, counts=None):
         with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
+            fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
             rank = bx % cluster
@@ -284,6 +288,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     def backward(dy, y, dx, gpart=None, counts=None):
         with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
+            fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
             rank = bx % cluster
@@ -345,6 +350,7 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
     def logsumexp_fwd(x: T.Tensor((rows, n), dtype), out: T.Tensor((rows,), dtype),
                       part: T.Tensor(P, "float"), count: T.Tensor(C, "int32")):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
+            fast_math.import_source()
             tx = T.get_thread_binding()
             row, rank = bx // cr.cluster, bx % cr.cluster
             m = T.alloc_local((1,), "float")

@@ -1,0 +1,35 @@
+"""The SFU's approximate 2^x and 1/x as single instructions, for element-wise kernels whose
+instruction issue, not HBM, sets the pace (soft-capped cross-entropy: a tanh and an exp per
+logit).
+
+CUDA's exp2f (which T.exp2 and T.__exp become without --use_fast_math) wraps the SFU's ex2
+in a compare and two predicated multiplies that keep subnormal results: five instructions
+where one does. Here `ex2.approx.ftz.f32` alone (about 2 ulp, as exp2f; results below 2^-126
+flush to 0, subnormal inputs likewise), written as non-volatile inline PTX so the compiler may
+merge repeated calls on the same value. A kernel that uses `exp2` calls `import_source()`
+in its T.Kernel body (cuda_helpers: one imported text for every helper).
+"""
+
+import tilelang.language as T
+
+from . import cuda_helpers
+
+CUDA_SOURCE = r"""
+namespace tileops_math {
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+}  // namespace tileops_math
+"""
+
+
+def import_source():
+    """Call inside a T.Kernel body that uses exp2()."""
+    cuda_helpers.import_source()
+
+
+def exp2(v):
+    """2^v in float32 on the SFU (one instruction); 0 for v <= -126, inf for v >= 128."""
+    return T.call_extern("float32", "tileops_math::ex2", T.cast(v, "float32"))
