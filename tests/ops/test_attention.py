@@ -146,6 +146,20 @@ def test_lazy_rescale_follows_jumps_of_the_row_max(config, dtype):
     check(q, k.flip(1), v, config=config)  # loud keys first: the max settles at once
 
 
+@pytest.mark.parametrize("head_dim, options", [
+    (128, dict(is_causal=True)), (128, {}), (64, dict(is_causal=True)),
+    (256, dict(is_causal=True, window_size=(127, 0), softcap=50.0))], ids=str)
+def test_fast_exp_matches_the_reference(head_dim, options):
+    """Each default with exp2 and the softcap's tanh on the SFU's ex2 alone (`fast_exp`), on
+    tails and Sq != Skv."""
+    window_left, window_right = options.get("window_size", (-1, -1))
+    if options.get("is_causal"):
+        window_right = 0
+    default = config_space(head_dim, window_left, window_right, options.get("softcap", 0.0))[0]
+    config = dataclasses.replace(default, fast_exp=True)
+    check(*make_qkv(2, 777, 1000, 8, 2, head_dim, torch.bfloat16), config=config, **options)
+
+
 @pytest.mark.parametrize("config", config_space(64), ids=str)
 def test_every_config_at_head_dim_64(config):
     check(*make_qkv(2, 777, 1000, 8, 2, 64, torch.float16), config=config, is_causal=True)

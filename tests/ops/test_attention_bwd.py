@@ -78,7 +78,7 @@ def ds_handoff_configs(head_dim: int, is_causal: bool) -> list:
     kernel = AttentionBwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=head_dim,
                                 window_left=-1, window_right=0 if is_causal else -1,
                                 softcap=0.0)
-    return [c for c in kernel.config_space("all") if c.ds_handoff]
+    return [c for c in kernel.config_space("all") if c.ds_handoff and not c.fast_exp]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -104,6 +104,19 @@ def test_ds_handoff_over_long_key_loops(head_dim, is_causal, index):
 def test_every_config_of_the_wide_head_spaces(head_dim, config):
     check(1, 400, 400, 4, 2, head_dim, config=config, is_causal=True, window_size=(127, 0),
           softcap=50.0)
+
+
+@pytest.mark.parametrize("head_dim, softcap", [(128, 0.0), (256, 50.0)])
+def test_fast_exp_matches_the_reference(head_dim, softcap):
+    """The default with exp2 and the softcap's tanh on the SFU's ex2 alone (`fast_exp`)."""
+    window = 127 if softcap else -1
+    kernel = AttentionBwdKernel(dtype="bfloat16", heads=4, kv_heads=2, head_dim=head_dim,
+                                window_left=window, window_right=0, softcap=softcap)
+    config = kernel.config_space("all")[-1]
+    assert config.fast_exp and not kernel.config_space("all")[0].fast_exp
+    options = dict(window_size=(127, 0), softcap=softcap) if softcap else {}
+    check(1, 400, 777, 4, 2, head_dim, config=config, is_causal=True, **options)
+    check(2, 301, 301, 4, 2, head_dim, config=config, **options)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (16, 2)])

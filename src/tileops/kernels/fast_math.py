@@ -10,9 +10,13 @@ merge repeated calls on the same value. A kernel that uses `exp2` calls `import_
 in its T.Kernel body (cuda_helpers: one imported text for every helper).
 """
 
+import math
+
 import tilelang.language as T
 
 from . import cuda_helpers
+
+LOG2E = math.log2(math.e)
 
 CUDA_SOURCE = r"""
 namespace tileops_math {
@@ -33,3 +37,9 @@ def import_source():
 def exp2(v):
     """2^v in float32 on the SFU (one instruction); 0 for v <= -126, inf for v >= 128."""
     return T.call_extern("float32", "tileops_math::ex2", T.cast(v, "float32"))
+
+
+def tanh(v):
+    """tanh(v) = 1 - 2 / (2^(2 v log2 e) + 1): one ex2, the approximate reciprocal and an
+    FMA (tanhf is a long polynomial); exact at +-inf, absolute error ~1e-7."""
+    return 1.0 - 2.0 * T.fast_rcp(exp2(v * (2.0 * LOG2E)) + 1.0)

@@ -26,6 +26,7 @@ import tilelang.language as T
 import torch
 from tilelang.layout import make_linear_layout
 
+from .. import fast_math
 from ..base import Kernel
 from .attention_fwd import SMEM_LIMIT, sm_sharing
 from .mask import TIR_OPS, query_block_range, tile_fully_visible
@@ -103,6 +104,9 @@ class AttentionBwdConfig:
     # the whole grid keeps its head-by-head order (kv_chunks, heavy first everywhere, lost
     # that locality).
     tail_ctas: int = 0
+    # exp2 and the softcap's tanh of the recomputed P on the SFU's ex2 alone (fast_math:
+    # exp2f's subnormal fix-up is three more instructions per score), as the forward's.
+    fast_exp: bool = False
 
     def __post_init__(self):
         if self.dq_rows and not self.tma_dq:
@@ -228,6 +232,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
     edge_masks_only, staged_stats = config.edge_masks_only, config.staged_stats
     kv_chunks, tma_dkv, ds_handoff = config.kv_chunks, config.tma_dkv, config.ds_handoff
     dq_bulk = config.dq_bulk
+    exp2, tanh = (fast_math.exp2, fast_math.tanh) if config.fast_exp else (T.exp2, T.tanh)
     batch, seq_q, seq_kv = T.dynamic("batch, seq_q, seq_kv")
     stats_shape = (batch, heads, T.dynamic("seq_stats") if staged_stats else seq_q)
     group = heads // kv_heads
@@ -272,11 +277,11 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
                 row_lse = lse[bz, head, row]
                 row_delta = delta[bz, head, row]
             if softcap > 0:
-                capped = T.tanh(s_local[i, j] * (scale / softcap))
-                prob = T.exp2(capped * (softcap * LOG2E) - row_lse * LOG2E)
+                capped = tanh(s_local[i, j] * (scale / softcap))
+                prob = exp2(capped * (softcap * LOG2E) - row_lse * LOG2E)
                 grad = (dp_local[i, j] - row_delta) * scale * (1 - capped * capped)
             else:
-                prob = T.exp2(s_local[i, j] * (scale * LOG2E) - row_lse * LOG2E)
+                prob = exp2(s_local[i, j] * (scale * LOG2E) - row_lse * LOG2E)
                 grad = (dp_local[i, j] - row_delta) * scale
             if masked:
                 rel = kv_start + i - (q_start + j) - (seq_kv - seq_q)
@@ -416,7 +421,7 @@ def attention_bwd_program(heads: int, kv_heads: int, head_dim: int, dtype: str,
         if t + 1 < n_tiles:
             T.named_barrier_arrive(DS_FREE + 1 - half, threads)  # the other's half is read
 
-    share_sm = sm_sharing(threads, config.ctas_per_sm)
+    share_sm = sm_sharing(threads, config.ctas_per_sm, config.fast_exp)
 
     @T.macro
     def key_block(q, k, v, do, lse, delta, dq, dk, dv, scale, bx, by, bz):
@@ -769,5 +774,7 @@ class AttentionBwdKernel(Kernel):
             # not: 6-10% slower on the H200 (8B 4 x 4K and 8 x 2K)
             space += [dataclasses.replace(three_stages, group_loop=True, tma_dkv=False,
                                           kv_chunks=n) for n in (1, 2)]
+        # the default with exp2 and tanh on the SFU's ex2 alone (not yet measured)
+        space.append(dataclasses.replace(space[0], fast_exp=True))
         head_dim = self.key["head_dim"]
         return [c for c in dict.fromkeys(space) if c.fits(head_dim)]

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
+from .. import fast_math
 from ..base import Kernel
 from .mask import key_tile_range, tile_fully_visible
 
@@ -65,6 +66,11 @@ class AttentionFwdConfig:
     # in L2 at any length. With heads fastest every KV head streams at once: at 16K keys
     # (8 KV heads, head_dim 128) that is 64 MB of K/V against the H200's 50 MB of L2.
     kv_head_major: bool = False
+    # exp2 (and the softcap's tanh) on the SFU's ex2 alone (fast_math.exp2, subnormal
+    # probabilities flushed to 0) instead of exp2f, whose subnormal fix-up is three more
+    # instructions per score (every MUFU.EX2 of the forward's SASS has one) in the stream
+    # the softmax shares with the wgmma issue.
+    fast_exp: bool = False
 
     def __post_init__(self):
         for name in ("edge_masks_only", "lazy_rescale"):
@@ -92,10 +98,10 @@ def consumer_registers(threads: int, ctas_per_sm: int) -> int:
     return min(240, (launch + (launch - 24) * 128 // threads) // 8 * 8)
 
 
-def sm_sharing(threads: int, ctas_per_sm: int):
+def sm_sharing(threads: int, ctas_per_sm: int, fast_exp: bool = False):
     """A macro for the top of a warp-specialized kernel: with ctas_per_sm > 1, the launch
     bound that lets the CTAs be resident together, and the consumer/producer register split
-    that fits in their share."""
+    that fits in their share; with fast_exp, the fast-math CUDA its exp2 calls reach."""
 
     @T.macro
     def share_sm():
@@ -103,6 +109,8 @@ def sm_sharing(threads: int, ctas_per_sm: int):
             T.annotate_min_blocks_per_sm(ctas_per_sm)
             T.annotate_producer_reg_dealloc(24)
             T.annotate_consumer_reg_alloc(consumer_registers(threads, ctas_per_sm))
+        if fast_exp:
+            fast_math.import_source()
 
     return share_sm
 
@@ -150,7 +158,17 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
     def state(*buffers):
         return SimpleNamespace(**dict(zip(STATE, buffers, strict=True)))
 
-    share_sm = sm_sharing(threads, config.ctas_per_sm)
+    share_sm = sm_sharing(threads, config.ctas_per_sm, config.fast_exp)
+    exp2 = fast_math.exp2 if config.fast_exp else T.exp2
+
+    def capped(x, scale):
+        """log2(e) * softcap * tanh(x * scale / softcap): the scores in exp2's units; with
+        fast_exp as c - 2c / (2^(2 x log2(e) scale / softcap) + 1), c = softcap log2(e)
+        (one ex2, one approximate reciprocal, an FMA; tanhf is a long polynomial)."""
+        if config.fast_exp:
+            c = softcap * LOG2E
+            return c - (2.0 * c) * T.fast_rcp(exp2(x * (2.0 * LOG2E * scale / softcap)) + 1.0)
+        return T.tanh(x * (scale / softcap)) * (softcap * LOG2E)
 
     def exp2_scale(scale):
         """Factor that turns the score tile into log2 units inside exp2 (one FFMA)."""
@@ -195,7 +213,7 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
             for i, j in T.Parallel(block_m, block_n):
                 st.s[i, j] = T.if_then_else(
                     visible(i, j, q_start, kv_start, seq_q, seq_kv, live),
-                    T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E),
+                    capped(st.s[i, j], scale),
                     -T.infinity("float"))
 
     @T.macro
@@ -206,7 +224,7 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
                policy=T.GemmWarpPolicy.FullRow)
         if softcap > 0:
             for i, j in T.Parallel(block_m, block_n):
-                st.s[i, j] = T.tanh(st.s[i, j] * (scale / softcap)) * (softcap * LOG2E)
+                st.s[i, j] = capped(st.s[i, j], scale)
         if T.Not(tile_fully_visible(q_start, kv_start, seq_q, seq_kv, block_m, block_n,
                                     window_left, window_right)):
             for i, j in T.Parallel(block_m, block_n):
@@ -215,7 +233,7 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
 
     def rescale_factor(st, i, scale):
         """What row i's O and sum are multiplied by when its max moves to m_safe."""
-        return T.exp2(st.m_prev[i] * exp2_scale(scale) - st.m_safe[i])
+        return exp2(st.m_prev[i] * exp2_scale(scale) - st.m_safe[i])
 
     @T.macro
     def online_softmax(st, scale):
@@ -241,7 +259,7 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
             else:
                 st.rescale[i] = rescale_factor(st, i, scale)
         for i, j in T.Parallel(block_m, block_n):
-            st.s[i, j] = T.exp2(st.s[i, j] * exp2_scale(scale) - st.m_safe[i])
+            st.s[i, j] = exp2(st.s[i, j] * exp2_scale(scale) - st.m_safe[i])
         T.reduce_sum(st.s, st.row_sum, dim=1)
         for i in T.Parallel(block_m):
             st.l[i] = st.l[i] * st.rescale[i] + st.row_sum[i]
@@ -557,6 +575,8 @@ class AttentionFwdKernel(Kernel):
             space.append(AttentionFwdConfig(64, 160, 1, 128, ctas_per_sm=2,
                                             edge_masks_only=True))
         space.append(dataclasses.replace(space[0], lazy_rescale=True))
+        # the default with exp2 and tanh on the SFU's ex2 alone (not yet measured)
+        space.append(dataclasses.replace(space[0], fast_exp=True))
         # each default with the other grid order; where the default walks KV heads (every key
         # visible), the edge-mask tilings in that order too, to compare them at equal L2 reuse
         space.append(dataclasses.replace(space[0], kv_head_major=not space[0].kv_head_major))
