@@ -16,7 +16,7 @@ import tilelang.language as T
 
 from . import cuda_helpers
 
-LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)  # exp(x) = exp2(x * LOG2E): the one definition kernels share
 
 CUDA_SOURCE = r"""
 namespace tileops_math {

@@ -28,10 +28,10 @@ from tilelang.layout import make_linear_layout
 
 from .. import fast_math
 from ..base import Kernel
+from ..fast_math import LOG2E
 from .attention_fwd import SMEM_LIMIT, sm_sharing
 from .mask import TIR_OPS, query_block_range, tile_fully_visible
 
-LOG2E = math.log2(math.e)
 DQ_BARRIER = 8  # a named barrier of the consumer threads, clear of the ones TileLang uses
 # ds_handoff's named barriers, each plus a consumer warpgroup's index (0 or 1): its dS half
 # is in shared memory; the other warpgroup's dQ GEMM has read its dS half; its own threads.

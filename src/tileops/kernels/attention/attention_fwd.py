@@ -27,9 +27,9 @@ import tilelang.language as T
 
 from .. import fast_math
 from ..base import Kernel
+from ..fast_math import LOG2E
 from .mask import key_tile_range, tile_fully_visible
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SMEM_LIMIT = 227 * 1024
 # The per-CTA register state of the forward, in alloc_state's order.

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .. import fast_math, l2_hints
+from ..fast_math import LOG2E
 from ..vectors import ELEM_BYTES, vector_width
 
 NEG_INF = -math.inf
-LOG2E = 1.4426950408889634
 
 
 def exp(v):
