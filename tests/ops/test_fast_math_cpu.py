@@ -40,14 +40,20 @@ def test_l2_hints_and_fast_math_share_one_imported_source():
 @pytest.mark.compile
 @pytest.mark.full
 def test_attention_fast_exp_config():
-    """The attention forward's fast_exp option (in the tuner's space): the soft-capped scores
-    and the probabilities without exp2f or tanhf; the default keeps exp2f."""
+    """The attention forward's fast_exp option: the default with a soft cap (measured
+    faster there), the soft-capped scores and the probabilities without exp2f or tanhf;
+    without a cap the default keeps exp2f and fast_exp is the tuner's variant."""
     kernel = AttentionFwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=256,
                                 window_left=127, window_right=0, softcap=50.0)
-    default = kernel.heuristic_config("long", "sm_90a")
-    fast = dataclasses.replace(default, fast_exp=True)
-    assert fast in kernel.config_space("long")
+    fast = kernel.heuristic_config("long", "sm_90a")
+    assert fast.fast_exp
+    assert dataclasses.replace(fast, fast_exp=False) in kernel.config_space("long")
     source = source_of(kernel, fast, "long")
     assert "tileops_math::ex2(" in source
     assert "exp2f(" not in source and "tanhf(" not in source
-    assert "exp2f(" in source_of(kernel, default, "long")
+    uncapped = AttentionFwdKernel(dtype="bfloat16", heads=8, kv_heads=2, head_dim=128,
+                                  window_left=-1, window_right=0, softcap=0.0)
+    default = uncapped.heuristic_config("long", "sm_90a")
+    assert not default.fast_exp
+    assert dataclasses.replace(default, fast_exp=True) in uncapped.config_space("long")
+    assert "exp2f(" in source_of(uncapped, default, "long")

@@ -329,3 +329,73 @@ def test_fused_sums_with_rows_read_where_they_land_is_refused():
     with pytest.raises(ValueError, match="from_shared"):
         kernel.program(dataclasses.replace(default, fused_sums=True), "many")
     assert not any(c.fused_sums and c.from_shared for c in kernel.config_space("many"))
+
+
+# -- the lane-map backward (lane_norm_bwd.py) and the column sum, thread by thread ---------
+LANE_BWD_CASES = {  # name -> (kind, n, dtype, config fields, rows)
+    "layer norm 1280, four rows of a warp, shared dW / dB, double buffer": (
+        "layer", 1280, torch.bfloat16,
+        dict(block_rows=4, threads=128, prefetch=True, acc_shared=True), 13),
+    "rms norm 1536, rows of two warps, register dW": (
+        "rms", 1536, torch.float16, dict(block_rows=1, threads=64, prefetch=True), 11),
+    "fused add 768, two rows a CTA": (
+        "fused_add", 768, torch.bfloat16, dict(block_rows=2, threads=64, prefetch=False), 9),
+    "layer norm 2560, two rows of two warps, registers": (
+        "layer", 2560, torch.float16, dict(block_rows=2, threads=128, prefetch=False), 10),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.smoke] if i == 0
+                                               else [pytest.mark.full])
+                                  for i, n in enumerate(LANE_BWD_CASES)])
+def test_lane_map_backward_on_the_cpu(name):
+    """The lane-map backward, one host thread per CUDA thread, against fp32 autograd: a
+    grid of 3 CTAs striding over the rows with a last step past them, row sums by shuffles
+    alone and across warps (two shared buffers taken in turn), dW / dB in registers or in
+    shared memory, the CTA's row groups combined; then the column sum of the partials."""
+    import torch.nn.functional as F
+
+    from tileops.kernels.normalization import FusedAddRMSNormBwdKernel
+    from tileops.kernels.normalization.row_norm_bwd import NormBwdConfig, column_strip
+
+    from ..cuda_emulation_threads import run
+
+    kind, n, dtype, fields, rows = LANE_BWD_CASES[name]
+    name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    gen = torch.Generator().manual_seed(7)
+    h = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
+    dy = torch.randn(rows, n, generator=gen).to(dtype)
+    w = torch.randn(n, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    dres = torch.randn(rows, n, generator=gen).to(dtype)
+    if kind == "layer":
+        kernel = LayerNormBwdKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
+    elif kind == "rms":
+        kernel = RMSNormBwdKernel(dtype=name_of, n=n, has_weight=True)
+    else:
+        kernel = FusedAddRMSNormBwdKernel(dtype=name_of, n=n)
+    config = NormBwdConfig(ctas=3, lanes=True, **fields)
+    dx = torch.full_like(h, float("nan"))
+    dw_part = torch.full((3, n), float("nan"))
+    db_part = torch.full((3, n), float("nan"))
+    tensors = dict(dy=dy, h=h, w=w, dx=dx, dw_part=dw_part)
+    if kind == "layer":
+        tensors["db_part"] = db_part
+    if kind == "fused_add":
+        tensors["dres"] = dres
+    eps = 1e-5
+    main, column_sum = kernel.compile(config, "many")
+    run(main, 3, config.threads, tensors, dict(rows=rows, eps=eps))
+    dw = torch.full((n,), float("nan"), dtype=dtype)
+    run(column_sum, -(-n // column_strip(n)), 256, dict(part=dw_part, out=dw), {})
+
+    hf, wf, bf = (t.float().requires_grad_() for t in (h, w, b))
+    y = F.layer_norm(hf, [n], wf, bf, eps) if kind == "layer" else F.rms_norm(hf, [n], wf, eps)
+    y.backward(dy.float())
+    want_dx = hf.grad + (dres.float() if kind == "fused_add" else 0)
+    torch.testing.assert_close(dx.float(), want_dx, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(dw_part.sum(0), wf.grad, atol=5e-2, rtol=1e-3)
+    torch.testing.assert_close(dw.float(), wf.grad, atol=5e-2, rtol=1e-2)
+    if kind == "layer":
+        torch.testing.assert_close(db_part.sum(0), bf.grad, atol=5e-2, rtol=1e-3)

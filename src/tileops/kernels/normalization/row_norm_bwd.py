@@ -21,7 +21,9 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..base import Kernel
-from .rows import RowTile, cta_sums, row_configs, stageable, vector_map_ok
+from .row_norm_fwd import lane_configs, lanes_ok
+from .lane_norm_bwd import lanes_bwd_body
+from .rows import RowTile, cta_sums, dx_value, row_configs, stageable, vector_map_ok
 
 FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials
 
@@ -42,13 +44,40 @@ class NormBwdConfig:
     # a row's sums taken together by warp shuffles and one barrier (`cta_sums`), not one
     # TileLang all-reduce per sum; only where every thread holds a share of every row
     fused_sums: bool = False
+    # the lane map (lane_norm_bwd.py): threads // block_rows threads a row, any whole number
+    # of warps; its dW / dB shares in shared memory instead of registers (`acc_shared`)
+    lanes: bool = False
+    acc_shared: bool = False
 
 
 def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
                      prefetch: bool, stages: int = 0, from_shared: bool = False,
-                     fused_sums: bool = False):
+                     fused_sums: bool = False, lanes: bool = False, acc_shared: bool = False):
     rows = T.dynamic("rows")
+    flags = dict(centered=centered, has_weight=has_weight, has_bias=has_bias,
+                 has_residual_grad=has_residual_grad)
+    if lanes:
+        if not lanes_ok(n, dtype, block_rows, threads) or stages or from_shared or fused_sums:
+            raise ValueError(f"the lane map needs an exact split of {n} columns into 16-byte "
+                             f"vectors over {threads // block_rows} threads a row, and none "
+                             f"of stages / from_shared / fused_sums (a register path)")
+        body = lanes_bwd_body(rows, n, dtype, block_rows=block_rows, threads=threads,
+                              ctas=ctas, prefetch=prefetch, acc_shared=acc_shared, **flags)
+    else:
+        if acc_shared:
+            raise ValueError("acc_shared is an option of the lane map (lanes=True)")
+        body = _tile_bwd_body(rows, n, dtype, block_rows=block_rows, threads=threads,
+                              ctas=ctas, prefetch=prefetch, stages=stages,
+                              from_shared=from_shared, fused_sums=fused_sums, **flags)
+    return _bwd_signature(body, rows, n, dtype, ctas, **flags)
+
+
+def _tile_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
+                   has_bias: bool, has_residual_grad: bool, block_rows: int, threads: int,
+                   ctas: int, prefetch: bool, stages: int, from_shared: bool,
+                   fused_sums: bool):
+    """The tile map's `body(dy, h, w, dres, dx, dw_part, db_part, eps)` macro."""
     staged = stages > 0 and stageable(n, block_rows, threads)
     tile = RowTile(n, block_rows, threads, exact=staged)
     load, store = tile.macros(rows)
@@ -76,13 +105,9 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
 
     def dx_of(dy_local, h_local, dres_local, w_local, i, j, mean, rstd, dot, gsum):
         """dx[i, j] in fp32; dot = mean(g xhat) and gsum = mean(g) of the row."""
-        v = grad(dy_local, w_local, i, j) - hat_of(h_local, i, j, mean, rstd) * dot
-        if centered:
-            v = v - gsum
-        v = v * rstd
-        if has_residual_grad:
-            v = v + T.cast(dres_local[i, j], f32)
-        return v
+        return dx_value(grad(dy_local, w_local, i, j), hat_of(h_local, i, j, mean, rstd), dot,
+                        gsum if centered else None, rstd,
+                        T.cast(dres_local[i, j], f32) if has_residual_grad else None)
 
     def grad(dy_local, w_local, i, j):  # g = dy * w in fp32
         dy = T.cast(dy_local[i, j], f32)
@@ -315,6 +340,13 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                     if j < n:
                         db_part[bx, j] = db_row[j]
 
+    return body
+
+
+def _bwd_signature(body, rows, n: int, dtype: str, ctas: int, centered: bool,
+                   has_weight: bool, has_bias: bool, has_residual_grad: bool):
+    """One prim_func per combination of optional tensors, all sharing `body`."""
+    f32 = "float"
     R, V, P = (rows, n), (n,), (ctas, n)
     if has_residual_grad:  # the fused add's backward: RMSNorm with a weight
         @T.prim_func
@@ -351,29 +383,69 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     return norm_bwd
 
 
-def column_sum_program(parts: int, n: int, out_dtype: str, block_cols: int = 128,
-                       chunk: int = 32, threads: int = 256):
-    """out[j] = sum over the `parts` partial rows of part[:, j], cast to `out_dtype`."""
+def column_strip(n: int) -> int:
+    """Columns a CTA of the column sum takes: the widest strip of 4-32 vectors (4 fp32
+    each, or single floats where 4 does not divide n) that still gives ~2 CTAs an SM."""
+    vec = 4 if n % 4 == 0 else 1
+    return vec * next((v for v in (32, 16, 8, 4) if -(-n // (v * vec)) >= 2 * SMS), 4)
+
+
+def column_sum_program(parts: int, n: int, out_dtype: str, threads: int = 256,
+                       unroll: int = 4):
+    """out[j] = sum over the `parts` partial rows of part[:, j], cast to `out_dtype`.
+
+    A few KB to a few MB read once, so latency-bound: CTAs of narrow column strips (enough
+    of them to reach every SM), each thread a 16-byte vector of a strip on every
+    `slices`-th partial row, `unroll` rows' loads issued before their adds; the slices meet
+    in shared memory. (One CTA of 128 columns walking all the rows 32 at a time left
+    1280-column rows with 10 CTAs of up to 33 dependent loads.)"""
     f32 = "float"
+    vec = 4 if n % 4 == 0 else 1
+    strip = column_strip(n)
+    strip_vecs = strip // vec
+    slices, warps = threads // strip_vecs, threads // 32
+    shuffles = (32 // strip_vecs).bit_length() - 1
+    steps = -(-parts // (slices * unroll))
 
     @T.prim_func
     def column_sum(part: T.Tensor((parts, n), f32), out: T.Tensor((n,), out_dtype)):
-        with T.Kernel(T.ceildiv(n, block_cols), threads=threads) as bx:
-            tile_local = T.alloc_fragment((chunk, block_cols), f32)
-            acc_local = T.alloc_fragment((chunk, block_cols), f32)
-            sum_local = T.alloc_fragment((block_cols,), f32)
-            T.clear(acc_local)
-            for k in T.serial(T.ceildiv(parts, chunk)):
-                for i, j in T.Parallel(chunk, block_cols):
-                    tile_local[i, j] = T.if_then_else(
-                        (k * chunk + i < parts) & (bx * block_cols + j < n),
-                        part[k * chunk + i, bx * block_cols + j], 0.0)
-                for i, j in T.Parallel(chunk, block_cols):
-                    acc_local[i, j] += tile_local[i, j]
-            T.reduce_sum(acc_local, sum_local, dim=0)
-            for j in T.Parallel(block_cols):
-                if bx * block_cols + j < n:
-                    out[bx * block_cols + j] = T.cast(sum_local[j], out_dtype)
+        with T.Kernel(T.ceildiv(n, strip), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            v, s = tx % strip_vecs, tx // strip_vecs
+            col = bx * strip + v * vec
+            acc = T.alloc_local((vec,), f32)
+            got = T.alloc_local((unroll, vec), f32)
+            red = T.alloc_shared((warps, strip), f32)
+            for j in T.unroll(vec):
+                acc[j] = 0.0
+            if col < n:
+                for k in T.serial(steps):
+                    for u in T.unroll(unroll):
+                        row = (k * unroll + u) * slices + s
+                        if row < parts:
+                            for j in T.vectorized(vec):
+                                got[u, j] = part[row, col + j]
+                        else:
+                            for j in T.unroll(vec):
+                                got[u, j] = 0.0
+                    for u in T.unroll(unroll):
+                        for j in T.unroll(vec):
+                            acc[j] = acc[j] + got[u, j]
+            # the warp's slices by shuffles, then the warps' sums through shared memory
+            for k in T.unroll(shuffles):
+                for j in T.unroll(vec):
+                    acc[j] = acc[j] + T.shfl_xor(acc[j], strip_vecs << k)
+            if tx % 32 < strip_vecs:
+                for j in T.unroll(vec):
+                    red[tx // 32, v * vec + j] = acc[j]
+            T.sync_threads()
+            if tx < strip:
+                total = T.alloc_local((1,), f32)
+                total[0] = red[0, tx]
+                for w in T.unroll(warps - 1):
+                    total[0] = total[0] + red[w + 1, tx]
+                if bx * strip + tx < n:
+                    out[bx * strip + tx] = T.cast(total[0], out_dtype)
 
     return column_sum
 
@@ -393,7 +465,8 @@ class NormBwdKernel(Kernel):
         main = norm_bwd_program(n, dtype, block_rows=config.block_rows, threads=config.threads,
                                 ctas=config.ctas, prefetch=config.prefetch,
                                 stages=config.stages, from_shared=config.from_shared,
-                                fused_sums=config.fused_sums, **flags)
+                                fused_sums=config.fused_sums, lanes=config.lanes,
+                                acc_shared=config.acc_shared, **flags)
         sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
             "has_bias"] else ()
         return (main, *sums)
@@ -509,7 +582,27 @@ class NormBwdKernel(Kernel):
                   if c.stages and not c.from_shared
                   and RowTile(self.key["n"], c.block_rows, c.threads,
                               exact=True).rows_per_thread == c.block_rows]
+        space += self.lane_space()
         return list(dict.fromkeys(space))
+
+    def lane_space(self) -> list[NormBwdConfig]:
+        """The lane map's configs: each split of a row into whole warps of 1-5 vectors a
+        thread, with and without the register double buffer and the shared dW / dB, on
+        grids of 1, 2 or 4 CTAs an SM (the launch bound that caps the registers)."""
+        n, dtype = self.key["n"], self.key["dtype"]
+        found = []
+        for layout in lane_configs(n, dtype, (4, 40)):
+            if n // (layout.threads // layout.block_rows) > 40:
+                continue
+            for per_sm in (1, 2, 4):
+                if layout.threads * per_sm > 2048:  # an SM's threads
+                    continue
+                for prefetch in (False, True):
+                    for acc_shared in (False, True):
+                        found.append(NormBwdConfig(
+                            layout.block_rows, layout.threads, SMS * per_sm, prefetch,
+                            lanes=True, acc_shared=acc_shared))
+        return found
 
 
 class RMSNormBwdKernel(NormBwdKernel):

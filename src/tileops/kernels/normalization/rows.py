@@ -114,6 +114,17 @@ def row_configs(n: int, elems_per_thread: tuple[int, int], threads_options=(64, 
     return found
 
 
+def dx_value(g, xhat, dot, gsum, rstd, dres):
+    """A row norm's input gradient (fp32 expressions): rstd (g - xhat dot - gsum) + dres,
+    with g = dy w, dot = mean(g xhat), gsum = mean(g) (LayerNorm; None for RMSNorm) and
+    dres the residual sum's gradient (the fused add; else None)."""
+    v = g - xhat * dot
+    if gsum is not None:
+        v = v - gsum
+    v = v * rstd
+    return v if dres is None else v + dres
+
+
 @T.macro
 def cta_sums(part, red, count: int, threads: int):
     """part[0:count] <- each one summed over the CTA's `threads` threads (every thread gets
