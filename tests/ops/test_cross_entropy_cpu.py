@@ -175,18 +175,19 @@ def test_gradient_pass_defaults(vocab):
         assert config in kernel.config_space("many")
 
 
-def test_soft_capped_loss_and_gradient_default():
-    """One pass of loss and gradient with soft-capping on one CTA of 1024 threads an SM
-    (measured faster on Gemma-2's rows); the loss pass alone and uncapped rows keep two
-    CTAs of 512."""
-    def default(mode, softcap):
-        return CrossEntropyKernel(mode=mode, n=256000, dtype="bfloat16", softcap=softcap,
+def test_loss_and_gradient_default_on_long_rows():
+    """One kernel of loss and gradient on one CTA of 1024 threads an SM where a row spans
+    more than one chunk of it (measured faster on 128K-256K vocabularies, soft-capped or
+    not); Mistral's 32000 and the loss pass alone keep two CTAs of 512."""
+    def default(mode, n, softcap=False):
+        return CrossEntropyKernel(mode=mode, n=n, dtype="bfloat16", softcap=softcap,
                                   smoothing=False, dloss_per_row=False).heuristic_config(
                                       "many", "sm_90a")
 
-    capped = default("loss_and_grad", True)
-    assert (capped.threads, capped.row_threads, capped.ctas_per_sm) == (1024, 1024, 1)
-    for other in (default("loss_and_grad", False), default("loss", True)):
+    for n, softcap in ((256000, True), (151936, False), (129280, False), (128256, False)):
+        config = default("loss_and_grad", n, softcap)
+        assert (config.threads, config.row_threads, config.ctas_per_sm) == (1024, 1024, 1)
+    for other in (default("loss_and_grad", 32000), default("loss", 256000, True)):
         assert (other.threads, other.ctas_per_sm) == (512, 2)
 
 

@@ -110,8 +110,13 @@ def test_default_configs_keep_registers_in_bounds(n):
         bwd = cls(dtype="bfloat16", n=n, **key)
         for bucket in ("few", "many"):
             config = bwd.heuristic_config(bucket, "sm_90a")
-            per_thread = RowTile(n, config.block_rows, config.threads).n_tile \
-                * config.block_rows // config.threads
+            if config.lanes:  # exact 16-byte vectors, at most five a thread, a warp a row
+                assert n * config.block_rows <= 40 * config.threads, config
+                assert config.threads // config.block_rows <= 32 and not config.prefetch
+                per_thread = 0
+            else:
+                per_thread = RowTile(n, config.block_rows, config.threads).n_tile \
+                    * config.block_rows // config.threads
             assert per_thread <= 32 and (not config.prefetch or per_thread <= 16), config
             assert config.ctas % 132 == 0 and config in bwd.config_space(bucket)
             if config.stages:  # a producer warp group: one CTA per SM of 256 consumers
@@ -120,6 +125,19 @@ def test_default_configs_keep_registers_in_bounds(n):
                 assert config.threads == (512 if config.from_shared else 256), config
                 assert stageable(n, config.block_rows, config.threads), config
     assert bwd.bucket_of(4096) == "few" and bwd.bucket_of(4097) == "many"
+
+
+def test_backward_lane_map_default_where_vectors_split_over_no_power_of_two():
+    """ViT-H's 1280 columns (160 vectors): four rows of a warp, five vectors a lane, two
+    CTAs an SM (measured faster than the padded tile); sizes the lane map cannot split
+    into a warp a row keep the padded tile; powers of two keep the tile map."""
+    vit = LayerNormBwdKernel(dtype="bfloat16", n=1280, has_weight=True, has_bias=True)
+    config = vit.heuristic_config("many", "sm_90a")
+    assert (config.lanes, config.block_rows, config.threads, config.ctas) == (True, 4, 128, 264)
+    assert not LayerNormBwdKernel(dtype="bfloat16", n=1000, has_weight=True,
+                                  has_bias=True).heuristic_config("many", "sm_90a").lanes
+    assert not RMSNormBwdKernel(dtype="bfloat16", n=4096,
+                                has_weight=True).heuristic_config("many", "sm_90a").lanes
 
 
 @pytest.mark.parametrize("n, dtype, block_rows, threads", [

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..base import Kernel
-from .row_norm_fwd import lane_configs, lanes_ok
+from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
 from .lane_norm_bwd import lanes_bwd_body
 from .rows import RowTile, cta_sums, dx_value, row_configs, stageable, vector_map_ok
 
@@ -505,6 +505,14 @@ class NormBwdKernel(Kernel):
             # keep the loads in flight without a double buffer: 53.7 us on the H200 against
             # 92.5 for 3 rows per 256 threads (torch.compile 72.9), 58.2 for one warp of
             # exact vectors per row.
+            # Since the thirty-third session the lane map where it splits such rows exactly
+            # (1280: four rows of a warp, five vectors a lane, shuffles only, two CTAs an
+            # SM, dW / dB in registers): 43.5 us against 46.4 for that padded config
+            # (both with the strip column sum; 54.0 before it), torch.compile 73.6.
+            lanes = default_lanes(n, self.key["dtype"])
+            if lanes is not None and lanes.threads // lanes.block_rows <= 32:
+                return NormBwdConfig(lanes.block_rows, lanes.threads, 2 * SMS,
+                                     prefetch=False, lanes=True)
             return NormBwdConfig(1, 64, 8 * SMS if bucket == "many" else 2 * SMS,
                                  prefetch=False)
         # dy and h of two rows (the double buffer), the fp32 accumulators and the weight
@@ -595,7 +603,9 @@ class NormBwdKernel(Kernel):
             if n // (layout.threads // layout.block_rows) > 40:
                 continue
             for per_sm in (1, 2, 4):
-                if layout.threads * per_sm > 2048:  # an SM's threads
+                # 256-1024 threads an SM: fewer leave HBM idle, more cap registers under the
+                # rows' vectors
+                if not 256 <= layout.threads * per_sm <= 1024:
                     continue
                 for prefetch in (False, True):
                     for acc_shared in (False, True):

@@ -582,10 +582,13 @@ class CrossEntropyKernel(RowKernel):
             slices, threads = slice_shape(n, dtype,
                                           min_threads=1024 if self.key["softcap"] else 256)
             row = RowConfig(threads, threads, row.vecs, 1, slices)
-        if self.key["mode"] == "loss_and_grad" and self.key["softcap"]:
-            # the same reason, one pass each way: Gemma-2 4K x 256000 (bf16, H200,
-            # 2026-12-04) 2046.9 us on one CTA of 1024 threads an SM against 2242.5 on two
-            # of 512 (Liger 2610.6); the loss pass alone stayed fastest on two of 512
+        if self.key["mode"] == "loss_and_grad" and n // vector_width(n, dtype) > 1024 * row.vecs:
+            # Loss and gradient in one kernel (two walks of the row) on one CTA of 1024
+            # threads an SM where a row spans more than one such chunk: more warps to hide
+            # the walks' exp and reductions. H200, bf16, 2026-12-04, against two CTAs of 512:
+            # Gemma-2 softcap 2046.9 vs 2242.5 us, Qwen3 8K 1831.1 vs 2084.0, DeepSeek-V3 4K
+            # 773.4 vs 842.7, Llama-3 16K smoothing 2994.0 vs 3382.1; Mistral's 32000 (one
+            # chunk) lost, 888.5 vs 833.2. The loss pass alone stayed fastest on two of 512.
             row = dataclasses.replace(row, threads=1024, row_threads=1024, ctas_per_sm=1)
         return CrossEntropyConfig(**dataclasses.asdict(row))
 
