@@ -256,7 +256,7 @@ FUSED_SUM_CASES = {  # name -> (kind, n, dtype, config fields, rows)
     "rms norm 4096, register double buffer": ("rms", 4096, torch.bfloat16,
                                               dict(threads=256, prefetch=True), 7),
     "layer norm 1280, padded, 64 threads": ("layer", 1280, torch.float16,
-                                           dict(threads=64, prefetch=False), 5),
+                                           dict(block_rows=1, threads=64, prefetch=False), 5),
     "fused add 2048, two rows a CTA": ("fused_add", 2048, torch.bfloat16,
                                        dict(block_rows=2, threads=256, prefetch=True), 9),
 }
@@ -273,52 +273,63 @@ def test_fused_row_sums_backward_on_the_cpu(name):
     step past the rows)."""
     import dataclasses
 
+    kind, n, dtype, fields, rows = FUSED_SUM_CASES[name]
+    run_backward_on_the_cpu(kind, n, dtype, rows, seed=5, config_of=lambda kernel: (
+        dataclasses.replace(kernel.heuristic_config("many", "sm_90a"), ctas=3, stages=0,
+                            lanes=False, fused_sums=True, **fields)))
+
+
+def run_backward_on_the_cpu(kind: str, n: int, dtype, rows: int, seed: int, config_of,
+                            column_sum: bool = False) -> None:
+    """Runs a backward norm kernel (RMSNorm, LayerNorm or the fused add at `n` columns) on
+    a grid of 3 CTAs thread by thread, config `config_of(kernel)`, and checks dx and the
+    partial rows (and with `column_sum`, dW through the column-sum program) against fp32
+    autograd."""
     import torch.nn.functional as F
 
     from tileops.kernels.normalization import FusedAddRMSNormBwdKernel
+    from tileops.kernels.normalization.row_norm_bwd import column_strip
 
     from ..cuda_emulation_threads import run
 
-    kind, n, dtype, fields, rows = FUSED_SUM_CASES[name]
     name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     h = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
     dy = torch.randn(rows, n, generator=gen).to(dtype)
     w = torch.randn(n, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
+    dres = torch.randn(rows, n, generator=gen).to(dtype)
     if kind == "layer":
         kernel = LayerNormBwdKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
     elif kind == "rms":
         kernel = RMSNormBwdKernel(dtype=name_of, n=n, has_weight=True)
     else:
         kernel = FusedAddRMSNormBwdKernel(dtype=name_of, n=n)
-    config = dataclasses.replace(kernel.heuristic_config("many", "sm_90a"), ctas=3, stages=0,
-                                 fused_sums=True, **fields)
+    config = config_of(kernel)
     dx = torch.full_like(h, float("nan"))
     dw_part = torch.full((3, n), float("nan"))
     db_part = torch.full((3, n), float("nan"))
-    dres = torch.randn(rows, n, generator=gen).to(dtype)
     tensors = dict(dy=dy, h=h, w=w, dx=dx, dw_part=dw_part)
     if kind == "layer":
         tensors["db_part"] = db_part
     if kind == "fused_add":
         tensors["dres"] = dres
     eps = 1e-5
-    run(kernel.compile(config, "many")[0], 3, config.threads, tensors, dict(rows=rows, eps=eps))
+    programs = kernel.compile(config, "many")
+    run(programs[0], 3, config.threads, tensors, dict(rows=rows, eps=eps))
 
-    hf = h.float().requires_grad_()
-    wf = w.float().requires_grad_()
-    bf = b.float().requires_grad_()
-    if kind == "layer":
-        y = F.layer_norm(hf, [n], wf, bf, eps)
-    else:
-        y = F.rms_norm(hf, [n], wf, eps)
+    hf, wf, bf = (t.float().requires_grad_() for t in (h, w, b))
+    y = F.layer_norm(hf, [n], wf, bf, eps) if kind == "layer" else F.rms_norm(hf, [n], wf, eps)
     y.backward(dy.float())
     want_dx = hf.grad + (dres.float() if kind == "fused_add" else 0)
     torch.testing.assert_close(dx.float(), want_dx, atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(dw_part.sum(0), wf.grad, atol=5e-2, rtol=1e-3)
     if kind == "layer":
         torch.testing.assert_close(db_part.sum(0), bf.grad, atol=5e-2, rtol=1e-3)
+    if column_sum:
+        dw = torch.full((n,), float("nan"), dtype=dtype)
+        run(programs[1], -(-n // column_strip(n)), 256, dict(part=dw_part, out=dw), {})
+        torch.testing.assert_close(dw.float(), wf.grad, atol=5e-2, rtol=1e-2)
 
 
 def test_fused_sums_where_threads_split_rows_is_refused():
@@ -372,48 +383,8 @@ def test_lane_map_backward_on_the_cpu(name):
     grid of 3 CTAs striding over the rows with a last step past them, row sums by shuffles
     alone and across warps (two shared buffers taken in turn), dW / dB in registers or in
     shared memory, the CTA's row groups combined; then the column sum of the partials."""
-    import torch.nn.functional as F
-
-    from tileops.kernels.normalization import FusedAddRMSNormBwdKernel
-    from tileops.kernels.normalization.row_norm_bwd import NormBwdConfig, column_strip
-
-    from ..cuda_emulation_threads import run
+    from tileops.kernels.normalization.row_norm_bwd import NormBwdConfig
 
     kind, n, dtype, fields, rows = LANE_BWD_CASES[name]
-    name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    gen = torch.Generator().manual_seed(7)
-    h = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
-    dy = torch.randn(rows, n, generator=gen).to(dtype)
-    w = torch.randn(n, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype)
-    dres = torch.randn(rows, n, generator=gen).to(dtype)
-    if kind == "layer":
-        kernel = LayerNormBwdKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
-    elif kind == "rms":
-        kernel = RMSNormBwdKernel(dtype=name_of, n=n, has_weight=True)
-    else:
-        kernel = FusedAddRMSNormBwdKernel(dtype=name_of, n=n)
-    config = NormBwdConfig(ctas=3, lanes=True, **fields)
-    dx = torch.full_like(h, float("nan"))
-    dw_part = torch.full((3, n), float("nan"))
-    db_part = torch.full((3, n), float("nan"))
-    tensors = dict(dy=dy, h=h, w=w, dx=dx, dw_part=dw_part)
-    if kind == "layer":
-        tensors["db_part"] = db_part
-    if kind == "fused_add":
-        tensors["dres"] = dres
-    eps = 1e-5
-    main, column_sum = kernel.compile(config, "many")
-    run(main, 3, config.threads, tensors, dict(rows=rows, eps=eps))
-    dw = torch.full((n,), float("nan"), dtype=dtype)
-    run(column_sum, -(-n // column_strip(n)), 256, dict(part=dw_part, out=dw), {})
-
-    hf, wf, bf = (t.float().requires_grad_() for t in (h, w, b))
-    y = F.layer_norm(hf, [n], wf, bf, eps) if kind == "layer" else F.rms_norm(hf, [n], wf, eps)
-    y.backward(dy.float())
-    want_dx = hf.grad + (dres.float() if kind == "fused_add" else 0)
-    torch.testing.assert_close(dx.float(), want_dx, atol=3e-2, rtol=2e-2)
-    torch.testing.assert_close(dw_part.sum(0), wf.grad, atol=5e-2, rtol=1e-3)
-    torch.testing.assert_close(dw.float(), wf.grad, atol=5e-2, rtol=1e-2)
-    if kind == "layer":
-        torch.testing.assert_close(db_part.sum(0), bf.grad, atol=5e-2, rtol=1e-3)
+    run_backward_on_the_cpu(kind, n, dtype, rows, seed=7, column_sum=True,
+                            config_of=lambda kernel: NormBwdConfig(ctas=3, lanes=True, **fields))

@@ -21,8 +21,7 @@ import operator
 import tilelang.language as T
 
 from ..vectors import vector_width
-from .rows import dx_value
-
+from .rows import dx_value, lane_row_macros
 
 SMS = 132  # streaming multiprocessors of an H100 SXM / H200
 
@@ -43,17 +42,10 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
     # the CTA's row groups meet in shared memory at the end (or accumulate there)
     combine = has_acc and (acc_shared or block_rows > 1)
 
-    def col(i, j, lane):  # vector i of a thread's share of a row (a warp's are contiguous)
-        return (i * row_threads + lane) * vec + j
+    col, load_row, _ = lane_row_macros(row_threads, vec, vecs)
 
     def column_total(acc_sh, c):  # the row groups' shares of column c, summed
         return functools.reduce(operator.add, [acc_sh[q, c] for q in range(block_rows)])
-
-    @T.macro
-    def load_row(gmem, local, row, lane):
-        for i in T.unroll(vecs):
-            for j in T.vectorized(vec):
-                local[i, j] = gmem[row, col(i, j, lane)]
 
     @T.macro
     def row_sums(part, count: int, red, parity, r, lane):

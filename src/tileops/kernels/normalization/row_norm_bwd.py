@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..base import Kernel
-from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
 from .lane_norm_bwd import lanes_bwd_body
+from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
 from .rows import RowTile, cta_sums, dx_value, row_configs, stageable, vector_map_ok
 
 FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials

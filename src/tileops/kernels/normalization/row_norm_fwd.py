@@ -26,7 +26,7 @@ import tilelang.language as T
 from ..base import Kernel
 from ..softmax.row_map import RowMap
 from ..vectors import ELEM_BYTES, vector_width
-from .rows import RowTile, row_configs, vector_map_ok
+from .rows import RowTile, lane_row_macros, row_configs, vector_map_ok
 
 FEW_ROWS = 1024
 
@@ -177,20 +177,7 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
     load, store, reduce_sum, _, _ = rm.macros(rows)
     vecs, warps = rm.vecs, max(rm.row_warps, 1)
 
-    def col(i, j, lane):  # vector i of a thread's share of a row (a warp's are contiguous)
-        return (i * row_threads + lane) * vec + j
-
-    @T.macro
-    def load_row(gmem, local, row, lane):
-        for i in T.unroll(vecs):
-            for j in T.vectorized(vec):
-                local[i, j] = gmem[row, col(i, j, lane)]
-
-    @T.macro
-    def load_vector(gmem, local, lane):
-        for i in T.unroll(vecs):
-            for j in T.vectorized(vec):
-                local[i, j] = gmem[col(i, j, lane)]
+    _, load_row, load_vector = lane_row_macros(row_threads, vec, vecs)
 
     @T.macro
     def body(x, residual, w, b, y, residual_out, eps):

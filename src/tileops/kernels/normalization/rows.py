@@ -114,6 +114,30 @@ def row_configs(n: int, elems_per_thread: tuple[int, int], threads_options=(64, 
     return found
 
 
+def lane_row_macros(row_threads: int, vec: int, vecs: int):
+    """(col, load_row, load_vector) of the lane map: thread `lane` of a row's
+    `row_threads` holds vectors i * row_threads + lane (i < vecs, `vec` elements each), so a
+    warp's accesses are contiguous. col(i, j, lane) is element j of its vector i; load_row
+    fills local[vecs, vec] from row `row` of a [rows, n] tensor, load_vector from an [n]
+    one."""
+    def col(i, j, lane):
+        return (i * row_threads + lane) * vec + j
+
+    @T.macro
+    def load_row(gmem, local, row, lane):
+        for i in T.unroll(vecs):
+            for j in T.vectorized(vec):
+                local[i, j] = gmem[row, col(i, j, lane)]
+
+    @T.macro
+    def load_vector(gmem, local, lane):
+        for i in T.unroll(vecs):
+            for j in T.vectorized(vec):
+                local[i, j] = gmem[col(i, j, lane)]
+
+    return col, load_row, load_vector
+
+
 def dx_value(g, xhat, dot, gsum, rstd, dres):
     """A row norm's input gradient (fp32 expressions): rstd (g - xhat dot - gsum) + dres,
     with g = dy w, dot = mean(g xhat), gsum = mean(g) (LayerNorm; None for RMSNorm) and
