@@ -21,9 +21,7 @@ import operator
 import tilelang.language as T
 
 from ..vectors import vector_width
-from .rows import dx_value, lane_row_macros
-
-SMS = 132  # streaming multiprocessors of an H100 SXM / H200
+from .rows import SMS, dx_value, lane_row_macros
 
 
 def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,

@@ -23,12 +23,11 @@ import tilelang.language as T
 from ..base import Kernel
 from .lane_norm_bwd import lanes_bwd_body
 from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
-from .rows import RowTile, cta_sums, dx_value, row_configs, stageable, vector_map_ok
+from .rows import SMS, RowTile, cta_sums, dx_value, row_configs, stageable, vector_map_ok
 
 FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials
 
 
-SMS = 132  # streaming multiprocessors of an H100 SXM / H200: one persistent wave
 SHORT_UNALIGNED = 2048  # up to this width, rows without an even vector split go one per CTA
 # (from 512: narrower ones fill too few threads alone and stay several per CTA)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 VEC = 8  # 16-byte accesses of fp16/bf16
+SMS = 132  # streaming multiprocessors of an H100 SXM / H200: one persistent wave
 
 
 def vector_map_ok(n: int, block_rows: int, threads: int) -> bool:
