@@ -39,7 +39,14 @@ def exp2(v):
     return T.call_extern("float32", "tileops_math::ex2", T.cast(v, "float32"))
 
 
+def scaled_tanh(v, scale, out_scale):
+    """out_scale * tanh(v * scale) as out_scale - 2 out_scale / (2^(2 log2(e) scale v) + 1):
+    a multiply into one ex2, the approximate reciprocal and an FMA (tanhf is a long
+    polynomial), the factors loop-invariant; exact at +-inf, absolute error ~out_scale *
+    1e-7. The one soft-cap formula (cross-entropy's logits, attention's scores)."""
+    return out_scale - (2.0 * out_scale) * T.fast_rcp(exp2(v * (2.0 * LOG2E * scale)) + 1.0)
+
+
 def tanh(v):
-    """tanh(v) = 1 - 2 / (2^(2 v log2 e) + 1): one ex2, the approximate reciprocal and an
-    FMA (tanhf is a long polynomial); exact at +-inf, absolute error ~1e-7."""
-    return 1.0 - 2.0 * T.fast_rcp(exp2(v * (2.0 * LOG2E)) + 1.0)
+    """tanh(v) on the SFU (`scaled_tanh` unscaled)."""
+    return scaled_tanh(v, 1.0, 1.0)

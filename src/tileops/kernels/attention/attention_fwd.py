@@ -166,8 +166,7 @@ def _attention_macros(head_dim: int, dtype: str, window_left: int, window_right:
         fast_exp as c - 2c / (2^(2 x log2(e) scale / softcap) + 1), c = softcap log2(e)
         (one ex2, one approximate reciprocal, an FMA; tanhf is a long polynomial)."""
         if config.fast_exp:
-            c = softcap * LOG2E
-            return c - (2.0 * c) * T.fast_rcp(exp2(x * (2.0 * LOG2E * scale / softcap)) + 1.0)
+            return fast_math.scaled_tanh(x, scale / softcap, softcap * LOG2E)
         return T.tanh(x * (scale / softcap)) * (softcap * LOG2E)
 
     def exp2_scale(scale):

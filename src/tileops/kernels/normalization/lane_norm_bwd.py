@@ -112,7 +112,7 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                 db_shared = dw_shared if dw_shared is not None and not acc_shared \
                     else T.alloc_shared((block_rows, n), f32)
             part = T.alloc_local((n_sums,), f32)
-            mean = T.alloc_local((1,), f32)
+            mean = T.alloc_local((1,), f32) if centered else None
             stat = T.alloc_local((3,), f32)  # rstd, mean(g xhat), mean(g)
             # one buffer for the mean and one for the other sums (each used once a step:
             # the barrier of the other keeps a fast warp from overwriting one still read);
