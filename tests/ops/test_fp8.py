@@ -129,6 +129,37 @@ def test_quantize_every_element_written():
         assert_same_fp8(y, want_y)
 
 
+@pytest.mark.parametrize("k", [8192, 28672])
+def test_quantize_row_configs_into_poisoned_output(k):
+    """The per-row configs that hold whole rows in registers (128-1024 threads) and the
+    chunked form (rows read twice) on rows of very different magnitudes, dynamic and static, into
+    NaN-poisoned outputs: every element and scale written, bit for bit torch's."""
+    from tileops.kernels.fp8.quantize import QuantConfig, QuantizeFp8Kernel
+
+    rows = 37
+    x = randn(rows, k, dtype=torch.bfloat16) * torch.logspace(
+        -3, 3, rows, device="cuda")[:, None].to(torch.bfloat16)
+    want_y, want_s = ref_quantize(x, "row")
+    static = torch.rand(rows, 1, device="cuda") * 0.004 + 1e-3
+    want_static, _ = ref_quantize(x, "row", scale=static)
+    for dynamic in (True, False):
+        key = dict(dtype="bfloat16", k=k, granularity="row", group=0, dynamic=dynamic)
+        configs = [c for c in QuantizeFp8Kernel(**key).config_space("all") if c.block_k == k]
+        assert configs
+        for config in configs + [QuantConfig(block_m=4, block_k=512, threads=128)]:
+            kernel = QuantizeFp8Kernel(**key)
+            kernel.use(config, "all")
+            y = torch.full((rows, k), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
+            s = torch.full((1, rows), float("nan"), device="cuda")
+            kernel(rows, x, None if dynamic else static.t().contiguous(), y, s)
+            if dynamic:
+                torch.testing.assert_close(s.t(), want_s, rtol=0, atol=0, msg=str(config))
+                assert_same_fp8(y, want_y)
+            else:
+                assert torch.equal(s.t(), static), config
+                assert_same_fp8(y, want_static)
+
+
 def test_quantize_non_contiguous_and_leading_dims():
     base = randn(3, 40, 2048, dtype=torch.bfloat16)
     x = base[:, :, ::2]  # strided: copied

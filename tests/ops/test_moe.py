@@ -305,6 +305,30 @@ def test_grouped_gemm(sizes, n, k, dtype):
     assert_close(out[:end], grouped_reference(a, b, offsets)[:end])
 
 
+@pytest.mark.parametrize("tile_store", [False, True])
+def test_grouped_gemm_n_group_panels(tile_store):
+    """n_group panels of 3 n tiles over 8 (the last panel partial): every tile of every
+    group computed once, nothing past the groups written (the panel is the grid's slowest
+    dimension; see GroupedGemmConfig.n_group)."""
+    import dataclasses
+
+    from tileops.kernels.moe.grouped_gemm import GroupedGemmKernel
+
+    sizes, n, k = [0, 1, 200, 0, 129, 64, 1000, 3, 256], 1000, 512
+    offsets = group_offsets(sizes)
+    end = int(offsets[-1])
+    a = randn(end + 17, k, dtype=BF16)
+    b = randn(len(sizes), n, k, dtype=BF16, std=k ** -0.5)
+    kernel = GroupedGemmKernel(dtype="bfloat16", n=n, k=k, n_experts=len(sizes))
+    config = dataclasses.replace(kernel.heuristic_config("prefill", "sm_90a"), block_n=128,
+                                 stages=4, n_group=3, persistent=False, tile_store=tile_store)
+    kernel.use(config, "prefill")
+    out = poison(torch.empty(a.shape[0], n, dtype=BF16, device="cuda"))
+    kernel(a.shape[0], a, b, offsets, out)
+    assert_close(out[:end], grouped_reference(a, b, offsets)[:end], what=str(config))
+    assert torch.isnan(out[end:].float()).all(), "rows past the groups written"
+
+
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_grouped_gemm_every_prefill_config(silu_mul):
     """Every prefill config of the space (the TMA-stored whole tiles of `tile_store`

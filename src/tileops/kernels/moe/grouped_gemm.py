@@ -71,7 +71,8 @@ class GroupedGemmConfig:
     full_row: bool = False
     # > 0: tiles run in groups of this many n tiles, the m tiles (every expert's, in order)
     # swept inside a group, so the CTAs in flight share their experts' weight tiles in L2
-    # (`raster`); 0: each m tile's n tiles in turn. Only differs from 0 where N has more
+    # (per-tile CTAs: the group is the grid's slowest dimension; the persistent grid:
+    # `raster`); 0: each m tile's n tiles in turn. Only differs from 0 where N has more
     # than `n_group` tiles (Mixtral's 28672 columns: 112).
     n_group: int = 0
 
@@ -248,15 +249,24 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                                             config.n_group), bufs)
         else:
             # One CTA per (n tile, m tile) of the bound, the n tiles of an m tile adjacent
-            # (their a rows shared in L2) or, with n_group, in the grouped order of
-            # `raster`; the bound's dead tiles exit.
-            with T.Kernel(n_tiles, m_tiles, threads=config.threads) as (bx, by):
+            # (their a rows shared in L2); the bound's dead tiles exit. With n_group the
+            # grid's slowest dimension is the panel of n_group n tiles, so the launch order
+            # (x, then y, then z) sweeps every m tile inside a panel: the CTAs in flight
+            # share their experts' weight tiles in L2. (Without it, Mixtral's gate-up read
+            # each expert's whole weight again for every m tile: 82% of HBM busy, 29% L2
+            # hits, ncu.) The panel is a grid dimension, not `raster`'s division of the
+            # slot by the symbolic m_tiles, whose lowering did not finish at 224 n tiles.
+            width = min(config.n_group, n_tiles) if config.n_group > 0 else n_tiles
+            with T.Kernel(width, m_tiles, -(-n_tiles // width),
+                          threads=config.threads) as (bx, by, bz):
                 share_sm()
                 bufs = alloc_tile_buffers()
-                if tile_live(table, raster(by * n_tiles + bx, m_tiles, n_tiles, config.n_group),
-                             n_tiles):
-                    one_tile(a, b, offsets, table, out,
-                             raster(by * n_tiles + bx, m_tiles, n_tiles, config.n_group), bufs)
+                # one condition (a partial last panel's spare CTAs and the bound's dead m
+                # tiles exit together; nested ifs failed TileLang's ThreadSync at 12 n tiles
+                # in panels of 8), its table index clamped inside the tiles
+                if (bz * width + bx < n_tiles) & tile_live(
+                        table, by * n_tiles + T.min(bz * width + bx, n_tiles - 1), n_tiles):
+                    one_tile(a, b, offsets, table, out, by * n_tiles + bz * width + bx, bufs)
 
     @T.prim_func
     def grouped_gemm(a: T.Tensor((m_total, k), dtype),
@@ -419,7 +429,18 @@ class GroupedGemmKernel(Kernel):
         # a CTA per tile, whole tiles stored by TMA: 391.0 -> 357.4 us on the H200
         # (Qwen3-30B-A3B gate-up, 4K tokens; tile_store alone on the persistent grid, or
         # per-tile CTAs alone, 396.8; full_row 389.8)
-        return GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False)
+        return GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
+                                 n_group=self.panel_width(256 // halve))
+
+    def panel_width(self, block_n: int) -> int:
+        """n_group for the per-tile launch: panels of 8 n tiles where few experts (<= 32)
+        share the rows, so each has many m tiles, and N has more than 8 tiles. Mixtral's
+        gate-up (8 experts, 112 n tiles), H200: 3664.9 -> 2758.8 us (panels of 4: 2845.3,
+        16: 2851.6, 32: 3009.1; torch._grouped_mm 2631.5), DRAM busy 82% -> 36% (ncu).
+        Many experts of one or two m tiles (DeepSeek-V3's 256) gain nothing from panels
+        and would read each row tile once per panel: 0."""
+        n_tiles = -(-self.key["n"] // block_n)
+        return 8 if self.key["n_experts"] <= 32 and n_tiles > 8 else 0
 
     def config_space(self, bucket: str) -> list[GroupedGemmConfig]:
         halve = 2 if self.key.get("silu_mul", False) else 1
@@ -448,10 +469,10 @@ class GroupedGemmKernel(Kernel):
             GroupedGemmConfig(block_n=256 // halve, full_row=True),
             GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
                               full_row=True),
-            # weight tiles shared in L2 by the CTAs in flight (see GroupedGemmConfig.n_group;
-            # not measured yet)
-            GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
-                              n_group=16),
+            # weight tiles shared in L2 by the CTAs in flight (see GroupedGemmConfig.n_group
+            # and panel_width)
+            *(GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
+                                n_group=g) for g in (4, 8, 16)),
             GroupedGemmConfig(block_n=256 // halve, n_group=16)]))
         if not self.key.get("trans_b", True):  # (see heuristic_config)
             space = [c for c in space if not c.tile_store]
