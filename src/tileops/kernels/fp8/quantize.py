@@ -253,7 +253,9 @@ class QuantizeFp8Kernel(Kernel):
                 # H200, 4K rows: Llama-3-70B's 8192, 28.4 us (81% of HBM) against 46.2 for
                 # rows in chunks read twice (128 or 512 threads: 30.9, 30.4; 1024: 45.7);
                 # its 28672 (1024 threads, 8-byte vectors), 96.3 us (84%) against 150.0
-                # (512 threads, one CTA an SM by its 72 registers; two CTAs: 99.9)
+                # (512 threads, one CTA an SM by its 72 registers; two CTAs: 99.9). Where
+                # every width holds more than 32, the last (most threads; two CTAs an SM
+                # where they fit, the form that beat one CTA at 28672 x 512 threads)
                 ok = [c for c in whole if k // c.threads <= 32 and c.ctas_per_sm == 1]
                 return ok[0] if ok else whole[-1]
             return QuantConfig(block_m=4, block_k=_block_k(k), threads=128)  # K in chunks
