@@ -90,6 +90,19 @@ def add_scaled_raw(part, acc, sa, sb, block_m: int, block_n: int):
         acc[i, j] += part[i, j] * (sa[i] * sb[0])
 
 
+@T.macro
+def promote_block_prefetched(a_shared, b_shared, part, acc, sa, sb, block_m: int,
+                             block_n: int, scale_a, m_major: bool, kb_next, row0, last_row,
+                             b_scale_next):
+    """promote_block with the scales one K block ahead: this block's raw scales (sa, sb)
+    loaded during the previous block, the next block's (kb_next) loaded after this
+    promotion, so their latency hides under the next block's wgmma."""
+    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True, policy=ROWS)
+    add_scaled_raw(part, acc, sa, sb, block_m, block_n)
+    load_block_scales(sa, sb, block_m, scale_a, m_major, kb_next, row0, last_row,
+                      b_scale_next)
+
+
 @dataclass(frozen=True)
 class Fp8GemmConfig(GemmConfig):
     block_k: int = 128
@@ -205,14 +218,11 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
                                                by * block_m, m - 1,
                                                scale_b[T.min(bx, n_blocks - 1), kb])
                             add_scaled(part, acc, factor, block_m, block_n)
-                elif prefetch:
-                    T.gemm(a_shared, b_shared, part, transpose_B=True, clear_accum=True,
-                           policy=ROWS)
-                    add_scaled_raw(part, acc, factor, sb, block_m, block_n)
-                    kn = T.min(kt + 1, k_blocks - 1)  # the next tile's (clamped past K)
-                    load_block_scales(factor, sb, block_m, scale_a, scale_a_m_major, kn,
-                                      by * block_m, m - 1,
-                                      scale_b[T.min(bx, n_blocks - 1), kn])
+                elif prefetch:  # the next tile's scales (clamped past K)
+                    promote_block_prefetched(
+                        a_shared, b_shared, part, acc, factor, sb, block_m, block_n, scale_a,
+                        scale_a_m_major, T.min(kt + 1, k_blocks - 1), by * block_m, m - 1,
+                        scale_b[T.min(bx, n_blocks - 1), T.min(kt + 1, k_blocks - 1)])
                 elif block:
                     # the tile's columns share one 128-wide b block; a last split may run
                     # past K: its tiles load as zeros, and the clamped scale index keeps

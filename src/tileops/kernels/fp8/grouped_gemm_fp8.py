@@ -19,6 +19,7 @@ M_total is symbolic; N, K, E are compiled in (N and K multiples of 128).
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import tilelang.language as T
 
@@ -26,16 +27,21 @@ from ..moe.grouped_gemm import (
     SMS,
     GroupedGemmConfig,
     GroupedGemmKernel,
-    store_group_tile,
     tile_col0,
-    tile_count,
     tile_expert,
-    tile_live,
-    tile_of,
+    tile_launch,
     tile_row0,
+    tile_store_macro,
     tile_table_program,
 )
-from .gemm_fp8 import FP8, SCALE_BLOCK, load_block_factors, promote_block
+from .gemm_fp8 import (
+    FP8,
+    SCALE_BLOCK,
+    load_block_factors,
+    load_block_scales,
+    promote_block,
+    promote_block_prefetched,
+)
 
 SMEM_LIMIT = 227 * 1024
 
@@ -48,11 +54,22 @@ class GroupedGemmFp8Config(GroupedGemmConfig):
     stages: int = 5
     threads: int = 256  # consumer threads (a producer warp group is added)
     ctas: int = SMS
+    # load K block k+1's scales while block k's wgmma runs (the dense GEMM's option): the
+    # plain promotion waits one global load of the scales every K block
+    prefetch_scales: bool = False
+
+    def smem_bytes(self) -> int:
+        out = self.block_m * self.block_n * 2 if self.tile_store else 0
+        return self.stages * (self.block_m + self.block_n) * self.block_k + out
 
     def valid(self) -> bool:
-        smem = self.stages * (self.block_m + self.block_n) * self.block_k
-        return (smem <= SMEM_LIMIT and self.block_n == SCALE_BLOCK == self.block_k
-                and self.block_m in (64, 128) and self.threads == self.block_m * 2)
+        return (self.smem_bytes() <= SMEM_LIMIT and self.block_n == SCALE_BLOCK == self.block_k
+                and self.block_m in (64, 128) and self.threads == self.block_m * 2
+                and self.n_group == 0 and not self.full_row
+                and (self.ctas_per_sm == 1 or self.threads == 128)
+                # TileLang 0.1.15's ThreadSync fails to lower this one ("a divergent region
+                # with 1 participating threads")
+                and not (self.persistent and self.tile_store and self.prefetch_scales))
 
 
 def grouped_gemm_fp8_programs(n: int, k: int, n_experts: int, out_dtype: str,
@@ -63,40 +80,50 @@ def grouped_gemm_fp8_programs(n: int, k: int, n_experts: int, out_dtype: str,
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     n_tiles = n // bn
     k_blocks = k // SCALE_BLOCK
-    ctas = config.ctas
     sa_shape = (k_blocks, m_total) if scale_a_m_major else (m_total, k_blocks)
+    store_tile = tile_store_macro(config, n, n_tiles)
+
+    def b_scale(io, t, kb):  # the tile's weight block scale in K block kb
+        return io.scale_b[tile_expert(io.table, t, n_tiles), t % n_tiles, kb]
 
     @T.macro
-    def body(a, b, scale_a, scale_b, offsets, table, out):
-        with T.Kernel(ctas, threads=config.threads) as cta:
-            a_shared = T.alloc_shared((bm, bk), FP8)
-            b_shared = T.alloc_shared((bn, bk), FP8)
-            acc = T.alloc_fragment((bm, bn), "float32")
-            part = T.alloc_fragment((bm, bn), "float32")
-            factor = T.alloc_fragment((bm,), "float32")
-            for step in T.serial(T.ceildiv(tile_count(m_tiles, n_tiles), ctas)):
-                if tile_of(step, cta, ctas) < tile_count(m_tiles, n_tiles):
-                    if tile_live(table, tile_of(step, cta, ctas), n_tiles):
-                        T.clear(acc)
-                        for kk in T.Pipelined(k_blocks, num_stages=config.stages):
-                            T.copy(a[tile_row0(offsets, table, tile_of(step, cta, ctas),
-                                               n_tiles, bm), kk * bk], a_shared)
-                            T.copy(b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
-                                     tile_col0(tile_of(step, cta, ctas), n_tiles, bn),
-                                     kk * bk], b_shared)
-                            load_block_factors(
-                                factor, bm, scale_a, scale_a_m_major, kk,
-                                tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles,
-                                          bm),
-                                m_total - 1,
-                                scale_b[tile_expert(table, tile_of(step, cta, ctas), n_tiles),
-                                        tile_of(step, cta, ctas) % n_tiles, kk])
-                            promote_block(a_shared, b_shared, part, acc, factor, bm, bn)
-                        store_group_tile(
-                            acc, out,
-                            tile_row0(offsets, table, tile_of(step, cta, ctas), n_tiles, bm),
-                            offsets[tile_expert(table, tile_of(step, cta, ctas), n_tiles)],
-                            tile_col0(tile_of(step, cta, ctas), n_tiles, bn), n, bm, bn)
+    def one_tile(io, t, bufs):
+        """Tile t (a live one): the K loop promoting block by block, then the store."""
+        T.clear(bufs.acc)
+        if config.prefetch_scales:  # the first K block's raw scales
+            load_block_scales(bufs.factor, bufs.sb, bm, io.scale_a, scale_a_m_major, 0,
+                              tile_row0(io.offsets, io.table, t, n_tiles, bm), m_total - 1,
+                              b_scale(io, t, 0))
+        for kk in T.Pipelined(k_blocks, num_stages=config.stages):
+            T.copy(io.a[tile_row0(io.offsets, io.table, t, n_tiles, bm), kk * bk],
+                   bufs.a_shared)
+            T.copy(io.b[tile_expert(io.table, t, n_tiles), tile_col0(t, n_tiles, bn),
+                        kk * bk], bufs.b_shared)
+            if config.prefetch_scales:
+                promote_block_prefetched(
+                    bufs.a_shared, bufs.b_shared, bufs.part, bufs.acc, bufs.factor, bufs.sb,
+                    bm, bn, io.scale_a, scale_a_m_major, T.min(kk + 1, k_blocks - 1),
+                    tile_row0(io.offsets, io.table, t, n_tiles, bm), m_total - 1,
+                    b_scale(io, t, T.min(kk + 1, k_blocks - 1)))
+            else:
+                load_block_factors(bufs.factor, bm, io.scale_a, scale_a_m_major, kk,
+                                   tile_row0(io.offsets, io.table, t, n_tiles, bm),
+                                   m_total - 1, b_scale(io, t, kk))
+                promote_block(bufs.a_shared, bufs.b_shared, bufs.part, bufs.acc, bufs.factor,
+                              bm, bn)
+        store_tile(io, t, bufs)
+
+    def alloc_tile_buffers():
+        return SimpleNamespace(
+            a_shared=T.alloc_shared((bm, bk), FP8),
+            b_shared=T.alloc_shared((bn, bk), FP8),
+            acc=T.alloc_fragment((bm, bn), "float32"),
+            part=T.alloc_fragment((bm, bn), "float32"),
+            factor=T.alloc_fragment((bm,), "float32"),
+            sb=T.alloc_local((1,), "float32") if config.prefetch_scales else None,
+            out_shared=T.alloc_shared((bm, bn), out_dtype) if config.tile_store else None)
+
+    launch = tile_launch(config, n_tiles, m_tiles, one_tile, alloc_tile_buffers)
 
     # Each parameter its own annotation object (a shared one would alias the buffers).
     @T.prim_func
@@ -107,7 +134,8 @@ def grouped_gemm_fp8_programs(n: int, k: int, n_experts: int, out_dtype: str,
                          offsets: T.Tensor((n_experts,), "int32"),
                          table: T.Tensor((m_tiles,), "int32"),
                          out: T.Tensor((m_total, n), out_dtype)):
-        body(a, b, scale_a, scale_b, offsets, table, out)
+        launch(SimpleNamespace(a=a, b=b, scale_a=scale_a, scale_b=scale_b, offsets=offsets,
+                               table=table, out=out))
 
     return tile_table_program(n_experts, bm), grouped_gemm_fp8
 
@@ -138,6 +166,23 @@ class GroupedGemmFp8Kernel(GroupedGemmKernel):
         for block_m, threads, stages in ((64, 128, 6), (64, 128, 8), (64, 128, 9),
                                          (128, 256, 4), (128, 256, 6)):
             space.append(GroupedGemmFp8Config(block_m=block_m, stages=stages, threads=threads))
+        # the launch and epilogue options of the bf16 grouped GEMM (a CTA per tile, whole
+        # tiles stored by TMA, two CTAs an SM) and the scales loaded a K block ahead
+        tile = dict(block_m=128, threads=256) if bucket == "prefill" else dict(
+            block_m=64, threads=128)
+        for prefetch in (False, True):
+            space += [
+                GroupedGemmFp8Config(**tile, stages=5, prefetch_scales=prefetch),
+                GroupedGemmFp8Config(**tile, stages=5, persistent=False,
+                                     prefetch_scales=prefetch),
+                GroupedGemmFp8Config(**tile, stages=5, persistent=False, tile_store=True,
+                                     prefetch_scales=prefetch),
+                GroupedGemmFp8Config(**tile, stages=5, tile_store=True,
+                                     prefetch_scales=prefetch),
+                GroupedGemmFp8Config(block_m=64, threads=128, stages=4, ctas=2 * SMS,
+                                     ctas_per_sm=2, prefetch_scales=prefetch),
+                GroupedGemmFp8Config(block_m=64, threads=128, stages=4, persistent=False,
+                                     ctas_per_sm=2, prefetch_scales=prefetch)]
         return [c for c in dict.fromkeys(space) if c.valid()]
 
     def run(self, config: GroupedGemmFp8Config, compiled: tuple, a, b, scale_a, scale_b,

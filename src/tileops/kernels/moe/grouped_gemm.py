@@ -166,74 +166,43 @@ def tile_table_program(n_experts: int, block_m: int):
     return tile_table
 
 
-def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
-                          config: GroupedGemmConfig, trans_b: bool = True,
-                          silu_mul: bool = False):
-    """(tile table, GEMM) prim_funcs; M_total is symbolic, N, K and E are compiled in."""
-    m_total, m_tiles = T.dynamic("m_total, m_tiles")
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    n_tiles = -(-n // bn)
-    ctas = config.ctas
-    if silu_mul:
-        b_shape = (n_experts, 2 * n, k)
-    else:
-        b_shape = (n_experts, n, k) if trans_b else (n_experts, k, n)
-    b_tile = (bn, bk) if trans_b else (bk, bn)
+def tile_store_macro(config: GroupedGemmConfig, n: int, n_tiles: int):
+    """The macro `store_tile(io, t, bufs)`: tile t's fp32 accumulator `bufs.acc` into
+    io.out. With `config.tile_store` a tile wholly inside its group and N leaves through
+    `bufs.out_shared` by one TMA store; other tiles store row by row, guarded by the
+    group's end row."""
+    bm, bn = config.block_m, config.block_n
 
-    share_sm = sm_sharing(config.threads, config.ctas_per_sm)
-    policy = T.GemmWarpPolicy.FullRow if config.full_row else T.GemmWarpPolicy.Square
-
-    def whole_tile(offsets, table, t):
-        """The tile's rows lie in its group and its columns in N."""
-        return (tile_row0(offsets, table, t, n_tiles, bm) + bm
-                <= offsets[tile_expert(table, t, n_tiles)]) & (
+    def whole_tile(io, t):
+        return (tile_row0(io.offsets, io.table, t, n_tiles, bm) + bm
+                <= io.offsets[tile_expert(io.table, t, n_tiles)]) & (
                     tile_col0(t, n_tiles, bn) + bn <= n)
 
     @T.macro
-    def one_tile(a, b, offsets, table, out, t, bufs):
-        """Tile t (a live one) from its table entry: the K loop, the epilogue, the store."""
-        T.clear(bufs.acc)
-        if silu_mul:
-            T.clear(bufs.up_acc)
-        for kk in T.Pipelined(T.ceildiv(k, bk), num_stages=config.stages):
-            T.copy(a[tile_row0(offsets, table, t, n_tiles, bm), kk * bk], bufs.a_shared)
-            if trans_b:
-                T.copy(b[tile_expert(table, t, n_tiles), tile_col0(t, n_tiles, bn), kk * bk],
-                       bufs.b_shared)
-            else:
-                T.copy(b[tile_expert(table, t, n_tiles), kk * bk, tile_col0(t, n_tiles, bn)],
-                       bufs.b_shared)
-            if silu_mul:
-                T.copy(b[tile_expert(table, t, n_tiles), n + tile_col0(t, n_tiles, bn),
-                         kk * bk], bufs.up_shared)
-            T.gemm(bufs.a_shared, bufs.b_shared, bufs.acc, transpose_B=trans_b, policy=policy)
-            if silu_mul:
-                T.gemm(bufs.a_shared, bufs.up_shared, bufs.up_acc, transpose_B=True,
-                       policy=policy)
-        if silu_mul:
-            for i, j in T.Parallel(bm, bn):
-                bufs.acc[i, j] = bufs.acc[i, j] / (1.0 + T.exp(-bufs.acc[i, j])) \
-                    * bufs.up_acc[i, j]
-        if config.tile_store and whole_tile(offsets, table, t):
+    def store_tile(io, t, bufs):
+        if config.tile_store and whole_tile(io, t):
             T.copy(bufs.acc, bufs.out_shared)
-            T.copy(bufs.out_shared, out[tile_row0(offsets, table, t, n_tiles, bm),
-                                        tile_col0(t, n_tiles, bn)])
+            T.copy(bufs.out_shared, io.out[tile_row0(io.offsets, io.table, t, n_tiles, bm),
+                                           tile_col0(t, n_tiles, bn)])
         else:
-            store_group_tile(bufs.acc, out, tile_row0(offsets, table, t, n_tiles, bm),
-                             offsets[tile_expert(table, t, n_tiles)],
+            store_group_tile(bufs.acc, io.out, tile_row0(io.offsets, io.table, t, n_tiles, bm),
+                             io.offsets[tile_expert(io.table, t, n_tiles)],
                              tile_col0(t, n_tiles, bn), n, bm, bn)
 
-    def alloc_tile_buffers():
-        return SimpleNamespace(
-            a_shared=T.alloc_shared((bm, bk), dtype),
-            b_shared=T.alloc_shared(b_tile, dtype),
-            acc=T.alloc_fragment((bm, bn), "float32"),
-            up_shared=T.alloc_shared(b_tile, dtype) if silu_mul else None,
-            up_acc=T.alloc_fragment((bm, bn), "float32") if silu_mul else None,
-            out_shared=T.alloc_shared((bm, bn), dtype) if config.tile_store else None)
+    return store_tile
+
+
+def tile_launch(config: GroupedGemmConfig, n_tiles: int, m_tiles, one_tile,
+                alloc_tile_buffers):
+    """The macro `launch(io)` every grouped GEMM shares: the grid over (m tile, n tile)
+    pairs that runs `one_tile(io, t, bufs)` on each live tile t, `bufs` from
+    `alloc_tile_buffers()` once a CTA, `io` the kernel's tensors (io.table the tile table).
+    `config.persistent`: `ctas` CTAs walk the tiles; else a CTA per tile of the bound."""
+    ctas = config.ctas
+    share_sm = sm_sharing(config.threads, config.ctas_per_sm)
 
     @T.macro
-    def body(a, b, offsets, table, out):
+    def launch(io):
         if config.persistent:
             with T.Kernel(ctas, threads=config.threads) as cta:
                 share_sm()
@@ -242,11 +211,10 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                 # between iterations (see the module docstring).
                 for step in T.serial(T.ceildiv(tile_count(m_tiles, n_tiles), ctas)):
                     if tile_of(step, cta, ctas) < tile_count(m_tiles, n_tiles):
-                        if tile_live(table, raster(tile_of(step, cta, ctas), m_tiles, n_tiles,
-                                                   config.n_group), n_tiles):
-                            one_tile(a, b, offsets, table, out,
-                                     raster(tile_of(step, cta, ctas), m_tiles, n_tiles,
-                                            config.n_group), bufs)
+                        if tile_live(io.table, raster(tile_of(step, cta, ctas), m_tiles,
+                                                      n_tiles, config.n_group), n_tiles):
+                            one_tile(io, raster(tile_of(step, cta, ctas), m_tiles, n_tiles,
+                                                config.n_group), bufs)
         else:
             # One CTA per (n tile, m tile) of the bound, the n tiles of an m tile adjacent
             # (their a rows shared in L2); the bound's dead tiles exit. With n_group the
@@ -265,8 +233,67 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                 # tiles exit together; nested ifs failed TileLang's ThreadSync at 12 n tiles
                 # in panels of 8), its table index clamped inside the tiles
                 if (bz * width + bx < n_tiles) & tile_live(
-                        table, by * n_tiles + T.min(bz * width + bx, n_tiles - 1), n_tiles):
-                    one_tile(a, b, offsets, table, out, by * n_tiles + bz * width + bx, bufs)
+                        io.table, by * n_tiles + T.min(bz * width + bx, n_tiles - 1),
+                        n_tiles):
+                    one_tile(io, by * n_tiles + bz * width + bx, bufs)
+
+    return launch
+
+
+def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
+                          config: GroupedGemmConfig, trans_b: bool = True,
+                          silu_mul: bool = False):
+    """(tile table, GEMM) prim_funcs; M_total is symbolic, N, K and E are compiled in."""
+    m_total, m_tiles = T.dynamic("m_total, m_tiles")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    n_tiles = -(-n // bn)
+    if silu_mul:
+        b_shape = (n_experts, 2 * n, k)
+    else:
+        b_shape = (n_experts, n, k) if trans_b else (n_experts, k, n)
+    b_tile = (bn, bk) if trans_b else (bk, bn)
+
+    policy = T.GemmWarpPolicy.FullRow if config.full_row else T.GemmWarpPolicy.Square
+    store_tile = tile_store_macro(config, n, n_tiles)
+
+    @T.macro
+    def one_tile(io, t, bufs):
+        """Tile t (a live one) from its table entry: the K loop, the epilogue, the store."""
+        T.clear(bufs.acc)
+        if silu_mul:
+            T.clear(bufs.up_acc)
+        for kk in T.Pipelined(T.ceildiv(k, bk), num_stages=config.stages):
+            T.copy(io.a[tile_row0(io.offsets, io.table, t, n_tiles, bm), kk * bk],
+                   bufs.a_shared)
+            if trans_b:
+                T.copy(io.b[tile_expert(io.table, t, n_tiles), tile_col0(t, n_tiles, bn),
+                            kk * bk], bufs.b_shared)
+            else:
+                T.copy(io.b[tile_expert(io.table, t, n_tiles), kk * bk,
+                            tile_col0(t, n_tiles, bn)], bufs.b_shared)
+            if silu_mul:
+                T.copy(io.b[tile_expert(io.table, t, n_tiles), n + tile_col0(t, n_tiles, bn),
+                            kk * bk], bufs.up_shared)
+            T.gemm(bufs.a_shared, bufs.b_shared, bufs.acc, transpose_B=trans_b, policy=policy)
+            if silu_mul:
+                T.gemm(bufs.a_shared, bufs.up_shared, bufs.up_acc, transpose_B=True,
+                       policy=policy)
+        if silu_mul:
+            for i, j in T.Parallel(bm, bn):
+                bufs.acc[i, j] = bufs.acc[i, j] / (1.0 + T.exp(-bufs.acc[i, j])) \
+                    * bufs.up_acc[i, j]
+        store_tile(io, t, bufs)
+
+    def alloc_tile_buffers():
+        return SimpleNamespace(
+            a_shared=T.alloc_shared((bm, bk), dtype),
+            b_shared=T.alloc_shared(b_tile, dtype),
+            acc=T.alloc_fragment((bm, bn), "float32"),
+            up_shared=T.alloc_shared(b_tile, dtype) if silu_mul else None,
+            up_acc=T.alloc_fragment((bm, bn), "float32") if silu_mul else None,
+            out_shared=T.alloc_shared((bm, bn), dtype) if config.tile_store else None)
+
+    launch = tile_launch(config, n_tiles, m_tiles, one_tile, alloc_tile_buffers)
 
     @T.prim_func
     def grouped_gemm(a: T.Tensor((m_total, k), dtype),
@@ -274,7 +301,7 @@ def grouped_gemm_programs(n: int, k: int, n_experts: int, dtype: str,
                      offsets: T.Tensor((n_experts,), "int32"),
                      table: T.Tensor((m_tiles,), "int32"),
                      out: T.Tensor((m_total, n), dtype)):
-        body(a, b, offsets, table, out)
+        launch(SimpleNamespace(a=a, b=b, offsets=offsets, table=table, out=out))
 
     return tile_table_program(n_experts, bm), grouped_gemm
 
