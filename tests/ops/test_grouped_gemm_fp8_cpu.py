@@ -102,7 +102,9 @@ def test_shares_the_schedule_and_the_promotion():
     from tileops.kernels.moe import grouped_gemm
 
     assert grouped_gemm_fp8.tile_table_program is grouped_gemm.tile_table_program
-    assert grouped_gemm_fp8.store_group_tile is grouped_gemm.store_group_tile
+    assert grouped_gemm_fp8.tile_launch is grouped_gemm.tile_launch
+    assert grouped_gemm_fp8.tile_store_macro is grouped_gemm.tile_store_macro
+    assert grouped_gemm_fp8.promote_block_prefetched is gemm_fp8.promote_block_prefetched
     assert grouped_gemm_fp8.promote_block is gemm_fp8.promote_block
     assert grouped_gemm_fp8.load_block_factors is gemm_fp8.load_block_factors
 
