@@ -229,6 +229,9 @@ def test_tune_without_a_gpu_is_a_clear_error(monkeypatch, capsys):
     (["bench", "--op", "NoSuchOp"], "error: unknown op 'NoSuchOp'; implemented: "),
     (["bench", "--family", "nope"], "error: no implemented op matches --family nope; families: "),
     (["bench", "--dtype", "fp8"], "error: no workload of any op matches --tier full --dtype fp8"),
+    (["bench", "--op", "GroupedGemmFp8FwdOp", "--baseline", "torch-loop"],
+     "error: --baseline torch-loop: not a baseline of the selected ops; theirs: "
+     "tileops-bf16-grouped-gemm, "),
 ])
 def test_arguments_are_checked_before_the_gpu(argv, message, monkeypatch, capsys):
     import torch

@@ -147,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="append the run to this history (JSON lines) and compare with it")
     p.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
                    help="run every case N times; rows report the median and the spread")
+    p.add_argument("--baseline", metavar="NAME", action="append",
+                   help="time only these baselines (repeatable; default: all of each op's), "
+                        "e.g. to leave out a per-expert loop that makes a case take minutes")
     p.add_argument("-v", "--verbose", action="store_true", help="keep TileLang's build log")
     p.set_defaults(handler=cmd_bench)
 
@@ -625,6 +628,23 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     return 1 if any("error" in r for r in rows) else 0
 
 
+def _chosen_baselines(names: list[str], wanted: list[str] | None) -> dict | None:
+    """Each op's baselines among `wanted` (None: all of them); a name no selected op has is
+    a usage error naming those it could have been."""
+    if not wanted:
+        return None
+    from .perf.baselines import baselines_for
+
+    tables = {name: baselines_for(name) for name in names}
+    known = sorted({b for table in tables.values() for b in table})
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        raise UsageError(f"--baseline {', '.join(unknown)}: not a baseline of the selected "
+                         f"ops; theirs: {', '.join(known) or 'none'}")
+    return {name: {b: fn for b, fn in table.items() if b in wanted}
+            for name, table in tables.items()}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Times the chosen ops against their baselines; writes JSON, JUnit, Markdown and PNGs."""
     import dataclasses
@@ -650,6 +670,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"no workload of {which} matches "
                          f"{_filters(tier=args.tier, dtype=args.dtype, workload=args.workload)}"
                          f" (their dtypes: {', '.join(dtypes)})")
+    chosen = _chosen_baselines(names, args.baseline)
     import torch
 
     if not torch.cuda.is_available():
@@ -683,7 +704,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for op_cls, workload, dtype in _progress(cases):
             case = (op_cls.__name__, workload["label"], dtype)
             try:
-                row = bench_workload(op_cls, workload, dtype, log=print)
+                row = bench_workload(op_cls, workload, dtype, log=print,
+                                     baselines=chosen and chosen[op_cls.__name__])
                 run_rows[case] = dataclasses.asdict(row)
             except Exception as e:  # noqa: BLE001 - report and go on with the next case
                 failed.add(case)
