@@ -65,7 +65,7 @@ class GroupedGemmFp8Config(GroupedGemmConfig):
     def valid(self) -> bool:
         return (self.smem_bytes() <= SMEM_LIMIT and self.block_n == SCALE_BLOCK == self.block_k
                 and self.block_m in (64, 128) and self.threads == self.block_m * 2
-                and self.n_group == 0 and not self.full_row
+                and (self.n_group == 0 or not self.persistent) and not self.full_row
                 and (self.ctas_per_sm == 1 or self.threads == 128)
                 # TileLang 0.1.15's ThreadSync fails to lower this one ("a divergent region
                 # with 1 participating threads")
@@ -189,7 +189,11 @@ class GroupedGemmFp8Kernel(GroupedGemmKernel):
                 GroupedGemmFp8Config(block_m=64, threads=128, stages=4, ctas=2 * SMS,
                                      ctas_per_sm=2, prefetch_scales=prefetch),
                 GroupedGemmFp8Config(block_m=64, threads=128, stages=4, persistent=False,
-                                     ctas_per_sm=2, prefetch_scales=prefetch)]
+                                     ctas_per_sm=2, prefetch_scales=prefetch),
+                # n tiles in panels (GroupedGemmConfig.n_group): an expert of many m tiles
+                # (skewed routing) keeps its weight tiles in L2 across them
+                GroupedGemmFp8Config(**tile, stages=5, persistent=False, tile_store=True,
+                                     prefetch_scales=prefetch, n_group=8)]
         return [c for c in dict.fromkeys(space) if c.valid()]
 
     def run(self, config: GroupedGemmFp8Config, compiled: tuple, a, b, scale_a, scale_b,
