@@ -20,6 +20,7 @@ and TileLang folds a `v != v` guard away.) So the result equals torch's
 `(x.float() / scale).clamp(-448, 448).to(float8_e4m3fn)` bit for bit, NaN included.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,10 @@ class QuantConfig:
     # blocks: registers capped at 65536 / (ctas_per_sm x threads)), so a whole row of one
     # CTA is in flight while another's is reduced and stored
     ctas_per_sm: int = 1
+    # per tensor, dynamic: the quantizing pass takes the row blocks bottom-up, the reverse
+    # of the absmax pass's sweep, so it first re-reads the rows that pass read last, still
+    # in L2 (x is read twice; over 50 MB only its last-read part can be there)
+    reverse_rows: bool = False
 
 
 def _scale_of(amax):
@@ -52,7 +57,8 @@ def _scale_of(amax):
 
 
 def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: bool,
-                     block_m: int, block_k: int, threads: int, ctas_per_sm: int = 1):
+                     block_m: int, block_k: int, threads: int, ctas_per_sm: int = 1,
+                     reverse_rows: bool = False):
     """The quantizing kernel. Parameters by granularity and mode:
     group/row dynamic: (x, y, scale_out[K/group or 1, M]); static: (x, scale, y, scale_out)
     with the given scale in scale_out's layout, copied to it (so the op's scales output is
@@ -140,8 +146,9 @@ def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: 
                 if bx == 0 and by == 0:
                     scale_out[0] = src[0]
             x_local = T.alloc_fragment(tile, dtype)
-            T.copy(x[by * block_m, bx * block_k], x_local)
-            store_quantized(x_local, y, by * block_m, bx, scale_local)
+            row0 = (T.ceildiv(m, block_m) - 1 - by if reverse_rows else by) * block_m
+            T.copy(x[row0, bx * block_k], x_local)
+            store_quantized(x_local, y, row0, bx, scale_local)
 
     X, Y = (m, k), (m, k)
     if granularity == "tensor":
@@ -221,7 +228,7 @@ class QuantizeFp8Kernel(Kernel):
         key = self.key
         main = quantize_program(key["k"], key["dtype"], key["granularity"], key["group"],
                                 key["dynamic"], config.block_m, config.block_k, config.threads,
-                                config.ctas_per_sm)
+                                config.ctas_per_sm, config.reverse_rows)
         if key["granularity"] == "tensor" and key["dynamic"]:
             return absmax_program(key["k"], key["dtype"], config.block_m, config.block_k,
                                   config.threads), main
@@ -272,4 +279,6 @@ class QuantizeFp8Kernel(Kernel):
                       for bk in (256, 512, 1024) for t in (64, 128, 256)]
             if granularity == "row":
                 space += _whole_row_configs(k)
+            elif self.key["dynamic"]:  # the quantizing pass bottom-up (see QuantConfig)
+                space += [dataclasses.replace(c, reverse_rows=True) for c in space]
         return list(dict.fromkeys(space))
