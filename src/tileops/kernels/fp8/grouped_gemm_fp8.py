@@ -69,7 +69,8 @@ class GroupedGemmFp8Config(GroupedGemmConfig):
                 and (self.ctas_per_sm == 1 or self.threads == 128)
                 # TileLang 0.1.15's ThreadSync fails to lower this one ("a divergent region
                 # with 1 participating threads")
-                and not (self.persistent and self.tile_store and self.prefetch_scales))
+                and not (self.persistent and self.tile_store and self.prefetch_scales)
+                and (self.tile_store or not self.staged_rows))
 
 
 def grouped_gemm_fp8_programs(n: int, k: int, n_experts: int, out_dtype: str,
@@ -193,7 +194,10 @@ class GroupedGemmFp8Kernel(GroupedGemmKernel):
                 # n tiles in panels (GroupedGemmConfig.n_group): an expert of many m tiles
                 # (skewed routing) keeps its weight tiles in L2 across them
                 GroupedGemmFp8Config(**tile, stages=5, persistent=False, tile_store=True,
-                                     prefetch_scales=prefetch, n_group=8)]
+                                     prefetch_scales=prefetch, n_group=8),
+                # partial tiles staged too (GroupedGemmConfig.staged_rows)
+                GroupedGemmFp8Config(**tile, stages=5, persistent=False, tile_store=True,
+                                     prefetch_scales=prefetch, staged_rows=True)]
         return [c for c in dict.fromkeys(space) if c.valid()]
 
     def run(self, config: GroupedGemmFp8Config, compiled: tuple, a, b, scale_a, scale_b,

@@ -75,6 +75,10 @@ class GroupedGemmConfig:
     # `raster`); 0: each m tile's n tiles in turn. Only differs from 0 where N has more
     # than `n_group` tiles (Mixtral's 28672 columns: 112).
     n_group: int = 0
+    # with tile_store: a tile that ends past its group's rows leaves through the same shared
+    # tile too, by row-guarded 16-byte stores, instead of guarded stores from the
+    # accumulator's registers (skewed routing: most experts' only tile is partial)
+    staged_rows: bool = False
 
 
 def tile_bound(m_total, n_experts: int, block_m: int):
@@ -178,9 +182,30 @@ def tile_store_macro(config: GroupedGemmConfig, n: int, n_tiles: int):
                 <= io.offsets[tile_expert(io.table, t, n_tiles)]) & (
                     tile_col0(t, n_tiles, bn) + bn <= n)
 
+    def inside(io, t, i, j):  # element (i, j) of tile t is in its group's rows and in N
+        row_ok = tile_row0(io.offsets, io.table, t, n_tiles, bm) + i \
+            < io.offsets[tile_expert(io.table, t, n_tiles)]
+        return row_ok if n % bn == 0 else row_ok & (tile_col0(t, n_tiles, bn) + j < n)
+
+    @T.macro
+    def staged_group_rows(io, t, bufs):
+        """The tile's rows inside its group, from registers through `bufs.out_shared`."""
+        T.copy(bufs.acc, bufs.out_shared)
+        for i, j in T.Parallel(bm, bn):
+            if inside(io, t, i, j):
+                io.out[tile_row0(io.offsets, io.table, t, n_tiles, bm) + i,
+                       tile_col0(t, n_tiles, bn) + j] = bufs.out_shared[i, j]
+
     @T.macro
     def store_tile(io, t, bufs):
-        if config.tile_store and whole_tile(io, t):
+        if config.tile_store and config.staged_rows:
+            if whole_tile(io, t):
+                T.copy(bufs.acc, bufs.out_shared)
+                T.copy(bufs.out_shared, io.out[tile_row0(io.offsets, io.table, t, n_tiles,
+                                                         bm), tile_col0(t, n_tiles, bn)])
+            else:
+                staged_group_rows(io, t, bufs)
+        elif config.tile_store and whole_tile(io, t):
             T.copy(bufs.acc, bufs.out_shared)
             T.copy(bufs.out_shared, io.out[tile_row0(io.offsets, io.table, t, n_tiles, bm),
                                            tile_col0(t, n_tiles, bn)])
@@ -500,7 +525,10 @@ class GroupedGemmKernel(Kernel):
             # and panel_width)
             *(GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
                                 n_group=g) for g in (4, 8, 16)),
-            GroupedGemmConfig(block_n=256 // halve, n_group=16)]))
+            GroupedGemmConfig(block_n=256 // halve, n_group=16),
+            # partial tiles through shared memory too (see GroupedGemmConfig.staged_rows)
+            GroupedGemmConfig(block_n=256 // halve, tile_store=True, persistent=False,
+                              staged_rows=True)]))
         if not self.key.get("trans_b", True):  # (see heuristic_config)
             space = [c for c in space if not c.tile_store]
         return space
