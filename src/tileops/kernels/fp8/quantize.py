@@ -280,5 +280,5 @@ class QuantizeFp8Kernel(Kernel):
             if granularity == "row":
                 space += _whole_row_configs(k)
             elif self.key["dynamic"]:  # the quantizing pass bottom-up (see QuantConfig)
-                space += [dataclasses.replace(c, reverse_rows=True) for c in space]
+                space.append(dataclasses.replace(space[0], reverse_rows=True))
         return list(dict.fromkeys(space))

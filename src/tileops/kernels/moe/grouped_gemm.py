@@ -174,7 +174,7 @@ def tile_store_macro(config: GroupedGemmConfig, n: int, n_tiles: int):
     """The macro `store_tile(io, t, bufs)`: tile t's fp32 accumulator `bufs.acc` into
     io.out. With `config.tile_store` a tile wholly inside its group and N leaves through
     `bufs.out_shared` by one TMA store; other tiles store row by row, guarded by the
-    group's end row."""
+    group's end row (with `config.staged_rows` through `bufs.out_shared` too)."""
     bm, bn = config.block_m, config.block_n
 
     def whole_tile(io, t):
@@ -198,17 +198,12 @@ def tile_store_macro(config: GroupedGemmConfig, n: int, n_tiles: int):
 
     @T.macro
     def store_tile(io, t, bufs):
-        if config.tile_store and config.staged_rows:
-            if whole_tile(io, t):
-                T.copy(bufs.acc, bufs.out_shared)
-                T.copy(bufs.out_shared, io.out[tile_row0(io.offsets, io.table, t, n_tiles,
-                                                         bm), tile_col0(t, n_tiles, bn)])
-            else:
-                staged_group_rows(io, t, bufs)
-        elif config.tile_store and whole_tile(io, t):
+        if config.tile_store and whole_tile(io, t):
             T.copy(bufs.acc, bufs.out_shared)
             T.copy(bufs.out_shared, io.out[tile_row0(io.offsets, io.table, t, n_tiles, bm),
                                            tile_col0(t, n_tiles, bn)])
+        elif config.tile_store and config.staged_rows:
+            staged_group_rows(io, t, bufs)
         else:
             store_group_tile(bufs.acc, io.out, tile_row0(io.offsets, io.table, t, n_tiles, bm),
                              io.offsets[tile_expert(io.table, t, n_tiles)],
