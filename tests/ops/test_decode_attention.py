@@ -9,7 +9,12 @@ import torch
 
 import tileops
 from tileops import ChunkedPrefillAttentionFwdOp, DecodeAttentionFwdOp, TileOpsError
-from tileops.kernels.attention.decode import LONG_CHUNK, DecodeAttentionKernel, DecodeConfig
+from tileops.kernels.attention.decode import (
+    LONG_CHUNK,
+    ChunkedPrefillKernel,
+    DecodeAttentionKernel,
+    DecodeConfig,
+)
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, poison, randn
@@ -478,6 +483,26 @@ def test_chunked_prefill_long_chunks_take_128_row_ctas(page_size):
     assert [(name, config.block_m) for name, config in used] == [
         ("chunked_prefill_attention", 128)]
     check_chunks(chunks, lengths, heads=32, kv_heads=8, page_size=page_size, softcap=30.0)
+
+
+LONG_CHUNK_SPACE = ChunkedPrefillKernel(
+    dtype="bfloat16", heads=64, kv_heads=8, head_dim=128, q_len=0, page_size=16,
+    window_left=-1, softcap=0.0, causal=True).config_space("direct")
+
+
+@pytest.mark.parametrize("config", LONG_CHUNK_SPACE, ids=str)
+def test_every_long_chunk_config_at_page_16(config):
+    """Each 128-row config at page 16 (TMA page copies, the all-thread gather, the
+    producer warpgroup's gather with 2-3 stages) on long and short chunks together: a 1K
+    chunk over a 5K prefix, a decode token, a chunk of exactly LONG_CHUNK and a fresh
+    300-token prefill; every row against the reference, outputs NaN-poisoned first."""
+    chunks, lengths = [1024, 1, LONG_CHUNK, 300], [5000, 77, LONG_CHUNK + 3, 300]
+    k, v, seqlens, table = make_cache(lengths, 8, 128, torch.bfloat16, 16)
+    cu = torch.tensor([0, *itertools.accumulate(chunks)], dtype=torch.int32, device="cuda")
+    q = randn(sum(chunks), 64, 128, dtype=torch.bfloat16)
+    op = ChunkedPrefillAttentionFwdOp(max_seqlen_q=max(chunks))
+    op.pin_config(config, q, k, v, cu, seqlens, table)
+    check_chunks(chunks, lengths, heads=64, kv_heads=8, op=op)
 
 
 def test_chunked_prefill_short_chunk_over_a_long_prefix_splits():

@@ -715,6 +715,31 @@ def test_long_chunk_programs_compile_without_spills(page_size, tmp_path):
 
 @pytest.mark.compile
 @pytest.mark.full
+@pytest.mark.parametrize("page_size, block_n, stages", [(16, 128, 2), (32, 64, 3)])
+def test_producer_gather_program_compiles_without_spills(page_size, block_n, stages,
+                                                         tmp_path):
+    """`producer_gather`: a producer warpgroup (384 threads in all) gathers the pages by
+    cp.async, each stage announced on one barrier per tensor (cp.async.mbarrier.arrive),
+    the tile's page ids loaded once for K and V; the consumers wait on those barriers and
+    run wgmma; no TMA, nothing spilled or serialized."""
+    kernel = ChunkedPrefillKernel(dtype="bfloat16", heads=64, kv_heads=8, head_dim=128,
+                                  q_len=0, page_size=page_size, window_left=-1, softcap=0.0,
+                                  causal=True)
+    config = DecodeConfig(block_n, stages, producer_gather=True, block_m=2 * ROWS)
+    assert config in kernel.config_space("direct")
+    compiled = kernel.compile(config, "direct")[0]
+    source = compiled.get_kernel_source()
+    assert "__launch_bounds__(384" in source and "tma_load" not in source
+    assert source.count("mbarrier_cp_async_arrive_noinc") == 2  # K and V of a stage
+    # one load a page, in the unrolled loop over the tile's pages, for K and V alike
+    assert source.count("block_table[") == 1
+    assert "cp_async_gs" in source and "wgmma" in source
+    assert "warpgroup_reg_dealloc" in source and "warpgroup_reg_alloc" in source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.full
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
 def test_hoisted_page_ids_load_once_per_page_without_spills(kv_dtype, tmp_path):
     """`hoist_pages` at page 16: the producer loads each page id of a tile once (K and V

@@ -33,6 +33,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from ..base import Kernel
+from ..gemm.async_pipeline import PRODUCER_THREADS
 from ..selection.topk import exclusive_offsets
 from .attention_fwd import LOG2E, SMEM_LIMIT, AttentionFwdConfig, _attention_macros
 from .decode_key_major import key_major_macros
@@ -50,6 +51,10 @@ SCHEDULE_THREADS = 512
 # An fp8 cache's kernel runs fp16 (see decode_program): q enters it divided by this power of
 # two, exact down to fp16's subnormals (|q| < 2^-10, negligible terms of a score)
 FP8_Q_DIVISOR = 16.0
+# setmaxnreg budgets of a producer_gather CTA (128 + 256 threads: 128 x 56 + 256 x 224
+# fits the SM's 64K registers): the gathering producer addresses a tile's pages itself
+GATHER_PRODUCER_REGISTERS = 56
+GATHER_CONSUMER_REGISTERS = 224
 SIZE_CLASSES = 4  # split sizes the schedule orders its slots by (see schedule_program)
 
 
@@ -61,6 +66,11 @@ class DecodeConfig:
     # pages shorter than a tile gathered row by row by cp.async in a software pipeline of
     # all threads (no warp specialization) instead of one TMA copy per (page, 64 columns)
     gather: bool = False
+    # pages gathered by cp.async from a producer warpgroup into `stages` K/V buffers, each
+    # stage's arrival on one barrier (cp.async.mbarrier.arrive), the consumers' key loop
+    # hand-written around those barriers (`produce` / `consume` in decode_program): the
+    # gather overlaps the wgmmas as TMA tiles do, at one barrier a stage, not one a page
+    producer_gather: bool = False
     # query rows per CTA, a consumer warpgroup per 64: 128 for long prefill chunks, whose
     # compute-bound key loop wants the dense forward's two warpgroups per K/V tile
     block_m: int = ROWS
@@ -244,6 +254,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return b, token
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
+    producer_gather = config.producer_gather
+    assert not producer_gather or (chunks > 1 and not fp8 and not key_major
+                                   and not planned), "producer_gather: 16-bit pages < a tile"
+    launch_threads = threads + PRODUCER_THREADS if producer_gather else threads
     hoist_pages = config.hoist_pages and chunks > 1 and not config.gather
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
     swizzle_cols = min(head_dim, SWIZZLE_COLS * 2 // T_BYTES[kv_dtype])
@@ -335,11 +349,24 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                                        seqlen, window_left, causal),
                     st.s[i, j], -T.infinity("float"))
 
+    def alloc_barriers():
+        """(full K, full V, empty) barriers of the producer_gather stages: a stage is full
+        once each producer thread's copies have landed, empty once every consumer thread
+        is done with it."""
+        if not producer_gather:
+            return None
+        return (T.alloc_barrier([PRODUCER_THREADS] * stages),
+                T.alloc_barrier([PRODUCER_THREADS] * stages),
+                T.alloc_barrier([threads] * stages))
+
     def alloc_tiles():
         """(q, K, V, K landing, V landing, held): shared tiles, and for an fp8 cache the
         register tile `held` it passes through from its own fp8 landing tiles to the
         widened K/V tiles the wgmmas read."""
         q_tile = T.alloc_shared((tile_rows, head_dim), compute)
+        if producer_gather:  # K and V stages: the producer fills them, the wgmmas read
+            return (q_tile, T.alloc_shared((stages, block_n, head_dim), compute),
+                    T.alloc_shared((stages, block_n, head_dim), compute), None, None, None)
         k_tile = T.alloc_shared((block_n, head_dim), compute)
         # key-major fp8: K and V widen in turn into one tile (each product waits for its
         # wgmma before the next widening), which lets three CTAs share an SM
@@ -366,15 +393,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return o * kv_scale(v_scale, h) if fp8 else o
 
     @T.macro
-    def attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b, h,
-               q_start, n_q, row0, split_index, n_split, scale):
-        """Rows [row0, row0 + block_m) of request b's n_q * group (token, head) rows, then the
-        online softmax over its split of the key tiles they see."""
-        q_shared, k_shared, v_shared, k_land, v_land, held = tiles
-        # fp8: q enters fp16 divided by FP8_Q_DIVISOR, exactly (a power of two), so bf16
-        # queries up to 16 x 65504 stay finite; the softmax scale takes the factor back
-        if fp8:
-            scale = scale * kv_scale(k_scale, h) * FP8_Q_DIVISOR
+    def load_q(q, q_shared, b, h, q_start, n_q, row0):
+        """Rows [row0, row0 + tile_rows) of request b's n_q * group (token, head) rows."""
         n_rows = n_q * group
         for i, d in T.Parallel(tile_rows, head_dim):
             # rows past the request's repeat its last row (never stored); an empty request
@@ -382,9 +402,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             r = T.max(T.min(row0 + i, n_rows - 1), 0)
             qb, qt = q_at(b, q_start, r // group)
             value = q[T.min(qb, q_rows - 1), qt, h * group + r % group, d]
+            # fp8: q enters fp16 divided by FP8_Q_DIVISOR, exactly (a power of two), so
+            # bf16 queries up to 16 x 65504 stay finite; the softmax scale takes it back
             q_shared[i, d] = T.cast(T.cast(value, "float32") * (1.0 / FP8_Q_DIVISOR),
                                     compute) if fp8 else value
-        seqlen = cache_seqlens[b]
+
+    def tile_span(seqlen, n_q, row0, split_index, n_split):
+        """(first key tile rows [row0, row0 + block_m) of a request with `seqlen` keys see,
+        how many, first tile of this split, its tiles)."""
+        n_rows = n_q * group
         last_row = T.min(row0 + block_m, n_rows) - 1
         first, n_tiles = block_tiles(seqlen - n_q + row0 // group,
                                      seqlen - n_q + last_row // group, seqlen, block_n,
@@ -394,6 +420,22 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             begin, mine = slot_tiles(first, n_tiles, split_index, n_split)
         else:
             begin, mine = split_tiles(first, n_tiles, split_index, n_split)
+        return first, n_tiles, begin, mine
+
+    def softmax_scale(scale, k_scale, h):
+        # fp8: k's scale, and q's FP8_Q_DIVISOR taken back (see load_q)
+        return scale * kv_scale(k_scale, h) * FP8_Q_DIVISOR if fp8 else scale
+
+    @T.macro
+    def attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b, h,
+               q_start, n_q, row0, split_index, n_split, scale):
+        """Request b's query rows [row0, row0 + block_m), then the online softmax over its
+        split of the key tiles they see."""
+        q_shared, k_shared, v_shared, k_land, v_land, held = tiles
+        scale = softmax_scale(scale, k_scale, h)
+        load_q(q, q_shared, b, h, q_start, n_q, row0)
+        seqlen = cache_seqlens[b]
+        first, n_tiles, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
         step.init(st)
         # an empty split walks one masked tile (its loads stay inside the table's row)
         for t in T.Pipelined(T.max(mine, 1), num_stages=stages):
@@ -433,8 +475,90 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 T.gemm(st.p, v_shared, st.o, policy=T.GemmWarpPolicy.FullRow)
         step.finish(st, scale)
 
+    # -- producer_gather: the key loop split between a producer and the consumers --------
+    @T.macro
+    def gather_stage(cache, pages, h, buffers, s):
+        """A key tile's pages into stage s of `buffers` by cp.async, page by page."""
+        for c in T.unroll(chunks):
+            T.async_copy(cache_rows(cache, pages[c], 0, page_size, h, slice(0, head_dim)),
+                         buffers[s, c * page_size:(c + 1) * page_size, :])
+
+    @T.macro
+    def produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q, row0,
+                split_index, n_split):
+        """The producer warpgroup: each K and V tile of the split into the stage the
+        consumers last released, announced on its full barrier once the copies land."""
+        k_stages, v_stages = tiles[1], tiles[2]
+        full_k, full_v, empty = bars
+        seqlen = cache_seqlens[b]
+        first, n_tiles, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
+        pages = T.alloc_local((chunks,), "int32")
+        for t in T.serial(T.max(mine, 1)):
+            s = t % stages
+            tile = T.min(begin + t, T.max(first + n_tiles - 1, 0))
+            # the tile's page ids in registers, for K and V, loaded ahead of the wait
+            # (clamped into the pool: entries past a request's pages may be anything, and
+            # their keys are masked)
+            for c in T.unroll(chunks):
+                pages[c] = T.max(T.min(page_of(block_table, b, tile, c), outer - 1), 0)
+            # a fresh barrier passes a wait for the parity before its first phase
+            T.mbarrier_wait_parity(empty[s], ((t // stages) % 2) ^ 1)
+            gather_stage(k, pages, h, k_stages, s)
+            T.cp_async_barrier_noinc(full_k[s])
+            gather_stage(v, pages, h, v_stages, s)
+            T.cp_async_barrier_noinc(full_v[s])
+
+    @T.macro
+    def consume(q, cache_seqlens, tiles, bars, st, b, h, q_start, n_q, row0, split_index,
+                n_split, scale):
+        """The consumer warpgroups: attend's key loop over the producer's stages."""
+        q_shared, k_stages, v_stages = tiles[0], tiles[1], tiles[2]
+        full_k, full_v, empty = bars
+        load_q(q, q_shared, b, h, q_start, n_q, row0)
+        seqlen = cache_seqlens[b]
+        _, _, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
+        step.init(st)
+        for t in T.serial(T.max(mine, 1)):
+            s = t % stages
+            T.mbarrier_wait_parity(full_k[s], (t // stages) % 2)
+            # cp.async wrote the stage through the generic proxy; the wgmma reads it
+            # through the async proxy
+            T.fence_proxy_async()
+            scores(st, q_shared, k_stages[s, :, :], (begin + t) * block_n, seqlen, n_q,
+                   row0, t < mine, scale)
+            step.online_softmax(st, scale)
+            T.copy(st.s, st.p)
+            step.rescale_output(st)
+            T.mbarrier_wait_parity(full_v[s], (t // stages) % 2)
+            T.fence_proxy_async()
+            T.gemm(st.p, v_stages[s, :, :], st.o, policy=T.GemmWarpPolicy.FullRow)
+            T.mbarrier_arrive(empty[s])  # (T.gemm has waited for its wgmmas)
+        step.finish(st, scale)
+
     def head_of(r, h):
         return h * group + r % group
+
+    @T.macro
+    def store_direct(o, lse, st, b, h, q_start, n_q, row0, v_scale):
+        for i, d in T.Parallel(tile_rows, head_dim):
+            if row0 + i < n_q * group:
+                qb, qt = q_at(b, q_start, (row0 + i) // group)
+                o[qb, qt, head_of(row0 + i, h), d] = out(st, i, d, v_scale, h)
+        for i in T.Parallel(tile_rows):
+            if row0 + i < n_q * group:
+                qb, qt = q_at(b, q_start, (row0 + i) // group)
+                lse[qb, head_of(row0 + i, h), qt] = st.lse[i]
+
+    @T.macro
+    def store_split(o_part, lse_part, st, b, h, q_start, n_q, row0, sx, v_scale):
+        for i, d in T.Parallel(tile_rows, head_dim):
+            if row0 + i < n_q * group:
+                qb, qt = q_at(b, q_start, (row0 + i) // group)
+                o_part[qb, qt, head_of(row0 + i, h), sx, d] = out(st, i, d, v_scale, h)
+        for i in T.Parallel(tile_rows):
+            if row0 + i < n_q * group:
+                qb, qt = q_at(b, q_start, (row0 + i) // group)
+                lse_part[qb, qt, head_of(row0 + i, h), sx] = st.lse[i]
 
     def request(cu_seqlens_q, b):
         """(first row in q, query tokens) of request b."""
@@ -509,7 +633,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                          o_part: T.Tensor((q_rows, tokens, heads, n_splits, head_dim), "float"),
                          lse_part: T.Tensor((q_rows, tokens, heads, n_splits), "float"),
                          row_blocks: T.int32, scale: T.float32):
-            with T.Kernel(n_splits, row_blocks, batch * kv_heads, threads=threads) as (sx, by, bz):
+            with T.Kernel(n_splits, row_blocks, batch * kv_heads,
+                          threads=launch_threads) as (sx, by, bz):
                 step.share_sm()
                 b, h = bz // kv_heads, bz % kv_heads
                 row0 = by * block_m
@@ -519,17 +644,22 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                  l_local, lse_local, hold, stale) = step.alloc_state()
                 st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
                                 row_sum, l_local, lse_local, hold, stale)
-                attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st,
-                       b, h, q_start, n_q, row0, sx, n_splits, scale)
-                for i, d in T.Parallel(tile_rows, head_dim):
-                    if row0 + i < n_q * group:
-                        qb, qt = q_at(b, q_start, (row0 + i) // group)
-                        o_part[qb, qt, head_of(row0 + i, h), sx, d] = out(st, i, d, v_scale,
-                                                                         h)
-                for i in T.Parallel(tile_rows):
-                    if row0 + i < n_q * group:
-                        qb, qt = q_at(b, q_start, (row0 + i) // group)
-                        lse_part[qb, qt, head_of(row0 + i, h), sx] = st.lse[i]
+                bars = alloc_barriers()
+                if producer_gather:
+                    if T.get_thread_binding() >= threads:
+                        T.set_max_nreg(GATHER_PRODUCER_REGISTERS, 0)
+                        produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q,
+                                row0, sx, n_splits)
+                    else:
+                        T.set_max_nreg(GATHER_CONSUMER_REGISTERS, 1)
+                        consume(q, cache_seqlens, tiles, bars, st, b, h, q_start, n_q, row0,
+                                sx, n_splits, scale)
+                        store_split(o_part, lse_part, st, b, h, q_start, n_q, row0, sx,
+                                    v_scale)
+                else:
+                    attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st,
+                           b, h, q_start, n_q, row0, sx, n_splits, scale)
+                    store_split(o_part, lse_part, st, b, h, q_start, n_q, row0, sx, v_scale)
 
         return decode_split
 
@@ -544,7 +674,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                       o: T.Tensor(q_shape, dtype),
                       lse: T.Tensor((q_rows, heads, tokens), "float"),
                       row_blocks: T.int32, scale: T.float32):
-        with T.Kernel(1, row_blocks, batch * kv_heads, threads=threads) as (sx, by, bz):
+        with T.Kernel(1, row_blocks, batch * kv_heads, threads=launch_threads) as (sx, by, bz):
             step.share_sm()
             b, h = bz // kv_heads, bz % kv_heads
             row0 = by * block_m
@@ -554,16 +684,21 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
              l_local, lse_local, hold, stale) = step.alloc_state()
             st = step.state(s_local, p_local, o_local, m_local, m_prev, m_safe, rescale,
                             row_sum, l_local, lse_local, hold, stale)
-            attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b,
-                   h, q_start, n_q, row0, sx, 1, scale)
-            for i, d in T.Parallel(tile_rows, head_dim):
-                if row0 + i < n_q * group:
-                    qb, qt = q_at(b, q_start, (row0 + i) // group)
-                    o[qb, qt, head_of(row0 + i, h), d] = out(st, i, d, v_scale, h)
-            for i in T.Parallel(tile_rows):
-                if row0 + i < n_q * group:
-                    qb, qt = q_at(b, q_start, (row0 + i) // group)
-                    lse[qb, head_of(row0 + i, h), qt] = st.lse[i]
+            bars = alloc_barriers()
+            if producer_gather:
+                if T.get_thread_binding() >= threads:
+                    T.set_max_nreg(GATHER_PRODUCER_REGISTERS, 0)
+                    produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q, row0,
+                            sx, 1)
+                else:
+                    T.set_max_nreg(GATHER_CONSUMER_REGISTERS, 1)
+                    consume(q, cache_seqlens, tiles, bars, st, b, h, q_start, n_q, row0, sx,
+                            1, scale)
+                    store_direct(o, lse, st, b, h, q_start, n_q, row0, v_scale)
+            else:
+                attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b,
+                       h, q_start, n_q, row0, sx, 1, scale)
+                store_direct(o, lse, st, b, h, q_start, n_q, row0, v_scale)
 
     return decode_direct
 
@@ -792,6 +927,9 @@ class DecodeAttentionKernel(Kernel):
     def pass_configs(self, config: DecodeConfig, program_index: int) -> dict:
         # gathered pages: a cp.async pipeline of all threads (TileLang's warp specialization
         # would hand the gather to a producer of 24 registers a thread)
+        if program_index == 0 and config.producer_gather:
+            # its own warp specialization; the tile-range lets kept (as below)
+            return {"tl.Simplify": {"enable_simplify_let_inline": False}}
         if config.gather and program_index == 0:  # (the attention program)
             # TileLang's simplifier would inline the tile-range lets into every gathered
             # index: each cp.async then re-derived its row from three dependent global loads
@@ -892,7 +1030,8 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
     two consumer warpgroups, as the dense forward does. K/V tiles arrive by TMA from a
     producer warpgroup (a copy per page and 64 columns, the page ids hoisted), except for
     16-bit caches with pages under 32 keys, which gather by cp.async from all threads
-    (faster than 32 TMA copies a tile). Same key, buckets and program as
+    (faster than 32 TMA copies a tile). `producer_gather` configs (in the space, not yet
+    measured) gather from a producer warpgroup instead, so the gather overlaps the wgmmas. Same key, buckets and program as
     DecodeAttentionKernel; the op passes row blocks of ROWS rows (`row_blocks`)."""
 
     name = "chunked_prefill_attention"
@@ -919,6 +1058,8 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
         if 0 < page < 64 and "kv_dtype" not in self.key:
             space += [DecodeConfig(block_n, 1, gather=True, block_m=2 * ROWS)
                       for block_n in (64, 128)]
+            space += [DecodeConfig(block_n, stages, producer_gather=True, block_m=2 * ROWS)
+                      for block_n in (64, 128) for stages in (2, 3) if page < block_n]
         return self.fitting(space)
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
