@@ -1031,8 +1031,9 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
     producer warpgroup (a copy per page and 64 columns, the page ids hoisted), except for
     16-bit caches with pages under 32 keys, which gather by cp.async from all threads
     (faster than 32 TMA copies a tile). `producer_gather` configs (in the space, not yet
-    measured) gather from a producer warpgroup instead, so the gather overlaps the wgmmas. Same key, buckets and program as
-    DecodeAttentionKernel; the op passes row blocks of ROWS rows (`row_blocks`)."""
+    measured) gather from a producer warpgroup instead, so the gather overlaps the wgmmas.
+    Same key, buckets and program as DecodeAttentionKernel; the op passes row blocks of
+    ROWS rows (`row_blocks`)."""
 
     name = "chunked_prefill_attention"
 
