@@ -8,7 +8,12 @@ import pytest
 import torch
 
 import tileops
-from tileops import ChunkedPrefillAttentionFwdOp, DecodeAttentionFwdOp, TileOpsError
+from tileops import (
+    ChunkedPrefillAttentionFp8FwdOp,
+    ChunkedPrefillAttentionFwdOp,
+    DecodeAttentionFwdOp,
+    TileOpsError,
+)
 from tileops.kernels.attention.decode import (
     LONG_CHUNK,
     ChunkedPrefillKernel,
@@ -754,6 +759,11 @@ def test_fp8_cache_chunked_prefill(page_size):
     o, lse = tileops.chunked_prefill_attention(q, k8, v8, cu, seqlens, max(CHUNKS), table,
                                                return_lse=True, k_scale=k_scale,
                                                v_scale=v_scale)
+    check_fp8_chunks(o, q, cu, seqlens, table, k_ref, v_ref)
+
+
+def check_fp8_chunks(o, q, cu, seqlens, table, k_ref, v_ref):
+    """Each request's rows of o against the reference over the dequantized cache."""
     for b, (start, end) in enumerate(itertools.pairwise(cu.tolist())):
         if end == start:
             continue
@@ -761,6 +771,32 @@ def test_fp8_cache_chunked_prefill(page_size):
         o_ref, _ = reference(q[None, start:end], kb, vb, seqlens[b:b + 1],
                              None if table is None else table[b:b + 1])
         assert_close(o[start:end], o_ref[0], scale=2.0, what=f"o of request {b}")
+
+
+def fp8_producer_configs(page_size):
+    return [c for c in ChunkedPrefillKernel(
+        dtype="bfloat16", heads=8, kv_heads=2, head_dim=128, q_len=0, page_size=page_size or 0,
+        window_left=-1, softcap=0.0, causal=True, kv_dtype="float8_e4m3fn",
+    ).config_space("direct") if c.producer_gather]
+
+
+@pytest.mark.parametrize("page_size, config", [
+    (page, config) for page in (16, 64, None) for config in fp8_producer_configs(page)],
+    ids=str)
+def test_fp8_chunked_prefill_widened_by_the_producer(page_size, config):
+    """`producer_gather` over an fp8 cache: the producer warpgroup loads and widens the
+    K/V tiles (pages of 16 and 64, contiguous), the consumers attend as over fp16; per-head
+    scales, outputs NaN-poisoned first."""
+    k8, v8, seqlens, table, k_scale, v_scale, k_ref, v_ref = fp8_cache(
+        KEYS, 2, 128, page_size, True)
+    cu = torch.tensor([0, *itertools.accumulate(CHUNKS)], dtype=torch.int32, device="cuda")
+    q = randn(sum(CHUNKS), 8, 128, dtype=torch.bfloat16)
+    op = ChunkedPrefillAttentionFp8FwdOp(max_seqlen_q=max(CHUNKS))
+    inputs = (q, k8, v8, cu, seqlens, table, k_scale, v_scale)
+    op.pin_config(config, *inputs)
+    poison_free_blocks(q.numel() * 2, q.shape[0] * 8 * 4, 1 << 22)
+    o, _ = op(*inputs)
+    check_fp8_chunks(o, q, cu, seqlens, table, k_ref, v_ref)
 
 
 @pytest.mark.parametrize("page_size", [16, None])

@@ -715,26 +715,33 @@ def test_long_chunk_programs_compile_without_spills(page_size, tmp_path):
 
 @pytest.mark.compile
 @pytest.mark.full
-@pytest.mark.parametrize("page_size, block_n, stages", [(16, 128, 2), (32, 64, 3)])
+@pytest.mark.parametrize("page_size, block_n, stages, kv_dtype", [
+    (16, 128, 2, None), (32, 64, 3, None), (16, 128, 2, "float8_e4m3fn"),
+    (0, 128, 2, "float8_e4m3fn")])
 def test_producer_gather_program_compiles_without_spills(page_size, block_n, stages,
-                                                         tmp_path):
-    """`producer_gather`: a producer warpgroup (384 threads in all) gathers the pages by
-    cp.async, each stage announced on one barrier per tensor (cp.async.mbarrier.arrive),
-    the tile's page ids loaded once for K and V; the consumers wait on those barriers and
-    run wgmma; no TMA, nothing spilled or serialized."""
+                                                         kv_dtype, tmp_path):
+    """`producer_gather`: a producer warpgroup (384 threads in all) fills the K/V stages;
+    over 16-bit pages by cp.async, each stage announced on one barrier per tensor
+    (cp.async.mbarrier.arrive), the tile's page ids loaded once for K and V; over an fp8
+    cache (paged or contiguous) by loads it widens to fp16 itself, fenced for the wgmmas
+    before it arrives. The consumers wait on those barriers and run wgmma; no TMA, nothing
+    spilled or serialized."""
+    extra = {"kv_dtype": kv_dtype} if kv_dtype else {}
     kernel = ChunkedPrefillKernel(dtype="bfloat16", heads=64, kv_heads=8, head_dim=128,
                                   q_len=0, page_size=page_size, window_left=-1, softcap=0.0,
-                                  causal=True)
+                                  causal=True, **extra)
     config = DecodeConfig(block_n, stages, producer_gather=True, block_m=2 * ROWS)
     assert config in kernel.config_space("direct")
     compiled = kernel.compile(config, "direct")[0]
     source = compiled.get_kernel_source()
     assert "__launch_bounds__(384" in source and "tma_load" not in source
-    assert source.count("mbarrier_cp_async_arrive_noinc") == 2  # K and V of a stage
-    # one load a page, in the unrolled loop over the tile's pages, for K and V alike
-    assert source.count("block_table[") == 1
-    assert "cp_async_gs" in source and "wgmma" in source
-    assert "warpgroup_reg_dealloc" in source and "warpgroup_reg_alloc" in source
+    assert "wgmma" in source and "warpgroup_reg_dealloc<72>" in source
+    if kv_dtype:
+        assert "cp_async" not in source and "fp8_e4_8_t" in source  # 8-byte loads
+    else:
+        assert source.count("mbarrier_cp_async_arrive_noinc") == 2  # K and V of a stage
+        # one load a page, in the unrolled loop over the tile's pages, for K and V alike
+        assert source.count("block_table[") == 1 and "cp_async_gs" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 

@@ -51,10 +51,15 @@ SCHEDULE_THREADS = 512
 # An fp8 cache's kernel runs fp16 (see decode_program): q enters it divided by this power of
 # two, exact down to fp16's subnormals (|q| < 2^-10, negligible terms of a score)
 FP8_Q_DIVISOR = 16.0
-# setmaxnreg budgets of a producer_gather CTA (128 + 256 threads: 128 x 56 + 256 x 224
-# fits the SM's 64K registers): the gathering producer addresses a tile's pages itself
-GATHER_PRODUCER_REGISTERS = 56
-GATHER_CONSUMER_REGISTERS = 224
+# setmaxnreg budgets of a producer_gather CTA of 128 rows (a producer warpgroup, two
+# consumer warpgroups). Together they must fit in what the launch gave the CTA, 168
+# registers a thread for 384 threads: an increase past it waits forever. The producer
+# addresses the pages and, for fp8, widens (56 spilled there); the consumers spilled at 208.
+GATHER_PRODUCER_REGISTERS = 72
+GATHER_CONSUMER_REGISTERS = 216
+_GATHER_THREADS = PRODUCER_THREADS + 4 * ROWS
+assert (PRODUCER_THREADS * GATHER_PRODUCER_REGISTERS + 4 * ROWS * GATHER_CONSUMER_REGISTERS
+        <= 65536 // _GATHER_THREADS // 8 * 8 * _GATHER_THREADS)
 SIZE_CLASSES = 4  # split sizes the schedule orders its slots by (see schedule_program)
 
 
@@ -89,7 +94,7 @@ class DecodeConfig:
         rows = self.block_m if rows is None else rows
         # key-major: P, and S^T in fp32 on its way to the softmax's row-major fragment
         p_tile = self.block_n * rows * (elem_bytes + 4) if self.key_major else 0
-        if fp8:
+        if fp8 and not self.producer_gather:  # (producer_gather stages are widened)
             widened = self.block_n if self.key_major else 2 * self.block_n
             return (rows + widened) * head_dim * elem_bytes + \
                 2 * self.stages * self.block_n * head_dim + p_tile
@@ -255,8 +260,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
 
     chunks = 1 if not paged or page_size >= block_n else block_n // page_size
     producer_gather = config.producer_gather
-    assert not producer_gather or (chunks > 1 and not fp8 and not key_major
-                                   and not planned), "producer_gather: 16-bit pages < a tile"
+    # (16-bit caches: pages shorter than a tile, whose TMA tiles take a copy a page; an fp8
+    # cache widens in the producer at any page size, or contiguous)
+    assert not producer_gather or ((chunks > 1 or fp8) and not key_major and not planned), \
+        "producer_gather: packed queries over 16-bit pages shorter than a tile, or fp8"
     launch_threads = threads + PRODUCER_THREADS if producer_gather else threads
     hoist_pages = config.hoist_pages and chunks > 1 and not config.gather
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
@@ -476,12 +483,42 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         step.finish(st, scale)
 
     # -- producer_gather: the key loop split between a producer and the consumers --------
+    def tile_pages(table, b, tile, c):
+        """Page c of key tile `tile` (its only page when pages are at least a tile; the
+        request itself for a contiguous cache), clamped into the pool: entries past a
+        request's pages may be anything, and their keys are masked."""
+        if not paged:
+            return b
+        index = tile * chunks + c if chunks > 1 else tile * block_n // page_size
+        return T.max(T.min(table[b, T.min(index, max_pages - 1)], outer - 1), 0)
+
+    def stage_source(cache, pages, tile, h, c):
+        """Piece c of key tile `tile` in the cache: page c when pages are shorter than a
+        tile, else the tile's rows of its one page (or of the request's contiguous rows)."""
+        everything = slice(0, head_dim)
+        if chunks > 1:
+            return cache_rows(cache, pages[c], 0, page_size, h, everything)
+        start = tile * block_n % page_size if paged else tile * block_n
+        return cache_rows(cache, pages[0], start, start + block_n, h, everything)
+
     @T.macro
-    def gather_stage(cache, pages, h, buffers, s):
-        """A key tile's pages into stage s of `buffers` by cp.async, page by page."""
-        for c in T.unroll(chunks):
-            T.async_copy(cache_rows(cache, pages[c], 0, page_size, h, slice(0, head_dim)),
-                         buffers[s, c * page_size:(c + 1) * page_size, :])
+    def gather_stage(cache, pages, tile, h, buffers, full, s):
+        """A key tile into stage s of `buffers`, then this thread's arrival on full[s]: a
+        16-bit cache page by page by cp.async (the arrival once the copies land); an fp8
+        cache loaded and widened to the compute dtype by the producer's threads (the
+        consumers then run as on a 16-bit cache)."""
+        piece = block_n // chunks
+        if fp8:
+            for c in T.unroll(chunks):
+                T.copy(stage_source(cache, pages, tile, h, c),
+                       buffers[s, c * piece:(c + 1) * piece, :])
+            T.fence_proxy_async()  # generic-proxy stores, read by the async proxy's wgmmas
+            T.mbarrier_arrive(full[s])
+        else:
+            for c in T.unroll(chunks):
+                T.async_copy(stage_source(cache, pages, tile, h, c),
+                             buffers[s, c * piece:(c + 1) * piece, :])
+            T.cp_async_barrier_noinc(full[s])
 
     @T.macro
     def produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q, row0,
@@ -497,23 +534,20 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             s = t % stages
             tile = T.min(begin + t, T.max(first + n_tiles - 1, 0))
             # the tile's page ids in registers, for K and V, loaded ahead of the wait
-            # (clamped into the pool: entries past a request's pages may be anything, and
-            # their keys are masked)
             for c in T.unroll(chunks):
-                pages[c] = T.max(T.min(page_of(block_table, b, tile, c), outer - 1), 0)
+                pages[c] = tile_pages(block_table, b, tile, c)
             # a fresh barrier passes a wait for the parity before its first phase
             T.mbarrier_wait_parity(empty[s], ((t // stages) % 2) ^ 1)
-            gather_stage(k, pages, h, k_stages, s)
-            T.cp_async_barrier_noinc(full_k[s])
-            gather_stage(v, pages, h, v_stages, s)
-            T.cp_async_barrier_noinc(full_v[s])
+            gather_stage(k, pages, tile, h, k_stages, full_k, s)
+            gather_stage(v, pages, tile, h, v_stages, full_v, s)
 
     @T.macro
-    def consume(q, cache_seqlens, tiles, bars, st, b, h, q_start, n_q, row0, split_index,
-                n_split, scale):
+    def consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, q_start, n_q, row0,
+                split_index, n_split, scale):
         """The consumer warpgroups: attend's key loop over the producer's stages."""
         q_shared, k_stages, v_stages = tiles[0], tiles[1], tiles[2]
         full_k, full_v, empty = bars
+        scale = softmax_scale(scale, k_scale, h)
         load_q(q, q_shared, b, h, q_start, n_q, row0)
         seqlen = cache_seqlens[b]
         _, _, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
@@ -522,7 +556,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             s = t % stages
             T.mbarrier_wait_parity(full_k[s], (t // stages) % 2)
             # cp.async wrote the stage through the generic proxy; the wgmma reads it
-            # through the async proxy
+            # through the async proxy (the producer's own stores fence before arriving)
             T.fence_proxy_async()
             scores(st, q_shared, k_stages[s, :, :], (begin + t) * block_n, seqlen, n_q,
                    row0, t < mine, scale)
@@ -652,8 +686,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                                 row0, sx, n_splits)
                     else:
                         T.set_max_nreg(GATHER_CONSUMER_REGISTERS, 1)
-                        consume(q, cache_seqlens, tiles, bars, st, b, h, q_start, n_q, row0,
-                                sx, n_splits, scale)
+                        consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, q_start,
+                                n_q, row0, sx, n_splits, scale)
                         store_split(o_part, lse_part, st, b, h, q_start, n_q, row0, sx,
                                     v_scale)
                 else:
@@ -692,8 +726,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                             sx, 1)
                 else:
                     T.set_max_nreg(GATHER_CONSUMER_REGISTERS, 1)
-                    consume(q, cache_seqlens, tiles, bars, st, b, h, q_start, n_q, row0, sx,
-                            1, scale)
+                    consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, q_start, n_q,
+                            row0, sx, 1, scale)
                     store_direct(o, lse, st, b, h, q_start, n_q, row0, v_scale)
             else:
                 attend(q, k, v, block_table, cache_seqlens, tiles, k_scale, st, b,
@@ -1059,8 +1093,10 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
         if 0 < page < 64 and "kv_dtype" not in self.key:
             space += [DecodeConfig(block_n, 1, gather=True, block_m=2 * ROWS)
                       for block_n in (64, 128)]
-            space += [DecodeConfig(block_n, stages, producer_gather=True, block_m=2 * ROWS)
-                      for block_n in (64, 128) for stages in (2, 3) if page < block_n]
+        # the producer's gather (16-bit pages shorter than a tile) or widening (fp8)
+        space += [DecodeConfig(block_n, stages, producer_gather=True, block_m=2 * ROWS)
+                  for block_n in (64, 128) for stages in (2, 3)
+                  if "kv_dtype" in self.key or 0 < page < min(block_n, 64)]
         return self.fitting(space)
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
