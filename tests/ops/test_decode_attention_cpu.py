@@ -29,6 +29,7 @@ from tileops.kernels.attention.decode import (
     PlannedDecodeKernel,
     block_tiles,
     choose_splits,
+    gather_registers,
     key_major_rows,
     key_visible,
     slot_count,
@@ -736,12 +737,36 @@ def test_producer_gather_program_compiles_without_spills(page_size, block_n, sta
     source = compiled.get_kernel_source()
     assert "__launch_bounds__(384" in source and "tma_load" not in source
     assert "wgmma" in source and "warpgroup_reg_dealloc<72>" in source
+    assert "warpgroup_reg_alloc<216>" in source  # 128 x 72 + 256 x 216 = 384 x 168
     if kv_dtype:
         assert "cp_async" not in source and "fp8_e4_8_t" in source  # 8-byte loads
     else:
         assert source.count("mbarrier_cp_async_arrive_noinc") == 2  # K and V of a stage
         # one load a page, in the unrolled loop over the tile's pages, for K and V alike
         assert source.count("block_table[") == 1 and "cp_async_gs" in source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.full
+@pytest.mark.parametrize("page_size, stages, ctas_per_sm", [(16, 3, 2), (64, 2, 1)])
+def test_planned_fp8_decode_widened_by_a_producer_compiles(page_size, stages, ctas_per_sm,
+                                                           tmp_path):
+    """The planned decode over an fp8 cache with `producer_gather`: 128 consumer and 128
+    producer threads, the register split within the launch's (72 / 184 at two CTAs an SM),
+    nothing spilled or serialized."""
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                 q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
+                                 causal=True, kv_dtype="float8_e4m3fn")
+    config = DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm)
+    assert config in kernel.config_space("planned")
+    compiled = kernel.compile(config, "planned")[1]
+    source = compiled.get_kernel_source()
+    bound = "__launch_bounds__(256, 2)" if ctas_per_sm == 2 else "__launch_bounds__(256"
+    assert bound in source and "tma_load" not in source and "wgmma" in source
+    producer, consumer = gather_registers(128, ctas_per_sm)
+    assert f"warpgroup_reg_dealloc<{producer}>" in source
+    assert f"warpgroup_reg_alloc<{consumer}>" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 

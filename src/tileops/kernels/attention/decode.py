@@ -51,15 +51,9 @@ SCHEDULE_THREADS = 512
 # An fp8 cache's kernel runs fp16 (see decode_program): q enters it divided by this power of
 # two, exact down to fp16's subnormals (|q| < 2^-10, negligible terms of a score)
 FP8_Q_DIVISOR = 16.0
-# setmaxnreg budgets of a producer_gather CTA of 128 rows (a producer warpgroup, two
-# consumer warpgroups). Together they must fit in what the launch gave the CTA, 168
-# registers a thread for 384 threads: an increase past it waits forever. The producer
-# addresses the pages and, for fp8, widens (56 spilled there); the consumers spilled at 208.
+# The producer warpgroup of a producer_gather CTA keeps this many registers (setmaxnreg):
+# it addresses the pages and, for fp8, widens (56 spilled there).
 GATHER_PRODUCER_REGISTERS = 72
-GATHER_CONSUMER_REGISTERS = 216
-_GATHER_THREADS = PRODUCER_THREADS + 4 * ROWS
-assert (PRODUCER_THREADS * GATHER_PRODUCER_REGISTERS + 4 * ROWS * GATHER_CONSUMER_REGISTERS
-        <= 65536 // _GATHER_THREADS // 8 * 8 * _GATHER_THREADS)
 SIZE_CLASSES = 4  # split sizes the schedule orders its slots by (see schedule_program)
 
 
@@ -99,6 +93,17 @@ class DecodeConfig:
             return (rows + widened) * head_dim * elem_bytes + \
                 2 * self.stages * self.block_n * head_dim + p_tile
         return (rows + 2 * self.stages * self.block_n) * head_dim * elem_bytes + p_tile
+
+
+def gather_registers(consumers: int, ctas_per_sm: int) -> tuple[int, int]:
+    """setmaxnreg budgets (producer, consumer) of a producer_gather CTA with `consumers`
+    consumer threads: together within what the launch gave the CTA (an increase past it
+    waits forever). One CTA of 128 rows: 72 / 216 (the consumers spilled at 208); one of 64
+    rows: 72 / 240; two of 64 rows an SM: 72 / 184."""
+    threads = consumers + PRODUCER_THREADS
+    launch = min(255, 65536 // (ctas_per_sm * threads)) // 8 * 8
+    spare = launch * threads - PRODUCER_THREADS * GATHER_PRODUCER_REGISTERS
+    return GATHER_PRODUCER_REGISTERS, min(240, spare // consumers // 8 * 8)
 
 
 def key_major_rows(group: int, q_len: int, block_m: int) -> int:
@@ -262,9 +267,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     producer_gather = config.producer_gather
     # (16-bit caches: pages shorter than a tile, whose TMA tiles take a copy a page; an fp8
     # cache widens in the producer at any page size, or contiguous)
-    assert not producer_gather or ((chunks > 1 or fp8) and not key_major and not planned), \
-        "producer_gather: packed queries over 16-bit pages shorter than a tile, or fp8"
+    assert not producer_gather or ((chunks > 1 or fp8) and not key_major), \
+        "producer_gather: 16-bit pages shorter than a tile, or fp8"
     launch_threads = threads + PRODUCER_THREADS if producer_gather else threads
+    producer_registers, consumer_registers = gather_registers(threads, config.ctas_per_sm)
     hoist_pages = config.hoist_pages and chunks > 1 and not config.gather
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
     swizzle_cols = min(head_dim, SWIZZLE_COLS * 2 // T_BYTES[kv_dtype])
@@ -332,6 +338,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             load_piece(cache, pages, h, dst, 15)
 
     st_shape = (block_n, tile_rows) if key_major else (tile_rows, block_n)
+
+    @T.macro
+    def share_sm():
+        """The top of a program: several CTAs an SM need their launch bound (and for
+        TileLang's warp specialization its register split; producer_gather sets its own)."""
+        if producer_gather and config.ctas_per_sm > 1:
+            T.annotate_min_blocks_per_sm(config.ctas_per_sm)
+        else:
+            step.share_sm()
 
     @T.macro
     def scores(st, q_shared, k_shared, kv_start, seqlen, n_q, row0, live, scale):
@@ -594,6 +609,26 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 qb, qt = q_at(b, q_start, (row0 + i) // group)
                 lse_part[qb, qt, head_of(row0 + i, h), sx] = st.lse[i]
 
+    @T.macro
+    def store_planned(o, lse, o_part, lse_part, slot_table, st, b, h, row0, slot, v_scale):
+        """o and lse when the request has one split, else the slot's partials."""
+        if slot_table[slot, 3] == 1:
+            for i, d in T.Parallel(tile_rows, head_dim):
+                if row0 + i < q_len * group:
+                    o[b, (row0 + i) // group, head_of(row0 + i, h),
+                      d] = out(st, i, d, v_scale, h)
+            for i in T.Parallel(tile_rows):
+                if row0 + i < q_len * group:
+                    lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
+        else:
+            for i, d in T.Parallel(tile_rows, head_dim):
+                if row0 + i < q_len * group:
+                    o_part[slot, (row0 + i) // group, head_of(row0 + i, h),
+                           d] = out(st, i, d, v_scale, h)
+            for i in T.Parallel(tile_rows):
+                if row0 + i < q_len * group:
+                    lse_part[slot, (row0 + i) // group, head_of(row0 + i, h)] = st.lse[i]
+
     def request(cu_seqlens_q, b):
         """(first row in q, query tokens) of request b."""
         if packed:
@@ -617,8 +652,9 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                            o_part: T.Tensor((n_slots, tokens, heads, head_dim), "float"),
                            lse_part: T.Tensor((n_slots, tokens, heads), "float"),
                            row_blocks: T.int32, scale: T.float32):
-            with T.Kernel(kv_heads, row_blocks, n_slots, threads=threads) as (bx, by, bz):
-                step.share_sm()
+            with T.Kernel(kv_heads, row_blocks, n_slots,
+                          threads=launch_threads) as (bx, by, bz):
+                share_sm()
                 h = bx
                 row0 = by * block_m
                 tiles = alloc_tiles()
@@ -630,28 +666,26 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 # before the key loop: warp specialization gives the producer and the
                 # consumers separate copies of local state (see moe/grouped_gemm.py).
                 # slot_table[slot] = (request, first tile, tiles, splits of the request)
+                bars = alloc_barriers()
                 if slot_table[bz, 0] >= 0:
                     b = slot_table[bz, 0]
-                    attend(q, k, v, block_table, cache_seqlens, tiles, k_scale,
-                           st, b, h, b, q_len, row0, slot_table[bz, 1], slot_table[bz, 2],
-                           scale)
-                    if slot_table[bz, 3] == 1:
-                        for i, d in T.Parallel(tile_rows, head_dim):
-                            if row0 + i < q_len * group:
-                                o[b, (row0 + i) // group, head_of(row0 + i, h),
-                                  d] = out(st, i, d, v_scale, h)
-                        for i in T.Parallel(tile_rows):
-                            if row0 + i < q_len * group:
-                                lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
+                    if producer_gather:
+                        if T.get_thread_binding() >= threads:
+                            T.set_max_nreg(producer_registers, 0)
+                            produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, q_len,
+                                    row0, slot_table[bz, 1], slot_table[bz, 2])
+                        else:
+                            T.set_max_nreg(consumer_registers, 1)
+                            consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, b, q_len,
+                                    row0, slot_table[bz, 1], slot_table[bz, 2], scale)
+                            store_planned(o, lse, o_part, lse_part, slot_table, st, b, h, row0,
+                                          bz, v_scale)
                     else:
-                        for i, d in T.Parallel(tile_rows, head_dim):
-                            if row0 + i < q_len * group:
-                                o_part[bz, (row0 + i) // group, head_of(row0 + i, h),
-                                       d] = out(st, i, d, v_scale, h)
-                        for i in T.Parallel(tile_rows):
-                            if row0 + i < q_len * group:
-                                lse_part[bz, (row0 + i) // group,
-                                         head_of(row0 + i, h)] = st.lse[i]
+                        attend(q, k, v, block_table, cache_seqlens, tiles, k_scale,
+                               st, b, h, b, q_len, row0, slot_table[bz, 1], slot_table[bz, 2],
+                               scale)
+                        store_planned(o, lse, o_part, lse_part, slot_table, st, b, h, row0, bz,
+                                      v_scale)
 
         return decode_planned
 
@@ -669,7 +703,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                          row_blocks: T.int32, scale: T.float32):
             with T.Kernel(n_splits, row_blocks, batch * kv_heads,
                           threads=launch_threads) as (sx, by, bz):
-                step.share_sm()
+                share_sm()
                 b, h = bz // kv_heads, bz % kv_heads
                 row0 = by * block_m
                 q_start, n_q = request(cu_seqlens_q, b)
@@ -681,11 +715,11 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 bars = alloc_barriers()
                 if producer_gather:
                     if T.get_thread_binding() >= threads:
-                        T.set_max_nreg(GATHER_PRODUCER_REGISTERS, 0)
+                        T.set_max_nreg(producer_registers, 0)
                         produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q,
                                 row0, sx, n_splits)
                     else:
-                        T.set_max_nreg(GATHER_CONSUMER_REGISTERS, 1)
+                        T.set_max_nreg(consumer_registers, 1)
                         consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, q_start,
                                 n_q, row0, sx, n_splits, scale)
                         store_split(o_part, lse_part, st, b, h, q_start, n_q, row0, sx,
@@ -709,7 +743,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                       lse: T.Tensor((q_rows, heads, tokens), "float"),
                       row_blocks: T.int32, scale: T.float32):
         with T.Kernel(1, row_blocks, batch * kv_heads, threads=launch_threads) as (sx, by, bz):
-            step.share_sm()
+            share_sm()
             b, h = bz // kv_heads, bz % kv_heads
             row0 = by * block_m
             q_start, n_q = request(cu_seqlens_q, b)
@@ -721,11 +755,11 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             bars = alloc_barriers()
             if producer_gather:
                 if T.get_thread_binding() >= threads:
-                    T.set_max_nreg(GATHER_PRODUCER_REGISTERS, 0)
+                    T.set_max_nreg(producer_registers, 0)
                     produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q, row0,
                             sx, 1)
                 else:
-                    T.set_max_nreg(GATHER_CONSUMER_REGISTERS, 1)
+                    T.set_max_nreg(consumer_registers, 1)
                     consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, q_start, n_q,
                             row0, sx, 1, scale)
                     store_direct(o, lse, st, b, h, q_start, n_q, row0, v_scale)
@@ -1015,6 +1049,9 @@ class DecodeAttentionKernel(Kernel):
             space += [DecodeConfig(64, stages, ctas_per_sm=2, key_major=major)
                       for stages in (2, 3) for major in (False, True)]
             space.append(DecodeConfig(64, 2, ctas_per_sm=3, key_major=True))
+            # widened by a producer warpgroup: the consumers wait on no conversion
+            space += [DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas)
+                      for stages in (2, 3, 4) for ctas in (1, 2)]
         page = self.key["page_size"]
         # tiles of several pages again with the page ids hoisted (the default's choice)
         space += [dataclasses.replace(c, hoist_pages=True) for c in space
