@@ -555,6 +555,11 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             T.mbarrier_wait_parity(empty[s], ((t // stages) % 2) ^ 1)
             gather_stage(k, pages, tile, h, k_stages, full_k, s)
             gather_stage(v, pages, tile, h, v_stages, full_v, s)
+        # the tail: stay until the consumers have released every stage, so no producer
+        # thread leaves with its copies (and their arrivals) still in flight
+        for t in T.serial(stages):
+            step_index = T.max(mine, 1) + t
+            T.mbarrier_wait_parity(empty[step_index % stages], ((step_index // stages) % 2) ^ 1)
 
     @T.macro
     def consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, q_start, n_q, row0,
