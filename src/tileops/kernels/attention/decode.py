@@ -615,21 +615,22 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 lse_part[qb, qt, head_of(row0 + i, h), sx] = st.lse[i]
 
     @T.macro
+    def store_planned_o(dst, first, st, h, row0, v_scale):
+        for i, d in T.Parallel(tile_rows, head_dim):
+            if row0 + i < q_len * group:
+                dst[first, (row0 + i) // group, head_of(row0 + i, h),
+                    d] = out(st, i, d, v_scale, h)
+
+    @T.macro
     def store_planned(o, lse, o_part, lse_part, slot_table, st, b, h, row0, slot, v_scale):
         """o and lse when the request has one split, else the slot's partials."""
         if slot_table[slot, 3] == 1:
-            for i, d in T.Parallel(tile_rows, head_dim):
-                if row0 + i < q_len * group:
-                    o[b, (row0 + i) // group, head_of(row0 + i, h),
-                      d] = out(st, i, d, v_scale, h)
+            store_planned_o(o, b, st, h, row0, v_scale)
             for i in T.Parallel(tile_rows):
                 if row0 + i < q_len * group:
                     lse[b, head_of(row0 + i, h), (row0 + i) // group] = st.lse[i]
         else:
-            for i, d in T.Parallel(tile_rows, head_dim):
-                if row0 + i < q_len * group:
-                    o_part[slot, (row0 + i) // group, head_of(row0 + i, h),
-                           d] = out(st, i, d, v_scale, h)
+            store_planned_o(o_part, slot, st, h, row0, v_scale)
             for i in T.Parallel(tile_rows):
                 if row0 + i < q_len * group:
                     lse_part[slot, (row0 + i) // group, head_of(row0 + i, h)] = st.lse[i]
