@@ -1055,13 +1055,13 @@ class DecodeAttentionKernel(Kernel):
             space += [DecodeConfig(64, stages, ctas_per_sm=2, key_major=major)
                       for stages in (2, 3) for major in (False, True)]
             space.append(DecodeConfig(64, 2, ctas_per_sm=3, key_major=True))
-            # widened by a producer warpgroup: the consumers wait on no conversion
-            space += [DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas)
-                      for stages in (2, 3, 4) for ctas in (1, 2)]
         page = self.key["page_size"]
         # tiles of several pages again with the page ids hoisted (the default's choice)
         space += [dataclasses.replace(c, hoist_pages=True) for c in space
                   if 0 < page < c.block_n]
+        if "kv_dtype" in self.key:  # widened by a producer warpgroup (no hoisting to do)
+            space += [DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas)
+                      for stages in (2, 3, 4) for ctas in (1, 2)]
         if 0 < page < 64 and "kv_dtype" not in self.key:
             # gathered pages (the page-16 default); one stage: with more, TileLang 0.1.15's
             # software pipeline over the symbolic tile count fails in codegen
