@@ -388,7 +388,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         q_tile = T.alloc_shared((tile_rows, head_dim), compute)
         if producer_gather:  # K and V stages: the producer fills them, the wgmmas read
             return (q_tile, T.alloc_shared((stages, block_n, head_dim), compute),
-                    T.alloc_shared((stages, block_n, head_dim), compute), None, None, None)
+                    T.alloc_shared((stages, block_n, head_dim), compute), None, None,
+                    T.alloc_fragment((block_n, head_dim), kv_dtype) if fp8 else None)
         k_tile = T.alloc_shared((block_n, head_dim), compute)
         # key-major fp8: K and V widen in turn into one tile (each product waits for its
         # wgmma before the next widening), which lets three CTAs share an SM
@@ -517,30 +518,37 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         return cache_rows(cache, pages[0], start, start + block_n, h, everything)
 
     @T.macro
-    def gather_stage(cache, pages, tile, h, buffers, full, s):
-        """A key tile into stage s of `buffers`, then this thread's arrival on full[s]: a
-        16-bit cache page by page by cp.async (the arrival once the copies land); an fp8
-        cache loaded and widened to the compute dtype by the producer's threads (the
-        consumers then run as on a 16-bit cache)."""
+    def gather_stage(cache, pages, h, buffers, full, s):
+        """A 16-bit key tile into stage s of `buffers` page by page by cp.async, then this
+        thread's arrival on full[s] once its copies land."""
+        for c in T.unroll(chunks):
+            T.async_copy(stage_source(cache, pages, 0, h, c),
+                         buffers[s, c * page_size:(c + 1) * page_size, :])
+        T.cp_async_barrier_noinc(full[s])
+
+    @T.macro
+    def fetch_fp8(cache, pages, tile, h, held):
+        """An fp8 key tile into the producer's registers (every load of it in flight at
+        once; the caller issues the next one before it waits for a free stage)."""
         piece = block_n // chunks
-        if fp8:
-            for c in T.unroll(chunks):
-                T.copy(stage_source(cache, pages, tile, h, c),
-                       buffers[s, c * piece:(c + 1) * piece, :])
-            T.fence_proxy_async()  # generic-proxy stores, read by the async proxy's wgmmas
-            T.mbarrier_arrive(full[s])
-        else:
-            for c in T.unroll(chunks):
-                T.async_copy(stage_source(cache, pages, tile, h, c),
-                             buffers[s, c * piece:(c + 1) * piece, :])
-            T.cp_async_barrier_noinc(full[s])
+        for c in T.unroll(chunks):
+            T.copy(stage_source(cache, pages, tile, h, c), held[c * piece:(c + 1) * piece, :])
+
+    @T.macro
+    def widen_fp8(held, buffers, full, s):
+        """The fetched tile widened to the compute dtype into stage s, then this thread's
+        arrival on full[s], fenced: generic-proxy stores the wgmmas read by the async
+        proxy."""
+        T.copy(held, buffers[s, :, :])
+        T.fence_proxy_async()
+        T.mbarrier_arrive(full[s])
 
     @T.macro
     def produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q, row0,
                 split_index, n_split):
         """The producer warpgroup: each K and V tile of the split into the stage the
         consumers last released, announced on its full barrier once the copies land."""
-        k_stages, v_stages = tiles[1], tiles[2]
+        k_stages, v_stages, held = tiles[1], tiles[2], tiles[5]
         full_k, full_v, empty = bars
         seqlen = cache_seqlens[b]
         first, n_tiles, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
@@ -551,10 +559,17 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             # the tile's page ids in registers, for K and V, loaded ahead of the wait
             for c in T.unroll(chunks):
                 pages[c] = tile_pages(block_table, b, tile, c)
+            if fp8:  # K's loads in flight while the stage may still be in use
+                fetch_fp8(k, pages, tile, h, held)
             # a fresh barrier passes a wait for the parity before its first phase
             T.mbarrier_wait_parity(empty[s], ((t // stages) % 2) ^ 1)
-            gather_stage(k, pages, tile, h, k_stages, full_k, s)
-            gather_stage(v, pages, tile, h, v_stages, full_v, s)
+            if fp8:  # the producer widens: the consumers attend as over fp16
+                widen_fp8(held, k_stages, full_k, s)
+                fetch_fp8(v, pages, tile, h, held)
+                widen_fp8(held, v_stages, full_v, s)
+            else:
+                gather_stage(k, pages, h, k_stages, full_k, s)
+                gather_stage(v, pages, h, v_stages, full_v, s)
         # the tail: stay until the consumers have released every stage, so no producer
         # thread leaves with its copies (and their arrivals) still in flight
         for t in T.serial(stages):
