@@ -579,7 +579,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     @T.macro
     def consume(q, cache_seqlens, tiles, bars, k_scale, st, b, h, q_start, n_q, row0,
                 split_index, n_split, scale):
-        """The consumer warpgroups: attend's key loop over the producer's stages."""
+        """The consumer warpgroups: attend's key loop over the producer's stages. Each
+        program stores the result inside the same branch: behind a second `tx < threads`
+        test the state's registers cross the join with the producer's 72-register path,
+        and ptxas spilled them (12-152 bytes)."""
         q_shared, k_stages, v_stages = tiles[0], tiles[1], tiles[2]
         full_k, full_v, empty = bars
         scale = softmax_scale(scale, k_scale, h)
@@ -590,16 +593,17 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         for t in T.serial(T.max(mine, 1)):
             s = t % stages
             T.mbarrier_wait_parity(full_k[s], (t // stages) % 2)
-            # cp.async wrote the stage through the generic proxy; the wgmma reads it
-            # through the async proxy (the producer's own stores fence before arriving)
-            T.fence_proxy_async()
+            if not fp8:  # cp.async wrote the stage through the generic proxy, the wgmma
+                T.fence_proxy_async()  # reads it through the async one (fp8: the producer
+                # fenced its own stores before arriving)
             scores(st, q_shared, k_stages[s, :, :], (begin + t) * block_n, seqlen, n_q,
                    row0, t < mine, scale)
             step.online_softmax(st, scale)
             T.copy(st.s, st.p)
             step.rescale_output(st)
             T.mbarrier_wait_parity(full_v[s], (t // stages) % 2)
-            T.fence_proxy_async()
+            if not fp8:
+                T.fence_proxy_async()
             T.gemm(st.p, v_stages[s, :, :], st.o, policy=T.GemmWarpPolicy.FullRow)
             T.mbarrier_arrive(empty[s])  # (T.gemm has waited for its wgmmas)
         step.finish(st, scale)
