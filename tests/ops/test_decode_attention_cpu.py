@@ -691,54 +691,60 @@ def test_planned_program_uses_tma_and_wgmma_without_spills(q_len, heads, window_
 @pytest.mark.compile
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_long_chunk_programs_compile_without_spills(page_size, tmp_path):
-    """The 128-row chunked-prefill programs (Qwen3-32B heads): at page 64 TMA tiles from a
-    producer warpgroup and wgmma on two consumer warpgroups (384 threads); at page 16 the
-    cp.async gather of all 256 threads; nothing spilled or serialized either way."""
+    """The default 128-row chunked-prefill programs (Qwen3-32B heads), wgmma on two
+    consumer warpgroups after a producer warpgroup (384 threads): at page 64 its TMA tiles
+    (TileLang's warp specialization), at page 16 its own cp.async gather into 3 stages;
+    nothing spilled or serialized either way."""
     import tilelang
 
     kernel = ChunkedPrefillKernel(dtype="bfloat16", heads=64, kv_heads=8, head_dim=128,
                                   q_len=0, page_size=page_size, window_left=-1, softcap=0.0,
                                   causal=True)
     config = kernel.heuristic_config("direct", "sm_90a")
-    assert config.block_m == 2 * ROWS and config.gather == (page_size == 16)
+    assert config.block_m == 2 * ROWS and config.producer_gather == (page_size == 16)
     compiled = tilelang.compile(kernel.program(config, "direct"), target=kernel.target,
                                 pass_configs=kernel.pass_configs(config, 0))
     source = compiled.get_kernel_source()
-    assert "wgmma" in source
-    if config.gather:
+    assert "wgmma" in source and "__launch_bounds__(384" in source
+    if config.producer_gather:
+        assert config.stages == 3
         assert "cp_async" in source and "tma_load" not in source
-        assert "__launch_bounds__(256" in source
+        assert "mbarrier_cp_async_arrive_noinc" in source
     else:
         assert "tma_load" in source and "warpgroup_reg_alloc" in source
-        assert "__launch_bounds__(384" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
 @pytest.mark.compile
 @pytest.mark.full
-@pytest.mark.parametrize("page_size, block_n, stages, kv_dtype", [
-    (16, 128, 2, None), (32, 64, 3, None), (16, 64, 2, "float8_e4m3fn"),
-    (0, 128, 2, "float8_e4m3fn")])
+@pytest.mark.parametrize("page_size, block_n, stages, kv_dtype, tma", [
+    (16, 128, 2, None, False), (32, 64, 3, None, False), (16, 128, 3, None, True),
+    (16, 64, 2, "float8_e4m3fn", False), (0, 128, 2, "float8_e4m3fn", False)])
 def test_producer_gather_program_compiles_without_spills(page_size, block_n, stages,
-                                                         kv_dtype, tmp_path):
+                                                         kv_dtype, tma, tmp_path):
     """`producer_gather`: a producer warpgroup (384 threads in all) fills the K/V stages;
     over 16-bit pages by cp.async, each stage announced on one barrier per tensor
-    (cp.async.mbarrier.arrive), the tile's page ids loaded once for K and V; over an fp8
-    cache (paged or contiguous) by loads it widens to fp16 itself, fenced for the wgmmas
-    before it arrives. The consumers wait on those barriers and run wgmma; no TMA, nothing
-    spilled or serialized."""
+    (cp.async.mbarrier.arrive), the tile's page ids loaded once for K and V (or, with
+    `producer_tma`, by one thread's TMA copies a page and 64 columns, their bytes expected
+    on that barrier); over an fp8 cache (paged or contiguous) by loads it widens to fp16
+    itself, fenced for the wgmmas before it arrives. The consumers wait on those barriers
+    and run wgmma; nothing spilled or serialized."""
     extra = {"kv_dtype": kv_dtype} if kv_dtype else {}
     kernel = ChunkedPrefillKernel(dtype="bfloat16", heads=64, kv_heads=8, head_dim=128,
                                   q_len=0, page_size=page_size, window_left=-1, softcap=0.0,
                                   causal=True, **extra)
-    config = DecodeConfig(block_n, stages, producer_gather=True, block_m=2 * ROWS)
+    config = DecodeConfig(block_n, stages, producer_gather=True, producer_tma=tma,
+                          block_m=2 * ROWS)
     assert config in kernel.config_space("direct")
     compiled = kernel.compile(config, "direct")[0]
     source = compiled.get_kernel_source()
-    assert "__launch_bounds__(384" in source and "tma_load" not in source
+    assert "__launch_bounds__(384" in source and ("tma_load" in source) == tma
     assert "wgmma" in source and "warpgroup_reg_dealloc<72>" in source
     assert "warpgroup_reg_alloc<216>" in source  # 128 x 72 + 256 x 216 = 384 x 168
-    if kv_dtype:
+    if tma:  # 8 pages x 2 column halves for K and V, no cp.async, nothing to fence
+        assert source.count("tma_load(") == 2 and "cp_async" not in source
+        assert source.count("fence_proxy_async") == 1  # (the q tile's, before the loop)
+    elif kv_dtype:
         assert "cp_async" not in source and "fp8_e4_8_t" in source  # 8-byte loads
     else:
         assert source.count("mbarrier_cp_async_arrive_noinc") == 2  # K and V of a stage
@@ -1007,15 +1013,21 @@ def test_fp8_launch_arguments(planned, monkeypatch):
 @pytest.mark.parametrize("page_size, head_dim", [(64, 128), (16, 128), (0, 128), (32, 256),
                                                  (16, 64)])
 def test_fp8_programs_use_tma_and_wgmma(page_size, head_dim, tmp_path):
-    """fp8 tiles land by TMA (128-byte swizzle), the consumers widen them to fp16 for
-    wgmma, bf16 queries included (one conversion per two values; TileLang puts a
-    fence.proxy.async before each wgmma that reads them), two CTAs an SM where they fit."""
+    """The consumers' widening (head_dim 256's default; the space's elsewhere, where a
+    producer widens by default): fp8 tiles land by TMA (128-byte swizzle), the consumers
+    widen them to fp16 for wgmma, bf16 queries included (one conversion per two values;
+    TileLang puts a fence.proxy.async before each wgmma that reads them), two CTAs an SM
+    where they fit."""
     import tilelang
 
     kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                  q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
                                  causal=True, kv_dtype="float8_e4m3fn")
     config = kernel.heuristic_config("planned", "sm_90a")
+    assert config.producer_gather == (head_dim <= 128)
+    if config.producer_gather:
+        config = DecodeConfig(64, 3, hoist_pages=0 < page_size < 64, ctas_per_sm=2)
+        assert config in kernel.config_space("planned")
     compiled = tilelang.compile(kernel.program(config, "planned")[1], target=kernel.target)
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma" in source and "fence_proxy_async" in source

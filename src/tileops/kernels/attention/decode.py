@@ -70,6 +70,9 @@ class DecodeConfig:
     # hand-written around those barriers (`produce` / `consume` in decode_program): the
     # gather overlaps the wgmmas as TMA tiles do, at one barrier a stage, not one a page
     producer_gather: bool = False
+    # with producer_gather over 16-bit pages: each page by TMA (one thread issues a tile's
+    # copies, all counted on the stage's one barrier) instead of cp.async from 128 threads
+    producer_tma: bool = False
     # query rows per CTA, a consumer warpgroup per 64: 128 for long prefill chunks, whose
     # compute-bound key loop wants the dense forward's two warpgroups per K/V tile
     block_m: int = ROWS
@@ -270,6 +273,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     assert not producer_gather or ((chunks > 1 or fp8) and not key_major), \
         "producer_gather: 16-bit pages shorter than a tile, or fp8"
     launch_threads = threads + PRODUCER_THREADS if producer_gather else threads
+    by_cp_async = producer_gather and not fp8 and not config.producer_tma
     producer_registers, consumer_registers = gather_registers(threads, config.ctas_per_sm)
     hoist_pages = config.hoist_pages and chunks > 1 and not config.gather
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
@@ -519,12 +523,23 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
 
     @T.macro
     def gather_stage(cache, pages, h, buffers, full, s):
-        """A 16-bit key tile into stage s of `buffers` page by page by cp.async, then this
-        thread's arrival on full[s] once its copies land."""
+        """A 16-bit key tile into stage s of `buffers` page by page (cp.async, or TMA with
+        `producer_tma`), then this thread's arrival on full[s]: with cp.async once its
+        copies land, with TMA at once (the copies' bytes are what full[s] waits for)."""
         for c in T.unroll(chunks):
-            T.async_copy(stage_source(cache, pages, 0, h, c),
-                         buffers[s, c * page_size:(c + 1) * page_size, :])
-        T.cp_async_barrier_noinc(full[s])
+            if config.producer_tma:  # a copy per swizzle atom's columns (a box per atom)
+                for part in T.unroll(parts):
+                    cols = slice(part * swizzle_cols, (part + 1) * swizzle_cols)
+                    T.tma_copy(cache_rows(cache, pages[c], 0, page_size, h, cols),
+                               buffers[s, c * page_size:(c + 1) * page_size, cols],
+                               barrier=full[s])
+            else:
+                T.async_copy(stage_source(cache, pages, 0, h, c),
+                             buffers[s, c * page_size:(c + 1) * page_size, :])
+        if config.producer_tma:
+            T.mbarrier_arrive(full[s])
+        else:
+            T.cp_async_barrier_noinc(full[s])
 
     @T.macro
     def fetch_fp8(cache, pages, tile, h, held):
@@ -593,16 +608,16 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         for t in T.serial(T.max(mine, 1)):
             s = t % stages
             T.mbarrier_wait_parity(full_k[s], (t // stages) % 2)
-            if not fp8:  # cp.async wrote the stage through the generic proxy, the wgmma
-                T.fence_proxy_async()  # reads it through the async one (fp8: the producer
-                # fenced its own stores before arriving)
+            if by_cp_async:  # cp.async wrote the stage through the generic proxy, the
+                T.fence_proxy_async()  # wgmma reads it through the async one (fp8: the
+                # producer fenced its own stores before arriving; TMA writes the async one)
             scores(st, q_shared, k_stages[s, :, :], (begin + t) * block_n, seqlen, n_q,
                    row0, t < mine, scale)
             step.online_softmax(st, scale)
             T.copy(st.s, st.p)
             step.rescale_output(st)
             T.mbarrier_wait_parity(full_v[s], (t // stages) % 2)
-            if not fp8:
+            if by_cp_async:
                 T.fence_proxy_async()
             T.gemm(st.p, v_stages[s, :, :], st.o, policy=T.GemmWarpPolicy.FullRow)
             T.mbarrier_arrive(empty[s])  # (T.gemm has waited for its wgmmas)
@@ -1051,7 +1066,14 @@ class DecodeAttentionKernel(Kernel):
             return DecodeConfig(block_n=block_n if self.key["q_len"] > 0 else 64,
                                 stages=1, gather=True)
         if "kv_dtype" in self.key:
-            # fp8: the key loop is bound by its consumer warpgroup (widening, wgmmas,
+            # fp8: a producer warpgroup fetches and widens each tile, the consumers attend
+            # as over fp16 (H200, bf16 queries, head_dim 128; other head dims not measured,
+            # so not taken): 8B 64 x 4K page 16 271.2 -> 232.7 us, 8B 1 x 128K 133.6 ->
+            # 130.3, 70B 16 x 32K 472.9 -> 460.1 (1.11x, 1.07x, 1.09x the 16-bit cache)
+            config = DecodeConfig(block_n=64, stages=3, producer_gather=True, ctas_per_sm=2)
+            if self.key["head_dim"] <= 128 and self.fitting([config]):
+                return config
+            # Before it the key loop was bound by its consumer warpgroup (widening, wgmmas,
             # softmax), not HBM, so two CTAs an SM on 64-key tiles overlap two of them: 70B
             # 16 x 32K 590.3 -> 463.7 us, 8B 64 x 4K page 16 391.9 -> 269.8, 8B 1 x 128K
             # 172.3 -> 132.6 (1.05x, 0.94x, 1.03x the 16-bit cache; key-major 520.9,
@@ -1136,7 +1158,18 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
     def heuristic_config(self, bucket: str, arch: str) -> DecodeConfig:
         block_n = tile_keys(self.key["head_dim"])
         page = self.key["page_size"]
-        if 0 < page < 32 and "kv_dtype" not in self.key:
+        fp8 = "kv_dtype" in self.key
+        # A producer warpgroup gathering (16-bit pages) or widening (fp8) into 2-3 stages,
+        # H200, bf16 queries, head_dim 128 (other head dims: not measured, so not taken):
+        # 16-bit page 16, Qwen3-32B 4 x 2K chunks over 8K 6914 -> 3886 us (3 stages), the
+        # Llama-8B mixed step 879 -> 558; fp8 page 16 (Qwen3-32B) 7119 -> 4081 (2 stages),
+        # fp8 page 64 (8B, 512 tokens over 32K) 838 -> 591
+        if self.key["head_dim"] <= 128 and (fp8 or 0 < page < 32):
+            config = DecodeConfig(block_n=block_n, stages=2 if fp8 else 3,
+                                  producer_gather=True, block_m=2 * ROWS)
+            if self.fitting([config]):
+                return config
+        if 0 < page < 32 and not fp8:
             # H200, bf16, against the TMA tiles (32 copies and barriers per 128-key K/V
             # tile at page 16): Qwen3-32B 4 x 2K chunks over 8K 7073 -> 6875 us; the
             # Llama-8B mixed step (3 chunks, 8 decode tokens) 1308 -> 880 (64-row gathered
@@ -1159,6 +1192,9 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
         space += [DecodeConfig(block_n, stages, producer_gather=True, block_m=2 * ROWS)
                   for block_n in (64, 128) for stages in (2, 3)
                   if "kv_dtype" in self.key or 0 < page < min(block_n, 64)]
+        if 0 < page < 64 and "kv_dtype" not in self.key:  # the producer's pages by TMA
+            space += [DecodeConfig(128, stages, producer_gather=True, producer_tma=True,
+                                   block_m=2 * ROWS) for stages in (2, 3)]
         return self.fitting(space)
 
     def run(self, config: DecodeConfig, compiled: tuple, q, k, v, block_table, cache_seqlens,
