@@ -755,20 +755,23 @@ def test_producer_gather_program_compiles_without_spills(page_size, block_n, sta
 
 @pytest.mark.compile
 @pytest.mark.full
-@pytest.mark.parametrize("page_size, stages, ctas_per_sm", [(16, 3, 2), (64, 2, 1)])
+@pytest.mark.parametrize("page_size, stages, ctas_per_sm, key_major", [
+    (16, 3, 2, False), (64, 2, 1, False), (16, 2, 3, True)])
 def test_planned_fp8_decode_widened_by_a_producer_compiles(page_size, stages, ctas_per_sm,
-                                                           tmp_path):
+                                                           key_major, tmp_path):
     """The planned decode over an fp8 cache with `producer_gather`: 128 consumer and 128
-    producer threads, the register split within the launch's (72 / 184 at two CTAs an SM),
-    nothing spilled or serialized."""
+    producer threads, the register split within the launch's (72 / 184 at two CTAs an SM,
+    72 / 88 for key-major consumers at three), nothing spilled or serialized."""
     kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                  q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
                                  causal=True, kv_dtype="float8_e4m3fn")
-    config = DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm)
+    config = DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm,
+                          key_major=key_major)
     assert config in kernel.config_space("planned")
     compiled = kernel.compile(config, "planned")[1]
     source = compiled.get_kernel_source()
-    bound = "__launch_bounds__(256, 2)" if ctas_per_sm == 2 else "__launch_bounds__(256"
+    bound = f"__launch_bounds__(256, {ctas_per_sm})" if ctas_per_sm > 1 else \
+        "__launch_bounds__(256"
     assert bound in source and "tma_load" not in source and "wgmma" in source
     producer, consumer = gather_registers(128, ctas_per_sm)
     assert f"warpgroup_reg_dealloc<{producer}>" in source

@@ -270,8 +270,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     producer_gather = config.producer_gather
     # (16-bit caches: pages shorter than a tile, whose TMA tiles take a copy a page; an fp8
     # cache widens in the producer at any page size, or contiguous)
-    assert not producer_gather or ((chunks > 1 or fp8) and not key_major), \
-        "producer_gather: 16-bit pages shorter than a tile, or fp8"
+    assert not producer_gather or (chunks > 1 or fp8) and (fp8 or not key_major), \
+        "producer_gather: 16-bit pages shorter than a tile, or fp8 (key-major: fp8 only)"
     launch_threads = threads + PRODUCER_THREADS if producer_gather else threads
     by_cp_async = producer_gather and not fp8 and not config.producer_tma
     producer_registers, consumer_registers = gather_registers(threads, config.ctas_per_sm)
@@ -614,12 +614,16 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             scores(st, q_shared, k_stages[s, :, :], (begin + t) * block_n, seqlen, n_q,
                    row0, t < mine, scale)
             step.online_softmax(st, scale)
-            T.copy(st.s, st.p)
+            if not key_major:  # (the key-major softmax stores P itself)
+                T.copy(st.s, st.p)
             step.rescale_output(st)
             T.mbarrier_wait_parity(full_v[s], (t // stages) % 2)
             if by_cp_async:
                 T.fence_proxy_async()
-            T.gemm(st.p, v_stages[s, :, :], st.o, policy=T.GemmWarpPolicy.FullRow)
+            if key_major:
+                T.gemm(v_stages[s, :, :], st.p, st.o, transpose_A=True, transpose_B=True)
+            else:
+                T.gemm(st.p, v_stages[s, :, :], st.o, policy=T.GemmWarpPolicy.FullRow)
             T.mbarrier_arrive(empty[s])  # (T.gemm has waited for its wgmmas)
         step.finish(st, scale)
 
@@ -1103,6 +1107,10 @@ class DecodeAttentionKernel(Kernel):
         if "kv_dtype" in self.key:  # widened by a producer warpgroup (no hoisting to do)
             space += [DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas)
                       for stages in (2, 3, 4) for ctas in (1, 2)]
+            # key-major consumers: the group's rows padded to 16, not 64 (a quarter of the
+            # wgmma work at 4 query heads a KV head), now that they no longer widen
+            space += [DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas,
+                                   key_major=True) for stages in (2, 3) for ctas in (2, 3)]
         if 0 < page < 64 and "kv_dtype" not in self.key:
             # gathered pages (the page-16 default); one stage: with more, TileLang 0.1.15's
             # software pipeline over the symbolic tile count fails in codegen
