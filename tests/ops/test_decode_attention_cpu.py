@@ -755,18 +755,20 @@ def test_producer_gather_program_compiles_without_spills(page_size, block_n, sta
 
 @pytest.mark.compile
 @pytest.mark.full
-@pytest.mark.parametrize("page_size, stages, ctas_per_sm, key_major", [
-    (16, 3, 2, False), (64, 2, 1, False), (16, 2, 3, True)])
+@pytest.mark.parametrize("page_size, stages, ctas_per_sm, key_major, fetch_both", [
+    (16, 3, 2, False, False), (64, 2, 1, False, False), (16, 2, 3, True, False),
+    (64, 3, 2, False, True), (16, 2, 3, True, True)])
 def test_planned_fp8_decode_widened_by_a_producer_compiles(page_size, stages, ctas_per_sm,
-                                                           key_major, tmp_path):
+                                                           key_major, fetch_both, tmp_path):
     """The planned decode over an fp8 cache with `producer_gather`: 128 consumer and 128
     producer threads, the register split within the launch's (72 / 184 at two CTAs an SM,
-    72 / 88 for key-major consumers at three), nothing spilled or serialized."""
+    72 / 88 for key-major consumers at three), nothing spilled or serialized, with or
+    without V's tile fetched alongside K's."""
     kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
                                  q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
                                  causal=True, kv_dtype="float8_e4m3fn")
     config = DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm,
-                          key_major=key_major)
+                          key_major=key_major, fetch_both=fetch_both)
     assert config in kernel.config_space("planned")
     compiled = kernel.compile(config, "planned")[1]
     source = compiled.get_kernel_source()

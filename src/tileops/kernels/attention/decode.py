@@ -73,6 +73,9 @@ class DecodeConfig:
     # with producer_gather over 16-bit pages: each page by TMA (one thread issues a tile's
     # copies, all counted on the stage's one barrier) instead of cp.async from 128 threads
     producer_tma: bool = False
+    # with producer_gather over an fp8 cache: V's tile fetched with K's, both before the
+    # wait for a free stage (twice the loads in flight, two tiles in the producer's registers)
+    fetch_both: bool = False
     # query rows per CTA, a consumer warpgroup per 64: 128 for long prefill chunks, whose
     # compute-bound key loop wants the dense forward's two warpgroups per K/V tile
     block_m: int = ROWS
@@ -390,10 +393,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         register tile `held` it passes through from its own fp8 landing tiles to the
         widened K/V tiles the wgmmas read."""
         q_tile = T.alloc_shared((tile_rows, head_dim), compute)
-        if producer_gather:  # K and V stages: the producer fills them, the wgmmas read
+        if producer_gather:  # K and V stages: the producer fills them, the wgmmas read;
+            # fp8: the tiles it holds between fetching and widening (K's, then V's)
+            held = None
+            if fp8:
+                held_k = T.alloc_fragment((block_n, head_dim), kv_dtype)
+                held = (held_k, T.alloc_fragment((block_n, head_dim), kv_dtype)
+                        if config.fetch_both else held_k)
             return (q_tile, T.alloc_shared((stages, block_n, head_dim), compute),
-                    T.alloc_shared((stages, block_n, head_dim), compute), None, None,
-                    T.alloc_fragment((block_n, head_dim), kv_dtype) if fp8 else None)
+                    T.alloc_shared((stages, block_n, head_dim), compute), None, None, held)
         k_tile = T.alloc_shared((block_n, head_dim), compute)
         # key-major fp8: K and V widen in turn into one tile (each product waits for its
         # wgmma before the next widening), which lets three CTAs share an SM
@@ -563,7 +571,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
                 split_index, n_split):
         """The producer warpgroup: each K and V tile of the split into the stage the
         consumers last released, announced on its full barrier once the copies land."""
-        k_stages, v_stages, held = tiles[1], tiles[2], tiles[5]
+        k_stages, v_stages = tiles[1], tiles[2]
         full_k, full_v, empty = bars
         seqlen = cache_seqlens[b]
         first, n_tiles, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
@@ -574,14 +582,17 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             # the tile's page ids in registers, for K and V, loaded ahead of the wait
             for c in T.unroll(chunks):
                 pages[c] = tile_pages(block_table, b, tile, c)
-            if fp8:  # K's loads in flight while the stage may still be in use
-                fetch_fp8(k, pages, tile, h, held)
+            if fp8:  # K's loads (and V's) in flight while the stage may still be in use
+                fetch_fp8(k, pages, tile, h, tiles[5][0])
+                if config.fetch_both:
+                    fetch_fp8(v, pages, tile, h, tiles[5][1])
             # a fresh barrier passes a wait for the parity before its first phase
             T.mbarrier_wait_parity(empty[s], ((t // stages) % 2) ^ 1)
             if fp8:  # the producer widens: the consumers attend as over fp16
-                widen_fp8(held, k_stages, full_k, s)
-                fetch_fp8(v, pages, tile, h, held)
-                widen_fp8(held, v_stages, full_v, s)
+                widen_fp8(tiles[5][0], k_stages, full_k, s)
+                if not config.fetch_both:
+                    fetch_fp8(v, pages, tile, h, tiles[5][1])
+                widen_fp8(tiles[5][1], v_stages, full_v, s)
             else:
                 gather_stage(k, pages, h, k_stages, full_k, s)
                 gather_stage(v, pages, h, v_stages, full_v, s)
@@ -1111,6 +1122,9 @@ class DecodeAttentionKernel(Kernel):
             # wgmma work at 4 query heads a KV head), now that they no longer widen
             space += [DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas,
                                    key_major=True) for stages in (2, 3) for ctas in (2, 3)]
+            # V fetched with K: twice the bytes in flight a producer
+            space += [dataclasses.replace(c, fetch_both=True) for c in space
+                      if c.producer_gather]
         if 0 < page < 64 and "kv_dtype" not in self.key:
             # gathered pages (the page-16 default); one stage: with more, TileLang 0.1.15's
             # software pipeline over the symbolic tile count fails in codegen
