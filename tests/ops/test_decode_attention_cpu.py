@@ -1122,20 +1122,21 @@ def test_gathered_pages_use_cp_async_without_spills(block_n, tmp_path):
 def test_page_16_default_gathers_unless_fp8():
     """16-bit caches with 16-key pages gather their rows by default (128-key tiles for one
     query row, 64 for packed queries), sliding windows included; longer pages keep TMA
-    tiles, and fp8 caches 64-key TMA tiles with two CTAs an SM (one at head_dim 256, where
-    two do not fit in shared memory)."""
+    tiles, and fp8 caches a producer warpgroup's widening into 3 stages of 64-key tiles at
+    two CTAs an SM (head_dim 256, not measured with it: 64-key TMA tiles, one CTA an SM,
+    where two do not fit in shared memory)."""
     base = dict(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128, q_len=1, page_size=16,
                 window_left=-1, softcap=0.0, causal=True)
+    widened = DecodeConfig(64, 3, producer_gather=True, ctas_per_sm=2)
     for key, want in [
         ({}, DecodeConfig(128, 1, gather=True)),
         ({"q_len": 0}, DecodeConfig(64, 1, gather=True)),
         ({"window_left": 4095}, DecodeConfig(128, 1, gather=True)),
         ({"window_left": 0, "q_len": 0}, DecodeConfig(64, 1, gather=True)),
-        ({"kv_dtype": "float8_e4m3fn"}, DecodeConfig(64, 3, hoist_pages=True, ctas_per_sm=2)),
-        ({"kv_dtype": "float8_e4m3fn", "q_len": 0},
-         DecodeConfig(64, 3, hoist_pages=True, ctas_per_sm=2)),
+        ({"kv_dtype": "float8_e4m3fn"}, widened),
+        ({"kv_dtype": "float8_e4m3fn", "q_len": 0}, widened),
         ({"kv_dtype": "float8_e4m3fn", "head_dim": 256}, DecodeConfig(64, 2, hoist_pages=True)),
-        ({"kv_dtype": "float8_e4m3fn", "page_size": 0}, DecodeConfig(64, 3, ctas_per_sm=2)),
+        ({"kv_dtype": "float8_e4m3fn", "page_size": 0}, widened),
         ({"page_size": 64}, DecodeConfig(128, 2, hoist_pages=True)),
     ]:
         kernel = PlannedDecodeKernel(**{**base, **key})
