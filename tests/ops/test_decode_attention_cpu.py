@@ -1018,18 +1018,18 @@ def test_fp8_launch_arguments(planned, monkeypatch):
 @pytest.mark.parametrize("page_size, head_dim", [(64, 128), (16, 128), (0, 128), (32, 256),
                                                  (16, 64)])
 def test_fp8_programs_use_tma_and_wgmma(page_size, head_dim, tmp_path):
-    """The consumers' widening (head_dim 256's default; the space's elsewhere, where a
-    producer widens by default): fp8 tiles land by TMA (128-byte swizzle), the consumers
-    widen them to fp16 for wgmma, bf16 queries included (one conversion per two values;
-    TileLang puts a fence.proxy.async before each wgmma that reads them), two CTAs an SM
-    where they fit."""
+    """The consumers' widening (the default where `producer_tested` is not, e.g. head_dim
+    64 and 256; in the space elsewhere, where a producer widens by default): fp8 tiles
+    land by TMA (128-byte swizzle), the consumers widen them to fp16 for wgmma, bf16
+    queries included (one conversion per two values; TileLang puts a fence.proxy.async
+    before each wgmma that reads them), two CTAs an SM where they fit."""
     import tilelang
 
     kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=head_dim,
                                  q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
                                  causal=True, kv_dtype="float8_e4m3fn")
     config = kernel.heuristic_config("planned", "sm_90a")
-    assert config.producer_gather == (head_dim <= 128)
+    assert config.producer_gather == (head_dim == 128)
     if config.producer_gather:
         config = DecodeConfig(64, 3, hoist_pages=0 < page_size < 64, ctas_per_sm=2)
         assert config in kernel.config_space("planned")
