@@ -1179,9 +1179,10 @@ class ChunkedPrefillKernel(DecodeAttentionKernel):
     more: then the key loop is compute-bound, so each CTA takes 128 (token, head) rows on
     two consumer warpgroups, as the dense forward does. K/V tiles arrive by TMA from a
     producer warpgroup (a copy per page and 64 columns, the page ids hoisted), except for
-    16-bit caches with pages under 32 keys, which gather by cp.async from all threads
-    (faster than 32 TMA copies a tile). `producer_gather` configs (in the space, not yet
-    measured) gather from a producer warpgroup instead, so the gather overlaps the wgmmas.
+    16-bit caches with pages under 32 keys and fp8 caches, whose default (where
+    `producer_tested`) is `producer_gather`: the hand-written producer gathers by cp.async
+    (or widens fp8) into 2-3 stages, overlapping the wgmmas; elsewhere pages under 32 keys
+    gather by cp.async from all threads (faster than 32 TMA copies a tile).
     Same key, buckets and program as DecodeAttentionKernel; the op passes row blocks of
     ROWS rows (`row_blocks`)."""
 
