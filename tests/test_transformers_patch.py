@@ -486,6 +486,29 @@ def test_bench_model_configs_build_and_patch(name):
         assert report.unpatched == [] and len(report.patched["moe"]) == 2
 
 
+def test_bench_model_compile_only_records_the_training_and_decode_programs():
+    """`bench-model --compile-only`: the tileops variant's step on the meta device lists
+    every program the GPU run builds: the MoE layer's forward and backward, attention,
+    the fused loss, and the static-cache prefill and decode steps."""
+    from tileops.transformers import bench
+
+    plan = bench.recorded_programs(["qwen3-30b-a3b"], {"qwen3-30b-a3b": 8}, 1, 4096, (8,),
+                                   512, 64, train=True, generate=True)
+    ops = {i.op_name for i in plan}
+    assert {"RMSNormFwdOp", "RMSNormBwdOp", "RotaryFwdOp", "RotaryBwdOp",
+            "GroupedQueryAttentionFwdOp", "GroupedQueryAttentionBwdOp", "MoePermuteFwdOp",
+            "GroupedGemmFwdOp", "GroupedGemmBwdOp", "MoeUnpermuteFwdOp",
+            "FusedLinearCrossEntropyFwdOp", "DecodeAttentionFwdOp"} <= ops
+    programs = {(type(i.kernel), tuple(sorted(i.kernel.key.items())), i.bucket, i.config)
+                for i in plan}
+    assert len(programs) == len(plan)  # each program once, however many layers call it
+    only_decode = bench.recorded_programs(["llama-3.1-8b"], {}, 1, 4096, (8,), 512, 64,
+                                          train=False, generate=True)
+    assert "DecodeAttentionFwdOp" in {i.op_name for i in only_decode}
+    assert not {"RMSNormBwdOp", "FusedLinearCrossEntropyFwdOp"} & {
+        i.op_name for i in only_decode}
+
+
 def test_bench_model_report(tmp_path):
     from tileops.transformers import bench
 

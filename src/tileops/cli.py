@@ -177,6 +177,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds per (model, variant) subprocess")
     p.add_argument("--out", default="bench-results", metavar="DIR",
                    help="report folder (default: %(default)s)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="build the TileOPs programs these cases run (their steps recorded on "
+                        "the meta device) into the kernel cache; needs nvcc, no GPU")
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                   help="with --compile-only: programs compiled in parallel (default: the "
+                        "CPU count)")
     p.set_defaults(handler=cmd_bench_model)
 
     p = sub.add_parser("report", help="compare a bench run with the history; flag regressions")
@@ -297,17 +303,23 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print("error: nvcc not found on PATH; `tileops compile` needs the CUDA toolkit "
               "(a GPU is not needed)", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    from .kernels.gemm import GemmKernel
     from .prebuild import build_plan
 
     _quiet_tilelang(args.verbose)
     plan = build_plan(args.op, args.tier, target={"kind": "cuda", "arch": args.arch})
-    print(f"compiling {len(plan)} programs for {args.arch} with {args.jobs} jobs")
+    return _compile_plan(plan, args.arch, args.jobs)
+
+
+def _compile_plan(plan: list[Any], arch: str, jobs: int) -> int:
+    """Compiles prebuild.BuildItems on `jobs` threads, a line each; the exit code."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from .kernels.gemm import GemmKernel
+
+    print(f"compiling {len(plan)} programs for {arch} with {jobs} jobs")
     start = time.perf_counter()
     failed = warnings = 0
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {pool.submit(_compile_one, item): item for item in plan}
         for future in as_completed(futures):
             item = futures[future]
@@ -610,6 +622,16 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
         print("error: `tileops bench-model` needs transformers (pip install 'tileops[hf]')",
               file=sys.stderr)
         return EXIT_UNAVAILABLE
+    if args.compile_only:
+        if shutil.which("nvcc") is None:
+            print("error: `tileops bench-model --compile-only` needs nvcc (not a GPU)",
+                  file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        plan = bench.recorded_programs(args.model, layers, args.batch, args.seq,
+                                       tuple(args.gen_batch), args.prompt, args.new_tokens,
+                                       not args.no_train, not args.no_generate)
+        _quiet_tilelang(False)  # (after the import of TileLang that sets its level)
+        return _compile_plan(plan, "sm_90a", args.jobs)
     import torch
 
     if not torch.cuda.is_available():

@@ -2,17 +2,22 @@
 
 Both walk manifest workloads through each op's `kernels_for`, so they build exactly the
 programs a call with those shapes would run. No GPU is needed for an explicit target.
+`recording()` does the same for whatever a program calls on meta tensors (a model's
+training step, say: `tileops bench-model --compile-only`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .errors import TileOpsValueError
 from .kernels.base import SM90A, Kernel
@@ -51,13 +56,56 @@ def build_plan(op_names: Iterable[str] | None = None, tier: str | None = None,
                 op = cls(**spec.workload_params(workload))
                 tensors = spec.workload_tensors(workload, dtype)
                 ns = op.check([tensors[n] for n in spec.input_names])
-                for dispatch_key, key, size in op.kernels_for(ns):
-                    kernel = op.kernel_map[dispatch_key](target=target, gpu=gpu, **key)
-                    bucket = kernel.bucket_of(size)
-                    config = kernel.config_for(bucket)
-                    dedupe = (type(kernel), tuple(sorted(key.items())), bucket, config)
-                    items.setdefault(dedupe, BuildItem(name, workload["label"], dtype, kernel,
-                                                       bucket, config))
+                _add_items(items, op, ns, workload["label"], dtype, target, gpu)
+    return list(items.values())
+
+
+def _add_items(items: dict[tuple, BuildItem], op: Any, ns: Any, label: str, dtype: str,
+               target: dict[str, str], gpu: str | None) -> None:
+    """The (kernel, bucket, config) programs a call of `op` with namespace `ns` runs, added
+    to `items` unless there already."""
+    for dispatch_key, key, size in op.kernels_for(ns):
+        kernel = op.kernel_map[dispatch_key](target=target, gpu=gpu, **key)
+        bucket = kernel.bucket_of(size)
+        config = kernel.config_for(bucket)
+        dedupe = (type(kernel), tuple(sorted(key.items())), bucket, config)
+        items.setdefault(dedupe, BuildItem(op.spec.op_name, label, dtype, kernel, bucket,
+                                           config))
+
+
+# -- recording the calls of a program ---------------------------------------------------------
+# Ops called on meta tensors are validated and return meta outputs (ops/base.py). Inside
+# `recording()` each such call is also noted, so running a model's step on the meta device
+# (no GPU, no memory) lists exactly the programs the same step on a GPU would build.
+_recorders: list[list[tuple[Any, Any]]] = []
+
+
+def note_meta_call(op: Any, ns: Any) -> None:
+    """Called by Op.validate for every meta call: noted by the innermost `recording()`."""
+    if _recorders:
+        _recorders[-1].append((op, ns))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[Any, Any]]]:
+    """Notes every op called on meta tensors inside: yields the (op, namespace) list that
+    `recorded_plan` turns into programs."""
+    calls: list[tuple[Any, Any]] = []
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
+
+
+def recorded_plan(calls: Iterable[tuple[Any, Any]], label: str = "recorded",
+                  target: dict[str, str] = SM90A, gpu: str | None = "h200") -> list[BuildItem]:
+    """Every distinct (kernel, bucket, config) the recorded calls would build."""
+    items: dict[tuple, BuildItem] = {}
+    for op, ns in calls:
+        dtype = next((str(t.dtype).removeprefix("torch.") for t in ns.values()
+                      if isinstance(t, torch.Tensor)), "")
+        _add_items(items, op, ns, label, dtype, target, gpu)
     return list(items.values())
 
 

@@ -27,6 +27,7 @@ from ..errors import TileOpsTypeError, TileOpsValueError, op_error
 from ..kernels.base import Kernel, gpu_slug, target_for_device
 from ..manifest import get_spec
 from ..manifest.spec import CompiledSpec
+from ..prebuild import note_meta_call
 
 LIBRARY = "tileops"
 _SCHEMA_TYPES = {"bool": "bool", "int": "int", "float": "float", "str": "str",
@@ -267,6 +268,7 @@ class Op:
 
     def _meta_outputs(self, ns: Mapping[str, Any], device: torch.device) -> Any:
         """What `forward` returns, as empty tensors on `device` (meta or fake)."""
+        note_meta_call(self, ns)  # inside prebuild.recording(): what a real call builds
         outs = self.empty_outputs(ns, device)
         return outs[0] if len(outs) == 1 else tuple(outs)
 

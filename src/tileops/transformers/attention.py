@@ -51,13 +51,15 @@ _VALID = "_tileops_valid"  # on a mask tensor (eager only): the [B, S] padding m
 
 
 def served(*tensors: torch.Tensor | None) -> bool:
-    """Whether TileOPs' kernels take these tensors: CUDA, fp16 or bf16, one dtype. Every
-    patched forward runs the original PyTorch code otherwise (CPU, fp32, mixed dtypes)."""
+    """Whether TileOPs' kernels take these tensors: CUDA (or meta: the ops' shape checks, as
+    in a `prebuild.recording()` run), fp16 or bf16, one dtype. Every patched forward runs
+    the original PyTorch code otherwise (CPU, fp32, mixed dtypes)."""
     dtype = None
     for t in tensors:
         if t is None:
             continue
-        if not t.is_cuda or t.dtype not in KERNEL_DTYPES or dtype not in (None, t.dtype):
+        if (not (t.is_cuda or t.is_meta) or t.dtype not in KERNEL_DTYPES
+                or dtype not in (None, t.dtype)):
             return False
         dtype = t.dtype
     return True

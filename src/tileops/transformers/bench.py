@@ -15,6 +15,10 @@ automatic compile of the static-cache decode step, CUDA graphs included), `liger
 (tileops.transformers.apply) and `tileops-compile` (both). Weights are random: the numbers
 measure speed, not quality. Writes bench-model.md, bench-model.json and, with matplotlib,
 bench-model.png under --out.
+
+`recorded_programs` (`tileops bench-model --compile-only`) runs the tileops variant's
+training step and a prefill + decode step on the meta device inside `prebuild.recording()`:
+the TileOPs programs those steps build on a GPU, listed (and compiled) without one.
 """
 
 from __future__ import annotations
@@ -192,6 +196,51 @@ def run_case(case: Case) -> dict[str, Any]:
                           "decode_tokens_per_s": batch * (case.new_tokens - 1) / (tn - t1)}
         result["generate"] = gen
     return result
+
+
+def recorded_programs(models: list[str], layers: dict[str, int], batch: int, seq: int,
+                      gen_batches: tuple[int, ...], prompt: int, new_tokens: int, train: bool,
+                      generate: bool) -> list[Any]:
+    """The programs (prebuild.BuildItem) the tileops variants build for these cases: their
+    training step and, per decode batch, a static-cache prefill and decode step, run on the
+    meta device while recording (shapes only: no GPU, no memory, no kernel)."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+    import transformers
+    from transformers import masking_utils
+
+    from ..prebuild import recorded_plan, recording
+    from . import apply
+    from .static_cache import cache_kwarg
+
+    calls: list[Any] = []
+    # a meta tensor has no values to test for packed sequences (one fresh batch is not)
+    unpacked = mock.patch.object(masking_utils, "find_packed_sequence_indices",
+                                 lambda *a, **k: None)
+    for name in models:
+        model = make_model(name, min(layers.get(name) or 2, 2), device="meta")
+        apply(model, verbose=False)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(unpacked)
+            recorded = stack.enter_context(recording())
+            if train:
+                ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+                model.train()
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            model.eval()
+            stack.enter_context(torch.no_grad())
+            for b in gen_batches if generate else ():
+                cache = transformers.StaticCache(config=model.config,
+                                                 max_cache_len=prompt + new_tokens)
+                kw = {cache_kwarg(model.model): cache, "use_cache": True}
+                for start, count in ((0, prompt), (prompt, 1)):
+                    ids = torch.zeros(b, count, dtype=torch.long, device="meta")
+                    model(input_ids=ids, cache_position=torch.arange(
+                        start, start + count, device="meta"), **kw)
+        calls += recorded
+    return recorded_plan(calls, label="bench-model")
 
 
 def run(models: list[str], variants: list[str], layers: dict[str, int], batch: int, seq: int,
