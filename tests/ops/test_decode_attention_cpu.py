@@ -783,6 +783,32 @@ def test_planned_fp8_decode_widened_by_a_producer_compiles(page_size, stages, ct
 
 @pytest.mark.compile
 @pytest.mark.full
+@pytest.mark.parametrize("page_size", [16, 64, 0])
+@pytest.mark.parametrize("key_major, land, stages, ctas_per_sm", [
+    (True, 4, 2, 1), (True, 3, 1, 2), (True, 2, 2, 2), (True, 4, 1, 2), (False, 3, 2, 1),
+    (False, 2, 2, 2)])
+def test_fp8_landing_ring_compiles(page_size, key_major, land, stages, ctas_per_sm, tmp_path):
+    """`land_stages`: the producer's fp8 tiles land by TMA (an elected thread, a page and
+    K / V a copy, the bytes expected on the slot's barrier) land - 1 tiles ahead of the
+    widening, slots released on a second barrier; nothing spilled or serialized."""
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                 q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
+                                 causal=True, kv_dtype="float8_e4m3fn")
+    config = DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm,
+                          key_major=key_major, land_stages=land)
+    assert config in kernel.config_space("planned")
+    compiled = kernel.compile(config, "planned")[1]
+    source = compiled.get_kernel_source()
+    assert source.count("tma_load(") == 4  # K and V, in the prologue and in the loop
+    assert "expect_transaction" in source and "wgmma" in source
+    producer, consumer = gather_registers(128, ctas_per_sm)
+    assert f"warpgroup_reg_dealloc<{producer}>" in source
+    assert f"warpgroup_reg_alloc<{consumer}>" in source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.full
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
 def test_hoisted_page_ids_load_once_per_page_without_spills(kv_dtype, tmp_path):
     """`hoist_pages` at page 16: the producer loads each page id of a tile once (K and V

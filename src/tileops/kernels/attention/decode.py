@@ -76,6 +76,11 @@ class DecodeConfig:
     # with producer_gather over an fp8 cache: V's tile fetched with K's, both before the
     # wait for a free stage (twice the loads in flight, two tiles in the producer's registers)
     fetch_both: bool = False
+    # with producer_gather over an fp8 cache: the fp8 K/V tiles land by TMA in a ring of
+    # this many shared stages, issued land_stages - 1 tiles ahead of the widening (0: each
+    # tile fetched into the producer's registers just before it widens): the loads of later
+    # tiles stay in flight while the producer waits for a free stage and widens
+    land_stages: int = 0
     # query rows per CTA, a consumer warpgroup per 64: 128 for long prefill chunks, whose
     # compute-bound key loop wants the dense forward's two warpgroups per K/V tile
     block_m: int = ROWS
@@ -94,6 +99,7 @@ class DecodeConfig:
         rows = self.block_m if rows is None else rows
         # key-major: P, and S^T in fp32 on its way to the softmax's row-major fragment
         p_tile = self.block_n * rows * (elem_bytes + 4) if self.key_major else 0
+        p_tile += 2 * self.land_stages * self.block_n * head_dim if fp8 else 0  # the ring
         if fp8 and not self.producer_gather:  # (producer_gather stages are widened)
             widened = self.block_n if self.key_major else 2 * self.block_n
             return (rows + widened) * head_dim * elem_bytes + \
@@ -277,6 +283,8 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         "producer_gather: 16-bit pages shorter than a tile, or fp8 (key-major: fp8 only)"
     launch_threads = threads + PRODUCER_THREADS if producer_gather else threads
     by_cp_async = producer_gather and not fp8 and not config.producer_tma
+    land = config.land_stages if producer_gather and fp8 else 0
+    assert land != 1, "land_stages: 0 (no ring) or at least 2"
     producer_registers, consumer_registers = gather_registers(threads, config.ctas_per_sm)
     hoist_pages = config.hoist_pages and chunks > 1 and not config.gather
     # columns per 128-byte swizzle atom of the landing tiles (128 fp8 columns)
@@ -384,9 +392,13 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         is done with it."""
         if not producer_gather:
             return None
-        return (T.alloc_barrier([PRODUCER_THREADS] * stages),
+        bars = (T.alloc_barrier([PRODUCER_THREADS] * stages),
                 T.alloc_barrier([PRODUCER_THREADS] * stages),
                 T.alloc_barrier([threads] * stages))
+        if land:  # (landed, read): a ring slot's K and V bytes in, the producer done with it
+            bars += (T.alloc_barrier([PRODUCER_THREADS] * land),
+                     T.alloc_barrier([PRODUCER_THREADS] * land))
+        return bars
 
     def alloc_tiles():
         """(q, K, V, K landing, V landing, held): shared tiles, and for an fp8 cache the
@@ -395,13 +407,16 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         q_tile = T.alloc_shared((tile_rows, head_dim), compute)
         if producer_gather:  # K and V stages: the producer fills them, the wgmmas read;
             # fp8: the tiles it holds between fetching and widening (K's, then V's)
-            held = None
+            held = ring = None
             if fp8:
                 held_k = T.alloc_fragment((block_n, head_dim), kv_dtype)
                 held = (held_k, T.alloc_fragment((block_n, head_dim), kv_dtype)
-                        if config.fetch_both else held_k)
+                        if config.fetch_both or land else held_k)
+            if land:  # the fp8 landing ring (K's slots, V's slots)
+                ring = (T.alloc_shared((land, block_n, head_dim), kv_dtype),
+                        T.alloc_shared((land, block_n, head_dim), kv_dtype))
             return (q_tile, T.alloc_shared((stages, block_n, head_dim), compute),
-                    T.alloc_shared((stages, block_n, head_dim), compute), None, None, held)
+                    T.alloc_shared((stages, block_n, head_dim), compute), ring, None, held)
         k_tile = T.alloc_shared((block_n, head_dim), compute)
         # key-major fp8: K and V widen in turn into one tile (each product waits for its
         # wgmma before the next widening), which lets three CTAs share an SM
@@ -558,6 +573,20 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             T.copy(stage_source(cache, pages, tile, h, c), held[c * piece:(c + 1) * piece, :])
 
     @T.macro
+    def land_fp8(k, v, pages, tile, h, ring, landed, r):
+        """K's and V's fp8 tiles of `tile` into ring slot r by TMA (one elected thread
+        issues the copies, a page and 128 columns each, their bytes expected on landed[r]),
+        then this thread's arrival on landed[r]."""
+        piece = block_n // chunks
+        for c in T.unroll(chunks):
+            rows = slice(c * piece, (c + 1) * piece)
+            T.tma_copy(stage_source(k, pages, tile, h, c), ring[0][r, rows, :],
+                       barrier=landed[r])
+            T.tma_copy(stage_source(v, pages, tile, h, c), ring[1][r, rows, :],
+                       barrier=landed[r])
+        T.mbarrier_arrive(landed[r])
+
+    @T.macro
     def widen_fp8(held, buffers, full, s):
         """The fetched tile widened to the compute dtype into stage s, then this thread's
         arrival on full[s], fenced: generic-proxy stores the wgmmas read by the async
@@ -566,19 +595,55 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         T.fence_proxy_async()
         T.mbarrier_arrive(full[s])
 
+    def clamped_tile(first, n_tiles, begin, t):
+        """Key tile t of the split, kept inside the request's tiles (an empty split runs
+        one masked step on its first tile)."""
+        return T.min(begin + t, T.max(first + n_tiles - 1, 0))
+
     @T.macro
-    def produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q, row0,
-                split_index, n_split):
-        """The producer warpgroup: each K and V tile of the split into the stage the
-        consumers last released, announced on its full barrier once the copies land."""
+    def produce_landed(k, v, block_table, tiles, bars, b, h, pages, first, n_tiles, begin,
+                       mine):
+        """The fp8 producer with a landing ring: tile t + land - 1 issued by TMA into the
+        slot tile t - 1 freed, then tile t copied from its slot into registers (the slot
+        released), widened into the stage the consumers last released."""
+        full_k, full_v, empty, landed, read = bars
+        ring, held = tiles[3], tiles[5]
+        n = T.max(mine, 1)
+        for j in T.serial(land - 1):
+            if j < n:
+                for c in T.unroll(chunks):
+                    pages[c] = tile_pages(block_table, b, clamped_tile(first, n_tiles, begin,
+                                                                       j), c)
+                land_fp8(k, v, pages, clamped_tile(first, n_tiles, begin, j), h, ring,
+                         landed, j)
+        for t in T.serial(n):
+            s = t % stages
+            r = t % land
+            if t + land - 1 < n:  # into slot (t - 1) % land, once every thread has read it
+                ahead = clamped_tile(first, n_tiles, begin, t + land - 1)
+                for c in T.unroll(chunks):
+                    pages[c] = tile_pages(block_table, b, ahead, c)
+                if t > 0:
+                    T.mbarrier_wait_parity(read[(t - 1) % land], ((t - 1) // land) % 2)
+                land_fp8(k, v, pages, ahead, h, ring, landed, (t + land - 1) % land)
+            T.mbarrier_wait_parity(landed[r], (t // land) % 2)
+            T.copy(ring[0][r, :, :], held[0])
+            T.copy(ring[1][r, :, :], held[1])
+            T.mbarrier_arrive(read[r])
+            T.mbarrier_wait_parity(empty[s], ((t // stages) % 2) ^ 1)
+            widen_fp8(held[0], tiles[1], full_k, s)
+            widen_fp8(held[1], tiles[2], full_v, s)
+
+    @T.macro
+    def produce_fetched(k, v, block_table, tiles, bars, b, h, pages, first, n_tiles, begin,
+                        mine):
+        """The producer without a ring: each tile fetched into registers (fp8) or gathered
+        into its stage (16-bit) once the consumers release the stage."""
         k_stages, v_stages = tiles[1], tiles[2]
-        full_k, full_v, empty = bars
-        seqlen = cache_seqlens[b]
-        first, n_tiles, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
-        pages = T.alloc_local((chunks,), "int32")
+        full_k, full_v, empty = bars[0], bars[1], bars[2]
         for t in T.serial(T.max(mine, 1)):
             s = t % stages
-            tile = T.min(begin + t, T.max(first + n_tiles - 1, 0))
+            tile = clamped_tile(first, n_tiles, begin, t)
             # the tile's page ids in registers, for K and V, loaded ahead of the wait
             for c in T.unroll(chunks):
                 pages[c] = tile_pages(block_table, b, tile, c)
@@ -596,6 +661,22 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
             else:
                 gather_stage(k, pages, h, k_stages, full_k, s)
                 gather_stage(v, pages, h, v_stages, full_v, s)
+
+    @T.macro
+    def produce(k, v, block_table, cache_seqlens, tiles, bars, b, h, n_q, row0,
+                split_index, n_split):
+        """The producer warpgroup: each K and V tile of the split into the stage the
+        consumers last released, announced on its full barrier once the copies land."""
+        empty = bars[2]
+        seqlen = cache_seqlens[b]
+        first, n_tiles, begin, mine = tile_span(seqlen, n_q, row0, split_index, n_split)
+        pages = T.alloc_local((chunks,), "int32")
+        if land:
+            produce_landed(k, v, block_table, tiles, bars, b, h, pages, first, n_tiles, begin,
+                           mine)
+        else:
+            produce_fetched(k, v, block_table, tiles, bars, b, h, pages, first, n_tiles, begin,
+                            mine)
         # the tail: stay until the consumers have released every stage, so no producer
         # thread leaves with its copies (and their arrivals) still in flight
         for t in T.serial(stages):
@@ -610,7 +691,7 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         test the state's registers cross the join with the producer's 72-register path,
         and ptxas spilled them (12-152 bytes)."""
         q_shared, k_stages, v_stages = tiles[0], tiles[1], tiles[2]
-        full_k, full_v, empty = bars
+        full_k, full_v, empty = bars[0], bars[1], bars[2]
         scale = softmax_scale(scale, k_scale, h)
         load_q(q, q_shared, b, h, q_start, n_q, row0)
         seqlen = cache_seqlens[b]
@@ -1125,6 +1206,13 @@ class DecodeAttentionKernel(Kernel):
             # V fetched with K: twice the bytes in flight a producer
             space += [dataclasses.replace(c, fetch_both=True) for c in space
                       if c.producer_gather]
+            # the fp8 tiles landing by TMA in a ring, land_stages - 1 tiles ahead of the
+            # widening (its loads no longer wait for a free stage)
+            space += [DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas,
+                                   key_major=major, land_stages=land)
+                      for major, land, stages, ctas in (
+                          (True, 4, 2, 1), (True, 3, 1, 2), (True, 2, 2, 2), (True, 4, 1, 2),
+                          (False, 3, 2, 1), (False, 2, 2, 2))]
         if 0 < page < 64 and "kv_dtype" not in self.key:
             # gathered pages (the page-16 default); one stage: with more, TileLang 0.1.15's
             # software pipeline over the symbolic tile count fails in codegen
