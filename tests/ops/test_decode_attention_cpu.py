@@ -753,6 +753,16 @@ def test_producer_gather_program_compiles_without_spills(page_size, block_n, sta
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
+def compile_fp8_producer(page_size: int, config: DecodeConfig):
+    """The attention program of the Llama-8B-shaped planned decode over an fp8 cache for
+    `config` (a producer_gather config of its space)."""
+    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
+                                 q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
+                                 causal=True, kv_dtype="float8_e4m3fn")
+    assert config in kernel.config_space("planned")
+    return kernel.compile(config, "planned")[1]
+
+
 @pytest.mark.compile
 @pytest.mark.full
 @pytest.mark.parametrize("page_size, stages, ctas_per_sm, key_major, fetch_both", [
@@ -764,13 +774,9 @@ def test_planned_fp8_decode_widened_by_a_producer_compiles(page_size, stages, ct
     producer threads, the register split within the launch's (72 / 184 at two CTAs an SM,
     72 / 88 for key-major consumers at three), nothing spilled or serialized, with or
     without V's tile fetched alongside K's."""
-    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
-                                 q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
-                                 causal=True, kv_dtype="float8_e4m3fn")
-    config = DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm,
-                          key_major=key_major, fetch_both=fetch_both)
-    assert config in kernel.config_space("planned")
-    compiled = kernel.compile(config, "planned")[1]
+    compiled = compile_fp8_producer(page_size, DecodeConfig(
+        64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm, key_major=key_major,
+        fetch_both=fetch_both))
     source = compiled.get_kernel_source()
     bound = f"__launch_bounds__(256, {ctas_per_sm})" if ctas_per_sm > 1 else \
         "__launch_bounds__(256"
@@ -791,13 +797,9 @@ def test_fp8_landing_ring_compiles(page_size, key_major, land, stages, ctas_per_
     """`land_stages`: the producer's fp8 tiles land by TMA (an elected thread, a page and
     K / V a copy, the bytes expected on the slot's barrier) land - 1 tiles ahead of the
     widening, slots released on a second barrier; nothing spilled or serialized."""
-    kernel = PlannedDecodeKernel(dtype="bfloat16", heads=32, kv_heads=8, head_dim=128,
-                                 q_len=1, page_size=page_size, window_left=-1, softcap=0.0,
-                                 causal=True, kv_dtype="float8_e4m3fn")
-    config = DecodeConfig(64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm,
-                          key_major=key_major, land_stages=land)
-    assert config in kernel.config_space("planned")
-    compiled = kernel.compile(config, "planned")[1]
+    compiled = compile_fp8_producer(page_size, DecodeConfig(
+        64, stages, producer_gather=True, ctas_per_sm=ctas_per_sm, key_major=key_major,
+        land_stages=land))
     source = compiled.get_kernel_source()
     assert source.count("tma_load(") == 4  # K and V, in the prologue and in the loop
     assert "expect_transaction" in source and "wgmma" in source
