@@ -81,7 +81,8 @@ _recorders: list[list[tuple[Any, Any]]] = []
 
 
 def note_meta_call(op: Any, ns: Any) -> None:
-    """Called by Op.validate for every meta call: noted by the innermost `recording()`."""
+    """Called by Op._meta_outputs (meta inputs, or the custom op's fake kernel): noted
+    by the innermost `recording()`, if any."""
     if _recorders:
         _recorders[-1].append((op, ns))
 

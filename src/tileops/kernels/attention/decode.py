@@ -99,12 +99,12 @@ class DecodeConfig:
         rows = self.block_m if rows is None else rows
         # key-major: P, and S^T in fp32 on its way to the softmax's row-major fragment
         p_tile = self.block_n * rows * (elem_bytes + 4) if self.key_major else 0
-        p_tile += 2 * self.land_stages * self.block_n * head_dim if fp8 else 0  # the ring
+        ring = 2 * self.land_stages * self.block_n * head_dim if fp8 else 0  # fp8 K and V
         if fp8 and not self.producer_gather:  # (producer_gather stages are widened)
             widened = self.block_n if self.key_major else 2 * self.block_n
             return (rows + widened) * head_dim * elem_bytes + \
-                2 * self.stages * self.block_n * head_dim + p_tile
-        return (rows + 2 * self.stages * self.block_n) * head_dim * elem_bytes + p_tile
+                2 * self.stages * self.block_n * head_dim + p_tile + ring
+        return (rows + 2 * self.stages * self.block_n) * head_dim * elem_bytes + p_tile + ring
 
 
 def gather_registers(consumers: int, ctas_per_sm: int) -> tuple[int, int]:
@@ -611,11 +611,10 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
         n = T.max(mine, 1)
         for j in T.serial(land - 1):
             if j < n:
+                tile = clamped_tile(first, n_tiles, begin, j)
                 for c in T.unroll(chunks):
-                    pages[c] = tile_pages(block_table, b, clamped_tile(first, n_tiles, begin,
-                                                                       j), c)
-                land_fp8(k, v, pages, clamped_tile(first, n_tiles, begin, j), h, ring,
-                         landed, j)
+                    pages[c] = tile_pages(block_table, b, tile, c)
+                land_fp8(k, v, pages, tile, h, ring, landed, j)
         for t in T.serial(n):
             s = t % stages
             r = t % land
