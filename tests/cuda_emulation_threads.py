@@ -8,7 +8,12 @@ the warp meets again). Shared arrays become one static array, used by one block 
 time. So a kernel runs here as on the GPU provided every lane of a warp reaches each
 shuffle (warp-uniform control flow around shuffles, which TileLang's code has) and it
 uses no `__syncthreads_count` or async copies: anything outside that set fails to compile,
-it is never silently emulated. Atomic adds and loads (TileLang's `AtomicAddRet`,
+it is never silently emulated. The exception is the bulk TMA copy of a contiguous range into
+shared memory with its mbarrier (`tl::tma_load(smem, gmem, barrier, bytes)`): the copy runs
+when it is issued, and a barrier phase completes when its `count` threads have arrived (the
+expected bytes are already there). Landing at issue is the earliest a copy can land, so a
+landing that overwrites a slot some thread still reads shows up here; a read of a slot
+before its barrier's wait does not. Atomic adds and loads (TileLang's `AtomicAddRet`,
 `AtomicLoad`) run under one lock. Blocks run one after another (or a cluster's together),
 so a protocol where the last block of a group to arrive merges the others' results runs
 in the launch's arrival order, and one where a group's blocks wait for each other
@@ -39,6 +44,7 @@ _PRELUDE = r"""
 #include <vector>
 #include <pthread.h>
 #include <mutex>
+#include <condition_variable>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <vector_types.h>
@@ -139,12 +145,40 @@ struct AllReduce {
     return acc;
   }
 };
+// an mbarrier: a phase completes when `count` arrivals have come; wait(parity) returns once
+// the phase of that parity has completed (the completed-phase count's parity differs)
+struct Barrier {
+  std::mutex m;
+  std::condition_variable cv;
+  int count = 0, pending = 0, phase = 0;
+  void init(int n) { count = pending = n; phase = 0; }
+  void expect_transaction(uint32_t) {}  // the copies land when issued
+  void arrive() {
+    std::lock_guard<std::mutex> hold(m);
+    if (--pending == 0) { pending = count; phase ^= 1; cv.notify_all(); }
+  }
+  void wait(int parity) {
+    std::unique_lock<std::mutex> hold(m);
+    cv.wait(hold, [&] { return phase != parity; });
+  }
+};
+template <int N> static inline bool tl_shuffle_elect() {
+  return N == 0 ? emu_thread.x == 0 : emu_thread.x % N == 0;
+}
+static inline void fence_barrier_init() {}
+static inline void fence_proxy_async() {}
+static inline void tma_load(void *smem, const void *gmem, Barrier &, uint32_t bytes) {
+  std::memcpy(smem, gmem, bytes);
+}
 static inline void cluster_arrive() {}
 static inline void cluster_wait() { pthread_barrier_wait(&emu_cluster_barrier); }
 static inline void cluster_sync() { pthread_barrier_wait(&emu_cluster_barrier); }
 }  // namespace tl
 """
 _DYNAMIC_SHARED = re.compile(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];")
+# a static shared mbarrier array, one per block of a cluster (the struct is not 8 bytes here)
+_BARRIERS = re.compile(r"__shared__ __align__\(16\) uint64_t (\w+)_mem\[(\d+)\];\s*"
+                       r"auto (\w+) = reinterpret_cast<Barrier\*>\(\w+_mem\);")
 _RENAMES = {"__syncthreads()": "emu_syncthreads()", "__shfl_xor_sync(": "emu_shfl_xor(",
             "__shfl_up_sync(": "emu_shfl_up(", "__shfl_down_sync(": "emu_shfl_down(",
             "__shfl_sync(": "emu_shfl("}
@@ -178,6 +212,9 @@ def _library(source: str, threads: int, cluster: int = 1) -> tuple[Any, list[str
                   f"sizeof({m.group(2)})];\n  {m.group(2)} *{m.group(3)} = "
                   f"emu_{m.group(3)}[emu_rank()];\n  emu_shared_base[emu_rank()] = "
                   f"(uchar *){m.group(3)};", body)
+    body = _BARRIERS.sub(
+        lambda m: f"static tl::Barrier emu_{m.group(1)}[EMU_MAX_CLUSTER][{m.group(2)}];\n"
+                  f"  tl::Barrier *{m.group(3)} = emu_{m.group(1)}[emu_rank()];", body)
     for old, new in _RENAMES.items():
         body = body.replace(old, new)
     # the driver's own names start with emu_: a kernel parameter may be called b or t

@@ -209,12 +209,14 @@ def load_script(name: str) -> types.ModuleType:
 
 
 def cluster_configs(kernel):
-    """The space's first cluster config of every (cluster size, CTAs per SM, meeting) triple
-    (the softmax family's cluster_rows.py, and its slices meeting through global memory,
-    meeting_slices.py)."""
+    """The space's first cluster config of every (cluster size, CTAs per SM, meeting,
+    landing) shape (the softmax family's cluster_rows.py, its slices meeting through global
+    memory, meeting_slices.py, or landing by TMA, cross-entropy's `landed`)."""
     firsts = {}
     for config in kernel.config_space("many"):
         if config.cluster:
-            firsts.setdefault((config.cluster, config.ctas_per_sm, config.meet), config)
+            shape = (config.cluster, config.ctas_per_sm, config.meet,
+                     getattr(config, "landed", False))
+            firsts.setdefault(shape, config)
     assert firsts
     return list(firsts.values())

@@ -46,6 +46,7 @@ def _run_on_cpu(x, target, config, ignore_index=-100, eps=0.0, cap=None, zloss=0
     if config.kept_chunks:  # the kept chunks are in the program
         assert "kept_shared" in source
     assert ("tileops_l2::load16" in source) == config.l2_hints
+    assert ("tl::tma_load(" in source) == config.landed  # one bulk copy a slice
     loss = torch.full((rows,), float("nan"))
     lse = torch.full((rows,), float("nan"))
     grad = torch.full_like(x, float("nan"))
@@ -90,6 +91,14 @@ CASES = [
      {"cap": 30.0, "ignore_index": 7}),
     (3, 3000, FP32, CrossEntropyConfig(threads=64, ctas_per_sm=2, cluster=3),
      {"eps": 0.05, "cap": 10.0}),
+    # slices landing by TMA one row ahead (landed): rows past the resident clusters, so
+    # each cluster takes several rows and the landing barrier turns phases
+    (59, 4096, BF16, CrossEntropyConfig(threads=64, ctas_per_sm=1, cluster=4, landed=True),
+     {"eps": 0.1, "zloss": 1e-4}),
+    (41, 3000, FP32, CrossEntropyConfig(threads=32, ctas_per_sm=1, cluster=3, landed=True),
+     {"cap": 30.0, "ignore_index": 7}),
+    (135, 2000, FP16, CrossEntropyConfig(threads=64, ctas_per_sm=1, cluster=1, landed=True),
+     {}),
     # the second pass last chunk first, with and without L2 hints (kernels/l2_hints.py)
     (5, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, reverse=True), {"cap": 30.0}),
     (4, 4104, FP16, CrossEntropyConfig(64, 64, 2, 2, reverse=True, l2_hints=True,
@@ -107,7 +116,7 @@ CASES = [
 def _case_id(case) -> str:
     rows, vocab, dtype, config = case[:4]
     flags = [f"kept{config.kept_chunks}"] + [
-        name for name in ("prefetch", "reverse", "l2_hints") if getattr(config, name)]
+        name for name in ("prefetch", "reverse", "l2_hints", "landed") if getattr(config, name)]
     if config.cluster:
         flags.append(f"cluster{config.cluster}")
     return f"{rows}x{vocab}-{str(dtype)[6:]}-{'-'.join(flags)}"

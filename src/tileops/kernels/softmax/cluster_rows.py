@@ -163,7 +163,7 @@ class ClusterRows:
                 for p in T.unroll(2):
                     for c in T.unroll(part.shape[2]):
                         part[p, tx, c] = 0.0
-            if not self.meet:
+            if not self.meet and cluster > 1:
                 T.cluster_sync()
 
         @T.macro
@@ -177,10 +177,13 @@ class ClusterRows:
             if tx == 0:
                 for k, value in enumerate(values):  # unrolled while tracing
                     mine[k] = value[0]
+                    if cluster == 1:  # no peers: the CTA's own row of part
+                        part[parity, 0, k] = value[0]
             T.sync_threads()
-            for dst in T.unroll(cluster):
-                T.copy_cluster(mine, part[parity, rank, :], dst_block=dst)
-            T.cluster_sync()
+            if cluster > 1:
+                for dst in T.unroll(cluster):
+                    T.copy_cluster(mine, part[parity, rank, :], dst_block=dst)
+                T.cluster_sync()
 
         @T.macro
         def merged_max_sum(part, parity, m, s):
@@ -224,6 +227,49 @@ class ClusterRows:
             return 0 if meet else step % 2
 
         return swap, parity
+
+    # -- slices landing by TMA (`landed`): the next row's slice arrives while this one works
+
+    @property
+    def lands_whole_slices(self) -> bool:
+        """Whether every slice is the same whole number of 16-byte vectors (what one bulk TMA
+        copy a slice needs: its size and its global address 16-byte aligned)."""
+        return (self.n % (self.cluster * self.vec) == 0
+                and self.vec * ELEM_BYTES[self.dtype] == 16)
+
+    @property
+    def slice_length(self) -> int:
+        return self.slice_vectors * self.vec
+
+    def landing_macros(self):
+        """(land, take) of the landed form: one shared slot per CTA, which one bulk TMA copy
+        fills with the CTA's slice of a row (its bytes expected on the barrier `landed`,
+        one arrival per thread); `take` waits for it, copies it into the registers the other
+        macros read (`raw`, as `load` leaves them) and frees the slot, so the caller lands
+        the next row's slice at once: it streams in through this row's reductions, cluster
+        barrier and stores, which left HBM idle while each row's loads waited for the row
+        before (the register-held form above)."""
+        per, vec, length = self.per_thread, self.vec, self.slice_length
+
+        @T.macro
+        def land(x, row, rank, slot, landed, rows):
+            T.assume(row < rows)  # so the copy is provably in bounds: one bulk copy, no map
+            T.tma_copy(x[row, rank * length:(rank + 1) * length], slot, barrier=landed[0])
+            T.mbarrier_arrive(landed[0])
+
+        @T.macro
+        def take(slot, landed, phase, rank, tx, raw, fill):
+            T.mbarrier_wait_parity(landed[0], phase)
+            for i in T.unroll(per):
+                if self.valid(rank, tx, i):
+                    for j in T.vectorized(vec):
+                        raw[i, j] = slot[(i * self.threads + tx) * vec + j]
+                else:
+                    for j in T.unroll(vec):
+                        raw[i, j] = T.cast(fill, raw.dtype)
+            T.sync_threads()  # every thread has read the slot: the next landing may fill it
+
+        return land, take
 
 
 REGISTERS = 65536  # per SM

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .. import fast_math
-from .cluster_rows import ClusterRows, slice_shape
+from ..vectors import ELEM_BYTES
+from .cluster_rows import MAX_CLUSTER, ClusterRows, fits_registers, slice_shape
 from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_shapes
 from .row_map import LOG2E, NEG_INF, RowMap, exp, vector_width
 from .softmax import (
@@ -55,11 +56,15 @@ class CrossEntropyConfig(RowConfig):
       minimum blocks: registers capped at 65536 / (ctas_per_sm x threads)). Without it the
       compiler takes what it likes (88-120 registers at 512 threads), so one CTA is
       resident per SM whatever `ctas_per_sm` says: the grid has that many CTAs per SM, but
-      they run one after another."""
+      they run one after another.
+    - `landed` (with `cluster`, `loss` and `loss_and_grad` modes): each CTA's slice of the
+      next row lands in shared memory by TMA while it works on this one
+      (cluster_rows.ClusterRows.landing_macros)."""
 
     kept_chunks: int = 0
     prefetch: bool = False
     launch_bound: bool = False
+    landed: bool = False
 
 
 def kept_chunks_of(mode: str, rm: RowMap, config: RowConfig) -> int:
@@ -84,6 +89,20 @@ def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
             # chunk, under the launch bound of one CTA per SM (estimate; ptxas checks)
             if vecs * (rm.vec + 8) + 40 <= 65536 // threads:
                 configs.append(dataclasses.replace(config, kept_chunks=fit, prefetch=True))
+    return configs
+
+
+def landed_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
+    """The `landed` shapes of a row (cluster_rows.ClusterRows.landing_macros): clusters of
+    1-8 CTAs of 512 or 1024 threads, one CTA an SM, whose slices are whole 16-byte vectors,
+    fit shared memory and, held as loaded, the registers, at least 2 vectors a thread."""
+    configs = []
+    for cluster in range(1, MAX_CLUSTER + 1):
+        for threads in (512, 1024):
+            cr = ClusterRows(n, dtype, cluster, threads)
+            if cr.lands_whole_slices and cr.per_thread >= 2 and fits_registers(cr, 1) \
+                    and cr.slice_length * ELEM_BYTES[dtype] + 4096 <= SMEM_BYTES:
+                configs.append(CrossEntropyConfig(threads, threads, 4, 1, cluster, landed=True))
     return configs
 
 
@@ -246,6 +265,12 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
     z_of, slice_statistics = slice_macros(cr, softcap, smoothing)
     swap, parity = cr.swap_macros(CROSS_ENTROPY_PARTIALS)
+    landed = getattr(config, "landed", False)
+    if landed and (meet or mode == "grad" or not cr.lands_whole_slices):
+        raise ValueError(f"landed=True needs persistent clusters (meet={meet}), the loss "
+                         f"(mode {mode!r}) and slices of whole 16-byte vectors ({n} columns "
+                         f"of {dtype} in {cluster})")
+    land, take = cr.landing_macros() if landed else (None, None)
 
     @T.macro
     def store_gradient(raw, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
@@ -280,11 +305,22 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
             mine = T.alloc_shared((3,), "float")
             part = T.alloc_shared((2, cluster, 3), "float")
             arrived = T.alloc_local((1,), "int32")
+            if landed:
+                slot = T.alloc_shared((cr.slice_length,), dtype)
+                landing = T.alloc_barrier([cr.threads])
             begin(part, tx)
+            if landed:
+                if cr.row_of(0, bx) < rows:
+                    land(x, cr.row_of(0, bx), rank, slot, landing, rows)
             for step in T.serial(cr.launch_steps(rows)):
                 row = cr.row_of(step, bx)
                 if row < rows:
-                    load(x, row, rank, tx, raw, NEG_INF)
+                    if landed:  # take this row's slice, land the next row's
+                        take(slot, landing, step % 2, rank, tx, raw, NEG_INF)
+                        if cr.row_of(step + 1, bx) < rows:
+                            land(x, cr.row_of(step + 1, bx), rank, slot, landing, rows)
+                    else:
+                        load(x, row, rank, tx, raw, NEG_INF)
                     t = target[row]
                     # z[t], read before the exchange (a barrier of the row's CTAs), so before
                     # any CTA of the row stores a gradient (possibly over x)
@@ -602,6 +638,8 @@ class CrossEntropyKernel(RowKernel):
                                   self.key["mode"], self.key["n"], self.key["dtype"])
         if self.key["mode"] == "loss":
             space += meeting_configs(self.key["n"], self.key["dtype"], CrossEntropyConfig)
+        if self.key["mode"] != "grad":
+            space += landed_configs(self.key["n"], self.key["dtype"])
         return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):
