@@ -16,6 +16,7 @@ from tileops.kernels.softmax.cross_entropy import (
     CrossEntropyConfig,
     CrossEntropyKernel,
     kept_row_configs,
+    landed_configs,
 )
 from tileops.kernels.softmax.row_map import RowMap
 
@@ -125,7 +126,8 @@ def _case_id(case) -> str:
 
 @pytest.mark.compile
 @pytest.mark.parametrize("rows, vocab, dtype, config, params", [
-    pytest.param(*case, marks=pytest.mark.smoke if i in (0, len(CASES) - 2) else
+    pytest.param(*case, marks=pytest.mark.smoke if i in (0, len(CASES) - 2)
+                 or (case[3].landed and case[2] is BF16) else
                  pytest.mark.full, id=_case_id(case))
     for i, case in enumerate(CASES)])
 def test_loss_and_gradient_with_kept_chunks_on_the_cpu(rows, vocab, dtype, config, params):
@@ -238,3 +240,26 @@ def test_gradient_pass_variants_on_the_cpu(config):
         dict(dloss=dloss, x=x, target=target, lse=want_lse.float(), grad=grad),
         dict(rows=rows, ignore_index=-100, cap=1.0, eps=0.1, zloss=0.0))
     torch.testing.assert_close(grad.double(), leaf.grad, rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936, 256000])
+def test_landed_configs_fit_and_are_refused_where_slices_are_not_whole(vocab):
+    """`landed` shapes: whole 16-byte slices that fit shared memory and the registers, in
+    the loss and loss + gradient spaces (not the gradient pass's: it has no next row to
+    land); a row not cut into whole vectors is refused, not run on a short copy."""
+    configs = landed_configs(vocab, "bfloat16")
+    assert configs
+    for config in configs:
+        cr = ClusterRows(vocab, "bfloat16", config.cluster, config.threads)
+        assert cr.lands_whole_slices and config.ctas_per_sm == 1
+        assert cr.slice_length * 2 + 4096 <= SMEM_BYTES
+    key = dict(n=vocab, dtype="bfloat16", softcap=False, smoothing=False, dloss_per_row=False)
+    for mode in ("loss", "loss_and_grad"):
+        assert set(configs) <= set(CrossEntropyKernel(mode=mode, **key).config_space("many"))
+    grad = CrossEntropyKernel(mode="grad", **key)
+    assert not any(c.landed for c in grad.config_space("many"))
+    with pytest.raises(ValueError, match="landed"):
+        grad.program(configs[0], "many")
+    odd = CrossEntropyKernel(mode="loss_and_grad", **dict(key, n=vocab + 1))
+    with pytest.raises(ValueError, match="whole 16-byte"):
+        odd.program(CrossEntropyConfig(1024, 1024, 4, 1, 3, landed=True), "many")
