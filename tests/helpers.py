@@ -216,7 +216,7 @@ def cluster_configs(kernel):
     for config in kernel.config_space("many"):
         if config.cluster:
             shape = (config.cluster, config.ctas_per_sm, config.meet,
-                     getattr(config, "landed", False))
+                     config.landed)
             firsts.setdefault(shape, config)
     assert firsts
     return list(firsts.values())

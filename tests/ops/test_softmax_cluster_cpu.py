@@ -25,7 +25,9 @@ def _run(kind, tensors, n, dtype, config, rows):
 
     compiled = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype]).compile(config, "many")[0]
     source = compiled.get_kernel_source()
-    assert "cluster_sync" in source and "map_shared_rank" in source
+    if config.cluster > 1:
+        assert "cluster_sync" in source and "map_shared_rank" in source
+    assert ("tl::tma_load(" in source) == config.landed  # one bulk copy a slice
     cr = ClusterRows(n, NAMES[dtype], config.cluster, config.threads, config.ctas_per_sm)
     run(compiled, min(rows, cr.resident_clusters) * config.cluster, config.threads, tensors,
         dict(rows=rows), cluster=config.cluster)
@@ -55,6 +57,30 @@ def test_cluster_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
     x = _rows(rows, n, dtype, rows * n)
     config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster)
     check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
+
+
+# (rows, n, dtype, cluster, threads): landed slices, rows past the resident clusters so
+# each cluster lands several rows (the barrier's phases turn), a cluster of one included
+LANDED_CASES = [(59, 4096, BF16, 4, 64), (135, 1000, FP32, 1, 32)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
+@pytest.mark.parametrize("rows, n, dtype, cluster, threads", [
+    pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
+                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}")
+    for i, case in enumerate(LANDED_CASES)])
+def test_landed_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
+    x = _rows(rows, n, dtype, rows + n)
+    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster, landed=True)
+    check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
+
+
+def test_landed_is_refused_for_the_backward_kinds():
+    kernel = SoftmaxKernel(kind="softmax_bwd", n=4096, dtype="bfloat16")
+    assert not any(c.landed for c in kernel.config_space("many"))
+    with pytest.raises(ValueError, match="landed"):
+        kernel.program(RowConfig(1024, 1024, 4, 1, 4, landed=True), "many")
 
 
 @pytest.mark.compile
@@ -106,6 +132,30 @@ def test_cluster_shapes_fit_the_registers(n, dtype):
         slices, threads = slice_shape(n, dtype, min_threads=min_threads)
         assert threads >= min_threads
         assert ClusterRows(n, dtype, slices, threads).per_thread <= 8
+
+
+# (rows, n, dtype, cluster, threads): landed slices, rows past the resident clusters so
+# each cluster lands several rows (the barrier's phases turn), a cluster of one included
+LANDED_CASES = [(59, 4096, BF16, 4, 64), (135, 1000, FP32, 1, 32)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
+@pytest.mark.parametrize("rows, n, dtype, cluster, threads", [
+    pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
+                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}")
+    for i, case in enumerate(LANDED_CASES)])
+def test_landed_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
+    x = _rows(rows, n, dtype, rows + n)
+    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster, landed=True)
+    check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
+
+
+def test_landed_is_refused_for_the_backward_kinds():
+    kernel = SoftmaxKernel(kind="softmax_bwd", n=4096, dtype="bfloat16")
+    assert not any(c.landed for c in kernel.config_space("many"))
+    with pytest.raises(ValueError, match="landed"):
+        kernel.program(RowConfig(1024, 1024, 4, 1, 4, landed=True), "many")
 
 
 @pytest.mark.compile

@@ -36,6 +36,7 @@ from .row_map import NEG_INF, RowMap, exp
 
 MAX_CLUSTER = 8  # the portable cluster size on Hopper
 SM_COUNT = 132  # H200
+SHARED_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
 
 
 @dataclass(frozen=True)
@@ -241,25 +242,44 @@ class ClusterRows:
     def slice_length(self) -> int:
         return self.slice_vectors * self.vec
 
-    def landing_macros(self):
-        """(land, take) of the landed form: one shared slot per CTA, which one bulk TMA copy
-        fills with the CTA's slice of a row (its bytes expected on the barrier `landed`,
-        one arrival per thread); `take` waits for it, copies it into the registers the other
-        macros read (`raw`, as `load` leaves them) and frees the slot, so the caller lands
-        the next row's slice at once: it streams in through this row's reductions, cluster
-        barrier and stores, which left HBM idle while each row's loads waited for the row
-        before (the register-held form above)."""
+    def row_source(self, landed: bool, rows):
+        """(alloc, first, fetch): how a persistent cluster kernel gets each row's slice into
+        the registers `raw` (as `load` leaves them, `fill` past the slice). alloc() (in the
+        kernel, before `begin`) makes the landed form's shared slot and its barrier;
+        first(x, bx, rank, src) starts the first row; fetch(x, row, step, bx, rank, tx, raw,
+        fill, src) brings row `row` of the CTA's `step`.
+
+        Without `landed`, fetch loads the slice from global memory (`load`: every load in
+        flight at once, but issued only once the row before is done). With it, one bulk TMA
+        copy lands the CTA's slice of a row in the slot (an elected thread issues it, its
+        bytes expected on the barrier, one arrival a thread); fetch waits for it, copies it
+        into `raw`, frees the slot and lands the next row's slice at once, so it streams in
+        through this row's reductions, cluster barrier and stores, which left HBM idle."""
         per, vec, length = self.per_thread, self.vec, self.slice_length
+        load = self.macros()[0]
+
+        def alloc():
+            if not landed:
+                return None
+            return T.alloc_shared((length,), self.dtype), T.alloc_barrier([self.threads])
 
         @T.macro
-        def land(x, row, rank, slot, landed, rows):
+        def land(x, row, rank, src):
+            slot, landing = src
             T.assume(row < rows)  # so the copy is provably in bounds: one bulk copy, no map
-            T.tma_copy(x[row, rank * length:(rank + 1) * length], slot, barrier=landed[0])
-            T.mbarrier_arrive(landed[0])
+            T.tma_copy(x[row, rank * length:(rank + 1) * length], slot, barrier=landing[0])
+            T.mbarrier_arrive(landing[0])
 
         @T.macro
-        def take(slot, landed, phase, rank, tx, raw, fill):
-            T.mbarrier_wait_parity(landed[0], phase)
+        def first(x, bx, rank, src):
+            if landed:
+                if self.row_of(0, bx) < rows:
+                    land(x, self.row_of(0, bx), rank, src)
+
+        @T.macro
+        def take(src, phase, rank, tx, raw, fill):
+            slot, landing = src
+            T.mbarrier_wait_parity(landing[0], phase)
             for i in T.unroll(per):
                 if self.valid(rank, tx, i):
                     for j in T.vectorized(vec):
@@ -269,7 +289,23 @@ class ClusterRows:
                         raw[i, j] = T.cast(fill, raw.dtype)
             T.sync_threads()  # every thread has read the slot: the next landing may fill it
 
-        return land, take
+        @T.macro
+        def fetch(x, row, step, bx, rank, tx, raw, fill, src):
+            if landed:
+                take(src, step % 2, rank, tx, raw, fill)
+                if self.row_of(step + 1, bx) < rows:
+                    land(x, self.row_of(step + 1, bx), rank, src)
+            else:
+                load(x, row, rank, tx, raw, fill)
+
+        return alloc, first, fetch
+
+    def check_landed(self, landed: bool, what: str) -> None:
+        """Refuses a landed form without persistent clusters or whole 16-byte slices."""
+        if landed and (self.meet or not self.lands_whole_slices):
+            raise ValueError(f"landed=True needs persistent clusters (meet={self.meet}) and "
+                             f"slices of whole 16-byte vectors ({self.n} columns of "
+                             f"{self.dtype} in {self.cluster}); {what}")
 
 
 REGISTERS = 65536  # per SM
@@ -297,6 +333,20 @@ def cluster_shapes(n: int, dtype: str, held: int = 1) -> list[tuple[int, int, in
                 if cr.per_thread >= 2 and fits_registers(cr, held) \
                         and (cluster - 1) * cr.slice_vectors < vectors:
                     shapes.append((cluster, threads, ctas_per_sm))
+    return shapes
+
+
+def landed_shapes(n: int, dtype: str) -> list[tuple[int, int]]:
+    """The (cluster, threads) shapes of the landed form (ClusterRows.row_source): clusters of
+    1-8 CTAs of 512 or 1024 threads, one CTA an SM, whose slices are whole 16-byte vectors,
+    fit shared memory and, held as loaded, the registers, at least 2 vectors a thread."""
+    shapes = []
+    for cluster in range(1, MAX_CLUSTER + 1):
+        for threads in (512, 1024):
+            cr = ClusterRows(n, dtype, cluster, threads)
+            if cr.lands_whole_slices and cr.per_thread >= 2 and fits_registers(cr, 1) \
+                    and cr.slice_length * ELEM_BYTES[dtype] + 4096 <= SHARED_BYTES:
+                shapes.append((cluster, threads))
     return shapes
 
 

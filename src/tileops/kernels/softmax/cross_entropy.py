@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .. import fast_math
-from ..vectors import ELEM_BYTES
-from .cluster_rows import MAX_CLUSTER, ClusterRows, fits_registers, slice_shape
+from .cluster_rows import SHARED_BYTES, ClusterRows, landed_shapes, slice_shape
 from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_shapes
 from .row_map import LOG2E, NEG_INF, RowMap, exp, vector_width
 from .softmax import (
@@ -39,7 +38,7 @@ from .softmax import (
 )
 
 MODES = ("loss", "loss_and_grad", "grad")
-SMEM_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
+SMEM_BYTES = SHARED_BYTES
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,11 @@ class CrossEntropyConfig(RowConfig):
       compiler takes what it likes (88-120 registers at 512 threads), so one CTA is
       resident per SM whatever `ctas_per_sm` says: the grid has that many CTAs per SM, but
       they run one after another.
-    - `landed` (with `cluster`, `loss` and `loss_and_grad` modes): each CTA's slice of the
-      next row lands in shared memory by TMA while it works on this one
-      (cluster_rows.ClusterRows.landing_macros)."""
+    (RowConfig's `landed`: in the `loss` and `loss_and_grad` modes.)"""
 
     kept_chunks: int = 0
     prefetch: bool = False
     launch_bound: bool = False
-    landed: bool = False
 
 
 def kept_chunks_of(mode: str, rm: RowMap, config: RowConfig) -> int:
@@ -93,17 +89,9 @@ def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
 
 
 def landed_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
-    """The `landed` shapes of a row (cluster_rows.ClusterRows.landing_macros): clusters of
-    1-8 CTAs of 512 or 1024 threads, one CTA an SM, whose slices are whole 16-byte vectors,
-    fit shared memory and, held as loaded, the registers, at least 2 vectors a thread."""
-    configs = []
-    for cluster in range(1, MAX_CLUSTER + 1):
-        for threads in (512, 1024):
-            cr = ClusterRows(n, dtype, cluster, threads)
-            if cr.lands_whole_slices and cr.per_thread >= 2 and fits_registers(cr, 1) \
-                    and cr.slice_length * ELEM_BYTES[dtype] + 4096 <= SMEM_BYTES:
-                configs.append(CrossEntropyConfig(threads, threads, 4, 1, cluster, landed=True))
-    return configs
+    """The `landed` configs of a row (cluster_rows.landed_shapes)."""
+    return [CrossEntropyConfig(threads, threads, 4, 1, cluster, landed=True)
+            for cluster, threads in landed_shapes(n, dtype)]
 
 
 def default_variants(default: CrossEntropyConfig, mode: str, n: int,
@@ -265,12 +253,12 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
     z_of, slice_statistics = slice_macros(cr, softcap, smoothing)
     swap, parity = cr.swap_macros(CROSS_ENTROPY_PARTIALS)
-    landed = getattr(config, "landed", False)
-    if landed and (meet or mode == "grad" or not cr.lands_whole_slices):
-        raise ValueError(f"landed=True needs persistent clusters (meet={meet}), the loss "
-                         f"(mode {mode!r}) and slices of whole 16-byte vectors ({n} columns "
-                         f"of {dtype} in {cluster})")
-    land, take = cr.landing_macros() if landed else (None, None)
+    landed = config.landed
+    cr.check_landed(landed, f"mode {mode!r}")
+    if landed and mode == "grad":
+        raise ValueError("landed=True lands the next row of a persistent cluster; the "
+                         "gradient pass (mode 'grad') is one CTA per slice of every row")
+    alloc_source, first_row, fetch = cr.row_source(landed, rows)
 
     @T.macro
     def store_gradient(raw, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
@@ -305,22 +293,13 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
             mine = T.alloc_shared((3,), "float")
             part = T.alloc_shared((2, cluster, 3), "float")
             arrived = T.alloc_local((1,), "int32")
-            if landed:
-                slot = T.alloc_shared((cr.slice_length,), dtype)
-                landing = T.alloc_barrier([cr.threads])
+            src = alloc_source()
             begin(part, tx)
-            if landed:
-                if cr.row_of(0, bx) < rows:
-                    land(x, cr.row_of(0, bx), rank, slot, landing, rows)
+            first_row(x, bx, rank, src)
             for step in T.serial(cr.launch_steps(rows)):
                 row = cr.row_of(step, bx)
                 if row < rows:
-                    if landed:  # take this row's slice, land the next row's
-                        take(slot, landing, step % 2, rank, tx, raw, NEG_INF)
-                        if cr.row_of(step + 1, bx) < rows:
-                            land(x, cr.row_of(step + 1, bx), rank, slot, landing, rows)
-                    else:
-                        load(x, row, rank, tx, raw, NEG_INF)
+                    fetch(x, row, step, bx, rank, tx, raw, NEG_INF, src)
                     t = target[row]
                     # z[t], read before the exchange (a barrier of the row's CTAs), so before
                     # any CTA of the row stores a gradient (possibly over x)

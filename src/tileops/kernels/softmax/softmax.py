@@ -21,7 +21,13 @@ import tilelang.language as T
 from .. import fast_math, l2_hints
 from ..base import Kernel
 from ..vectors import ELEM_BYTES
-from .cluster_rows import MAX_CLUSTER, ClusterRows, cluster_shapes, slice_shape
+from .cluster_rows import (
+    MAX_CLUSTER,
+    ClusterRows,
+    cluster_shapes,
+    landed_shapes,
+    slice_shape,
+)
 from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_for, scratch_shapes
 from .row_map import NEG_INF, RowMap, exp, vector_width
 
@@ -37,7 +43,9 @@ class RowConfig:
     pass's walks); or, with `cluster` > 0, each row split over a cluster of that many CTAs
     of `threads` threads holding it in registers (cluster_rows.py; row_threads, vecs and
     ctas_per_sm unused), or with `meet` over that many unclustered CTAs that meet through
-    global memory (meeting_slices.py: the one-pass statistics, logsumexp and the loss)."""
+    global memory (meeting_slices.py: the one-pass statistics, logsumexp and the loss), or
+    with `landed` each CTA's slice of the next row landing in shared memory by TMA while
+    it works on this one (ClusterRows.row_source; forward kinds and the loss)."""
 
     threads: int = 256
     row_threads: int = 256
@@ -47,6 +55,7 @@ class RowConfig:
     reverse: bool = False
     l2_hints: bool = False
     meet: bool = False
+    landed: bool = False
 
 
 def row_map(n: int, dtype: str, config: RowConfig) -> RowMap:
@@ -239,6 +248,10 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     reduce_sum, reduce_max_sum = cr.reductions()
     per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
     swap, parity = cr.swap_macros(1 if kind.endswith("_bwd") else 2)
+    cr.check_landed(config.landed, f"kind {kind!r}")
+    if config.landed and kind.endswith("_bwd"):
+        raise ValueError(f"landed=True lands one input's next row: kind {kind!r} reads two")
+    alloc_source, first_row, fetch = cr.row_source(config.landed, rows)
 
     @T.macro
     def forward(x, y, lse_out, gpart=None, counts=None):
@@ -256,11 +269,13 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             mine = T.alloc_shared((2,), "float")
             part = T.alloc_shared((2, cluster, 2), "float")
             arrived = T.alloc_local((1,), "int32")
+            src = alloc_source()
             begin(part, tx)
+            first_row(x, bx, rank, src)
             for step in T.serial(cr.launch_steps(rows)):
                 row = cr.row_of(step, bx)
                 if row < rows:
-                    load(x, row, rank, tx, raw, NEG_INF)
+                    fetch(x, row, step, bx, rank, tx, raw, NEG_INF, src)
                     slice_max_sum(raw, m, s)
                     reduce_max_sum(m, s, red_m, red_s, 0, tx)
                     swap((m, s), mine, part, step, rank, tx, row, gpart, counts, arrived)
@@ -601,6 +616,9 @@ class SoftmaxKernel(RowKernel):
         n, dtype, kind = self.key["n"], self.key["dtype"], self.key["kind"]
         if kind == "logsumexp":
             space += meeting_configs(n, dtype)
+        if not kind.endswith("_bwd"):
+            space += [RowConfig(threads, threads, 4, 1, cluster, landed=True)
+                      for cluster, threads in landed_shapes(n, dtype)]
         if kind in ("softmax_bwd", "log_softmax_bwd") and n // vector_width(n, dtype) > 1024:
             whole_row = whole_row_default(n, dtype)  # a cluster of one, where rows fit
             if whole_row is not None and whole_row not in space:
