@@ -134,30 +134,6 @@ def test_cluster_shapes_fit_the_registers(n, dtype):
         assert ClusterRows(n, dtype, slices, threads).per_thread <= 8
 
 
-# (rows, n, dtype, cluster, threads): landed slices, rows past the resident clusters so
-# each cluster lands several rows (the barrier's phases turn), a cluster of one included
-LANDED_CASES = [(59, 4096, BF16, 4, 64), (135, 1000, FP32, 1, 32)]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
-@pytest.mark.parametrize("rows, n, dtype, cluster, threads", [
-    pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
-                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}")
-    for i, case in enumerate(LANDED_CASES)])
-def test_landed_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
-    x = _rows(rows, n, dtype, rows + n)
-    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster, landed=True)
-    check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
-
-
-def test_landed_is_refused_for_the_backward_kinds():
-    kernel = SoftmaxKernel(kind="softmax_bwd", n=4096, dtype="bfloat16")
-    assert not any(c.landed for c in kernel.config_space("many"))
-    with pytest.raises(ValueError, match="landed"):
-        kernel.program(RowConfig(1024, 1024, 4, 1, 4, landed=True), "many")
-
-
 @pytest.mark.compile
 @pytest.mark.full
 @pytest.mark.parametrize("kind", ["softmax_bwd", "log_softmax_bwd"])
