@@ -263,3 +263,21 @@ def test_landed_configs_fit_and_are_refused_where_slices_are_not_whole(vocab):
     odd = CrossEntropyKernel(mode="loss_and_grad", **dict(key, n=vocab + 1))
     with pytest.raises(ValueError, match="whole 16-byte"):
         odd.program(CrossEntropyConfig(1024, 1024, 4, 1, 3, landed=True), "many")
+
+
+@pytest.mark.compile
+@pytest.mark.smoke
+def test_landed_program_lands_one_bulk_copy_and_spills_nothing(tmp_path):
+    """Llama-3's vocabulary in clusters of 4 x 1024 threads: each slice lands by one 1-D
+    bulk copy of its 64128 bytes (no tensor map: `T.assume` proves it in bounds; a box
+    copy would take 167 TMA instructions), and the slice held in registers spills none."""
+    from ..helpers import assert_no_spills_or_serialized_wgmma
+
+    kernel = CrossEntropyKernel(mode="loss_and_grad", n=128256, dtype="bfloat16",
+                                softcap=False, smoothing=False, dloss_per_row=False)
+    config = CrossEntropyConfig(1024, 1024, 4, 1, 4, landed=True)
+    assert config in kernel.config_space("many")
+    compiled = kernel.compile(config, "many")[0]
+    source = compiled.get_kernel_source()
+    assert "expect_transaction(64128)" in source and "CUtensorMap" not in source
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
