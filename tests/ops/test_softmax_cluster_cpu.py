@@ -41,38 +41,25 @@ def _rows(rows, n, dtype, seed):
     return x
 
 
-# (rows, n, dtype, cluster, threads): slices of ragged length; 5 vectors in 4 slices of 2
-# leave the last slice empty
-CASES = [(4, 5000, BF16, 4, 64), (3, 2056, FP16, 3, 64), (3, 1000, FP32, 8, 32),
-         (3, 40, BF16, 4, 32)]
+# (rows, n, dtype, cluster, threads, landed): slices of ragged length; 5 vectors in 4 slices
+# of 2 leave the last slice empty; landed slices (ClusterRows.row_source) on rows past the
+# resident clusters, so each cluster lands several rows (the barrier's phases turn), a
+# cluster of one included
+CASES = [(4, 5000, BF16, 4, 64, False), (3, 2056, FP16, 3, 64, False),
+         (3, 1000, FP32, 8, 32, False), (3, 40, BF16, 4, 32, False),
+         (59, 4096, BF16, 4, 64, True), (135, 1000, FP32, 1, 32, True)]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
-@pytest.mark.parametrize("rows, n, dtype, cluster, threads", [
-    pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
-                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}")
+@pytest.mark.parametrize("rows, n, dtype, cluster, threads, landed", [
+    pytest.param(*case, marks=pytest.mark.smoke if i in (0, 4) else pytest.mark.full,
+                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}"
+                    + ("-landed" if case[5] else ""))
     for i, case in enumerate(CASES)])
-def test_cluster_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
+def test_cluster_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads, landed):
     x = _rows(rows, n, dtype, rows * n)
-    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster)
-    check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
-
-
-# (rows, n, dtype, cluster, threads): landed slices, rows past the resident clusters so
-# each cluster lands several rows (the barrier's phases turn), a cluster of one included
-LANDED_CASES = [(59, 4096, BF16, 4, 64), (135, 1000, FP32, 1, 32)]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "logsumexp"])
-@pytest.mark.parametrize("rows, n, dtype, cluster, threads", [
-    pytest.param(*case, marks=pytest.mark.smoke if i == 0 else pytest.mark.full,
-                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}")
-    for i, case in enumerate(LANDED_CASES)])
-def test_landed_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads):
-    x = _rows(rows, n, dtype, rows + n)
-    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster, landed=True)
+    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster, landed=landed)
     check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
 
 
