@@ -16,9 +16,9 @@ from tileops.kernels.softmax.cross_entropy import (
     CrossEntropyConfig,
     CrossEntropyKernel,
     kept_row_configs,
-    landed_configs,
 )
 from tileops.kernels.softmax.row_map import RowMap
+from tileops.kernels.softmax.softmax import landed_configs
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -247,7 +247,7 @@ def test_landed_configs_fit_and_are_refused_where_slices_are_not_whole(vocab):
     """`landed` shapes: whole 16-byte slices that fit shared memory and the registers, in
     the loss and loss + gradient spaces (not the gradient pass's: it has no next row to
     land); a row not cut into whole vectors is refused, not run on a short copy."""
-    configs = landed_configs(vocab, "bfloat16")
+    configs = landed_configs(vocab, "bfloat16", CrossEntropyConfig)
     assert configs
     for config in configs:
         cr = ClusterRows(vocab, "bfloat16", config.cluster, config.threads)

@@ -300,12 +300,17 @@ class ClusterRows:
 
         return alloc, first, fetch
 
-    def check_landed(self, landed: bool, what: str) -> None:
-        """Refuses a landed form without persistent clusters or whole 16-byte slices."""
+    def check_landed(self, landed: bool, program_lands: bool, program: str) -> None:
+        """Refuses a landed form where the program has no next row of one input to land
+        (`program_lands` False: `program` says why), without persistent clusters, or
+        without whole 16-byte slices."""
+        if landed and not program_lands:
+            raise ValueError(f"landed=True lands one input's next row in a persistent "
+                             f"cluster; not for {program}")
         if landed and (self.meet or not self.lands_whole_slices):
             raise ValueError(f"landed=True needs persistent clusters (meet={self.meet}) and "
                              f"slices of whole 16-byte vectors ({self.n} columns of "
-                             f"{self.dtype} in {self.cluster}); {what}")
+                             f"{self.dtype} in {self.cluster})")
 
 
 REGISTERS = 65536  # per SM

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .. import fast_math
-from .cluster_rows import SHARED_BYTES, ClusterRows, landed_shapes, slice_shape
+from .cluster_rows import SHARED_BYTES, ClusterRows, slice_shape
 from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_shapes
 from .row_map import LOG2E, NEG_INF, RowMap, exp, vector_width
 from .softmax import (
@@ -31,6 +31,7 @@ from .softmax import (
     RowConfig,
     RowKernel,
     default_row_config,
+    landed_configs,
     meeting_configs,
     row_map,
     two_pass_accesses,
@@ -86,12 +87,6 @@ def kept_row_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
             if vecs * (rm.vec + 8) + 40 <= 65536 // threads:
                 configs.append(dataclasses.replace(config, kept_chunks=fit, prefetch=True))
     return configs
-
-
-def landed_configs(n: int, dtype: str) -> list[CrossEntropyConfig]:
-    """The `landed` configs of a row (cluster_rows.landed_shapes)."""
-    return [CrossEntropyConfig(threads, threads, 4, 1, cluster, landed=True)
-            for cluster, threads in landed_shapes(n, dtype)]
 
 
 def default_variants(default: CrossEntropyConfig, mode: str, n: int,
@@ -254,10 +249,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     z_of, slice_statistics = slice_macros(cr, softcap, smoothing)
     swap, parity = cr.swap_macros(CROSS_ENTROPY_PARTIALS)
     landed = config.landed
-    cr.check_landed(landed, f"mode {mode!r}")
-    if landed and mode == "grad":
-        raise ValueError("landed=True lands the next row of a persistent cluster; the "
-                         "gradient pass (mode 'grad') is one CTA per slice of every row")
+    cr.check_landed(landed, mode != "grad", "mode 'grad' (one CTA per slice of every row)")
     alloc_source, first_row, fetch = cr.row_source(landed, rows)
 
     @T.macro
@@ -618,7 +610,7 @@ class CrossEntropyKernel(RowKernel):
         if self.key["mode"] == "loss":
             space += meeting_configs(self.key["n"], self.key["dtype"], CrossEntropyConfig)
         if self.key["mode"] != "grad":
-            space += landed_configs(self.key["n"], self.key["dtype"])
+            space += landed_configs(self.key["n"], self.key["dtype"], CrossEntropyConfig)
         return list(dict.fromkeys(space))
 
     def program(self, config: RowConfig, bucket: str):

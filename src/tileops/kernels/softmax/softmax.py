@@ -248,9 +248,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     reduce_sum, reduce_max_sum = cr.reductions()
     per, vec, cluster = cr.per_thread, cr.vec, cr.cluster
     swap, parity = cr.swap_macros(1 if kind.endswith("_bwd") else 2)
-    cr.check_landed(config.landed, f"kind {kind!r}")
-    if config.landed and kind.endswith("_bwd"):
-        raise ValueError(f"landed=True lands one input's next row: kind {kind!r} reads two")
+    cr.check_landed(config.landed, not kind.endswith("_bwd"), f"kind {kind!r} (two inputs)")
     alloc_source, first_row, fetch = cr.row_source(config.landed, rows)
 
     @T.macro
@@ -393,6 +391,12 @@ def meeting_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
     shapes = dict.fromkeys(slice_shape(n, dtype, per) for per in (4, 8, 16))
     return [config_class(threads, threads, 1, 1, slices, meet=True)
             for slices, threads in shapes]
+
+
+def landed_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
+    """The `landed` configs of a row length (cluster_rows.landed_shapes)."""
+    return [config_class(threads, threads, 4, 1, cluster, landed=True)
+            for cluster, threads in landed_shapes(n, dtype)]
 
 
 def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_backward=None,
@@ -617,8 +621,7 @@ class SoftmaxKernel(RowKernel):
         if kind == "logsumexp":
             space += meeting_configs(n, dtype)
         if not kind.endswith("_bwd"):
-            space += [RowConfig(threads, threads, 4, 1, cluster, landed=True)
-                      for cluster, threads in landed_shapes(n, dtype)]
+            space += landed_configs(n, dtype)
         if kind in ("softmax_bwd", "log_softmax_bwd") and n // vector_width(n, dtype) > 1024:
             whole_row = whole_row_default(n, dtype)  # a cluster of one, where rows fit
             if whole_row is not None and whole_row not in space:
