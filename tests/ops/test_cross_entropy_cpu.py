@@ -187,19 +187,32 @@ def test_gradient_pass_defaults(vocab):
 
 
 def test_loss_and_gradient_default_on_long_rows():
-    """One kernel of loss and gradient on one CTA of 1024 threads an SM where a row spans
-    more than one chunk of it (measured faster on 128K-256K vocabularies, soft-capped or
-    not); Mistral's 32000 and the loss pass alone keep two CTAs of 512."""
-    def default(mode, n, softcap=False):
-        return CrossEntropyKernel(mode=mode, n=n, dtype="bfloat16", softcap=softcap,
-                                  smoothing=False, dloss_per_row=False).heuristic_config(
+    """Loss and gradient of 16-bit vocabulary rows without softcap or smoothing on slices
+    landed by TMA (softmax.landed_default, 512 threads, the fewest slices of at most 16
+    vectors a thread); soft-capped, smoothed or fp32 rows spanning more than one chunk on
+    one CTA of 1024 threads an SM; Mistral's soft-capped 32000 and the loss pass alone keep
+    two CTAs of 512."""
+    def default(mode, n, softcap=False, smoothing=False, dtype="bfloat16"):
+        return CrossEntropyKernel(mode=mode, n=n, dtype=dtype, softcap=softcap,
+                                  smoothing=smoothing, dloss_per_row=False).heuristic_config(
                                       "many", "sm_90a")
 
-    for n, softcap in ((256000, True), (151936, False), (129280, False), (128256, False)):
-        config = default("loss_and_grad", n, softcap)
+    for n, cluster in ((128256, 2), (129280, 2), (151936, 4), (32000, 1)):
+        for dtype in ("bfloat16", "float16"):
+            config = default("loss_and_grad", n, dtype=dtype)
+            assert config == CrossEntropyConfig(512, 512, 4, 1, cluster, landed=True), (n, dtype)
+    for config in (default("loss_and_grad", 256000, softcap=True),
+                   default("loss_and_grad", 128256, smoothing=True),
+                   default("loss_and_grad", 128256, dtype="float32")):
+        assert not config.landed
         assert (config.threads, config.row_threads, config.ctas_per_sm) == (1024, 1024, 1)
-    for other in (default("loss_and_grad", 32000), default("loss", 256000, True)):
+    for other in (default("loss_and_grad", 32000, softcap=True), default("loss", 256000, True)):
+        assert not other.landed
         assert (other.threads, other.ctas_per_sm) == (512, 2)
+    few = CrossEntropyKernel(mode="loss_and_grad", n=128256, dtype="bfloat16", softcap=False,
+                             smoothing=False, dloss_per_row=False).heuristic_config(
+                                 "few", "sm_90a")
+    assert not few.landed
 
 
 def test_kept_chunks_over_shared_memory_are_refused():

@@ -399,6 +399,31 @@ def landed_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
             for cluster, threads in landed_shapes(n, dtype)]
 
 
+# The landed default's slice: at most this many 16-byte vectors a thread of 512. H100,
+# bf16, 2026-12-05: 16 vectors (Llama-3's row in 2 slices) ran 1692 us for the CE loss +
+# gradient at 8K tokens against 1792 in 4 slices; Qwen3's row in 2 slices (19 vectors)
+# 2723 against 2039 in 4 (8); 1024 threads lost everywhere (0.57-1.01x the streaming map).
+LANDED_VECTORS = 16
+LANDED_MIN_COLUMNS = 32000  # the shortest row it was measured on (Mistral's vocabulary)
+
+
+def landed_default(n: int, dtype: str, config_class: type = RowConfig):
+    """The landed config a vocabulary row of 16-bit values runs by default, or None: 512
+    threads, one CTA an SM, the fewest slices of at most LANDED_VECTORS vectors a thread.
+    H100, bf16, many rows, against the streaming map (walked): softmax 1.15x (Llama-3 4K
+    tokens), 1.18x (Qwen3), 1.23x (Gemma-2, 4 slices; 5 ran 1.29x), log_softmax 1.17x; CE
+    loss + gradient 1.23-1.30x (Llama-3 and Qwen3 8K, DeepSeek-V3 4K, Mistral 16K in one CTA
+    a row). fp32 rows and rows under LANDED_MIN_COLUMNS were not measured and keep the
+    streaming map."""
+    if ELEM_BYTES[dtype] != 2 or n < LANDED_MIN_COLUMNS:
+        return None
+    for cluster, threads in landed_shapes(n, dtype):
+        if threads == 512 and ClusterRows(n, dtype, cluster, threads).per_thread \
+                <= LANDED_VECTORS:
+            return config_class(threads, threads, 4, 1, cluster, landed=True)
+    return None
+
+
 def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_backward=None,
                  meeting: bool = False):
     """The program of `kind` around the kernel macros (the streaming or the cluster ones,
@@ -598,7 +623,7 @@ class SoftmaxKernel(RowKernel):
         1.12-1.16x at 64 rows); for many rows, whole in one CTA where they stay in L2 and
         fit its registers (whole_row_default), softmax_bwd on meeting slices where they
         outgrow the L2; the forward two-pass kinds walked for many rows that outgrow it
-        (rows_outgrow_l2)."""
+        (rows_outgrow_l2), or on landed slices where landed_default has a shape."""
         streaming = super().heuristic_config(bucket, arch)
         n, dtype, kind = self.key["n"], self.key["dtype"], self.key["kind"]
         if n // vector_width(n, dtype) <= 1024 or not self.offers_walks:
@@ -611,8 +636,12 @@ class SoftmaxKernel(RowKernel):
             if kind == "softmax_bwd":
                 return meeting_default(n, dtype, self.held) or streaming
             return streaming
-        if bucket == "many" and rows_outgrow_l2(n, dtype, streaming, 1):
-            return walked(streaming, n, dtype)
+        if bucket == "many":
+            landed = landed_default(n, dtype)
+            if landed is not None:
+                return landed
+            if rows_outgrow_l2(n, dtype, streaming, 1):
+                return walked(streaming, n, dtype)
         return streaming
 
     def config_space(self, bucket: str) -> list[RowConfig]:
