@@ -598,11 +598,11 @@ class CrossEntropyKernel(RowKernel):
             # 773.4 vs 842.7, Llama-3 16K smoothing 2994.0 vs 3382.1; Mistral's 32000 (one
             # chunk) lost, 888.5 vs 833.2. The loss pass alone stayed fastest on two of 512.
             row = dataclasses.replace(row, threads=1024, row_threads=1024, ctas_per_sm=1)
-        if self.key["mode"] == "loss_and_grad" and bucket == "many" \
-                and not self.key["softcap"] and not self.key["smoothing"]:
+        if self.key["mode"] == "loss_and_grad" and bucket == "many" and not self.key["softcap"]:
             # Slices landed by TMA on 16-bit vocabulary rows (softmax.landed_default): 1.23-1.30x
-            # the map above on H100 (Mistral's 32000: 1.30x the two CTAs of 512); not with
-            # softcap (Gemma-2: 3106-3990 us against 2235) nor smoothing (not measured).
+            # the map above on H100 (Mistral's 32000: 1.30x the two CTAs of 512; Llama-3 16K
+            # with smoothing 0.1: 3618 us against 4224); not with softcap (Gemma-2: 3106-3990
+            # us against 2235).
             landed = landed_default(n, dtype, CrossEntropyConfig)
             if landed is not None:
                 return landed
