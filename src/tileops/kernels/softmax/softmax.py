@@ -404,12 +404,17 @@ def landed_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
 # gradient at 8K tokens against 1792 in 4 slices; Qwen3's row in 2 slices (19 vectors)
 # 2723 against 2039 in 4 (8); 1024 threads lost everywhere (0.57-1.01x the streaming map).
 LANDED_VECTORS = 16
+# log_softmax holds more a thread: at 16 vectors ptxas spills 332 bytes (softmax 68) and
+# Llama-3's row in 2 slices ran 1534 us against 841 in 4 (8 vectors, no spill); at 10
+# (Qwen3's row in 4) nothing spills.
+LOG_SOFTMAX_LANDED_VECTORS = 10
 LANDED_MIN_COLUMNS = 32000  # the shortest row it was measured on (Mistral's vocabulary)
 
 
-def landed_default(n: int, dtype: str, config_class: type = RowConfig):
+def landed_default(n: int, dtype: str, config_class: type = RowConfig,
+                   max_vectors: int = LANDED_VECTORS):
     """The landed config a vocabulary row of 16-bit values runs by default, or None: 512
-    threads, one CTA an SM, the fewest slices of at most LANDED_VECTORS vectors a thread.
+    threads, one CTA an SM, the fewest slices of at most `max_vectors` vectors a thread.
     H100, bf16, many rows, against the streaming map (walked): softmax 1.15x (Llama-3 4K
     tokens), 1.18x (Qwen3), 1.23x (Gemma-2, 4 slices; 5 ran 1.29x), log_softmax 1.17x; CE
     loss + gradient 1.23-1.30x (Llama-3 and Qwen3 8K, DeepSeek-V3 4K, Mistral 16K in one CTA
@@ -419,7 +424,7 @@ def landed_default(n: int, dtype: str, config_class: type = RowConfig):
         return None
     for cluster, threads in landed_shapes(n, dtype):
         if threads == 512 and ClusterRows(n, dtype, cluster, threads).per_thread \
-                <= LANDED_VECTORS:
+                <= max_vectors:
             return config_class(threads, threads, 4, 1, cluster, landed=True)
     return None
 
@@ -637,7 +642,8 @@ class SoftmaxKernel(RowKernel):
                 return meeting_default(n, dtype, self.held) or streaming
             return streaming
         if bucket == "many":
-            landed = landed_default(n, dtype)
+            landed = landed_default(n, dtype, max_vectors=LOG_SOFTMAX_LANDED_VECTORS
+                                    if kind == "log_softmax" else LANDED_VECTORS)
             if landed is not None:
                 return landed
             if rows_outgrow_l2(n, dtype, streaming, 1):
