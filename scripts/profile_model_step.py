@@ -12,7 +12,7 @@ import collections
 
 import torch
 
-from tileops.transformers.bench import _apply_variant, make_model
+from tileops.transformers.bench import _apply_variant, make_model, make_optimizer
 
 NAME_WIDTH = 100
 
@@ -21,7 +21,7 @@ def profile_step(model_name: str, variant: str, layers: int, seq: int, top: int)
     model = make_model(model_name, layers)
     _apply_variant(model, variant)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = make_optimizer(model)
     ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
 
     def step() -> None:
