@@ -18,9 +18,12 @@ from .softmax_emulated import check_backward, check_forward
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 NAMES = {BF16: "bfloat16", FP16: "float16", FP32: "float32"}
+# the persistent grid's clusters (the `clusters` launch argument): few, so a cluster takes
+# several rows wherever there are more rows than this
+EMULATED_CLUSTERS = 3
 
 
-def _run(kind, tensors, n, dtype, config, rows):
+def _run(kind, tensors, n, dtype, config, rows, clusters=EMULATED_CLUSTERS):
     from ..cuda_emulation_threads import run
 
     compiled = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype]).compile(config, "many")[0]
@@ -28,9 +31,8 @@ def _run(kind, tensors, n, dtype, config, rows):
     if config.cluster > 1:
         assert "cluster_sync" in source and "map_shared_rank" in source
     assert ("tl::tma_load(" in source) == config.landed  # one bulk copy a slice
-    cr = ClusterRows(n, NAMES[dtype], config.cluster, config.threads, config.ctas_per_sm)
-    run(compiled, min(rows, cr.resident_clusters) * config.cluster, config.threads, tensors,
-        dict(rows=rows), cluster=config.cluster)
+    run(compiled, min(rows, clusters) * config.cluster, config.threads, tensors,
+        dict(rows=rows, clusters=clusters), cluster=config.cluster)
 
 
 def _rows(rows, n, dtype, seed):
@@ -87,18 +89,14 @@ def test_cluster_backward_on_the_cpu(kind):
 
 @pytest.mark.compile
 @pytest.mark.full
-def test_persistent_clusters_walk_many_rows_on_the_cpu(monkeypatch):
-    """With room for one cluster (a 2-SM device), one cluster takes every row in turn: the
+def test_persistent_clusters_walk_many_rows_on_the_cpu():
+    """With room for one cluster (`clusters` = 1), one cluster takes every row in turn: the
     partials alternate between the two parity buffers, row after row."""
-    from tileops.kernels.softmax import cluster_rows
-
-    monkeypatch.setattr(cluster_rows, "SM_COUNT", 2)
     rows, n, dtype = 7, 1000, BF16
     x = _rows(rows, n, dtype, 11)
     config = RowConfig(threads=64, row_threads=64, vecs=3, ctas_per_sm=1, cluster=2)
-    assert ClusterRows(n, "bfloat16", 2, 64, 1).resident_clusters == 1
     out = torch.full_like(x, float("nan"))
-    _run("softmax", dict(x=x, y=out), n, dtype, config, rows)
+    _run("softmax", dict(x=x, y=out), n, dtype, config, rows, clusters=1)
     torch.testing.assert_close(out.double(), torch.softmax(x.double(), -1), rtol=1e-2,
                                atol=1e-4, equal_nan=True)
 
@@ -107,14 +105,11 @@ def test_persistent_clusters_walk_many_rows_on_the_cpu(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_cluster_shapes_fit_the_registers(n, dtype):
     """Every cluster shape of the space (one and two inputs held) leaves no slice empty and
-    fits the register file; 2-CTA clusters tile the SMs exactly. The one-pass slices hold
-    at most 8 vectors a thread."""
+    fits the register file. The one-pass slices hold at most 8 vectors a thread."""
     for held in (1, 2):
         for cluster, threads, ctas_per_sm in cluster_shapes(n, dtype, held):
             cr = ClusterRows(n, dtype, cluster, threads, ctas_per_sm)
             assert fits_registers(cr, held) and (cluster - 1) * cr.slice_vectors < n // cr.vec
-            if cluster == 2:
-                assert cr.resident_clusters * 2 == 132 * ctas_per_sm
     for min_threads in (256, 1024):
         slices, threads = slice_shape(n, dtype, min_threads=min_threads)
         assert threads >= min_threads
@@ -128,8 +123,8 @@ def test_cluster_shapes_fit_the_registers(n, dtype):
 def test_whole_row_backward_default_on_the_cpu(kind, n, dtype):
     """The backward kinds' default for rows one CTA holds whole (a cluster of one,
     softmax.whole_row_default): the last vectors of the row in a part of the threads only,
-    more rows than the persistent grid has CTAs on a 2-SM device."""
-    from tileops.kernels.softmax import cluster_rows, softmax
+    more rows than the persistent grid has CTAs (two)."""
+    from tileops.kernels.softmax import softmax
 
     kernel = SoftmaxKernel(kind=kind, n=n, dtype=NAMES[dtype])
     config = kernel.heuristic_config("many", "sm_90a")
@@ -145,9 +140,7 @@ def test_whole_row_backward_default_on_the_cpu(kind, n, dtype):
     def launch(tensors):
         from ..cuda_emulation_threads import run
 
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cluster_rows, "SM_COUNT", 2)  # two resident CTAs walk the five rows
-            compiled = kernel.compile(config, "many")[0]
-        run(compiled, 2, config.threads, tensors, dict(rows=rows), cluster=1)
+        compiled = kernel.compile(config, "many")[0]  # two resident CTAs walk the five rows
+        run(compiled, 2, config.threads, tensors, dict(rows=rows, clusters=2), cluster=1)
 
     check_backward(kind, y, dy, launch, 1e-2, 1e-3)

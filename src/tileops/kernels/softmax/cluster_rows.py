@@ -16,7 +16,9 @@ register slot v // threads, so a warp's loads are contiguous. Rank r of a cluste
 slice r. The row count is symbolic, the row length is compiled in.
 
 The grid is persistent: as many clusters as are resident at once (`ctas_per_sm` CTAs on each
-SM, enforced by the launch bound), each taking every so-many-th row. One cluster per row
+SM, enforced by the launch bound; the count is asked of the driver per device,
+cluster_occupancy.py, and passed as the launch argument `clusters`), each taking every
+so-many-th row. One cluster per row
 measured 1.8-4x slower on the H200 (2026-12-02: every cluster is placed and its barriers
 met anew, and a cluster of 8 waits for 8 free SMs of one GPC). Clusters of 2 always tile
 the SMs (a GPC holds whole TPCs of 2 SMs); larger ones may leave a GPC's last SMs idle.
@@ -30,12 +32,12 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
+from ..cluster_occupancy import SM_SHARED_BYTES
 from ..vectors import ELEM_BYTES, vector_width
 from .meeting_slices import exchange_macro
 from .row_map import NEG_INF, RowMap, exp
 
 MAX_CLUSTER = 8  # the portable cluster size on Hopper
-SM_COUNT = 132  # H200
 SHARED_BYTES = 227 * 1024  # H200: dynamic shared memory of one CTA
 
 
@@ -73,40 +75,33 @@ class ClusterRows:
         """One CTA per slice of every row (the unclustered one-pass kernels)."""
         return rows * self.cluster
 
-    @property
-    def resident_clusters(self) -> int:
-        """Clusters resident at once if every SM holds `ctas_per_sm` CTAs. Exact for pairs;
-        for larger clusters an upper bound (whole GPCs), rounded down by a GPC's worth so the
-        persistent grid never waits for a second wave."""
-        slots = SM_COUNT * self.ctas_per_sm
-        if self.cluster <= 2:
-            return slots // self.cluster
-        return max(1, (slots - 18 * self.ctas_per_sm) // self.cluster)
+    # The persistent grid: `clusters` (a launch argument, the kernel's `clusters`) is how
+    # many clusters of this shape the GPU holds at once (cluster_occupancy.py), so the grid
+    # fills the chip in one wave whatever its GPC layout.
+    def persistent_grid(self, rows, clusters):
+        return T.min(rows, clusters) * self.cluster
 
-    def persistent_grid(self, rows):
-        return T.min(rows, self.resident_clusters) * self.cluster
-
-    def row_steps(self, rows):
+    def row_steps(self, rows, clusters):
         """Rows per cluster of the persistent grid (the last step partly empty)."""
-        return T.ceildiv(rows, self.resident_clusters)
+        return T.ceildiv(rows, clusters)
 
     # the launch of the two-pass kernels: persistent clusters, or with `meet` one CTA per
     # slice of every row, unclustered (meeting_slices.exchange_macro)
-    def launch_grid(self, rows):
-        return self.grid(rows) if self.meet else self.persistent_grid(rows)
+    def launch_grid(self, rows, clusters):
+        return self.grid(rows) if self.meet else self.persistent_grid(rows, clusters)
 
     @property
     def launch_cluster(self) -> int:
         return 1 if self.meet else self.cluster
 
-    def launch_steps(self, rows):
-        return 1 if self.meet else self.row_steps(rows)
+    def launch_steps(self, rows, clusters):
+        return 1 if self.meet else self.row_steps(rows, clusters)
 
-    def row_of(self, step, bx):
+    def row_of(self, step, bx, clusters):
         """The row that CTA bx takes at `step` (the same in the whole cluster)."""
         if self.meet:
             return bx // self.cluster
-        return step * self.resident_clusters + bx // self.cluster
+        return step * clusters + bx // self.cluster
 
     def column(self, rank, tx, i):
         """The first column of register slot i's vector."""
@@ -266,15 +261,16 @@ class ClusterRows:
         @T.macro
         def land(x, row, rank, src):
             slot, landing = src
-            T.assume(row < rows)  # so the copy is provably in bounds: one bulk copy, no map
+            T.assume(0 <= row)  # so the copy is provably in bounds: one bulk copy, no map
+            T.assume(row < rows)
             T.tma_copy(x[row, rank * length:(rank + 1) * length], slot, barrier=landing[0])
             T.mbarrier_arrive(landing[0])
 
         @T.macro
-        def first(x, bx, rank, src):
+        def first(x, bx, rank, src, clusters):
             if landed:
-                if self.row_of(0, bx) < rows:
-                    land(x, self.row_of(0, bx), rank, src)
+                if self.row_of(0, bx, clusters) < rows:
+                    land(x, self.row_of(0, bx, clusters), rank, src)
 
         @T.macro
         def take(src, phase, rank, tx, raw, fill):
@@ -290,11 +286,11 @@ class ClusterRows:
             T.sync_threads()  # every thread has read the slot: the next landing may fill it
 
         @T.macro
-        def fetch(x, row, step, bx, rank, tx, raw, fill, src):
+        def fetch(x, row, step, bx, rank, tx, raw, fill, src, clusters):
             if landed:
                 take(src, step % 2, rank, tx, raw, fill)
-                if self.row_of(step + 1, bx) < rows:
-                    land(x, self.row_of(step + 1, bx), rank, src)
+                if self.row_of(step + 1, bx, clusters) < rows:
+                    land(x, self.row_of(step + 1, bx, clusters), rank, src)
             else:
                 load(x, row, rank, tx, raw, fill)
 
@@ -311,6 +307,13 @@ class ClusterRows:
             raise ValueError(f"landed=True needs persistent clusters (meet={self.meet}) and "
                              f"slices of whole 16-byte vectors ({self.n} columns of "
                              f"{self.dtype} in {self.cluster})")
+        if landed and self.ctas_per_sm * (self.slice_length * ELEM_BYTES[self.dtype] + 4096) \
+                > SM_SHARED_BYTES:
+            # the driver counts the clusters of ctas_per_sm CTAs an SM (cluster_occupancy);
+            # fewer would fit, and the persistent grid would wait for a second wave
+            raise ValueError(f"landed=True with {self.ctas_per_sm} CTAs an SM needs their "
+                             f"slots ({self.slice_length} {self.dtype} values each) in one "
+                             f"SM's {SM_SHARED_BYTES} bytes of shared memory")
 
 
 REGISTERS = 65536  # per SM

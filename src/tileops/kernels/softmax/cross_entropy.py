@@ -205,7 +205,8 @@ def meeting_cross_entropy_program(n: int, dtype: str, softcap: bool, smoothing: 
                           loss: T.Tensor(V, "float"), lse_out: T.Tensor(V, "float"),
                           ignore_index: T.int64, cap: T.float32, eps: T.float32,
                           zloss: T.float32, part: T.Tensor(P, "float"),
-                          count: T.Tensor(C, "int32")):
+                          count: T.Tensor(C, "int32"),
+                          clusters: T.int32):  # unused: one CTA per slice of every row
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             fast_math.import_source()
             tx = T.get_thread_binding()
@@ -267,9 +268,9 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                     grad[row, cr.column(rank, tx, i) + j] = T.cast(g[j], dtype)
 
     @T.macro
-    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss, gpart=None,
-                counts=None):
-        with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
+    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss, clusters,
+                gpart=None, counts=None):
+        with T.Kernel(cr.launch_grid(rows, clusters), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
             fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
@@ -288,11 +289,11 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
             arrived = T.alloc_local((1,), "int32")
             src = alloc_source()
             begin(part, tx)
-            first_row(x, bx, rank, src)
-            for step in T.serial(cr.launch_steps(rows)):
-                row = cr.row_of(step, bx)
+            first_row(x, bx, rank, src, clusters)
+            for step in T.serial(cr.launch_steps(rows, clusters)):
+                row = cr.row_of(step, bx, clusters)
                 if row < rows:
-                    fetch(x, row, step, bx, rank, tx, raw, NEG_INF, src)
+                    fetch(x, row, step, bx, rank, tx, raw, NEG_INF, src, clusters)
                     t = target[row]
                     # z[t], read before the exchange (a barrier of the row's CTAs), so before
                     # any CTA of the row stores a gradient (possibly over x)
@@ -320,7 +321,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                                        zloss)
 
     @T.macro
-    def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
+    def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss, clusters):
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             fast_math.import_source()
             tx = T.get_thread_binding()
@@ -412,7 +413,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                                        softcap)
 
     @T.macro
-    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss):
+    def forward(x, target, loss, lse_out, grad, ignore_index, cap, eps, zloss, clusters):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
             fast_math.import_source()
             resident()
@@ -488,7 +489,7 @@ def cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool, smoothin
                     T.sync_threads()
 
     @T.macro
-    def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss):
+    def backward(dloss, x, target, lse_in, grad, ignore_index, cap, eps, zloss, clusters):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
             fast_math.import_source()
             resident()
@@ -524,7 +525,8 @@ def prim_func_of(mode: str, rows, n: int, dtype: str, dloss_per_row: bool, forwa
                  meeting: bool = False):
     """The program of `mode` around the kernel macros (the streaming or the cluster ones,
     which size their grids by the same symbolic `rows`); `meeting`: loss_and_grad on
-    meeting slices, which takes the scratch buffers (meeting_slices.scratch_for) last."""
+    meeting slices, which takes the scratch buffers (meeting_slices.scratch_for). Every
+    program takes `clusters` last (softmax.prim_func_of)."""
     R, V = (rows, n), (rows,)
     if meeting:
         P, C = scratch_shapes()
@@ -535,8 +537,9 @@ def prim_func_of(mode: str, rows, n: int, dtype: str, dloss_per_row: bool, forwa
                 loss: T.Tensor(V, "float"), lse: T.Tensor(V, "float"),
                 grad: T.Tensor(R, dtype), ignore_index: T.int64, cap: T.float32,
                 eps: T.float32, zloss: T.float32, gpart: T.Tensor(P, "float"),
-                counts: T.Tensor(C, "int32")):
-            forward(x, target, loss, lse, grad, ignore_index, cap, eps, zloss, gpart, counts)
+                counts: T.Tensor(C, "int32"), clusters: T.int32):
+            forward(x, target, loss, lse, grad, ignore_index, cap, eps, zloss, clusters, gpart,
+                    counts)
         return cross_entropy_loss_grad_meeting
     if mode == "grad":
         D = (rows,) if dloss_per_row else (1,)
@@ -545,24 +548,26 @@ def prim_func_of(mode: str, rows, n: int, dtype: str, dloss_per_row: bool, forwa
         def cross_entropy_bwd(dloss: T.Tensor(D, "float"), x: T.Tensor(R, dtype),
                               target: T.Tensor(V, "int64"), lse: T.Tensor(V, "float"),
                               grad: T.Tensor(R, dtype), ignore_index: T.int64,
-                              cap: T.float32, eps: T.float32, zloss: T.float32):
-            backward(dloss, x, target, lse, grad, ignore_index, cap, eps, zloss)
+                              cap: T.float32, eps: T.float32, zloss: T.float32,
+                              clusters: T.int32):
+            backward(dloss, x, target, lse, grad, ignore_index, cap, eps, zloss, clusters)
         return cross_entropy_bwd
     if mode == "loss_and_grad":
         @T.prim_func
         def cross_entropy_loss_grad(x: T.Tensor(R, dtype), target: T.Tensor(V, "int64"),
                                     loss: T.Tensor(V, "float"), lse: T.Tensor(V, "float"),
                                     grad: T.Tensor(R, dtype), ignore_index: T.int64,
-                                    cap: T.float32, eps: T.float32, zloss: T.float32):
-            forward(x, target, loss, lse, grad, ignore_index, cap, eps, zloss)
+                                    cap: T.float32, eps: T.float32, zloss: T.float32,
+                                    clusters: T.int32):
+            forward(x, target, loss, lse, grad, ignore_index, cap, eps, zloss, clusters)
         return cross_entropy_loss_grad
 
     @T.prim_func
     def cross_entropy_fwd(x: T.Tensor(R, dtype), target: T.Tensor(V, "int64"),
                           loss: T.Tensor(V, "float"), lse: T.Tensor(V, "float"),
                           ignore_index: T.int64, cap: T.float32, eps: T.float32,
-                          zloss: T.float32):
-        forward(x, target, loss, lse, None, ignore_index, cap, eps, zloss)
+                          zloss: T.float32, clusters: T.int32):
+        forward(x, target, loss, lse, None, ignore_index, cap, eps, zloss, clusters)
     return cross_entropy_fwd
 
 

@@ -20,6 +20,7 @@ import tilelang.language as T
 
 from .. import fast_math, l2_hints
 from ..base import Kernel
+from ..cluster_occupancy import resident_clusters
 from ..vectors import ELEM_BYTES
 from .cluster_rows import (
     MAX_CLUSTER,
@@ -82,7 +83,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     hint_state, first_load, second_load, out_store = two_pass_accesses(rm, load, store)
 
     @T.macro
-    def forward(x, y, lse_out):
+    def forward(x, y, lse_out, clusters):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
             fast_math.import_source()
             tx = T.get_thread_binding()
@@ -129,7 +130,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                     T.sync_threads()
 
     @T.macro
-    def backward(dy, y, dx):
+    def backward(dy, y, dx, clusters):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
             fast_math.import_source()
             tx = T.get_thread_binding()
@@ -171,7 +172,7 @@ def softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                     T.sync_threads()
 
     @T.macro
-    def lse_backward(g, x, lse, dx):
+    def lse_backward(g, x, lse, dx, clusters):
         with T.Kernel(rm.grid(rows), threads=rm.threads) as bx:
             fast_math.import_source()
             tx = T.get_thread_binding()
@@ -252,8 +253,8 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     alloc_source, first_row, fetch = cr.row_source(config.landed, rows)
 
     @T.macro
-    def forward(x, y, lse_out, gpart=None, counts=None):
-        with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
+    def forward(x, y, lse_out, clusters, gpart=None, counts=None):
+        with T.Kernel(cr.launch_grid(rows, clusters), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
             fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
@@ -269,11 +270,11 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             arrived = T.alloc_local((1,), "int32")
             src = alloc_source()
             begin(part, tx)
-            first_row(x, bx, rank, src)
-            for step in T.serial(cr.launch_steps(rows)):
-                row = cr.row_of(step, bx)
+            first_row(x, bx, rank, src, clusters)
+            for step in T.serial(cr.launch_steps(rows, clusters)):
+                row = cr.row_of(step, bx, clusters)
                 if row < rows:
-                    fetch(x, row, step, bx, rank, tx, raw, NEG_INF, src)
+                    fetch(x, row, step, bx, rank, tx, raw, NEG_INF, src, clusters)
                     slice_max_sum(raw, m, s)
                     reduce_max_sum(m, s, red_m, red_s, 0, tx)
                     swap((m, s), mine, part, step, rank, tx, row, gpart, counts, arrived)
@@ -298,8 +299,8 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                                             T.cast(raw[i, j], "float") - lse, dtype)
 
     @T.macro
-    def backward(dy, y, dx, gpart=None, counts=None):
-        with T.Kernel(cr.launch_grid(rows), threads=cr.threads,
+    def backward(dy, y, dx, clusters, gpart=None, counts=None):
+        with T.Kernel(cr.launch_grid(rows, clusters), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
             fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
@@ -313,8 +314,8 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
             part = T.alloc_shared((2, cluster, 1), "float")
             arrived = T.alloc_local((1,), "int32")
             begin(part, tx)
-            for step in T.serial(cr.launch_steps(rows)):
-                row = cr.row_of(step, bx)
+            for step in T.serial(cr.launch_steps(rows, clusters)):
+                row = cr.row_of(step, bx, clusters)
                 if row < rows:
                     load(dy, row, rank, tx, dyr, 0.0)
                     load(y, row, rank, tx, yr, 0.0)
@@ -361,7 +362,8 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
 
     @T.prim_func
     def logsumexp_fwd(x: T.Tensor((rows, n), dtype), out: T.Tensor((rows,), dtype),
-                      part: T.Tensor(P, "float"), count: T.Tensor(C, "int32")):
+                      part: T.Tensor(P, "float"), count: T.Tensor(C, "int32"),
+                      clusters: T.int32):  # unused: one CTA per slice of every row
         with T.Kernel(cr.grid(rows), threads=cr.threads) as bx:
             fast_math.import_source()
             tx = T.get_thread_binding()
@@ -381,6 +383,14 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
 
 
 LOGSUMEXP_PARTIALS = 2  # max, exp-sum
+
+
+def launch_clusters(config: RowConfig, device) -> int:
+    """The `clusters` launch argument of a row program: for persistent clusters the number
+    of them the device holds at once (cluster_occupancy.py), else 0 (unused)."""
+    if not config.cluster or config.meet:
+        return 0
+    return resident_clusters(device, config.cluster, config.threads, config.ctas_per_sm)
 
 
 def meeting_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
@@ -433,43 +443,47 @@ def prim_func_of(kind: str, rows, n: int, dtype: str, forward, backward, lse_bac
                  meeting: bool = False):
     """The program of `kind` around the kernel macros (the streaming or the cluster ones,
     which size their grids by the same symbolic `rows`); `meeting`: the two-pass kinds'
-    meeting slices, which take the scratch buffers (meeting_slices.scratch_for) last."""
+    meeting slices, which take the scratch buffers (meeting_slices.scratch_for). Every
+    program takes `clusters` last: the persistent cluster kernels' grid (the clusters the
+    GPU holds at once, RowKernel.run); the others ignore it."""
     R, V = (rows, n), (rows,)
     if meeting:
         P, C = scratch_shapes()
         if kind in ("softmax", "log_softmax"):
             @T.prim_func
             def softmax_fwd_meeting(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype),
-                                    gpart: T.Tensor(P, "float"), counts: T.Tensor(C, "int32")):
-                forward(x, y, None, gpart, counts)
+                                    gpart: T.Tensor(P, "float"), counts: T.Tensor(C, "int32"),
+                                    clusters: T.int32):
+                forward(x, y, None, clusters, gpart, counts)
             return softmax_fwd_meeting
 
         @T.prim_func
         def softmax_bwd_meeting(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype),
                                 dx: T.Tensor(R, dtype), gpart: T.Tensor(P, "float"),
-                                counts: T.Tensor(C, "int32")):
-            backward(dy, y, dx, gpart, counts)
+                                counts: T.Tensor(C, "int32"), clusters: T.int32):
+            backward(dy, y, dx, clusters, gpart, counts)
         return softmax_bwd_meeting
     if kind == "logsumexp":
         @T.prim_func
-        def logsumexp_fwd(x: T.Tensor(R, dtype), out: T.Tensor(V, dtype)):
-            forward(x, None, out)
+        def logsumexp_fwd(x: T.Tensor(R, dtype), out: T.Tensor(V, dtype), clusters: T.int32):
+            forward(x, None, out, clusters)
         return logsumexp_fwd
     if kind in ("softmax", "log_softmax"):
         @T.prim_func
-        def softmax_fwd(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype)):
-            forward(x, y, None)
+        def softmax_fwd(x: T.Tensor(R, dtype), y: T.Tensor(R, dtype), clusters: T.int32):
+            forward(x, y, None, clusters)
         return softmax_fwd
     if kind == "logsumexp_bwd":
         @T.prim_func
         def logsumexp_bwd(g: T.Tensor(V, dtype), x: T.Tensor(R, dtype),
-                          lse: T.Tensor(V, dtype), dx: T.Tensor(R, dtype)):
-            lse_backward(g, x, lse, dx)
+                          lse: T.Tensor(V, dtype), dx: T.Tensor(R, dtype), clusters: T.int32):
+            lse_backward(g, x, lse, dx, clusters)
         return logsumexp_bwd
 
     @T.prim_func
-    def softmax_bwd(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype), dx: T.Tensor(R, dtype)):
-        backward(dy, y, dx)
+    def softmax_bwd(dy: T.Tensor(R, dtype), y: T.Tensor(R, dtype), dx: T.Tensor(R, dtype),
+                    clusters: T.int32):
+        backward(dy, y, dx, clusters)
     return softmax_bwd
 
 
@@ -566,9 +580,9 @@ class RowKernel(Kernel):
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
         if config.meet:  # the slices' scratch (partials, counts) after the op's arguments
             compiled[0](*tensors, *scratch_for(tensors[0], config.cluster,
-                                               self.meeting_partials))
+                                               self.meeting_partials), 0)
             return
-        compiled[0](*tensors)
+        compiled[0](*tensors, launch_clusters(config, tensors[0].device))
 
     def bucket_of(self, rows: int) -> str:
         return "few" if rows <= 256 else "many"
