@@ -65,6 +65,34 @@ def test_cluster_forward_on_the_cpu(kind, rows, n, dtype, cluster, threads, land
     check_forward(kind, x, lambda tensors: _run(kind, tensors, n, dtype, config, rows))
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("rows, n, dtype, cluster, threads, landed", [
+    pytest.param(*case, marks=pytest.mark.smoke if i == 1 else pytest.mark.full,
+                 id=f"{case[0]}x{case[1]}-{NAMES[case[2]]}-c{case[3]}-t{case[4]}"
+                    + ("-landed" if case[5] else ""))
+    for i, case in enumerate([(4, 5000, BF16, 4, 64, False), (59, 4096, BF16, 4, 64, True),
+                              (6, 2064, FP16, 3, 64, True), (5, 1000, FP32, 2, 32, False)])])
+def test_kept_exp_softmax_on_the_cpu(rows, n, dtype, cluster, threads, landed):
+    """Softmax from the kept exps (one exp a value): masked entries, a fully masked row
+    (NaN), and a row far below 0 whose few finite values sit in a few threads, the others
+    holding only -inf (their factor must stay finite: 0, not 0 * inf)."""
+    x = _rows(rows, n, dtype, rows * n + 1)
+    x[3] = float("-inf")
+    x[3, 17], x[3, n - 9] = -300.0, -299.0
+    config = RowConfig(threads=threads, ctas_per_sm=1, cluster=cluster, landed=landed,
+                       kept_exp=True)
+    check_forward("softmax", x, lambda tensors: _run("softmax", tensors, n, dtype, config,
+                                                     rows))
+
+
+def test_kept_exp_is_refused_where_it_does_not_apply():
+    for kind, config in (("log_softmax", RowConfig(512, 512, 4, 1, 4, kept_exp=True)),
+                         ("softmax", RowConfig(512, 512, 4, 1, 2, kept_exp=True)),
+                         ("softmax", RowConfig(512, 512, 4, 1, 4, meet=True, kept_exp=True))):
+        with pytest.raises(ValueError, match="kept_exp"):
+            SoftmaxKernel(kind=kind, n=128256, dtype="bfloat16").program(config, "many")
+
+
 def test_landed_is_refused_for_the_backward_kinds():
     kernel = SoftmaxKernel(kind="softmax_bwd", n=4096, dtype="bfloat16")
     assert not any(c.landed for c in kernel.config_space("many"))
