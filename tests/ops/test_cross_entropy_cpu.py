@@ -100,6 +100,11 @@ CASES = [
      {"cap": 30.0, "ignore_index": 7}),
     (135, 2000, FP16, CrossEntropyConfig(threads=64, ctas_per_sm=1, cluster=1, landed=True),
      {}),
+    # the gradient from kept exps (one exp a logit): landed and not, smoothing and z-loss
+    (23, 4096, BF16, CrossEntropyConfig(threads=64, ctas_per_sm=1, cluster=4, landed=True,
+                                        kept_exp=True), {"eps": 0.1, "zloss": 1e-4}),
+    (4, 3000, FP16, CrossEntropyConfig(threads=64, ctas_per_sm=1, cluster=3, kept_exp=True),
+     {"ignore_index": 7}),
     # the second pass last chunk first, with and without L2 hints (kernels/l2_hints.py)
     (5, 5000, BF16, CrossEntropyConfig(64, 64, 2, 1, reverse=True), {"cap": 30.0}),
     (4, 4104, FP16, CrossEntropyConfig(64, 64, 2, 2, reverse=True, l2_hints=True,
@@ -117,7 +122,8 @@ CASES = [
 def _case_id(case) -> str:
     rows, vocab, dtype, config = case[:4]
     flags = [f"kept{config.kept_chunks}"] + [
-        name for name in ("prefetch", "reverse", "l2_hints", "landed") if getattr(config, name)]
+        name for name in ("prefetch", "reverse", "l2_hints", "landed", "kept_exp")
+        if getattr(config, name)]
     if config.cluster:
         flags.append(f"cluster{config.cluster}")
     return f"{rows}x{vocab}-{str(dtype)[6:]}-{'-'.join(flags)}"
@@ -293,3 +299,14 @@ def test_landed_program_lands_one_bulk_copy_and_spills_nothing(tmp_path):
     source = compiled.get_kernel_source()
     assert "expect_transaction(64128)" in source and "CUtensorMap" not in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+def test_kept_exp_is_refused_where_it_does_not_apply():
+    """The kept exps stand for the logits only without softcap (whose gradient needs them)
+    and where a gradient is stored from a persistent cluster."""
+    config = CrossEntropyConfig(threads=512, ctas_per_sm=1, cluster=4, kept_exp=True)
+    for mode, softcap in (("loss_and_grad", True), ("loss", False)):
+        kernel = CrossEntropyKernel(mode=mode, n=128256, dtype="bfloat16", softcap=softcap,
+                                    smoothing=False, dloss_per_row=False)
+        with pytest.raises(ValueError, match="kept_exp"):
+            kernel.program(config, "many")

@@ -121,6 +121,56 @@ class ClusterRows:
         _, _, reduce_sum, reduce_max_sum, _ = rm.macros(None)
         return reduce_sum, reduce_max_sum
 
+    def kept_macros(self, smoothing: bool = False):
+        """(kept_max_sum, max_then_sum) of the kept-exp forms (RowConfig.kept_exp): each
+        thread keeps e[i, j] = exp(x - its max) in float registers from the statistics pass,
+        so the outputs (softmax, the loss's gradient) take a multiply by `kept_factor`, not
+        a second exp; the SFU's 16 lanes an SM bound the two-exp forms on the H200."""
+        per, vec, warps = self.per_thread, self.vec, self.warps
+        reduce_sum = self.reductions()[0]
+
+        @T.macro
+        def kept_max_sum(raw, e, thread_max, m, s, zsum, rank, tx):
+            """(m[0], s[0]) <- the thread's max and exp-sum, e <- its exps (0 past the slice,
+            whose -inf fill adds nothing), thread_max[0] <- its max; with `smoothing`
+            zsum[0] <- the sum of its values in the row."""
+            thread_max[0] = NEG_INF
+            for i in T.unroll(per):
+                for j in T.unroll(vec):
+                    thread_max[0] = T.max(thread_max[0], T.cast(raw[i, j], "float"))
+            shift = RowMap.shift_of(thread_max[0])
+            s[0] = 0.0
+            if smoothing:
+                zsum[0] = 0.0
+            for i in T.unroll(per):
+                for j in T.unroll(vec):
+                    e[i, j] = exp(T.cast(raw[i, j], "float") - shift)
+                    s[0] = s[0] + e[i, j]
+                    if smoothing:
+                        zsum[0] = zsum[0] + T.if_then_else(
+                            self.valid(rank, tx, i), T.cast(raw[i, j], "float"), 0.0)
+            m[0] = thread_max[0]
+
+        @T.macro
+        def max_then_sum(thread_max, m, s, red_m, red_s, tx):
+            """The CTA's (max, exp-sum) in two reductions: the max, then each thread's sum
+            rescaled to it once and summed. Two exps a thread, where merging (max, sum) pairs
+            up the tree takes two at every step (45 a thread at 512 threads)."""
+            for k in T.unroll(5):
+                m[0] = T.max(m[0], T.shfl_xor(m[0], 1 << k))
+            if warps > 1:
+                if tx % 32 == 0:
+                    red_m[0, tx // 32] = m[0]
+                T.sync_threads()
+                m[0] = red_m[0, 0]
+                for w in T.unroll(warps - 1):
+                    m[0] = T.max(m[0], red_m[0, w + 1])
+            s[0] = T.if_then_else(thread_max[0] == NEG_INF, T.float32(0),
+                                  s[0] * exp(thread_max[0] - RowMap.shift_of(m[0])))
+            reduce_sum(s, red_s, 0, tx)
+
+        return kept_max_sum, max_then_sum
+
     def macros(self):
         """(load, slice_max_sum, begin, share, merged_max_sum, merged_sum); see each one's
         comment."""
@@ -314,6 +364,13 @@ class ClusterRows:
             raise ValueError(f"landed=True with {self.ctas_per_sm} CTAs an SM needs their "
                              f"slots ({self.slice_length} {self.dtype} values each) in one "
                              f"SM's {SM_SHARED_BYTES} bytes of shared memory")
+
+
+def kept_factor(thread_max, to):
+    """exp(thread max - to): what a thread's kept exps are multiplied by to be exp(x - to).
+    A thread of -inf values kept zeros, so any finite factor will do: 1 (and a fully masked
+    row's outputs stay 0 * inf = NaN where `to` came from a zero sum, as torch's)."""
+    return exp(T.if_then_else(thread_max == NEG_INF, to, thread_max) - to)
 
 
 REGISTERS = 65536  # per SM

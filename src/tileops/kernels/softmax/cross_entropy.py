@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .. import fast_math
-from .cluster_rows import SHARED_BYTES, ClusterRows, slice_shape
+from ..vectors import ELEM_BYTES
+from .cluster_rows import SHARED_BYTES, ClusterRows, fits_registers, kept_factor, slice_shape
 from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_shapes
 from .row_map import LOG2E, NEG_INF, RowMap, exp, vector_width
 from .softmax import (
@@ -253,6 +254,29 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     landed = config.landed
     cr.check_landed(landed, mode != "grad", "mode 'grad' (one CTA per slice of every row)")
     alloc_source, first_row, fetch = cr.row_source(landed, rows)
+    kept = config.kept_exp
+    if kept and (softcap or meet or mode != "loss_and_grad"
+                 or not fits_registers(cr, 4 // ELEM_BYTES[dtype])):
+        raise ValueError(f"kept_exp=True keeps a float exp a logit for the gradient: for "
+                         f"mode 'loss_and_grad' without softcap on persistent clusters whose "
+                         f"slices fit the registers as floats; got mode {mode!r}, "
+                         f"softcap={softcap}, meet={meet}, {cr.per_thread} vectors a thread "
+                         f"of {cr.threads} threads, {config.ctas_per_sm} CTAs an SM")
+    kept_max_sum, max_then_sum = cr.kept_macros(smoothing)
+
+    @T.macro
+    def store_kept_gradient(e, thread_max, grad, row, rank, tx, t, lse, scale, eps, zloss):
+        """grad's slice <- d(loss * scale)/dx from the kept exps: softmax = e * exp(thread
+        max - lse), one multiply an element (gradient_of's terms otherwise)."""
+        factor = kept_factor(thread_max[0], lse) * (1.0 + 2.0 * zloss * lse)
+        g = T.alloc_local((vec,), "float")
+        for i in T.unroll(per):
+            if cr.valid(rank, tx, i):
+                for j in T.unroll(vec):
+                    g[j] = (e[i, j] * factor - eps / n - T.if_then_else(
+                        cr.column(rank, tx, i) + j == t, 1.0 - eps, 0.0)) * scale
+                for j in T.vectorized(vec):
+                    grad[row, cr.column(rank, tx, i) + j] = T.cast(g[j], dtype)
 
     @T.macro
     def store_gradient(raw, grad, row, rank, tx, t, lse, scale, cap, eps, zloss):
@@ -281,6 +305,8 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
             s = T.alloc_local((1,), "float")
             zsum = T.alloc_local((1,), "float")
             zt = T.alloc_local((1,), "float")
+            e = T.alloc_local((per, vec) if kept else (1, 1), "float")  # kept exps
+            thread_max = T.alloc_local((1,), "float")
             red_m = T.alloc_shared((1, cr.warps), "float")
             red_s = T.alloc_shared((1, cr.warps), "float")
             red_z = T.alloc_shared((1, cr.warps), "float")
@@ -302,8 +328,12 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                         zt[0] = T.cast(x[row, t], "float")
                         if softcap:
                             zt[0] = soft_capped(zt[0], cap)
-                    slice_statistics(raw, rank, tx, cap, m, s, zsum)
-                    reduce_max_sum(m, s, red_m, red_s, 0, tx)
+                    if kept:
+                        kept_max_sum(raw, e, thread_max, m, s, zsum, rank, tx)
+                        max_then_sum(thread_max, m, s, red_m, red_s, tx)
+                    else:
+                        slice_statistics(raw, rank, tx, cap, m, s, zsum)
+                        reduce_max_sum(m, s, red_m, red_s, 0, tx)
                     if smoothing:
                         reduce_sum(zsum, red_z, 0, tx)
                     swap((m, s, zsum), mine, part, step, rank, tx, row, gpart, counts, arrived)
@@ -315,7 +345,12 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                         loss[row] = row_scale(t, ignore_index, n,
                                               row_loss(lse, zt[0], zsum[0], eps, zloss, n))
                         lse_out[row] = lse
-                    if mode == "loss_and_grad":
+                    if kept:
+                        store_kept_gradient(e, thread_max, grad, row, rank, tx,
+                                            target_column(t, n), lse,
+                                            row_scale(t, ignore_index, n, T.float32(1.0)), eps,
+                                            zloss)
+                    elif mode == "loss_and_grad":
                         store_gradient(raw, grad, row, rank, tx, target_column(t, n), lse,
                                        row_scale(t, ignore_index, n, T.float32(1.0)), cap, eps,
                                        zloss)

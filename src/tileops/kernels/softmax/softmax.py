@@ -27,6 +27,7 @@ from .cluster_rows import (
     ClusterRows,
     cluster_shapes,
     fits_registers,
+    kept_factor,
     landed_shapes,
     slice_shape,
 )
@@ -257,45 +258,12 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     cr.check_landed(config.landed, not kind.endswith("_bwd"), f"kind {kind!r} (two inputs)")
     alloc_source, first_row, fetch = cr.row_source(config.landed, rows)
     kept = config.kept_exp
+    kept_max_sum, max_then_sum = cr.kept_macros()
     if kept and (kind != "softmax" or meet or not fits_registers(cr, 4 // ELEM_BYTES[dtype])):
         raise ValueError(f"kept_exp=True keeps a float exp a value: for kind 'softmax' on "
                          f"persistent clusters whose slices fit the registers as floats; got "
                          f"kind {kind!r}, meet={meet}, {cr.per_thread} vectors a thread of "
                          f"{cr.threads} threads, {config.ctas_per_sm} CTAs an SM")
-
-    @T.macro
-    def kept_max_sum(raw, e, thread_max, m, s):
-        """slice_max_sum that keeps e[i, j] = exp(x - the thread's max) (0 past the slice,
-        whose -inf fill adds nothing) and the thread's max."""
-        thread_max[0] = NEG_INF
-        for i in T.unroll(per):
-            for j in T.unroll(vec):
-                thread_max[0] = T.max(thread_max[0], T.cast(raw[i, j], "float"))
-        shift = RowMap.shift_of(thread_max[0])
-        s[0] = 0.0
-        for i in T.unroll(per):
-            for j in T.unroll(vec):
-                e[i, j] = exp(T.cast(raw[i, j], "float") - shift)
-                s[0] = s[0] + e[i, j]
-        m[0] = thread_max[0]
-
-    @T.macro
-    def max_then_sum(thread_max, m, s, red_m, red_s, tx):
-        """reduce_max_sum in two reductions: the CTA's max, then each thread's sum rescaled
-        to it once and summed. Two exps a thread, where merging (max, sum) pairs up the
-        tree takes two at every step (45 a thread at 512 threads: 40% of the kept form's)."""
-        for k in T.unroll(5):
-            m[0] = T.max(m[0], T.shfl_xor(m[0], 1 << k))
-        if cr.warps > 1:
-            if tx % 32 == 0:
-                red_m[0, tx // 32] = m[0]
-            T.sync_threads()
-            m[0] = red_m[0, 0]
-            for w in T.unroll(cr.warps - 1):
-                m[0] = T.max(m[0], red_m[0, w + 1])
-        s[0] = T.if_then_else(thread_max[0] == NEG_INF, T.float32(0),
-                              s[0] * exp(thread_max[0] - RowMap.shift_of(m[0])))
-        reduce_sum(s, red_s, 0, tx)
 
     @T.macro
     def forward(x, y, lse_out, clusters, gpart=None, counts=None):
@@ -323,7 +291,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                 if row < rows:
                     fetch(x, row, step, bx, rank, tx, raw, NEG_INF, src, clusters)
                     if kept:
-                        kept_max_sum(raw, e, thread_max, m, s)
+                        kept_max_sum(raw, e, thread_max, m, s, None, rank, tx)
                         max_then_sum(thread_max, m, s, red_m, red_s, tx)
                     else:
                         slice_max_sum(raw, m, s)
@@ -338,11 +306,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
                         shift = RowMap.shift_of(m[0])
                         scale = 1.0 / s[0]
                         lse = m[0] + T.log(s[0])
-                        # the kept exps' factor: exp(thread max - row max) / sum; a thread
-                        # of -inf values kept zeros, so any finite factor (1 / sum) will do
-                        # (and a fully masked row's 0 * inf stays NaN, as torch's)
-                        kept_scale = exp(T.if_then_else(thread_max[0] == NEG_INF, shift,
-                                                        thread_max[0]) - shift) * scale
+                        kept_scale = kept_factor(thread_max[0], shift) * scale
                         for i in T.unroll(per):
                             if cr.valid(rank, tx, i):
                                 for j in T.vectorized(vec):
