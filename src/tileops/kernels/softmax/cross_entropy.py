@@ -35,6 +35,7 @@ from .softmax import (
     landed_configs,
     landed_default,
     meeting_configs,
+    paired_default,
     row_map,
     two_pass_accesses,
     walk_variants,
@@ -296,6 +297,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                 gpart=None, counts=None):
         with T.Kernel(cr.launch_grid(rows, clusters), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
+            T.assume(clusters > 0)  # rows from it are >= 0: no sign guards on them
             fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
@@ -329,6 +331,7 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                         if softcap:
                             zt[0] = soft_capped(zt[0], cap)
                     if kept:
+                        zsum[0] = 0.0  # the loss reads it with or without smoothing
                         kept_max_sum(raw, e, thread_max, m, s, zsum, rank, tx)
                         max_then_sum(thread_max, m, s, red_m, red_s, tx)
                     else:
@@ -642,8 +645,11 @@ class CrossEntropyKernel(RowKernel):
             # Slices landed by TMA on 16-bit vocabulary rows (softmax.landed_default): 1.23-1.30x
             # the map above on H100 (Mistral's 32000: 1.30x the two CTAs of 512; Llama-3 16K
             # with smoothing 0.1: 3618 us against 4224); not with softcap (Gemma-2: 3106-3990
-            # us against 2235).
-            landed = landed_default(n, dtype, CrossEntropyConfig)
+            # us against 2235). Where a row takes several slices, 256-thread CTAs two an SM
+            # with the gradient from kept exps (softmax.paired_default; with smoothing 0.1
+            # on Llama-3 16K, 512 threads in 4 slices: 3433 us against 3935, H100).
+            landed = paired_default(n, dtype, True, CrossEntropyConfig) or landed_default(
+                n, dtype, CrossEntropyConfig)
             if landed is not None:
                 return landed
         return CrossEntropyConfig(**dataclasses.asdict(row))

@@ -269,6 +269,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     def forward(x, y, lse_out, clusters, gpart=None, counts=None):
         with T.Kernel(cr.launch_grid(rows, clusters), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
+            T.assume(clusters > 0)  # rows from it are >= 0: no sign guards on them
             fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
@@ -325,6 +326,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     def backward(dy, y, dx, clusters, gpart=None, counts=None):
         with T.Kernel(cr.launch_grid(rows, clusters), threads=cr.threads,
                       cluster_dims=cr.launch_cluster) as bx:
+            T.assume(clusters > 0)  # rows from it are >= 0: no sign guards on them
             fast_math.import_source()
             T.annotate_min_blocks_per_sm(config.ctas_per_sm)
             tx = T.get_thread_binding()
@@ -410,9 +412,10 @@ LOGSUMEXP_PARTIALS = 2  # max, exp-sum
 
 def launch_clusters(config: RowConfig, device) -> int:
     """The `clusters` launch argument of a row program: for persistent clusters the number
-    of them the device holds at once (cluster_occupancy.py), else 0 (unused)."""
+    of them the device holds at once (cluster_occupancy.py), else 1 (unused; the cluster
+    kernels assume it positive)."""
     if not config.cluster or config.meet:
-        return 0
+        return 1
     return resident_clusters(device, config.cluster, config.threads, config.ctas_per_sm)
 
 
@@ -459,6 +462,27 @@ def landed_default(n: int, dtype: str, config_class: type = RowConfig,
         if threads == 512 and ClusterRows(n, dtype, cluster, threads).per_thread \
                 <= max_vectors:
             return config_class(threads, threads, 4, 1, cluster, landed=True)
+    return None
+
+
+PAIRED_VECTORS = 10  # kept float exps, or log_softmax's values: 128 registers, no spill
+
+
+def paired_default(n: int, dtype: str, kept: bool, config_class: type = RowConfig):
+    """Where landed_default needs more than one slice a row: the landed slices on CTAs of
+    256 threads, two an SM (one CTA's cluster barrier and stores overlap the other's
+    reductions), the fewest slices of at most PAIRED_VECTORS vectors a thread; with `kept`
+    the exps kept as floats (RowConfig.kept_exp). H100, bf16, against the 512-thread
+    landed default: softmax with kept exps 1.115x (Llama-3 4K tokens, 8 slices) and 1.121x
+    (Qwen3), log_softmax 1.06-1.07x. None where no such shape exists (Gemma-2's 256000
+    columns need 16 vectors a thread) or one CTA holds the row (Mistral's: no gain)."""
+    landed = landed_default(n, dtype, config_class)
+    if landed is None or landed.cluster == 1:
+        return None
+    for cluster in range(2, MAX_CLUSTER + 1):
+        cr = ClusterRows(n, dtype, cluster, 256, 2)
+        if cr.lands_whole_slices and 2 <= cr.per_thread <= PAIRED_VECTORS:
+            return config_class(256, 256, 4, 2, cluster, landed=True, kept_exp=kept)
     return None
 
 
@@ -603,7 +627,7 @@ class RowKernel(Kernel):
     def run(self, config: RowConfig, compiled: tuple, *tensors) -> None:
         if config.meet:  # the slices' scratch (partials, counts) after the op's arguments
             compiled[0](*tensors, *scratch_for(tensors[0], config.cluster,
-                                               self.meeting_partials), 0)
+                                               self.meeting_partials), 1)
             return
         compiled[0](*tensors, launch_clusters(config, tensors[0].device))
 
@@ -679,8 +703,9 @@ class SoftmaxKernel(RowKernel):
                 return meeting_default(n, dtype, self.held) or streaming
             return streaming
         if bucket == "many":
-            landed = landed_default(n, dtype, max_vectors=LOG_SOFTMAX_LANDED_VECTORS
-                                    if kind == "log_softmax" else LANDED_VECTORS)
+            landed = paired_default(n, dtype, kept=kind == "softmax") or landed_default(
+                n, dtype, max_vectors=LOG_SOFTMAX_LANDED_VECTORS if kind == "log_softmax"
+                else LANDED_VECTORS)
             if landed is not None:
                 return landed
             if rows_outgrow_l2(n, dtype, streaming, 1):
