@@ -197,8 +197,8 @@ def test_loss_and_gradient_default_on_long_rows():
     slices landed by TMA (softmax.landed_default, 512 threads, the fewest slices of at most
     16 vectors a thread; where that is more than one, softmax.paired_default: 256 threads
     two CTAs an SM, the gradient from kept exps); soft-capped or fp32 rows spanning more
-    than one chunk on one CTA of 1024 threads an SM; Mistral's soft-capped 32000 and the loss pass alone keep
-    two CTAs of 512."""
+    than one chunk on one CTA of 1024 threads an SM; Mistral's soft-capped 32000 and the
+    loss pass alone keep two CTAs of 512."""
     def default(mode, n, softcap=False, smoothing=False, dtype="bfloat16"):
         return CrossEntropyKernel(mode=mode, n=n, dtype=dtype, softcap=softcap,
                                   smoothing=smoothing, dloss_per_row=False).heuristic_config(
