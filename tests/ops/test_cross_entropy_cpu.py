@@ -195,22 +195,22 @@ def test_gradient_pass_defaults(vocab):
 def test_loss_and_gradient_default_on_long_rows():
     """Loss and gradient of 16-bit vocabulary rows without softcap (smoothed or not) on
     slices landed by TMA (softmax.landed_default, 512 threads, the fewest slices of at most
-    16 vectors a thread; where that is more than one, softmax.paired_default: 256 threads
-    two CTAs an SM, the gradient from kept exps); soft-capped or fp32 rows spanning more
-    than one chunk on one CTA of 1024 threads an SM; Mistral's soft-capped 32000 and the
-    loss pass alone keep two CTAs of 512."""
+    16 vectors a thread; the kept-exp pairs of softmax.paired_default in the space only);
+    soft-capped or fp32 rows spanning more than one chunk on one CTA of 1024 threads an SM;
+    Mistral's soft-capped 32000 and the loss pass alone keep two CTAs of 512."""
     def default(mode, n, softcap=False, smoothing=False, dtype="bfloat16"):
         return CrossEntropyKernel(mode=mode, n=n, dtype=dtype, softcap=softcap,
                                   smoothing=smoothing, dloss_per_row=False).heuristic_config(
                                       "many", "sm_90a")
 
-    for n, want in ((128256, CrossEntropyConfig(256, 256, 4, 2, 8, landed=True, kept_exp=True)),
-                    (129280, CrossEntropyConfig(256, 256, 4, 2, 8, landed=True, kept_exp=True)),
-                    (151936, CrossEntropyConfig(256, 256, 4, 2, 8, landed=True, kept_exp=True)),
-                    (32000, CrossEntropyConfig(512, 512, 4, 1, 1, landed=True))):
+    for n, cluster in ((128256, 2), (129280, 2), (151936, 4), (32000, 1)):
         for dtype, smoothing in (("bfloat16", False), ("float16", False), ("bfloat16", True)):
             config = default("loss_and_grad", n, smoothing=smoothing, dtype=dtype)
-            assert config == want, (n, dtype)
+            assert config == CrossEntropyConfig(512, 512, 4, 1, cluster, landed=True), (n, dtype)
+    paired = CrossEntropyConfig(256, 256, 4, 2, 8, landed=True, kept_exp=True)
+    assert paired in CrossEntropyKernel(mode="loss_and_grad", n=128256, dtype="bfloat16",
+                                        softcap=False, smoothing=False,
+                                        dloss_per_row=False).config_space("many")
     for config in (default("loss_and_grad", 256000, softcap=True),
                    default("loss_and_grad", 128256, dtype="float32")):
         assert not config.landed

@@ -645,11 +645,11 @@ class CrossEntropyKernel(RowKernel):
             # Slices landed by TMA on 16-bit vocabulary rows (softmax.landed_default): 1.23-1.30x
             # the map above on H100 (Mistral's 32000: 1.30x the two CTAs of 512; Llama-3 16K
             # with smoothing 0.1: 3618 us against 4224); not with softcap (Gemma-2: 3106-3990
-            # us against 2235). Where a row takes several slices, 256-thread CTAs two an SM
-            # with the gradient from kept exps (softmax.paired_default; with smoothing 0.1
-            # on Llama-3 16K, 512 threads in 4 slices: 3433 us against 3935, H100).
-            landed = paired_default(n, dtype, True, CrossEntropyConfig) or landed_default(
-                n, dtype, CrossEntropyConfig)
+            # us against 2235). The gradient from kept exps on 256-thread CTAs two an SM
+            # (softmax.paired_default, the softmax forward's default) measured no faster
+            # here: Llama-3 8K 1749.5 us against 1702.5, Qwen3 8K 2030.2 against 2036.6 (H100,
+            # forty-first session); it is in the tuner's space.
+            landed = landed_default(n, dtype, CrossEntropyConfig)
             if landed is not None:
                 return landed
         return CrossEntropyConfig(**dataclasses.asdict(row))
@@ -659,6 +659,10 @@ class CrossEntropyKernel(RowKernel):
                  for c in super().config_space(bucket)]
         if self.key["mode"] == "loss_and_grad":
             space += kept_row_configs(self.key["n"], self.key["dtype"])
+            if not self.key["softcap"]:
+                paired = paired_default(self.key["n"], self.key["dtype"], True,
+                                        CrossEntropyConfig)
+                space += [paired] if paired is not None else []
         streaming = default_row_config(self.key["n"], self.key["dtype"], bucket == "few")
         space += default_variants(CrossEntropyConfig(**dataclasses.asdict(streaming)),
                                   self.key["mode"], self.key["n"], self.key["dtype"])
