@@ -719,6 +719,13 @@ class SoftmaxKernel(RowKernel):
             space += meeting_configs(n, dtype)
         if not kind.endswith("_bwd"):
             space += landed_configs(n, dtype)
+        if kind in ("softmax", "log_softmax"):
+            paired = paired_default(n, dtype, kept=kind == "softmax")
+            space += [paired] if paired is not None and paired not in space else []
+        if kind == "softmax":  # the landed shapes whose slices fit the registers as floats
+            space += [dataclasses.replace(c, kept_exp=True) for c in landed_configs(n, dtype)
+                      if fits_registers(ClusterRows(n, dtype, c.cluster, c.threads),
+                                        4 // ELEM_BYTES[dtype])]
         if kind in ("softmax_bwd", "log_softmax_bwd") and n // vector_width(n, dtype) > 1024:
             whole_row = whole_row_default(n, dtype)  # a cluster of one, where rows fit
             if whole_row is not None and whole_row not in space:
