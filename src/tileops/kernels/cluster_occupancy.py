@@ -77,6 +77,9 @@ def probe_shared_bytes(ctas_per_sm: int) -> int:
 def resident_clusters(device: Any, cluster: int, threads: int, ctas_per_sm: int) -> int:
     """Clusters of `cluster` CTAs of `threads` threads, `ctas_per_sm` CTAs an SM, that the
     device holds at once (read from the driver once per device and shape)."""
+    fast = (device, cluster, threads, ctas_per_sm)  # per call: one dict lookup
+    if fast in _counts:
+        return _counts[fast]
     import torch
 
     index = torch.device(device).index
@@ -100,4 +103,6 @@ def resident_clusters(device: Any, cluster: int, threads: int, ctas_per_sm: int)
             raise RuntimeError(f"tileops: no cluster of {cluster} CTAs of {threads} threads "
                                f"({ctas_per_sm} an SM) fits device {index}")
         _counts[key] = count.value
+    if torch.device(device).index is not None:  # "cuda" alone may name another device later
+        _counts[fast] = _counts[key]
     return _counts[key]
