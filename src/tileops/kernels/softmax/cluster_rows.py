@@ -132,15 +132,15 @@ class ClusterRows:
         @T.macro
         def kept_max_sum(raw, e, thread_max, m, s, zsum, rank, tx):
             """(m[0], s[0]) <- the thread's max and exp-sum, e <- its exps (0 past the slice,
-            whose -inf fill adds nothing), thread_max[0] <- its max; with `smoothing`
-            zsum[0] <- the sum of its values in the row."""
+            whose -inf fill adds nothing), thread_max[0] <- its max; zsum[0] (unless None)
+            <- with `smoothing` the sum of its values in the row, else 0."""
             thread_max[0] = NEG_INF
             for i in T.unroll(per):
                 for j in T.unroll(vec):
                     thread_max[0] = T.max(thread_max[0], T.cast(raw[i, j], "float"))
             shift = RowMap.shift_of(thread_max[0])
             s[0] = 0.0
-            if smoothing:
+            if zsum is not None:  # the loss reads it, smoothed or not
                 zsum[0] = 0.0
             for i in T.unroll(per):
                 for j in T.unroll(vec):
@@ -345,6 +345,20 @@ class ClusterRows:
                 load(x, row, rank, tx, raw, fill)
 
         return alloc, first, fetch
+
+    @property
+    def holds_floats(self) -> bool:
+        """Whether a thread's slots fit the registers as floats (the kept exps)."""
+        return fits_registers(self, 4 // ELEM_BYTES[self.dtype])
+
+    def check_kept(self, kept: bool, program_keeps: bool, program: str) -> None:
+        """Refuses kept exps where `program` has no use for them (`program_keeps` False),
+        without persistent clusters, or where the slots do not fit as floats."""
+        if kept and (not program_keeps or self.meet or not self.holds_floats):
+            raise ValueError(f"kept_exp=True keeps a float exp a value in persistent clusters "
+                             f"whose slices fit the registers as floats; got {program}, "
+                             f"meet={self.meet}, {self.per_thread} vectors a thread of "
+                             f"{self.threads} threads, {self.ctas_per_sm} CTAs an SM")
 
     def check_landed(self, landed: bool, program_lands: bool, program: str) -> None:
         """Refuses a landed form where the program has no next row of one input to land

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import tilelang.language as T
 
 from .. import fast_math
-from ..vectors import ELEM_BYTES
-from .cluster_rows import SHARED_BYTES, ClusterRows, fits_registers, kept_factor, slice_shape
+from .cluster_rows import SHARED_BYTES, ClusterRows, kept_factor, slice_shape
 from .meeting_slices import meeting_macros, reduced_slice_macro, scratch_shapes
 from .row_map import LOG2E, NEG_INF, RowMap, exp, vector_width
 from .softmax import (
@@ -124,12 +123,23 @@ def soft_capped(x, cap):
     return fast_math.scaled_tanh(x, 1.0 / cap, cap)
 
 
+def z_loss_factor(lse, zloss):
+    """What the softmax is multiplied by in the gradient with the z-loss term."""
+    return 1.0 + 2.0 * zloss * lse
+
+
+def gradient_from_softmax(p, col, t, eps, n: int):
+    """d loss / dz at one element from p = its softmax e^(z - lse) times z_loss_factor: col
+    its column, t target_column(target)."""
+    return p - eps / n - T.if_then_else(col == t, 1.0 - eps, 0.0)
+
+
 def gradient_of(z, col, t, lse, scale, cap, eps, zloss, n: int, softcap: bool):
     """d(loss * scale)/dx at one element: z its soft-capped logit, col its column, t
     target_column(target). e^(z - lse) as 2^(z log2 e - lse log2 e): one fused multiply-add
     into the ex2."""
-    g = fast_math.exp2(z * LOG2E - lse * LOG2E) * (1.0 + 2.0 * zloss * lse) - eps / n \
-        - T.if_then_else(col == t, 1.0 - eps, 0.0)
+    g = gradient_from_softmax(fast_math.exp2(z * LOG2E - lse * LOG2E) * z_loss_factor(lse, zloss),
+                              col, t, eps, n)
     if softcap:
         g = g * (1.0 - (z * (1.0 / cap)) * (z * (1.0 / cap)))
     return g * scale
@@ -256,26 +266,21 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
     cr.check_landed(landed, mode != "grad", "mode 'grad' (one CTA per slice of every row)")
     alloc_source, first_row, fetch = cr.row_source(landed, rows)
     kept = config.kept_exp
-    if kept and (softcap or meet or mode != "loss_and_grad"
-                 or not fits_registers(cr, 4 // ELEM_BYTES[dtype])):
-        raise ValueError(f"kept_exp=True keeps a float exp a logit for the gradient: for "
-                         f"mode 'loss_and_grad' without softcap on persistent clusters whose "
-                         f"slices fit the registers as floats; got mode {mode!r}, "
-                         f"softcap={softcap}, meet={meet}, {cr.per_thread} vectors a thread "
-                         f"of {cr.threads} threads, {config.ctas_per_sm} CTAs an SM")
+    cr.check_kept(kept, mode == "loss_and_grad" and not softcap,
+                  f"mode {mode!r}, softcap={softcap} (kept exps: the gradient without softcap)")
     kept_max_sum, max_then_sum = cr.kept_macros(smoothing)
 
     @T.macro
     def store_kept_gradient(e, thread_max, grad, row, rank, tx, t, lse, scale, eps, zloss):
         """grad's slice <- d(loss * scale)/dx from the kept exps: softmax = e * exp(thread
         max - lse), one multiply an element (gradient_of's terms otherwise)."""
-        factor = kept_factor(thread_max[0], lse) * (1.0 + 2.0 * zloss * lse)
+        factor = kept_factor(thread_max[0], lse) * z_loss_factor(lse, zloss)
         g = T.alloc_local((vec,), "float")
         for i in T.unroll(per):
             if cr.valid(rank, tx, i):
                 for j in T.unroll(vec):
-                    g[j] = (e[i, j] * factor - eps / n - T.if_then_else(
-                        cr.column(rank, tx, i) + j == t, 1.0 - eps, 0.0)) * scale
+                    g[j] = gradient_from_softmax(e[i, j] * factor, cr.column(rank, tx, i) + j,
+                                                 t, eps, n) * scale
                 for j in T.vectorized(vec):
                     grad[row, cr.column(rank, tx, i) + j] = T.cast(g[j], dtype)
 
@@ -331,7 +336,6 @@ def cluster_cross_entropy_program(mode: str, n: int, dtype: str, softcap: bool,
                         if softcap:
                             zt[0] = soft_capped(zt[0], cap)
                     if kept:
-                        zsum[0] = 0.0  # the loss reads it with or without smoothing
                         kept_max_sum(raw, e, thread_max, m, s, zsum, rank, tx)
                         max_then_sum(thread_max, m, s, red_m, red_s, tx)
                     else:
@@ -621,6 +625,10 @@ class CrossEntropyKernel(RowKernel):
     @property
     def meets_in_two_passes(self) -> bool:
         return self.key["mode"] == "loss_and_grad"
+
+    def persistent(self, config: RowConfig) -> bool:
+        # mode 'grad' runs one unclustered CTA per slice of every row
+        return super().persistent(config) and self.key["mode"] != "grad"
 
     def heuristic_config(self, bucket: str, arch: str) -> CrossEntropyConfig:
         row = super().heuristic_config(bucket, arch)

@@ -26,7 +26,6 @@ from .cluster_rows import (
     MAX_CLUSTER,
     ClusterRows,
     cluster_shapes,
-    fits_registers,
     kept_factor,
     landed_shapes,
     slice_shape,
@@ -259,11 +258,7 @@ def cluster_softmax_program(kind: str, n: int, dtype: str, config: RowConfig):
     alloc_source, first_row, fetch = cr.row_source(config.landed, rows)
     kept = config.kept_exp
     kept_max_sum, max_then_sum = cr.kept_macros()
-    if kept and (kind != "softmax" or meet or not fits_registers(cr, 4 // ELEM_BYTES[dtype])):
-        raise ValueError(f"kept_exp=True keeps a float exp a value: for kind 'softmax' on "
-                         f"persistent clusters whose slices fit the registers as floats; got "
-                         f"kind {kind!r}, meet={meet}, {cr.per_thread} vectors a thread of "
-                         f"{cr.threads} threads, {config.ctas_per_sm} CTAs an SM")
+    cr.check_kept(kept, kind == "softmax", f"kind {kind!r} (kept exps: softmax only)")
 
     @T.macro
     def forward(x, y, lse_out, clusters, gpart=None, counts=None):
@@ -408,15 +403,6 @@ def meeting_logsumexp_program(n: int, dtype: str, config: RowConfig):
 
 
 LOGSUMEXP_PARTIALS = 2  # max, exp-sum
-
-
-def launch_clusters(config: RowConfig, device) -> int:
-    """The `clusters` launch argument of a row program: for persistent clusters the number
-    of them the device holds at once (cluster_occupancy.py), else 1 (unused; the cluster
-    kernels assume it positive)."""
-    if not config.cluster or config.meet:
-        return 1
-    return resident_clusters(device, config.cluster, config.threads, config.ctas_per_sm)
 
 
 def meeting_configs(n: int, dtype: str, config_class: type = RowConfig) -> list:
@@ -629,7 +615,15 @@ class RowKernel(Kernel):
             compiled[0](*tensors, *scratch_for(tensors[0], config.cluster,
                                                self.meeting_partials), 1)
             return
-        compiled[0](*tensors, launch_clusters(config, tensors[0].device))
+        clusters = 1  # the `clusters` launch argument: unused but by persistent clusters,
+        if self.persistent(config):  # which assume it positive
+            clusters = resident_clusters(tensors[0].device, config.cluster, config.threads,
+                                         config.ctas_per_sm)
+        compiled[0](*tensors, clusters)
+
+    def persistent(self, config: RowConfig) -> bool:
+        """Whether `config` runs persistent clusters (a grid of the resident clusters)."""
+        return bool(config.cluster) and not config.meet
 
     def bucket_of(self, rows: int) -> str:
         return "few" if rows <= 256 else "many"
@@ -724,8 +718,7 @@ class SoftmaxKernel(RowKernel):
             space += [paired] if paired is not None and paired not in space else []
         if kind == "softmax":  # the landed shapes whose slices fit the registers as floats
             space += [dataclasses.replace(c, kept_exp=True) for c in landed_configs(n, dtype)
-                      if fits_registers(ClusterRows(n, dtype, c.cluster, c.threads),
-                                        4 // ELEM_BYTES[dtype])]
+                      if ClusterRows(n, dtype, c.cluster, c.threads).holds_floats]
         if kind in ("softmax_bwd", "log_softmax_bwd") and n // vector_width(n, dtype) > 1024:
             whole_row = whole_row_default(n, dtype)  # a cluster of one, where rows fit
             if whole_row is not None and whole_row not in space:
