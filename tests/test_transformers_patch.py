@@ -59,7 +59,8 @@ def test_each_family_patches_its_modules(family):
         assert experts and sorted(report.patched["moe"]) == experts
     if family == "qwen3":  # the per-head q_norm / k_norm are RMSNorms too
         assert "model.layers.0.self_attn.q_norm" in report.patched["rms_norm"]
-    assert "linear" not in report.patched  # off by default
+    linears = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    assert sorted(report.patched.get("linear", [])) == linears  # decode calls, by default
 
 
 def test_linear_flag_patches_every_linear():
@@ -67,12 +68,30 @@ def test_linear_flag_patches_every_linear():
     report = _apply(model, linear=True)
     linears = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
     assert sorted(report.patched["linear"]) == linears
+    assert "linear" not in _apply(hf_models.model("llama", dtype=torch.bfloat16),
+                                  linear=False).patched
+    with pytest.raises(tileops.TileOpsError, match="argument 'linear'"):
+        _apply(hf_models.model("llama", dtype=torch.bfloat16), linear="prefill")
+
+
+@pytest.mark.parametrize("linear, tokens, on_tileops", [
+    ("decode", 16, True), ("decode", 17, False), (True, 17, True), (False, 1, False)])
+def test_linear_calls_by_token_count(linear, tokens, on_tileops, spies):
+    """linear="decode" (the default) puts calls of up to 16 tokens on tileops.linear and
+    larger ones on F.linear; True every call, False none. The output is F.linear's."""
+    layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    model = hf_models.model("llama", dtype=torch.bfloat16)
+    model.model.extra = layer  # (any nn.Linear of the model is patched alike)
+    _apply(model, linear=linear)
+    x = torch.randn(1, tokens, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert bool(spies.get("linear")) == on_tileops
 
 
 def test_flags_off_patch_nothing():
     model = hf_models.model("llama", dtype=torch.bfloat16)
     report = _apply(model, rms_norm=False, rope=False, attention=False, mlp=False,
-                    cross_entropy=False, moe=False)
+                    cross_entropy=False, moe=False, linear=False)
     assert report.patched == {} and report.unpatched == []
     assert model.config._attn_implementation == "sdpa"
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -519,13 +538,68 @@ def test_bench_model_report(tmp_path):
              "train_tokens_per_s": 1300.0, "train_peak_gib": 30.0,
              "train_fwd_bwd_peak_gib": 25.0,
              "generate": {"8": {"prefill_ms": 15.0, "decode_tokens_per_s": 600.0}}},
-            {"model": "llama-3.1-8b", "variant": "liger", "error": "ImportError: x"}]
+            {"model": "llama-3.1-8b", "variant": "liger", "error": "ImportError: x"},
+            {"model": "llama-3.1-8b", "variant": "compile", "layers": 8,
+             "generate": {"8": {"graph_decode_ms": 2.0}}},
+            {"model": "llama-3.1-8b", "variant": "tileops-compile", "layers": 8,
+             "generate": {"8": {"graph_decode_ms": 1.6}}}]
     bench._write(rows, tmp_path)
     text = (tmp_path / "bench-model.md").read_text()
     assert "| llama-3.1-8b | 8 | tileops | 1300 | 1.30x | 30.0 | 25.0 |" in text
     assert "| llama-3.1-8b | 8 | eager | 1000 | 1.00x | 40.0 | - |" in text
-    assert "| llama-3.1-8b | tileops | 8 | 15.0 | 600 | 1.20x |" in text
+    assert "| llama-3.1-8b | tileops | 8 | 15.0 | 600 | 1.20x | - | - | - |" in text
+    assert "| llama-3.1-8b | compile | 8 | - | - | - | 2000 | 4000 | 1.00x |" in text
+    assert "| llama-3.1-8b | tileops-compile | 8 | - | - | - | 1600 | 5000 | 1.25x |" in text
     assert "liger: ImportError: x" in text
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_bench_model_decode_step_is_generate_greedy(patched, spies):
+    """The step `graph_decode` times (fixed token / position buffers, a mask of the cache's
+    length, the prompt put in by transformers' generate) decodes the tokens transformers'
+    greedy generate does, unpatched and on the patched model's decode path."""
+    from tileops.transformers import bench
+
+    model = hf_models.model("llama")
+    if patched:
+        _apply(model)
+    ids = torch.randint(1, 512, (2, 11))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                         disable_compile=True, pad_token_id=0)
+    step = bench.DecodeStep(model, ids, steps=5)
+    for _ in range(2):  # the second time over the cache the first one filled
+        tokens = []
+        with torch.no_grad():
+            step.prefill()
+            spies.clear()  # (generate's calls: the reference's and the prefill's)
+            for _ in range(5):
+                tokens.append(step.token.clone())
+                step()
+        tokens.append(step.token.clone())
+        assert torch.equal(torch.cat(tokens, 1), out[:, 11:])
+        assert step.position.item() == 16
+        assert len(spies.get("decode_attention", [])) == (5 * model.config.num_hidden_layers
+                                                          if patched else 0)
+
+
+def test_patched_decode_step_traces_whole(spies):
+    """The patched model's decode step compiles as one graph (fullgraph=True): no import or
+    host read in the patched forwards and mask functions breaks it, so torch.compile and
+    CUDA graphs see the step whole (bench-model's graph decode)."""
+    from tileops.transformers import bench
+
+    model = hf_models.model("llama")
+    _apply(model)
+    ids = torch.randint(1, 512, (2, 11))
+    eager = bench.DecodeStep(model, ids, steps=3)
+    step = bench.DecodeStep(model, ids, steps=3, forward=torch.compile(
+        model.forward, fullgraph=True, backend="eager"))
+    with torch.no_grad():
+        for s in (eager, step):
+            s.prefill()
+            s()
+            s()
+    assert torch.equal(step.token, eager.token)
 
 
 def test_bench_model_cli_usage_errors(capsys):

@@ -173,6 +173,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=_positive_int, default=64, help="decoded tokens")
     p.add_argument("--no-train", action="store_true", help="skip the training step")
     p.add_argument("--no-generate", action="store_true", help="skip generation")
+    p.add_argument("--decode", nargs="+", choices=["generate", "graph"],
+                   default=["generate", "graph"],
+                   help="decode speed through transformers' generate loop and/or, for the "
+                        "compiled variants, one decode step replayed from a CUDA graph "
+                        "(default: both)")
     p.add_argument("--timeout", type=_positive_int, default=540,
                    help="seconds per (model, variant) subprocess")
     p.add_argument("--out", default="bench-results", metavar="DIR",
@@ -645,7 +650,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     rows = bench.run(args.model, variants, layers, args.batch, args.seq,
                      tuple(args.gen_batch), args.prompt, args.new_tokens, args.steps,
                      not args.no_train, not args.no_generate, pathlib.Path(args.out),
-                     args.timeout)
+                     args.timeout, tuple(args.decode))
     print(f"wrote {args.out}/bench-model.md")
     return 1 if any("error" in r for r in rows) else 0
 

@@ -207,6 +207,56 @@ def test_full_row_and_async_pipeline(name, flags, dtype):
         assert_close(d, want, what=f"{name} M={rows}")
 
 
+def _weight_rows(block_m, block_n, block_k, split):
+    """A weight_rows config with the most stages (up to 8) that fit."""
+    return next(c for s in range(8, 1, -1) if (c := GemmConfig(
+        block_m, block_n, block_k, s, 128, split, 0, stage_out=False, weight_rows=True)).valid())
+
+
+WEIGHT_ROWS = {f"{bm}x{bn}x{bk}-split{sp}": _weight_rows(bm, bn, bk, sp)
+               for bm, bn, bk, sp in [(16, 64, 128, 1), (16, 64, 128, 2), (16, 64, 128, 4),
+                                      (16, 128, 256, 2), (16, 128, 128, 8), (32, 64, 256, 1),
+                                      (32, 128, 128, 4), (64, 64, 128, 2), (64, 128, 256, 1)]}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(WEIGHT_ROWS))
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_weight_rows(name, has_bias, dtype):
+    """The weight-streaming form (weight_stream.py) in each token tile, weight tile and
+    cluster split, with tails in every dimension: M below the token tile (1 row, an odd
+    count), N not a multiple of the weight tile, K 33 tiles of 128 (the last partial) cut in
+    uneven pieces; into a NaN-poisoned output."""
+    config = WEIGHT_ROWS[name]
+    n, k = 1000, 4104
+    a, b = make_inputs(config.block_m, n, k, dtype)
+    bias = randn(n, dtype=dtype)
+    kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=k, trans_a=False, trans_b=True,
+                        **({"has_bias": True} if has_bias else {}))
+    for rows in sorted({config.block_m, config.block_m // 2 + 1, 1}):
+        kernel.use(config, kernel.bucket_of(rows))
+        d = torch.full((rows, n), float("nan"), dtype=dtype, device="cuda")
+        kernel(rows, a[:rows].contiguous(), b, *((bias,) if has_bias else ()), d)
+        want = reference(a[:rows], b) + (bias.float() if has_bias else 0)
+        assert_close(d, want, what=f"{name} M={rows}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(1024, 4096), (4096, 4096), (1000, 4104), (96, 512)])
+def test_weight_stream_default_through_linear(n, k, dtype):
+    """tileops.linear at decode sizes takes the weight-streaming default (split 4 on 16
+    weight tiles, none on 64; a 2-tile weight with 4 K tiles), bias and all, and writes
+    every element of a poisoned output."""
+    x, w = make_inputs(16, n, k, dtype)
+    bias = randn(n, dtype=dtype)
+    kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=k, trans_a=False, trans_b=True)
+    assert kernel.config_for("m16").weight_rows
+    for rows in (1, 7, 16):
+        poison_allocator()
+        out = tileops.linear(x[:rows], w, bias)
+        assert_close(out, reference(x[:rows], w) + bias.float(), what=f"M={rows}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("persistent", [False, True])
 def test_async_pipeline_accumulates_over_symbolic_k(persistent, dtype):

@@ -24,7 +24,9 @@ untouched):
 - moe: each *Experts module (fused weights gate_up_proj [E, 2F, H], down_proj [E, H, F],
   SiLU) -> tileops.fused_moe on the top-k ids and weights of the model's own router (so
   the router's gradient is transformers'; DeepSeek-V3's sigmoid grouped router included).
-- linear (off by default): every nn.Linear -> tileops.linear.
+- linear: "decode" (the default) puts the nn.Linear calls of up to 16 tokens (decode steps)
+  on tileops.linear, whose weight-streaming GEMM serves them at cuBLAS speed or better, and
+  leaves larger calls on F.linear; True every call; False none.
 
 The patched forwards fall back to the original forward on inputs TileOPs does not serve
 (fp32 activations, mismatched dtypes), so a patched model computes what the original does.

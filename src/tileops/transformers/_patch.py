@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import TileOpsError, TileOpsUnsupportedError
+from ..errors import TileOpsError, TileOpsUnsupportedError, TileOpsValueError
 from . import attention as attn_impl
 from . import static_cache
 
@@ -172,6 +172,19 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     from ..ops import linear
 
     return linear(x, self.weight, self.bias)
+
+
+# apply(linear="decode"): calls of up to this many tokens (decode steps) take tileops.linear,
+# whose weight-streaming GEMM serves them (kernels/gemm/weight_stream.py: 1.00-1.11x cuBLAS
+# on an H100); larger calls (prefill, training) stay on F.linear, where TileOPs' GEMMs are
+# not yet at cuBLAS's speed on every shape.
+DECODE_TOKENS = 16
+
+
+def _decode_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() > DECODE_TOKENS * x.shape[-1]:
+        return F.linear(x, self.weight, self.bias)
+    return _linear_forward(self, x)
 
 
 def _make_rotary(original: Callable) -> Callable:
@@ -366,15 +379,21 @@ def family_of(model: torch.nn.Module) -> Family:
 
 def apply(model: torch.nn.Module, rms_norm: bool = True, rope: bool = True,
           attention: bool = True, mlp: bool = True, cross_entropy: bool = True,
-          moe: bool = True, linear: bool = False, strict: bool = False,
+          moe: bool = True, linear: bool | str = "decode", strict: bool = False,
           verbose: bool = True) -> PatchReport:
     """Patches `model` (a transformers 5.x causal LM or its base model) in place onto TileOPs
-    ops; returns the PatchReport. Applying twice patches nothing new. Requested parts that
+    ops; returns the PatchReport. `linear`: True puts every nn.Linear call on
+    tileops.linear, "decode" (the default) the calls of up to DECODE_TOKENS tokens, False
+    none. Applying twice patches nothing new. Requested parts that
     stay on PyTorch are listed in the report, warned about (verbose) or, with strict=True,
     raised as TileOpsUnsupportedError before anything is patched."""
     family = family_of(model)
     report = PatchReport(type(model).__name__, family.name)
     plan: list[Callable[[], None]] = []
+    if linear not in (True, False, "decode"):
+        raise TileOpsValueError(
+            f"tileops.transformers.apply: argument 'linear': expected True, False or "
+            f"'decode', got {linear!r}")
     want = {"rms_norm": rms_norm, "rope": rope, "attention": attention, "mlp": mlp,
             "cross_entropy": cross_entropy, "moe": moe, "linear": linear}
     dtype = _probe_dtype(_model_dtype(model))
@@ -403,7 +422,8 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, rope: bool = True,
         elif cls.endswith("ForCausalLM") and want["cross_entropy"]:
             _plan_loss(name, module, config, dtype, report, plan, probe, done)
         if isinstance(module, torch.nn.Linear) and want["linear"]:
-            _plan_linear(name or "model", module, dtype, report, plan, probe, done)
+            _plan_linear(name or "model", module, dtype, report, plan, probe, done,
+                         _decode_linear_forward if linear == "decode" else _linear_forward)
     if strict and report.unpatched:
         raise TileOpsUnsupportedError(
             "tileops.transformers.apply(strict=True): nothing was patched, because these "
@@ -686,7 +706,7 @@ def _plan_loss(name: str, module: torch.nn.Module, config: Any, dtype: torch.dty
 
 
 def _plan_linear(name: str, module: torch.nn.Linear, dtype: torch.dtype, report: PatchReport,
-                 plan: list, probe: Callable, done: Any) -> None:
+                 plan: list, probe: Callable, done: Any, forward: Callable) -> None:
     if done == "linear":
         return
     if done is not None:
@@ -701,7 +721,7 @@ def _plan_linear(name: str, module: torch.nn.Linear, dtype: torch.dtype, report:
     if why:
         report.skip("linear", name, why)
         return
-    plan.append(lambda: _set_forward(module, "linear", _linear_forward))
+    plan.append(lambda: _set_forward(module, "linear", forward))
     report.add("linear", name)
 
 

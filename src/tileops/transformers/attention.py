@@ -65,11 +65,22 @@ def served(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def _hf_mask_helpers() -> tuple[Any, Any, Any]:
+# transformers' sdpa_mask, prepare_padding_mask and _ignore_causal_mask_sdpa (None where a
+# version lacks one), looked up by `register()`, outside any trace: an import of the
+# transformers package (a _LazyModule) inside the mask function stops torch.compile's
+# fullgraph tracing on some torch versions ("Bad import result").
+_MASK_HELPERS: list[tuple[Any, Any, Any]] = []
+
+
+def _load_mask_helpers() -> tuple[Any, Any, Any]:
     from transformers import masking_utils as mu
 
     return mu.sdpa_mask, getattr(mu, "prepare_padding_mask", None), getattr(
         mu, "_ignore_causal_mask_sdpa", None)
+
+
+def _hf_mask_helpers() -> tuple[Any, Any, Any]:
+    return _MASK_HELPERS[0] if _MASK_HELPERS else _load_mask_helpers()
 
 
 def tileops_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
@@ -257,6 +268,8 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    if not _MASK_HELPERS:
+        _MASK_HELPERS.append(_load_mask_helpers())
     if AttentionInterface._global_mapping.get(NAME) is not tileops_attention:
         AttentionInterface.register(NAME, tileops_attention)
     if AttentionMaskInterface._global_mapping.get(NAME) is not tileops_mask:

@@ -6,7 +6,12 @@ module-level classes, and peak memory must be the variant's own):
   peak memory allocated, over the whole step and over forward + backward alone;
 - generation with a static KV cache at each decode batch: the prefill latency (a generate
   call of one new token) and decode tokens/s ((N - 1) tokens per sequence between a
-  one-token and an N-token call).
+  one-token and an N-token call), which include transformers' generate loop on the host;
+- for the compiled variants, the decode step alone under CUDA graphs (`graph_decode_ms`: the
+  forward of one token a sequence onto the static cache compiled with CUDA graphs, then
+  the greedy argmax and the position update, step after step with no generate loop
+  between, as a serving engine runs it): the GPU time of a step, which the host-side
+  generate loop hides when it is the slower of the two.
 
 Variants: `eager` (transformers' SDPA model, no compile; generation with compile
 disabled), `compile` (torch.compile of the unpatched model for training; transformers'
@@ -33,6 +38,8 @@ import time
 from typing import Any
 
 VARIANTS = ("eager", "compile", "liger", "tileops", "tileops-compile")
+# how decode speed is measured: transformers' generate loop, and/or a captured decode step
+DECODE_MODES = ("generate", "graph")
 
 # Real configs (config.json of each model, the fields that shape the compute); `layers`
 # overrides num_hidden_layers so that one GPU holds the model and its optimizer state.
@@ -84,6 +91,7 @@ class Case:
     steps: int
     train: bool
     generate: bool
+    decode: tuple[str, ...] = DECODE_MODES
 
 
 def make_optimizer(model: Any) -> Any:
@@ -144,6 +152,112 @@ def _sync_time(fn: Any, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def _generate_times(model: Any, batch: int, case: Case, compiled: bool) -> dict[str, float]:
+    """transformers' generate with a static cache: the prefill latency (one new token) and
+    decode tokens/s between a one-token and an N-token call."""
+    import torch
+
+    # ids from 1: no pad token (0) in the prompt, so no inferred padding mask
+    prompt = torch.randint(1, model.config.vocab_size, (batch, case.prompt), device="cuda")
+    kw = dict(do_sample=False, cache_implementation="static", disable_compile=not compiled,
+              pad_token_id=0)
+
+    def call(n: int) -> None:
+        model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+
+    with torch.no_grad():
+        call(case.new_tokens)  # warm-up (compile, CUDA graph capture)
+        call(1)
+        t1 = _sync_time(lambda: call(1), 2)
+        tn = _sync_time(lambda: call(case.new_tokens), 2)
+    return {"prefill_ms": t1 * 1e3,
+            "decode_tokens_per_s": batch * (case.new_tokens - 1) / (tn - t1)}
+
+
+class DecodeStep:
+    """One greedy decode step of one token a sequence onto a static cache, on fixed buffers:
+    `token` [B, 1] (the step's input, overwritten by its argmax) and `position` [1] (the
+    cache position, advanced by one): so the step can be captured in a CUDA graph and
+    replayed with no host work between steps. `prefill` fills the cache with `ids` first."""
+
+    def __init__(self, model: Any, ids: Any, steps: int, forward: Any = None) -> None:
+        import torch
+        import transformers
+
+        from .static_cache import cache_kwarg
+
+        batch, self.prompt = ids.shape
+        s_max = self.prompt + steps  # generate's static cache for `steps` new tokens
+        self.model, self.ids = model, ids
+        self.forward = forward or model.forward
+        self.cache = transformers.StaticCache(config=model.config, max_cache_len=s_max)
+        self.kw = {cache_kwarg(model.model): self.cache, "use_cache": True,
+                   "logits_to_keep": 1}
+        # a mask of the cache's length: causality (keys up to the position) masks the rest
+        self.mask = torch.ones(batch, s_max, dtype=torch.long, device=ids.device)
+        self.token = ids[:, -1:].clone()
+        self.position = torch.full((1,), self.prompt, dtype=torch.long, device=ids.device)
+
+    def prefill(self) -> None:
+        """The prompt into the emptied cache by transformers' own generate (one new token:
+        its prefill forward, whose greedy token becomes `token`); steps go on from there.
+        (The reset matters: a static layer appends at its own running length, not at the
+        cache_position it is given, in transformers 5.17.)"""
+        self.cache.reset()
+        out = self.model.generate(self.ids, attention_mask=self.mask[:, :self.prompt]
+                                  .contiguous(), past_key_values=self.cache, max_new_tokens=1,
+                                  do_sample=False, disable_compile=True, pad_token_id=0)
+        self.token.copy_(out[:, -1:])
+        self.position.fill_(self.prompt)
+
+    def __call__(self) -> None:
+        logits = self.forward(input_ids=self.token, attention_mask=self.mask,
+                              cache_position=self.position, **self.kw).logits
+        self.token.copy_(logits[:, -1:].argmax(-1))
+        self.position.add_(1)
+
+
+def graph_decode(model: Any, batch: int, prompt: int, steps: int) -> dict[str, Any]:
+    """Greedy decode steps of `model` compiled whole with CUDA graphs (torch.compile,
+    fullgraph, mode "reduce-overhead": transformers' own compile of the static-cache decode
+    step) after a `prompt`-token prefill: `graph_decode_ms`, the median of `steps` steps'
+    GPU times (CUDA events; a step is the graph's replay plus the argmax token and position
+    writes, the host work between replays a few tens of microseconds, far under a step's
+    GPU time), and `graph_decode_kernels`, one step's kernels summed by name (us, the
+    largest first)."""
+    import collections
+
+    import torch
+
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
+    step = DecodeStep(model, ids, steps, torch.compile(
+        model.forward, fullgraph=True, dynamic=False, mode="reduce-overhead"))
+    with torch.no_grad():
+        step.prefill()
+        torch.cuda.synchronize()  # (an error surfaces in the phase that made it)
+        for _ in range(3):  # compile, CUDA graph capture, kernel builds
+            step()
+        torch.cuda.synchronize()
+        step.prefill()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        events[0].record()
+        for e in events[1:]:
+            step()
+            e.record()
+        torch.cuda.synchronize()
+        step.prefill()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in zip(events[:-1], events[1:], strict=True))
+    kernels: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name[:120]] += event.device_time
+    return {"graph_decode_ms": times[len(times) // 2],
+            "graph_decode_kernels": sorted(kernels.items(), key=lambda kv: -kv[1])[:20]}
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """One variant of one model, in this process."""
     import torch
@@ -186,23 +300,13 @@ def run_case(case: Case) -> dict[str, Any]:
         torch.cuda.empty_cache()
     if case.generate:
         model.eval()
-        gen = {}
+        gen: dict[int, dict[str, float]] = {}
         for batch in case.gen_batches:
-            # ids from 1: no pad token (0) in the prompt, so no inferred padding mask
-            prompt = torch.randint(1, vocab, (batch, case.prompt), device="cuda")
-            kw = dict(do_sample=False, cache_implementation="static",
-                      disable_compile=not compiled, pad_token_id=0)
-
-            def call(n: int, prompt: Any = prompt, kw: dict = kw) -> None:
-                model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-
-            with torch.no_grad():
-                call(case.new_tokens)  # warm-up (compile, CUDA graph capture)
-                call(1)
-                t1 = _sync_time(lambda: call(1), 2)
-                tn = _sync_time(lambda: call(case.new_tokens), 2)
-            gen[batch] = {"prefill_ms": t1 * 1e3,
-                          "decode_tokens_per_s": batch * (case.new_tokens - 1) / (tn - t1)}
+            gen[batch] = {}
+            if "generate" in case.decode:
+                gen[batch].update(_generate_times(model, batch, case, compiled))
+            if "graph" in case.decode and compiled:
+                gen[batch].update(graph_decode(model, batch, case.prompt, case.new_tokens))
         result["generate"] = gen
     return result
 
@@ -254,14 +358,15 @@ def recorded_programs(models: list[str], layers: dict[str, int], batch: int, seq
 
 def run(models: list[str], variants: list[str], layers: dict[str, int], batch: int, seq: int,
         gen_batches: tuple[int, ...], prompt: int, new_tokens: int, steps: int, train: bool,
-        generate: bool, out: pathlib.Path, timeout: int) -> list[dict[str, Any]]:
+        generate: bool, out: pathlib.Path, timeout: int,
+        decode: tuple[str, ...] = DECODE_MODES) -> list[dict[str, Any]]:
     """Runs every (model, variant) in its own subprocess; writes the reports; returns rows."""
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in models:
         for variant in variants:
             case = Case(name, variant, layers.get(name, 0), batch, seq, tuple(gen_batches),
-                        prompt, new_tokens, steps, train, generate)
+                        prompt, new_tokens, steps, train, generate, tuple(decode))
             rows.append(_subprocess(case, timeout))
             print(_row_line(rows[-1]), flush=True)
             _write(rows, out)
@@ -292,8 +397,11 @@ def _row_line(row: dict[str, Any]) -> str:
                      f"{row['train_peak_gib']:6.1f} GiB (fwd+bwd "
                      f"{row.get('train_fwd_bwd_peak_gib', float('nan')):.1f})")
     for b, g in (row.get("generate") or {}).items():
-        parts.append(f"b{b}: prefill {g['prefill_ms']:.1f} ms decode "
-                     f"{g['decode_tokens_per_s']:.0f} tok/s")
+        if "prefill_ms" in g:
+            parts.append(f"b{b}: prefill {g['prefill_ms']:.1f} ms decode "
+                         f"{g['decode_tokens_per_s']:.0f} tok/s")
+        if "graph_decode_ms" in g:
+            parts.append(f"b{b}: graph decode step {g['graph_decode_ms'] * 1e3:.0f} us")
     return "  ".join(parts)
 
 
@@ -315,21 +423,42 @@ def _write(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
                          f"{r['train_tokens_per_s']:.0f} | {ratio} | {r['train_peak_gib']:.1f} | "
                          f"{'-' if fwd_bwd is None else f'{fwd_bwd:.1f}'} |")
     lines += ["", "## Generation with a static KV cache", "",
-              "| model | variant | batch | prefill ms | decode tokens/s | vs eager |",
-              "|---|---|---|---|---|---|"]
+              "Decode tokens/s through transformers' generate (its host loop included); "
+              "the graph step: one decode step of the compiled model replayed from a CUDA "
+              "graph (GPU time), against the `compile` row's.", "",
+              "| model | variant | batch | prefill ms | decode tokens/s | vs eager "
+              "| graph step us | graph tokens/s | vs compile |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    compiled = {r["model"]: r for r in rows if r.get("variant") == "compile"}
     for r in rows:
         for b, g in (r.get("generate") or {}).items():
-            base = (eager.get(r["model"], {}).get("generate") or {}).get(b, {})
-            ratio = (f"{g['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x"
-                     if base else "-")
-            lines.append(f"| {r['model']} | {r['variant']} | {b} | {g['prefill_ms']:.1f} | "
-                         f"{g['decode_tokens_per_s']:.0f} | {ratio} |")
+            lines.append(f"| {r['model']} | {r['variant']} | {b} | "
+                         + " | ".join(_decode_cells(g, eager, compiled, r["model"], b)) + " |")
     notes = [f"- {r['model']} {r['variant']}: {r.get('error') or r.get('note')}" for r in rows
              if r.get("error") or r.get("note")]
     if notes:
         lines += ["", "## Notes and errors", "", *notes]
     (out / "bench-model.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
+
+
+def _decode_cells(g: dict[str, float], eager: dict[str, Any], compiled: dict[str, Any],
+                  model: str, batch: int) -> list[str]:
+    """The generation table's cells of one (variant, batch): '-' where not measured."""
+    def base(rows: dict[str, Any], key: str) -> float | None:
+        return ((rows.get(model, {}).get("generate") or {}).get(batch) or {}).get(key)
+
+    cells = ["-"] * 6
+    if "prefill_ms" in g:
+        ref = base(eager, "decode_tokens_per_s")
+        cells[:3] = [f"{g['prefill_ms']:.1f}", f"{g['decode_tokens_per_s']:.0f}",
+                     f"{g['decode_tokens_per_s'] / ref:.2f}x" if ref else "-"]
+    if "graph_decode_ms" in g:
+        ref = base(compiled, "graph_decode_ms")
+        ms = g["graph_decode_ms"]
+        cells[3:] = [f"{ms * 1e3:.0f}", f"{int(batch) / ms * 1e3:.0f}",
+                     f"{ref / ms:.2f}x" if ref else "-"]
+    return cells
 
 
 def _plot(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
@@ -356,11 +485,15 @@ def _plot(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
 def _main_one(arg: str) -> int:
     spec = json.loads(arg)
     spec["gen_batches"] = tuple(spec["gen_batches"])
+    spec["decode"] = tuple(spec["decode"])
     try:
         result = run_case(Case(**spec))
     except Exception as e:  # reported in the table, not fatal to the sweep
+        import traceback
+
         result = {"model": spec["model"], "variant": spec["variant"],
-                  "error": f"{type(e).__name__}: {e}"[:400]}
+                  "error": f"{type(e).__name__}: {e}"[:400],
+                  "traceback": traceback.format_exc()[-6000:]}
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

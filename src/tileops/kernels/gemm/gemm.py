@@ -53,8 +53,16 @@ class GemmConfig:
     # raster panels are of whole clusters): B tiles arrive by one TMA multicast for all of
     # them, halving the L2 -> SM traffic of the weight.
     cluster_m: int = 1
+    # Decode sizes (weight_stream.py): the weight's rows on wgmma's M side (block_n of them a
+    # CTA), the tokens on its N side (block_m, the whole of M), split-K CTAs reduced in a
+    # cluster's shared memory. a [M, K] and b [N, K] only.
+    weight_rows: bool = False
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
+        if self.weight_rows:  # the stages, the transposed tile, the cluster's partials
+            tile = self.block_m * self.block_n * 4
+            return (self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
+                    + tile * (1 + (self.split_k if self.split_k > 1 else 0)))
         pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
         out_bytes = 4 if self.split_k > 1 else elem_bytes
         out = self.block_m * self.block_n * out_bytes if self.stage_out else 0
@@ -64,6 +72,14 @@ class GemmConfig:
         return pipeline + out if self.async_mma else max(pipeline, out)
 
     def valid(self) -> bool:
+        if self.weight_rows:
+            from . import weight_stream as ws
+
+            return (self.smem_bytes() <= SMEM_LIMIT and self.threads == ws.THREADS
+                    and self.block_m in ws.TOKEN_TILES and self.block_n in ws.WEIGHT_TILES
+                    and 1 <= self.split_k <= ws.MAX_SPLIT
+                    and not (self.wave_fill or self.async_mma or self.persistent
+                             or self.full_row or self.cluster_m > 1))
         warps = self.threads // 32
         return (self.smem_bytes() <= SMEM_LIMIT and warps % 4 == 0
                 and not (self.wave_fill and self.split_k > 1)
@@ -313,6 +329,8 @@ class GemmKernel(Kernel):
         if config.async_mma and not self.tma_aligned():
             raise ValueError("the hand-written pipeline loads by TMA: K (and N when b is "
                              f"[K, N]) must be a multiple of 8 elements, got {k}")
+        if config.weight_rows:
+            return (self._weight_stream_program(config, bucket),)
         if config.wave_fill:
             if not self._splittable():
                 raise ValueError("an accumulating or symbolic-K GEMM cannot fill waves")
@@ -334,6 +352,27 @@ class GemmKernel(Kernel):
         return main, split_k_reduce_program(k["n"], config.split_k, k["dtype"],
                                             has_bias=k.get("has_bias", False))
 
+    def _streams_weight(self) -> bool:
+        """Whether the weight-streaming form serves this key: 16-bit a [M, K] and b [N, K]
+        (a Linear layer's layout), a static K of whole 16-byte rows (TMA), no accumulation."""
+        k = self.key
+        return (k.get("dtype") in ("float16", "bfloat16") and k.get("trans_a") is False
+                and k.get("trans_b") is True and self._splittable() and k["k"] % 8 == 0)
+
+    def _weight_stream_program(self, config: GemmConfig, bucket: str):
+        from .weight_stream import weight_stream_program
+
+        k = self.key
+        if not self._streams_weight():
+            raise ValueError("weight_rows takes 16-bit a [M, K] and b [N, K] with a static K "
+                             f"(a multiple of 8) and no accumulation, got {k}")
+        if self.bucket_rows(bucket) > config.block_m:
+            raise ValueError(f"weight_rows holds M <= block_m = {config.block_m} rows; bucket "
+                             f"{bucket} has up to {self.bucket_rows(bucket)}")
+        return weight_stream_program(k["n"], k["k"], k["dtype"], config.block_m, config.block_n,
+                                     config.block_k, config.stages, config.split_k,
+                                     k.get("has_bias", False))
+
     def pass_configs(self, config: GemmConfig, program_index: int) -> dict:
         return dict(SAFE_MEMORY_OFF) if config.wave_fill else {}
 
@@ -354,7 +393,7 @@ class GemmKernel(Kernel):
         if config.wave_fill:
             self._run_wave_fill(config, compiled[0], a, b, bias, d)
             return
-        if config.split_k == 1:
+        if config.split_k == 1 or config.weight_rows:  # (weight_rows reduces in its cluster)
             compiled[0](a, b, *bias, d)
             return
         partial = d.new_empty((config.split_k, d.shape[0], d.shape[1]), dtype=torch.float32)
@@ -380,18 +419,66 @@ class GemmKernel(Kernel):
             split *= 2
         return split
 
+    def weight_stream_space(self, bucket: str) -> list[GemmConfig]:
+        """The weight-streaming tiles for the tuner, up to 64 rows (the token tile the
+        bucket's rows): 64 / 128 weight rows, K tiles of 128 / 256, the stages that fit,
+        splits 1-4."""
+        from . import weight_stream as ws
+
+        rows, key = self.bucket_rows(bucket), self.key
+        if rows > max(ws.TOKEN_TILES) or not self._streams_weight():
+            return []
+        block_m = next(t for t in ws.TOKEN_TILES if t >= rows)
+        space = []
+        for block_n in ws.WEIGHT_TILES:
+            for block_k in (128, 256):
+                for split in (1, 2, 4):
+                    if -(-key["k"] // block_k) // split < 4:
+                        continue
+                    stages = next((s for s in range(8, 1, -1) if GemmConfig(
+                        block_m, block_n, block_k, s, ws.THREADS, split, 0, stage_out=False,
+                        weight_rows=True).valid()), None)
+                    if stages is not None:
+                        space.append(GemmConfig(block_m, block_n, block_k, stages, ws.THREADS,
+                                                split, 0, stage_out=False, weight_rows=True))
+        return space
+
     def model_shape(self) -> select.Shape:
         key = self.key
         return select.Shape(m=0, n=key["n"], k=key["k"], dtype=key["dtype"],
                             splittable=self._splittable())
 
     def heuristic_config(self, bucket: str, arch: str) -> GemmConfig:
-        """The cost model's pick for this bucket (select.py), evaluated at its largest M."""
+        """Up to 16 rows of a [M, K] x b [N, K]: the weight-streaming form (weight_stream.py);
+        else the cost model's pick for this bucket (select.py), evaluated at its largest M."""
+        stream = self.weight_stream_config(bucket)
+        if stream is not None:
+            return stream
         return select.choose(self.model_shape(), self.bucket_rows(bucket), self.gpu)
+
+    def config_for(self, bucket: str) -> GemmConfig:
+        # the weight-streaming default over the tuned table's entries of its bucket, which
+        # were tuned before the form existed (their 64-row tiles measured below it)
+        stream = self.weight_stream_config(bucket)
+        return stream if stream is not None else super().config_for(bucket)
+
+    def weight_stream_config(self, bucket: str) -> GemmConfig | None:
+        """The weight-streaming default for a bucket of <= 16 rows where the form serves the
+        key (`_streams_weight`); None elsewhere."""
+        from . import weight_stream as ws
+
+        if self.bucket_rows(bucket) > ws.ROWS or not self._streams_weight():
+            return None
+        key = self.key
+        block_n, block_k, stages = ws.DEFAULT_TILE
+        return GemmConfig(ws.ROWS, block_n, block_k, stages, ws.THREADS,
+                          ws.default_split(key["n"], key["k"]), 0, stage_out=False,
+                          weight_rows=True)
 
     def config_space(self, bucket: str) -> list[GemmConfig]:
         rows = self.bucket_rows(bucket)
         space = [self.heuristic_config(bucket, "sm_90a")]
+        space += self.weight_stream_space(bucket)
         if rows <= 128:
             block_m, threads = (64, 128) if rows <= 64 else (128, 256)
             for bn in (64, 128, 256):
