@@ -141,13 +141,13 @@ class Device:
 
 @functools.cache
 def device(gpu: str | None, dtype: str) -> Device:
-    """Calibrated peaks of `gpu`'s profile (the H200's when None or unknown)."""
+    """The H200's calibrated peaks, whatever `gpu` is: the model's constants were fitted
+    on H200 timings together with those peaks, and another GPU's peaks without a fit of
+    its own would move picks that no measurement checked (an H100 profile exists for SOL
+    numbers, from its datasheet)."""
     from ...perf.profiles import load_profile
 
-    try:
-        profile = load_profile(gpu or "h200")
-    except Exception:  # noqa: BLE001 - no profile: the H200's numbers
-        profile = load_profile("h200")
+    profile = load_profile("h200")
     return Device(profile.flops_per_s.get(dtype, profile.flops_per_s["float16"]),
                   profile.bytes_per_s)
 
