@@ -64,8 +64,8 @@ def test_tuned_and_manifest_selection_is_unchanged():
         before = frozen[gemm_selection.record_key(record)]
         where = (record["op"], record["label"], record["dtype"], record["bucket"])
         if record["config"].get("weight_rows"):
-            # up to 16 rows of a 16-bit Linear layout: the weight-streaming default, over
-            # the tuned entries of the bucket too (weight_stream.py)
+            # up to 16 rows of a 16-bit Linear layout: the weight-streaming default (its
+            # bucket's four tuned entries, tuned before the form existed, were dropped)
             kernel = GemmKernel(**record["key"]) if "key" in record else None
             assert record["bucket"] == "m16", where
             assert kernel is None or GemmConfig(**record["config"]) == \
@@ -78,6 +78,46 @@ def test_tuned_and_manifest_selection_is_unchanged():
         changed[where] = GemmConfig(**record["config"])
     assert changed == CHANGED_BY_THE_MODEL
     assert streamed and {w[0] for w in streamed} <= {"GemmFwdOp", "LinearFwdOp"}
+
+
+def test_weight_stream_default_serves_the_small_bucket_of_linear_layouts():
+    """Up to 16 rows of 16-bit a [M, K] x b [N, K] with K a multiple of 8: the weight-
+    streaming form, split only where fewer than 64 weight tiles; never for other layouts,
+    a K TMA cannot stride, accumulation, or larger buckets; no tuned entry shadows it."""
+    def kernel(**key):
+        return GemmKernel(**{"dtype": "bfloat16", "n": 4096, "k": 4096, "trans_a": False,
+                             "trans_b": True, "gpu": "h200", **key})
+
+    picks = {n: kernel(n=n).config_for("m16") for n in (4096, 1024, 512, 128256)}
+    assert all(c.weight_rows and c.block_m == 16 and c.valid() for c in picks.values())
+    assert [picks[n].split_k for n in (4096, 1024, 512, 128256)] == [1, 4, 4, 1]
+    assert kernel(k=512).config_for("m16").split_k == 1  # 4 K tiles: no room to split
+    assert not kernel().config_for("m32").weight_rows
+    for key in ({"trans_b": False}, {"trans_a": True}, {"k": 4100}, {"accumulate": True},
+                {"k": None}, {"dtype": "float32"}):
+        assert kernel(**key).weight_stream_config("m16") is None, key
+    assert kernel(trans_b=False).config_for("m16").weight_rows is False
+    with pytest.raises(ValueError, match="weight_rows"):
+        kernel(trans_b=False).program(picks[4096], "m16")
+    with pytest.raises(ValueError, match="block_m = 16"):
+        kernel().program(picks[4096], "m32")
+    table = tuned_table("h200").entries
+    assert not [e for e in table if e.endswith("|m16") and "trans_b=True" in e
+                and "trans_a=False" in e and "accumulate" not in e and "k=None" not in e]
+
+
+def test_weight_stream_programs_use_wgmma_tma_and_a_cluster(tmp_path):
+    """The default (split 1) and a split-4 cluster lower to wgmma with TMA loads, the
+    cluster's partials through DSMEM, no register spills."""
+    kernel = GemmKernel(dtype="bfloat16", n=1024, k=4096, trans_a=False, trans_b=True,
+                        has_bias=True)
+    for config in (kernel.config_for("m16"),
+                   dataclasses.replace(kernel.config_for("m16"), split_k=1)):
+        main = kernel.compile(config, "m16")[0]
+        source = main.get_kernel_source()
+        assert "wgmma" in source and "tma_load" in source
+        assert ("map_shared_rank" in source) == (config.split_k > 1)
+        assert_no_spills_or_serialized_wgmma(main, tmp_path)
 
 
 def test_m_buckets_go_to_16k_rows():

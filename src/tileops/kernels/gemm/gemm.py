@@ -456,12 +456,6 @@ class GemmKernel(Kernel):
             return stream
         return select.choose(self.model_shape(), self.bucket_rows(bucket), self.gpu)
 
-    def config_for(self, bucket: str) -> GemmConfig:
-        # the weight-streaming default over the tuned table's entries of its bucket, which
-        # were tuned before the form existed (their 64-row tiles measured below it)
-        stream = self.weight_stream_config(bucket)
-        return stream if stream is not None else super().config_for(bucket)
-
     def weight_stream_config(self, bucket: str) -> GemmConfig | None:
         """The weight-streaming default for a bucket of <= 16 rows where the form serves the
         key (`_streams_weight`); None elsewhere."""
