@@ -6,7 +6,7 @@ import torch
 import tileops
 from tileops import GemmFwdOp, TileOpsError
 from tileops.kernels.base import Kernel, sm_count
-from tileops.kernels.gemm import GemmConfig, GemmKernel, select
+from tileops.kernels.gemm import GemmConfig, GemmKernel, select, weight_stream
 from tileops.kernels.gemm.wave_fill import partition
 
 from ..helpers import assert_close, poison_allocator, randn
@@ -207,13 +207,7 @@ def test_full_row_and_async_pipeline(name, flags, dtype):
         assert_close(d, want, what=f"{name} M={rows}")
 
 
-def _weight_rows(block_m, block_n, block_k, split):
-    """A weight_rows config with the most stages (up to 8) that fit."""
-    return next(c for s in range(8, 1, -1) if (c := GemmConfig(
-        block_m, block_n, block_k, s, 128, split, 0, stage_out=False, weight_rows=True)).valid())
-
-
-WEIGHT_ROWS = {f"{bm}x{bn}x{bk}-split{sp}": _weight_rows(bm, bn, bk, sp)
+WEIGHT_ROWS = {f"{bm}x{bn}x{bk}-split{sp}": weight_stream.deepest(bm, bn, bk, sp)
                for bm, bn, bk, sp in [(16, 64, 128, 1), (16, 64, 128, 2), (16, 64, 128, 4),
                                       (16, 128, 256, 2), (16, 128, 128, 8), (32, 64, 256, 1),
                                       (32, 128, 128, 4), (64, 64, 128, 2), (64, 128, 256, 1)]}

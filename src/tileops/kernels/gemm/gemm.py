@@ -429,19 +429,10 @@ class GemmKernel(Kernel):
         if rows > max(ws.TOKEN_TILES) or not self._streams_weight():
             return []
         block_m = next(t for t in ws.TOKEN_TILES if t >= rows)
-        space = []
-        for block_n in ws.WEIGHT_TILES:
-            for block_k in (128, 256):
-                for split in (1, 2, 4):
-                    if -(-key["k"] // block_k) // split < 4:
-                        continue
-                    stages = next((s for s in range(8, 1, -1) if GemmConfig(
-                        block_m, block_n, block_k, s, ws.THREADS, split, 0, stage_out=False,
-                        weight_rows=True).valid()), None)
-                    if stages is not None:
-                        space.append(GemmConfig(block_m, block_n, block_k, stages, ws.THREADS,
-                                                split, 0, stage_out=False, weight_rows=True))
-        return space
+        space = [ws.deepest(block_m, block_n, block_k, split)
+                 for block_n in ws.WEIGHT_TILES for block_k in (128, 256) for split in (1, 2, 4)
+                 if -(-key["k"] // block_k) // split >= 4]
+        return [c for c in space if c is not None]
 
     def model_shape(self) -> select.Shape:
         key = self.key
@@ -463,11 +454,9 @@ class GemmKernel(Kernel):
 
         if self.bucket_rows(bucket) > ws.ROWS or not self._streams_weight():
             return None
-        key = self.key
-        block_n, block_k, stages = ws.DEFAULT_TILE
-        return GemmConfig(ws.ROWS, block_n, block_k, stages, ws.THREADS,
-                          ws.default_split(key["n"], key["k"]), 0, stage_out=False,
-                          weight_rows=True)
+        block_n, block_k = ws.DEFAULT_TILE
+        return ws.deepest(ws.ROWS, block_n, block_k, ws.default_split(self.key["n"],
+                                                                      self.key["k"]))
 
     def config_space(self, bucket: str) -> list[GemmConfig]:
         rows = self.bucket_rows(bucket)

@@ -18,7 +18,7 @@ and no reduce launch (the plain kernel's split-K costs both).
 
 import tilelang.language as T
 
-from .gemm import k_loop, k_tiles_per_split
+from .gemm import GemmConfig, k_loop, k_tiles_per_split
 
 ROWS = 16  # the M bucket served by default (GemmKernel.weight_stream_config)
 THREADS = 128  # one consumer warp group (TileLang adds the TMA producer's)
@@ -31,9 +31,20 @@ MAX_SPLIT = 8               # the portable cluster size
 # shapes at 1 and 8 tokens, the project's timing protocol): 1.00-1.11x cuBLAS, where the
 # plain 64-row tiles ran 0.83-1.06x; a split of 2 on 64 tiles cost 7% (the cluster's
 # barriers and the DSMEM sum), a split of 8 on 16 tiles 2x (two waves of 8-CTA clusters).
-DEFAULT_TILE = (64, 128, 8)  # block_n, block_k, stages
+DEFAULT_TILE = (64, 128)  # block_n, block_k (8 stages fit)
 MIN_CTAS = 64
 DEFAULT_MAX_SPLIT = 4
+
+
+def deepest(block_m: int, block_n: int, block_k: int, split: int) -> GemmConfig | None:
+    """The weight_rows config of this tile and split with the most stages (up to 8) that fit
+    in shared memory; None if not even 2 do."""
+    for stages in range(8, 1, -1):
+        config = GemmConfig(block_m, block_n, block_k, stages, THREADS, split, 0,
+                            stage_out=False, weight_rows=True)
+        if config.valid():
+            return config
+    return None
 
 
 def default_split(n: int, k: int, block_n: int = DEFAULT_TILE[0],
