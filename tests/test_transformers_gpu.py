@@ -62,7 +62,8 @@ def counts(monkeypatch):
         return wrapped
 
     for name in ("rms_norm", "swiglu", "geglu", "apply_rotary", "attention", "fused_moe",
-                 "decode_attention", "chunked_prefill_attention", "attention_varlen"):
+                 "decode_attention", "chunked_prefill_attention", "attention_varlen",
+                 "linear"):
         monkeypatch.setattr(tileops.ops, name, count(name, getattr(tileops.ops, name)))
     monkeypatch.setattr(_patch, "_flce", count("loss", _patch._flce))
     return seen
@@ -270,3 +271,6 @@ def test_static_cache_chunks_and_padding(family, counts):
             assert not any(got_calls.values()), counts
         else:
             assert got_calls == want, counts
+        # linear="decode": every Linear of the three forwards of <= 16 tokens (2 x 5, 2 x 1,
+        # 2 x 1) on tileops.linear, none of the 48- and 80-token ones
+        assert counts.get("linear", 0) == 3 * len(ours._tileops_report.patched["linear"])
