@@ -271,6 +271,5 @@ def test_static_cache_chunks_and_padding(family, counts):
             assert not any(got_calls.values()), counts
         else:
             assert got_calls == want, counts
-        # linear="decode": every Linear of the three forwards of <= 16 tokens (2 x 5, 2 x 1,
-        # 2 x 1) on tileops.linear, none of the 48- and 80-token ones
-        assert counts.get("linear", 0) == 3 * len(ours._tileops_report.patched["linear"])
+        # linear="decode": eager forwards (these) keep F.linear, whatever their length
+        assert not counts.get("linear"), counts

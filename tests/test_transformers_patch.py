@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import tileops  # noqa: E402
 import tileops.ops  # noqa: E402
 import tileops.transformers as tt  # noqa: E402
-from tileops.transformers import _patch  # noqa: E402
+from tileops.transformers import _patch, bench  # noqa: E402
 from tileops.transformers import attention as hf_attention  # noqa: E402
 
 from . import hf_models  # noqa: E402
@@ -74,11 +74,14 @@ def test_linear_flag_patches_every_linear():
         _apply(hf_models.model("llama", dtype=torch.bfloat16), linear="prefill")
 
 
-@pytest.mark.parametrize("linear, tokens, on_tileops", [
-    ("decode", 16, True), ("decode", 17, False), (True, 17, True), (False, 1, False)])
-def test_linear_calls_by_token_count(linear, tokens, on_tileops, spies):
-    """linear="decode" (the default) puts calls of up to 16 tokens on tileops.linear and
-    larger ones on F.linear; True every call, False none. The output is F.linear's."""
+@pytest.mark.parametrize("linear, tokens, graphed, on_tileops", [
+    ("decode", 16, True, True), ("decode", 17, True, False), ("decode", 16, False, False),
+    (True, 17, False, True), (False, 1, True, False)])
+def test_linear_calls_by_token_count(linear, tokens, graphed, on_tileops, spies, monkeypatch):
+    """linear="decode" (the default) puts calls of up to 16 tokens on tileops.linear when
+    compiled or captured, larger ones and eager ones on F.linear; True every call, False
+    none. The output is F.linear's."""
+    monkeypatch.setattr(_patch, "_graphed", lambda: graphed)
     layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
     model = hf_models.model("llama", dtype=torch.bfloat16)
     model.model.extra = layer  # (any nn.Linear of the model is patched alike)
@@ -86,6 +89,22 @@ def test_linear_calls_by_token_count(linear, tokens, on_tileops, spies):
     x = torch.randn(1, tokens, 64, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert bool(spies.get("linear")) == on_tileops
+
+
+def test_decode_linear_routes_traced_calls(spies):
+    """Under torch.compile the decode step's Linear calls are traced onto tileops.linear
+    (`_graphed` holds while dynamo traces); the same eager step's stay on F.linear."""
+    model = hf_models.model("llama")
+    _apply(model)
+    ids = torch.randint(1, 512, (2, 11))
+    traced = torch.compile(model.forward, fullgraph=True, backend="eager")
+    for forward, want in ((model.forward, False), (traced, True)):
+        step = bench.DecodeStep(model, ids, steps=2, forward=forward)
+        with torch.no_grad():
+            step.prefill()
+            spies.clear()
+            step()
+        assert bool(spies.get("linear")) == want
 
 
 def test_flags_off_patch_nothing():

@@ -25,8 +25,10 @@ untouched):
   SiLU) -> tileops.fused_moe on the top-k ids and weights of the model's own router (so
   the router's gradient is transformers'; DeepSeek-V3's sigmoid grouped router included).
 - linear: "decode" (the default) puts the nn.Linear calls of up to 16 tokens (decode steps)
-  on tileops.linear, whose weight-streaming GEMM serves them at cuBLAS speed or better, and
-  leaves larger calls on F.linear; True every call; False none.
+  on tileops.linear, whose weight-streaming GEMM serves them at cuBLAS speed or better, when
+  the step is compiled or captured into a CUDA graph (eager steps are bound by host time,
+  where F.linear's call is cheaper); larger calls stay on F.linear; True every call; False
+  none.
 
 The patched forwards fall back to the original forward on inputs TileOPs does not serve
 (fp32 activations, mismatched dtypes), so a patched model computes what the original does.

@@ -175,14 +175,24 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 # apply(linear="decode"): calls of up to this many tokens (decode steps) take tileops.linear,
-# whose weight-streaming GEMM serves them (kernels/gemm/weight_stream.py: 1.00-1.11x cuBLAS
-# on an H100); larger calls (prefill, training) stay on F.linear, where TileOPs' GEMMs are
-# not yet at cuBLAS's speed on every shape.
+# whose weight-streaming GEMM serves them (kernels/gemm/weight_stream.py: 0.99-1.10x cuBLAS
+# on an H100), when traced by torch.compile or captured into a CUDA graph; larger calls
+# (prefill, training) stay on F.linear, where TileOPs' GEMMs are not yet at cuBLAS's speed
+# on every shape.
 DECODE_TOKENS = 16
 
 
+def _graphed() -> bool:
+    """Whether this call is being traced by torch.compile or captured into a CUDA graph:
+    there tileops.linear's host time per call (a few microseconds over F.linear's) is not
+    paid again each step. An eager decode step is bound by host time, so its calls stay on
+    F.linear, whose GEMM is within a few percent."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available()
+                                             and torch.cuda.is_current_stream_capturing())
+
+
 def _decode_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() > DECODE_TOKENS * x.shape[-1]:
+    if x.numel() > DECODE_TOKENS * x.shape[-1] or not _graphed():
         return F.linear(x, self.weight, self.bias)
     return _linear_forward(self, x)
 
@@ -383,10 +393,11 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, rope: bool = True,
           verbose: bool = True) -> PatchReport:
     """Patches `model` (a transformers 5.x causal LM or its base model) in place onto TileOPs
     ops; returns the PatchReport. `linear`: True puts every nn.Linear call on
-    tileops.linear, "decode" (the default) the calls of up to DECODE_TOKENS tokens, False
-    none. Applying twice patches nothing new. Requested parts that
-    stay on PyTorch are listed in the report, warned about (verbose) or, with strict=True,
-    raised as TileOpsUnsupportedError before anything is patched."""
+    tileops.linear, "decode" (the default) the calls of up to DECODE_TOKENS tokens traced by
+    torch.compile or captured into a CUDA graph (`_graphed`), False none. Applying twice
+    patches nothing new. Requested parts that stay on PyTorch are listed in the report,
+    warned about (verbose) or, with strict=True, raised as TileOpsUnsupportedError before
+    anything is patched."""
     family = family_of(model)
     report = PatchReport(type(model).__name__, family.name)
     plan: list[Callable[[], None]] = []
