@@ -325,18 +325,22 @@ def recorded_programs(models: list[str], layers: dict[str, int], batch: int, seq
     from transformers import masking_utils
 
     from ..prebuild import recorded_plan, recording
-    from . import apply
+    from . import _patch, apply
     from .static_cache import cache_kwarg
 
     calls: list[Any] = []
     # a meta tensor has no values to test for packed sequences (one fresh batch is not)
     unpacked = mock.patch.object(masking_utils, "find_packed_sequence_indices",
                                  lambda *a, **k: None)
+    # the decode step runs compiled on the GPU, where its Linear calls take tileops.linear
+    # (linear="decode"); here it runs eagerly on meta tensors
+    graphed = mock.patch.object(_patch, "_graphed", lambda: True)
     for name in models:
         model = make_model(name, min(layers.get(name) or 2, 2), device="meta")
         apply(model, verbose=False)
         with contextlib.ExitStack() as stack:
             stack.enter_context(unpacked)
+            stack.enter_context(graphed)
             recorded = stack.enter_context(recording())
             if train:
                 ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
