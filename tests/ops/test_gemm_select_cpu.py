@@ -145,8 +145,8 @@ def test_tuned_entries_are_keyed_by_the_new_buckets():
 
 def test_model_agrees_with_the_tuned_table():
     rows = select.agreement("h200")
-    assert len(rows) == 22
-    assert sum(select.same_tile(tuned, pick) for _, tuned, pick in rows) >= 20
+    assert len(rows) == 18  # 22 before the 16-row bucket went to the weight-streaming form
+    assert all(select.same_tile(tuned, pick) for _, tuned, pick in rows)
 
 
 @pytest.mark.parametrize("rows, tile, split", [(4096, (128, 128), 1), (16384, (128, 256), 1)])

@@ -57,9 +57,11 @@ on the models tier measured 1.094x over the plain pick (geomean; worst 0.969x;
 docs/performance/h200-gemm-wave-fill-2026-12-03.md).
 
 The decode constants are physical estimates checked against the shipped H200 table
-(`python3 scripts/gemm_selection.py agreement`): the model picks the autotuner's tile and
+(`python3 scripts/gemm_selection.py agreement`): the model picked the autotuner's tile and
 split for 20 of its 22 plain GEMM entries (the two misses: 16 rows, N 6144, K 4096, where
-tuning kept 48 CTAs of 64 x 128 and the model prefers 96 of 64 x 64); a grid over the
+tuning kept 48 CTAs of 64 x 128 and the model prefers 96 of 64 x 64; those two and the
+other two 16-row entries left the table when that bucket went to the weight-streaming
+form, weight_stream.py, which leaves 18 of 18); a grid over the
 constants (tile efficiency 0.85-0.95, fill 0.5-2 steps, 0.5-3 us per CTA, 2-8 us per reduce,
 1-3 us latency, 60-200 GB/s per CTA) finds no setting that matches more, and two thirds of
 its 2160 points match as many: the table does not pin the constants further.
