@@ -176,8 +176,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", nargs="+", choices=["generate", "graph"],
                    default=["generate", "graph"],
                    help="decode speed through transformers' generate loop and/or, for the "
-                        "compiled variants, one decode step replayed from a CUDA graph "
-                        "(default: both)")
+                        "compiled variants, the decode step alone (compiled with CUDA "
+                        "graphs, step after step, no generate loop) (default: both)")
     p.add_argument("--timeout", type=_positive_int, default=540,
                    help="seconds per (model, variant) subprocess")
     p.add_argument("--out", default="bench-results", metavar="DIR",
