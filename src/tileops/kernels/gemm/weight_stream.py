@@ -29,8 +29,9 @@ MAX_SPLIT = 8               # the portable cluster size
 # split-K only where the weight tiles alone leave the GPU starved (< MIN_CTAS CTAs), at
 # most 4 a cluster. Measured on an H100 (2026-12-05, Llama-3.1-8B's seven decode Linear
 # shapes at 1 and 8 tokens, the project's timing protocol): 0.99-1.10x cuBLAS (through
-# tileops.linear), where the plain 64-row tiles ran 0.83-1.06x; a split of 2 on 64 tiles cost 7% (the cluster's
-# barriers and the DSMEM sum), a split of 8 on 16 tiles 2x (two waves of 8-CTA clusters).
+# tileops.linear), where the plain 64-row tiles ran 0.83-1.06x; a split of 2 on 64 tiles
+# cost 7% (the cluster's barriers and the DSMEM sum), a split of 8 on 16 tiles 2x (two
+# waves of 8-CTA clusters).
 DEFAULT_TILE = (64, 128)  # block_n, block_k (8 stages fit)
 MIN_CTAS = 64
 DEFAULT_MAX_SPLIT = 4
