@@ -1,10 +1,11 @@
-"""GemmFwdOp and tileops.linear (forward and backward) against cuBLAS through torch."""
+"""GemmFwdOp, tileops.linear (forward and backward) and tileops.linear_group against cuBLAS
+through torch."""
 
 import pytest
 
-from tileops import GemmFwdOp, LinearBwdOp, LinearFwdOp
+from tileops import GemmFwdOp, LinearBwdOp, LinearFwdOp, LinearGroupFwdOp
 
-OPS = [GemmFwdOp, LinearFwdOp, LinearBwdOp]
+OPS = [GemmFwdOp, LinearFwdOp, LinearBwdOp, LinearGroupFwdOp]
 
 
 @pytest.mark.gpu

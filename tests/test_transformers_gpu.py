@@ -63,7 +63,7 @@ def counts(monkeypatch):
 
     for name in ("rms_norm", "swiglu", "geglu", "apply_rotary", "attention", "fused_moe",
                  "decode_attention", "chunked_prefill_attention", "attention_varlen",
-                 "linear"):
+                 "linear", "linear_group"):
         monkeypatch.setattr(tileops.ops, name, count(name, getattr(tileops.ops, name)))
     monkeypatch.setattr(_patch, "_flce", count("loss", _patch._flce))
     return seen
@@ -188,18 +188,22 @@ def test_trains_under_torch_compile(family):
     assert all(map(math.isfinite, losses_c)) and losses_c[-1] < losses_c[0], losses_c
 
 
-@pytest.mark.parametrize("family,batch", [("llama", 2), ("qwen3", 2), ("gemma2", 2),
-                                          ("mistral", 8), ("gemma3", 8)])
-def test_generates_with_static_cache_under_cuda_graphs(family, batch):
+@pytest.mark.parametrize("family,batch,grouped", [
+    ("llama", 2, False), ("qwen3", 2, False), ("gemma2", 2, False), ("mistral", 8, False),
+    ("gemma3", 8, False), ("llama", 8, True), ("qwen2", 8, True)])
+def test_generates_with_static_cache_under_cuda_graphs(family, batch, grouped, monkeypatch):
     """transformers' automatic compile (reduce-overhead: CUDA graphs) of the decode step; the
     steps read the static layers' own [B, Hkv, S_max, D] tensors in place through
     tileops.decode_attention (kv_layout "HND"; gemma2:
-    softcap; mistral/gemma: 16-token sliding layers that fill and roll). No call counter
+    softcap; mistral/gemma: 16-token sliding layers that fill and roll); their Linear calls
+    run tileops.linear, or with `grouped` (TILEOPS_HF_GROUP_PROJECTIONS=1) q/k/v and
+    gate/up in one tileops.linear_group launch each (qwen2: with biases). No call counter
     here: a Python counter inside the compiled step would recompile it at every step; the
     route's conditions (cache layout, the prefill's marks) are checked instead, and the
     eager test below counts the calls."""
     from tileops.transformers import static_cache
 
+    monkeypatch.setenv("TILEOPS_HF_GROUP_PROJECTIONS", "1" if grouped else "0")
     ours, _, fp32 = _models(family)
     ours.eval()
     torch.manual_seed(3)

@@ -107,6 +107,84 @@ def test_decode_linear_routes_traced_calls(spies):
         assert bool(spies.get("linear")) == want
 
 
+def _ref_linear_group(x, weights, biases=None):
+    return tuple(F.linear(x, w, None if biases is None else b)
+                 for w, b in zip(weights, biases or weights, strict=True))
+
+
+def test_grouped_projections_trace_one_launch_each(spies, monkeypatch):
+    """With TILEOPS_HF_GROUP_PROJECTIONS=1, a traced decode step runs each layer's q/k/v and
+    gate/up as one linear_group call each (o_proj, down_proj and the head stay single) and
+    decodes the unpatched model's greedy tokens; eager steps call neither."""
+    monkeypatch.setenv("TILEOPS_HF_GROUP_PROJECTIONS", "1")
+    model = hf_models.model("qwen2")  # q/k/v with biases
+    reference = copy.deepcopy(model)
+    report = _apply(model)
+    linears = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    assert sorted(report.patched["linear"]) == linears
+    assert model.model.layers[0].self_attn.k_proj._tileops_patch == "linear"
+    ids = torch.randint(1, 512, (2, 11))
+    traced = torch.compile(model.forward, fullgraph=True, backend="eager")
+    tokens = {}
+    for name, m, forward in (("reference", reference, reference.forward),
+                             ("eager", model, model.forward), ("traced", model, traced)):
+        step = bench.DecodeStep(m, ids, steps=3, forward=forward)
+        with torch.no_grad():
+            step.prefill()
+            spies.clear()
+            step()
+            calls = {k: len(v) for k, v in spies.items()}
+            step()
+        tokens[name] = step.token.clone()
+        if name == "eager":
+            assert not calls.get("linear_group") and not calls.get("linear")
+        if name == "traced":  # (the spies record each run of the traced step)
+            layers = model.config.num_hidden_layers
+            assert calls["linear_group"] == 2 * layers
+            assert calls["linear"] == 2 * layers + 1
+            assert all(not group.pending for group in _groups(model))
+    assert torch.equal(tokens["traced"], tokens["reference"])
+    assert torch.equal(tokens["eager"], tokens["reference"])
+
+
+def _groups(model):
+    return {id(g): g for m in model.modules() if "forward" in m.__dict__
+            for g in _closure_groups(m.forward)}.values()
+
+
+def _closure_groups(fn):
+    for cell in getattr(getattr(fn, "__wrapped__", fn), "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, _patch._ProjectionGroup):
+            yield value
+        elif callable(value):
+            yield from _closure_groups(value)
+
+
+@pytest.mark.parametrize("tokens, graphed, grouped", [(16, True, True), (17, True, False),
+                                                      (1, False, False)])
+def test_grouped_projections_by_token_count(tokens, graphed, grouped, spies, monkeypatch):
+    """Grouped members take the decode route's calls (<= 16 tokens, compiled or captured)
+    in one launch, the first member called computing all; others run F.linear. A member
+    called on another tensor than the one its group ran on computes its own."""
+    monkeypatch.setenv("TILEOPS_HF_GROUP_PROJECTIONS", "1")
+    monkeypatch.setattr(_patch, "_graphed", lambda: graphed)
+    model = hf_models.model("llama", dtype=torch.bfloat16)
+    _apply(model)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, tokens, mlp.gate_proj.in_features, dtype=torch.bfloat16)
+    up, gate = mlp.up_proj(x), mlp.gate_proj(x)  # any member first
+    torch.testing.assert_close(gate, F.linear(x, mlp.gate_proj.weight))
+    torch.testing.assert_close(up, F.linear(x, mlp.up_proj.weight))
+    assert len(spies.get("linear_group", [])) == int(grouped)
+    assert not spies.get("linear")
+    if grouped:
+        other = x.clone()
+        mlp.gate_proj(x)  # leaves up's output for x
+        torch.testing.assert_close(mlp.up_proj(other), F.linear(other, mlp.up_proj.weight))
+        assert len(spies["linear_group"]) == 3
+
+
 def test_flags_off_patch_nothing():
     model = hf_models.model("llama", dtype=torch.bfloat16)
     report = _apply(model, rms_norm=False, rope=False, attention=False, mlp=False,
@@ -375,6 +453,7 @@ def spies(monkeypatch):
     op("attention_varlen", _ref_varlen)
     op("chunked_prefill_attention", _ref_chunked)
     op("linear", F.linear)
+    op("linear_group", _ref_linear_group)
     op("fused_moe", _ref_fused_moe)
     monkeypatch.setattr(_patch, "_flce", spy("loss", _ref_flce))
     return calls

@@ -228,6 +228,13 @@ def _linear_grad(dtype):
     return ours.grad, ref.grad
 
 
+def _linear_group(dtype):  # no biases: F.linear's default
+    x = randn(8, 512, dtype=dtype)
+    ws = [randn(n, 512, dtype=dtype, std=512 ** -0.5) for n in (384, 128)]
+    return (torch.cat(tileops.linear_group(x, ws), -1),
+            torch.cat([F.linear(x, w) for w in ws], -1))
+
+
 # op name -> a function of the dtype returning (ours, reference), both with defaults only
 DEFAULT_CASES = {
     "RMSNormFwdOp": _rms_norm,
@@ -265,6 +272,7 @@ DEFAULT_CASES = {
     "CrossEntropyBwdOp": _cross_entropy_grad,
     "LinearFwdOp": _linear,
     "LinearBwdOp": _linear_grad,
+    "LinearGroupFwdOp": _linear_group,
 }
 
 

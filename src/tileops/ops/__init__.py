@@ -57,6 +57,7 @@ from .grouped_gemm import (
 )
 from .grouped_gemm_fp8 import GroupedGemmFp8FwdOp, grouped_gemm_fp8
 from .linear import LinearBwdOp, LinearFwdOp, linear
+from .linear_group import LinearGroupFwdOp, linear_group
 from .mla_decode import MLADecodeFwdOp, mla_decode
 from .moe import (
     MoePermuteFwdOp,
@@ -117,7 +118,7 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   LogsumexpFwdOp, LogsumexpBwdOp, CrossEntropyFwdOp,
                                   CrossEntropyWithGradFwdOp, CrossEntropyBwdOp,
                                   FusedLinearCrossEntropyFwdOp, LinearFwdOp, LinearBwdOp,
-                                  ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
+                                  LinearGroupFwdOp, ArgmaxFwdOp, TopkFwdOp, DecodeAttentionFwdOp,
                                   KVCacheAppendFwdOp, ChunkedPrefillAttentionFwdOp,
                                   DecodeAttentionFp8FwdOp, ChunkedPrefillAttentionFp8FwdOp,
                                   KVCacheAppendFp8FwdOp, MLADecodeFwdOp,
@@ -140,7 +141,7 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "LogsumexpBwdOp", "softmax", "log_softmax", "logsumexp", "CrossEntropyFwdOp",
            "CrossEntropyWithGradFwdOp", "CrossEntropyBwdOp", "cross_entropy",
            "FusedLinearCrossEntropyFwdOp", "fused_linear_cross_entropy", "LinearFwdOp",
-           "LinearBwdOp", "linear",
+           "LinearBwdOp", "linear", "LinearGroupFwdOp", "linear_group",
            "ArgmaxFwdOp", "TopkFwdOp", "argmax", "topk",
            "DecodeAttentionFwdOp", "KVCacheAppendFwdOp", "decode_attention", "kv_cache_append",
            "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention", "DecodePlan", "plan_decode",

@@ -569,6 +569,29 @@ def _linear_cross_entropy_baselines(libs: dict[str, bool]) -> dict[str, Baseline
     return table
 
 
+def _linear_group_baselines() -> dict[str, Baseline]:
+    """F.linear a weight (what a Hugging Face layer runs), and one F.linear on the weights
+    concatenated beforehand (a serving engine's fused q/k/v and gate/up layers), split into
+    views; the concatenation is made once a weight set, outside the timed calls after it."""
+    fused: dict[tuple, tuple] = {}
+
+    def per_weight(x, *weights_and_biases):
+        weights, biases = weights_and_biases[:3], weights_and_biases[3:]
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)
+                     if w is not None)
+
+    def concatenated(x, *weights_and_biases):
+        weights = [w for w in weights_and_biases[:3] if w is not None]
+        biases = weights_and_biases[3:3 + len(weights)]
+        key = tuple(t.data_ptr() for t in weights)
+        if key not in fused:
+            fused[key] = (torch.cat(weights), None if biases[0] is None else torch.cat(biases))
+        w, b = fused[key]
+        return F.linear(x, w, b).split([t.shape[0] for t in weights], -1)
+
+    return {"cublas-concatenated": concatenated, "cublas-per-weight": per_weight}
+
+
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
@@ -579,6 +602,8 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return {"cublas": _cublas}
     if op_name == "LinearFwdOp":  # F.linear: cuBLAS with the bias in its epilogue
         return {"cublas": F.linear}
+    if op_name == "LinearGroupFwdOp":
+        return _linear_group_baselines()
     if op_name == "LinearBwdOp":  # (grad_output, input, weight): autograd's cuBLAS GEMMs
         plain, biased = _graph_backward(F.linear, (0, 1)), _graph_backward(F.linear, (0, 1, 2))
         biases: dict[int, torch.Tensor] = {}  # one bias per weight: the graphs stay cached

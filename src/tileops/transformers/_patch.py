@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import types
 import warnings
 from collections.abc import Callable
@@ -195,6 +196,53 @@ def _decode_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tens
     if x.numel() > DECODE_TOKENS * x.shape[-1] or not _graphed():
         return F.linear(x, self.weight, self.bias)
     return _linear_forward(self, x)
+
+
+# Sibling projections of one input: at decode sizes one tileops.linear_group launch streams
+# all their weights (kernels/gemm/weight_group.py), where one launch each pays a pipeline
+# fill and a tail each, and a k_proj of 8 MB never reaches HBM speed on its own. Under
+# apply(linear="decode") with TILEOPS_HF_GROUP_PROJECTIONS=1: off by default until the
+# grouped kernel's GPU tests and timings have run (it was built without a device).
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _group_projections() -> bool:
+    return os.environ.get("TILEOPS_HF_GROUP_PROJECTIONS", "0") == "1"
+
+
+class _ProjectionGroup:
+    """Linear layers of one module that read the same input (q/k/v, gate/up). On the decode
+    route, the first member called computes every member's output in one launch and leaves
+    the others' in `pending`; a member called on that same tensor takes its own from there
+    (torch.compile traces this bookkeeping away: the graph holds one launch). Any other
+    call runs on its own."""
+
+    def __init__(self, members: list[torch.nn.Linear]):
+        self.members = members
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward_of(self, index: int) -> Callable:
+        group = self
+
+        def _grouped_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            if x.numel() > DECODE_TOKENS * x.shape[-1] or not _graphed():
+                return F.linear(x, self.weight, self.bias)
+            held = group.pending.pop(index, None)
+            if held is not None and held[0] is x:
+                return held[1]
+            weights = [m.weight for m in group.members]
+            biases = None if self.bias is None else [m.bias for m in group.members]
+            if not attn_impl.served(x, *weights, *(biases or ())):
+                return F.linear(x, self.weight, self.bias)
+            from ..ops import linear_group
+
+            outputs = linear_group(x, weights, biases)
+            for j, y in enumerate(outputs):
+                if j != index:
+                    group.pending[j] = (x, y)
+            return outputs[index]
+
+        return _grouped_linear_forward
 
 
 def _make_rotary(original: Callable) -> Callable:
@@ -418,6 +466,8 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, rope: bool = True,
 
     if want["attention"]:
         _plan_attention(model, config, dtype, report, plan, probe)
+    grouped = (_plan_projection_groups(model, dtype, report, plan, probe)
+               if linear == "decode" and _group_projections() else set())
     rotary_modules: dict[str, Callable] = {}
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -432,7 +482,7 @@ def apply(model: torch.nn.Module, rms_norm: bool = True, rope: bool = True,
             _plan_mlp(name, module, family, config, dtype, report, plan, probe, done)
         elif cls.endswith("ForCausalLM") and want["cross_entropy"]:
             _plan_loss(name, module, config, dtype, report, plan, probe, done)
-        if isinstance(module, torch.nn.Linear) and want["linear"]:
+        if isinstance(module, torch.nn.Linear) and want["linear"] and id(module) not in grouped:
             _plan_linear(name or "model", module, dtype, report, plan, probe, done,
                          _decode_linear_forward if linear == "decode" else _linear_forward)
     if strict and report.unpatched:
@@ -734,6 +784,39 @@ def _plan_linear(name: str, module: torch.nn.Linear, dtype: torch.dtype, report:
         return
     plan.append(lambda: _set_forward(module, "linear", forward))
     report.add("linear", name)
+
+
+def _plan_projection_groups(model: torch.nn.Module, dtype: torch.dtype, report: PatchReport,
+                            plan: list, probe: Callable) -> set[int]:
+    """Groups each module's unpatched sibling projections (PROJECTION_GROUPS) of one
+    in-features and all or no biases onto one `_ProjectionGroup`; returns the ids of the
+    grouped Linear modules (the rest are planned one by one)."""
+    from ..ops import linear_group
+
+    grouped: set[int] = set()
+    for name, module in model.named_modules():
+        for names in PROJECTION_GROUPS:
+            members = [getattr(module, n, None) for n in names]
+            if not all(isinstance(m, torch.nn.Linear) and getattr(m, _MARK, None) is None
+                       for m in members):
+                continue
+            if (len({m.in_features for m in members}) != 1
+                    or len({m.bias is None for m in members}) != 1):
+                continue
+            in_f = members[0].in_features
+            biases = (None if members[0].bias is None
+                      else [_meta(m.out_features, dtype=dtype) for m in members])
+            if probe(("linear_group", in_f, *(m.out_features for m in members),
+                      biases is None), linear_group, _meta(16, in_f, dtype=dtype),
+                     [_meta(m.out_features, in_f, dtype=dtype) for m in members], biases):
+                continue  # each member is planned as a Linear of its own
+            group = _ProjectionGroup(members)
+            for index, (member_name, member) in enumerate(zip(names, members, strict=True)):
+                plan.append(functools.partial(_set_forward, member, "linear",
+                                              group.forward_of(index)))
+                report.add("linear", f"{name}.{member_name}" if name else member_name)
+                grouped.add(id(member))
+    return grouped
 
 
 def revert(model: torch.nn.Module) -> None:

@@ -1,0 +1,129 @@
+"""`tileops.linear_group(input, weights, biases=None)`: one input projected by two or three
+weights, `tuple(F.linear(input, w, b) for w, b in zip(weights, biases))`: a decoder layer's
+q / k / v and gate / up projections.
+
+- Up to GROUP_ROWS tokens (decode steps): one launch streams every weight
+  (kernels/gemm/weight_group.py), where separate calls pay a launch and a pipeline fill
+  each and a small weight (a k_proj) never reaches HBM speed on its own.
+- More tokens: one linear GEMM a weight (LinearFwdOp's), each of which fills the GPU.
+- Backward: each weight's linear backward (LinearBwdOp), the input gradients summed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import TileOpsTypeError, op_error
+from ..kernels.base import Kernel
+from ..kernels.gemm import GemmKernel
+from ..kernels.gemm.weight_group import GemmGroupKernel
+from ..manifest.spec import DTYPE_NAMES
+from .base import Op
+from .layout import as_rows, tma_ready
+from .linear import LinearBwdOp, LinearFwdOp, _gemm_key
+
+GROUP_ROWS = 16  # the weight-streaming bucket (kernels/gemm/weight_stream.py's ROWS)
+
+
+def _group_key(dtype: torch.dtype, ns: tuple[int, ...], k: int,
+               has_bias: bool) -> dict[str, Any]:
+    return {"dtype": DTYPE_NAMES[dtype], "ns": ns, "k": k, "has_bias": has_bias}
+
+
+def _one_launch(rows: int, ns: tuple[int, ...], k: int) -> bool:
+    """Whether the grouped kernel serves the call: a decode-size token count, and weights it
+    can load by TMA (K of whole 16-byte rows, no empty weight)."""
+    return 0 < rows <= GROUP_ROWS and k > 0 and k % 8 == 0 and min(ns) > 0
+
+
+class LinearGroupFwdOp(Op):
+    """(input @ weight_g^T (+ bias_g) for each weight) (torch.nn.functional.linear a weight);
+    output2 is empty without a third weight."""
+
+    kernel_map = {"gemm_group": GemmGroupKernel, "gemm": GemmKernel}
+
+    def __init__(self, *, kernel_map: Mapping[str, type[Kernel]] | None = None,
+                 tune: bool = False):
+        super().__init__(kernel_map=kernel_map, tune=tune)
+        self._linear = LinearFwdOp(kernel_map=kernel_map, tune=tune)
+
+    def forward(self, input: torch.Tensor, weight0: torch.Tensor, weight1: torch.Tensor,
+                weight2: torch.Tensor | None = None, bias0: torch.Tensor | None = None,
+                bias1: torch.Tensor | None = None,
+                bias2: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        weights = [w for w in (weight0, weight1, weight2) if w is not None]
+        biases = [bias0, bias1, bias2][:len(weights)]
+        k = weight0.shape[1]
+        ns = tuple(w.shape[0] for w in weights)
+        x = as_rows(input, k)
+        rows = x.shape[0]
+        if _one_launch(rows, ns, k):
+            outs = [torch.empty((rows, n), dtype=input.dtype, device=input.device) for n in ns]
+            has_bias = bias0 is not None
+            kernel = self.memo_kernel(("gemm_group", input.device, input.dtype, ns, k, has_bias),
+                                      "gemm_group", input.device,
+                                      lambda: _group_key(input.dtype, ns, k, has_bias))
+            extra = [tma_ready(b) for b in biases] if has_bias else []
+            kernel(rows, x, *[tma_ready(w) for w in weights], *extra, *outs)
+        else:
+            outs = [self._linear.forward(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        if input.dim() != 2:
+            outs = [y.view(*input.shape[:-1], y.shape[1]) for y in outs]
+        if weight2 is None:
+            outs.append(torch.empty(0, dtype=input.dtype, device=input.device))
+        return tuple(outs)
+
+    def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
+        dtype, k, rows = ns["input"].dtype, ns["K"], ns["rows"]
+        sizes = tuple(ns[f"N{g}"] for g in range(3) if ns[f"weight{g}"] is not None)
+        has_bias = ns["bias0"] is not None
+        if _one_launch(rows, sizes, k):
+            return [("gemm_group", _group_key(dtype, sizes, k, has_bias), rows)]
+        return [("gemm", _gemm_key(dtype, n, k, False, True, has_bias), rows) for n in sizes]
+
+
+# -- autograd -----------------------------------------------------------------------------
+def _setup(ctx, inputs, output):
+    x, *weights = inputs[:4]
+    ctx.has_bias = inputs[4] is not None
+    ctx.save_for_backward(x, *[w for w in weights if w is not None])
+
+
+def _backward(ctx, grad0, grad1, grad2):
+    x, *weights = ctx.saved_tensors
+    grads = {}
+    dx = None
+    for g, (w, dy) in enumerate(zip(weights, (grad0, grad1, grad2)[:len(weights)], strict=True)):
+        dx_g, grads[f"weight{g}"], db = LinearBwdOp.through_custom_op(
+            dy, x, w, has_bias=ctx.has_bias)
+        dx = dx_g if dx is None else dx + dx_g
+        if ctx.has_bias:
+            grads[f"bias{g}"] = db
+    return LinearGroupFwdOp.grads_in_call_order(input=dx, **grads)
+
+
+LinearGroupFwdOp.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_group(input: torch.Tensor, weights: Sequence[torch.Tensor],
+                 biases: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
+    """`tuple(F.linear(input, w, b) for w, b in zip(weights, biases))` for two or three
+    weights of one in-features, in one launch at decode sizes (differentiable)."""
+    name = LinearGroupFwdOp.spec.op_name
+    if not isinstance(weights, (list, tuple)) or len(weights) not in (2, 3):
+        raise op_error(TileOpsTypeError, name, "weights", "a list or tuple of 2 or 3 tensors",
+                       f"{len(weights)} items" if isinstance(weights, (list, tuple))
+                       else type(weights).__name__)
+    if biases is None:
+        biases = [None] * len(weights)
+    elif not isinstance(biases, (list, tuple)) or len(biases) != len(weights):
+        raise op_error(TileOpsTypeError, name, "biases",
+                       f"None or a list or tuple of {len(weights)} (one a weight)",
+                       f"{len(biases)} items" if isinstance(biases, (list, tuple))
+                       else type(biases).__name__)
+    padded = [*weights, None][:3], [*biases, None][:3]
+    outs = LinearGroupFwdOp.apply(input, *padded[0], *padded[1])
+    return tuple(outs[:len(weights)])

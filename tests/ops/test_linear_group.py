@@ -1,0 +1,169 @@
+"""tileops.linear_group: one input by two or three weights. GPU: every output against
+float32 F.linear per weight (one launch up to 16 tokens, with and without biases, weights
+off the tile and of one tile, both dtypes; one GEMM a weight beyond), poisoned outputs,
+gradients, torch.compile and CUDA-graph capture. CPU: meta shapes, refusals, the route."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tileops
+from tileops.errors import TileOpsError
+from tileops.ops.linear_group import GROUP_ROWS, LinearGroupFwdOp
+
+from ..helpers import assert_close, poison_allocator, randn
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# (input shape, out features of each weight, biases, dtype): each a kernel path or a bound
+CASES = [
+    ((8, 4096), (4096, 1024, 1024), False, BF16),   # Llama-3.1-8B q/k/v, one launch
+    ((16, 3584), (3584, 512, 512), True, FP16),     # Qwen2.5-7B q/k/v with biases
+    ((1, 2048), (5632, 5632), False, BF16),         # gate / up at one token
+    ((2, 3, 512), (200, 72, 1000), True, BF16),     # leading dims; weights off the 64 tile
+    ((5, 256), (64, 8), False, FP16),               # one tile, a weight of 8 rows
+    ((17, 1024), (1024, 256, 256), True, BF16),     # past GROUP_ROWS: one GEMM a weight
+]
+
+
+def _ids(cases):
+    return [f"{'x'.join(map(str, s))}-N{'+'.join(map(str, ns))}-{'bias' if b else 'nobias'}"
+            f"-{str(d)[6:]}" for s, ns, b, d in cases]
+
+
+def _inputs(shape, ns, with_bias, dtype):
+    k = shape[-1]
+    x = randn(*shape, dtype=dtype)
+    ws = [randn(n, k, dtype=dtype, std=k ** -0.5) for n in ns]
+    bs = [randn(n, dtype=dtype) for n in ns] if with_bias else None
+    return x, ws, bs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, ns, with_bias, dtype", CASES, ids=_ids(CASES))
+def test_forward_matches_float32(shape, ns, with_bias, dtype):
+    x, ws, bs = _inputs(shape, ns, with_bias, dtype)
+    poison_allocator()  # an output element no CTA writes stays NaN
+    outs = tileops.linear_group(x, ws, bs)
+    assert len(outs) == len(ns)
+    for g, (y, w) in enumerate(zip(outs, ws, strict=True)):
+        ref = F.linear(x.float(), w.float(), None if bs is None else bs[g].float())
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert_close(y, ref, scale=2.0, what=f"linear_group output {g}")
+
+
+@pytest.mark.gpu
+def test_one_launch_is_the_grouped_kernel():
+    """Up to GROUP_ROWS tokens the op launches the grouped kernel (its key names every
+    weight), past them one GEMM a weight."""
+    from tileops.kernels.gemm.weight_group import GemmGroupKernel
+
+    op = LinearGroupFwdOp()
+    x, ws, _ = _inputs((GROUP_ROWS, 512), (512, 128, 128), False, BF16)
+    op(x, *ws)
+    kernels = [k for k in op._call_memo.values() if isinstance(k, GemmGroupKernel)]
+    assert [k.key["ns"] for k in kernels] == [(512, 128, 128)]
+    assert kernels[0]._by_bucket, "the grouped kernel never ran"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, ns, with_bias, dtype", CASES[1:4], ids=_ids(CASES[1:4]))
+def test_gradients_match_float32(shape, ns, with_bias, dtype):
+    x, ws, bs = _inputs(shape, ns, with_bias, dtype)
+    leaves = [x, *ws, *(bs or [])]
+    ours = [t.clone().requires_grad_() for t in leaves]
+    refs = [t.float().requires_grad_() for t in leaves]
+    dys = [randn(*shape[:-1], n, dtype=dtype) for n in ns]
+    k = len(ns)
+    got = tileops.linear_group(ours[0], ours[1:1 + k], ours[1 + k:] or None)
+    torch.autograd.backward(got, dys)
+    for g in range(k):
+        F.linear(refs[0], refs[1 + g], refs[1 + k + g] if bs else None).backward(
+            dys[g].float())
+    tokens = x.numel() // shape[-1]
+    for i, (a, b) in enumerate(zip(ours, refs, strict=True)):
+        terms = sum(ns) if i == 0 else tokens
+        assert a.grad.dtype == dtype
+        assert_close(a.grad, b.grad, scale=max(1.0, terms ** 0.5 / 8), what=f"grad {i}")
+
+
+@pytest.mark.gpu
+def test_torch_compile_and_cuda_graph():
+    """Traced whole (fullgraph) and replayed from a CUDA graph after the input changed."""
+    x, ws, bs = _inputs((8, 1024), (1024, 256, 256), True, BF16)
+    fn = torch.compile(lambda x: tileops.linear_group(x, ws, bs), fullgraph=True)
+    for g, y in enumerate(fn(x)):
+        assert_close(y, F.linear(x.float(), ws[g].float(), bs[g].float()), scale=2.0,
+                     what=f"compiled output {g}")
+    static = x.clone()
+    tileops.linear_group(static, ws, bs)  # (loads the module before capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = tileops.linear_group(static, ws, bs)
+    static.copy_(randn(8, 1024, dtype=BF16))
+    graph.replay()
+    for g, y in enumerate(outs):
+        assert_close(y, F.linear(static.float(), ws[g].float(), bs[g].float()), scale=2.0,
+                     what=f"graph replay output {g}")
+
+
+@pytest.mark.gpu
+def test_strided_and_misaligned_inputs():
+    """A transposed input and a weight at a 2-byte offset are read through aligned copies."""
+    x = randn(512, 8, dtype=BF16).t()
+    w0 = randn(256 * 512 + 1, dtype=BF16)[1:].view(256, 512)
+    w1 = randn(128, 512, dtype=BF16)
+    y0, y1 = tileops.linear_group(x, [w0, w1])
+    assert_close(y0, F.linear(x.float(), w0.float()), scale=2.0, what="output 0")
+    assert_close(y1, F.linear(x.float(), w1.float()), scale=2.0, what="output 1")
+
+
+def test_meta_shapes_and_the_custom_op():
+    x = torch.empty(2, 4, 512, dtype=BF16, device="meta")
+    ws = [torch.empty(n, 512, dtype=BF16, device="meta") for n in (512, 128, 64)]
+    assert [y.shape for y in tileops.linear_group(x, ws)] == [(2, 4, 512), (2, 4, 128),
+                                                             (2, 4, 64)]
+    outs = torch.ops.tileops.linear_group_fwd(x, *ws[:2], None, None, None, None)
+    assert [y.shape for y in outs] == [(2, 4, 512), (2, 4, 128), (0,)]
+
+
+@pytest.mark.parametrize("weights, biases, match", [
+    (1, None, "argument 'weights': expected a list or tuple of 2 or 3 tensors, got 1 items"),
+    (4, None, "argument 'weights'"),
+    (3, [None, None], "argument 'biases'"),
+    (3, "first", "argument 'bias"),          # biases all or none
+    (2, "odd", "argument 'weight1'"),        # in-features differ
+])
+def test_refusals_name_the_argument(weights, biases, match):
+    x = torch.empty(8, 256, dtype=BF16, device="meta")
+    ws = [torch.empty(64, 256, dtype=BF16, device="meta") for _ in range(weights)]
+    if biases == "first":
+        biases = [torch.empty(64, dtype=BF16, device="meta"), None, None]
+    elif biases == "odd":
+        ws[1], biases = torch.empty(64, 128, dtype=BF16, device="meta"), None
+    with pytest.raises(TileOpsError, match=match):
+        tileops.linear_group(x, ws, biases)
+
+
+def test_kernels_for_routes_by_token_count():
+    """The compile sweep builds what forward launches: one grouped program up to
+    GROUP_ROWS tokens, one GEMM a weight beyond."""
+    op = LinearGroupFwdOp()
+    ws = [torch.empty(n, 256, dtype=BF16, device="meta") for n in (256, 64)]
+    for rows, want in ((GROUP_ROWS, ["gemm_group"]), (GROUP_ROWS + 1, ["gemm", "gemm"])):
+        ns = op.check([torch.empty(rows, 256, dtype=BF16, device="meta"), *ws])
+        assert [d for d, _, _ in op.kernels_for(ns)] == want
+
+
+@pytest.mark.compile
+def test_grouped_program_streams_every_weight_by_tma():
+    """The generated CUDA (sm_90a, no GPU needed) loads each weight from its own TMA
+    descriptor under the tile's branch, and multiplies with wgmma."""
+    import re
+
+    from tileops.kernels.gemm.weight_group import GemmGroupKernel
+
+    kernel = GemmGroupKernel(dtype="bfloat16", ns=(1024, 256, 200), k=512, has_bias=True)
+    source = kernel.compile(kernel.heuristic_config("m16", "sm_90a"), "m16")[0]
+    source = source.get_kernel_source()
+    assert sorted(set(re.findall(r"tma_load\((b\d)_desc", source))) == ["b0", "b1", "b2"]
+    assert "wgmma" in source
