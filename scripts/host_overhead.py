@@ -161,6 +161,7 @@ def other_op_rows(device):
     logits = torch.randn(64, 32000, device=device, dtype=torch.bfloat16)
     a = torch.randn(16, 4096, device=device, dtype=torch.bfloat16)
     w = torch.randn(6144, 4096, device=device, dtype=torch.bfloat16)
+    qkv = list(w.split([4096, 1024, 1024]))  # (contiguous row blocks: no copies)
     pairs = {
         "silu_and_mul [64, 2x4096]": (
             lambda: F.silu(gate_up[:, :4096]) * gate_up[:, 4096:],
@@ -170,6 +171,8 @@ def other_op_rows(device):
         "argmax [64, 32000]": (lambda: torch.argmax(logits, -1),
                                lambda: tileops.argmax(logits, -1)),
         "linear 16x6144x4096": (lambda: F.linear(a, w), lambda: tileops.linear(a, w)),
+        "q/k/v 16x(4096+1024+1024)x4096": (lambda: [F.linear(a, t) for t in qkv],
+                                           lambda: tileops.linear_group(a, qkv)),
     }
     rows = {}
     for name, (torch_fn, ours) in pairs.items():

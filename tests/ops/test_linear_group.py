@@ -117,6 +117,33 @@ def test_strided_and_misaligned_inputs():
     assert_close(y1, F.linear(x.float(), w1.float()), scale=2.0, what="output 1")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_repeated_signatures_through_the_planned_launch(with_bias):
+    """A seen signature runs the op's planned launch; inputs of that signature it does not
+    read as they are (a strided input, a weight or bias at a 2-byte offset) go to forward.
+    Outputs land in NaN-poisoned blocks."""
+    op = LinearGroupFwdOp()
+    ws = [randn(n, 256, dtype=BF16, std=256 ** -0.5) for n in (192, 64)]
+    bs = [randn(n, dtype=BF16) for n in (192, 64)] if with_bias else [None, None]
+    odd_w = randn(64 * 256 + 1, dtype=BF16)[1:].view(64, 256)
+    odd_b = randn(65, dtype=BF16)[1:] if with_bias else None
+    cases = [(randn(12, 256, dtype=BF16), ws, bs),
+             (randn(12, 256, dtype=BF16), ws, bs),                  # the plan's launch
+             (randn(256, 12, dtype=BF16).t(), ws, bs),              # strided input
+             (randn(12, 256, dtype=BF16), [ws[0], odd_w], bs),      # unaligned weight
+             (randn(12, 256, dtype=BF16), ws, [bs[0], odd_b]),      # unaligned bias
+             (randn(12, 256, dtype=BF16), ws, bs)]
+    for i, (x, weights, biases) in enumerate(cases):
+        poison_allocator()
+        outs = op(x, weights[0], weights[1], None, biases[0], biases[1], None)
+        assert outs[2].numel() == 0
+        for g in range(2):
+            want = F.linear(x.float(), weights[g].float(),
+                            None if biases[g] is None else biases[g].float())
+            assert_close(outs[g], want, scale=2.0, what=f"case {i}, output {g}")
+
+
 def test_meta_shapes_and_the_custom_op():
     x = torch.empty(2, 4, 512, dtype=BF16, device="meta")
     ws = [torch.empty(n, 512, dtype=BF16, device="meta") for n in (512, 128, 64)]

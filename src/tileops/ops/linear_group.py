@@ -22,7 +22,7 @@ from ..kernels.gemm import GemmKernel
 from ..kernels.gemm.weight_group import GemmGroupKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import as_rows, tma_ready
+from .layout import as_rows, is_tma_ready, tma_ready
 from .linear import LinearBwdOp, LinearFwdOp, _gemm_key
 
 GROUP_ROWS = 16  # the weight-streaming bucket (kernels/gemm/weight_stream.py's ROWS)
@@ -75,6 +75,34 @@ class LinearGroupFwdOp(Op):
         if weight2 is None:
             outs.append(torch.empty(0, dtype=input.dtype, device=input.device))
         return tuple(outs)
+
+    def plan(self, input: torch.Tensor, weight0: torch.Tensor, weight1: torch.Tensor,
+             weight2: torch.Tensor | None = None, bias0: torch.Tensor | None = None,
+             bias1: torch.Tensor | None = None, bias2: torch.Tensor | None = None) -> Any:
+        """A 2-D input the grouped kernel serves: the allocations and the launch, sizes and
+        kernel bound; inputs it does not read as they are (strided, unaligned) go to
+        forward. Host time per decode call is what an eager step is bound by."""
+        weights = [w for w in (weight0, weight1, weight2) if w is not None]
+        ns, (m, k) = tuple(w.shape[0] for w in weights), input.shape
+        if input.dim() != 2 or not _one_launch(m, ns, k):
+            return None
+        has_bias = bias0 is not None
+        kernel = self.memo_kernel(("gemm_group", input.device, input.dtype, ns, k, has_bias),
+                                  "gemm_group", input.device,
+                                  lambda: _group_key(input.dtype, ns, k, has_bias))
+        two, forward = len(ns) == 2, self.forward
+        dtype, device = input.dtype, input.device
+
+        def launch(*inputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            tensors = [t for t in inputs if t is not None]
+            if not all(map(is_tma_ready, tensors)):
+                return forward(*inputs)
+            outs = [torch.empty((m, n), dtype=dtype, device=device) for n in ns]
+            kernel(m, *tensors, *outs)
+            if two:  # (output2, empty: a tensor of its own each call, as forward's)
+                outs.append(torch.empty(0, dtype=dtype, device=device))
+            return tuple(outs)
+        return launch
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         dtype, k, rows = ns["input"].dtype, ns["K"], ns["rows"]
