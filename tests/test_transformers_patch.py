@@ -147,6 +147,31 @@ def test_grouped_projections_trace_one_launch_each(spies, monkeypatch):
     assert torch.equal(tokens["eager"], tokens["reference"])
 
 
+@pytest.mark.parametrize("family", [f for f in DENSE + MOE if f != "qwen2"])
+def test_grouped_projections_decode_every_family(family, spies, monkeypatch):
+    """Every family's traced decode step with grouped projections (q/k/v where the
+    attention has them, gate/up in dense MLPs) decodes the unpatched model's greedy
+    tokens."""
+    monkeypatch.setenv("TILEOPS_HF_GROUP_PROJECTIONS", "1")
+    torch._dynamo.reset()  # (the families share transformers' wrappers' code objects)
+    model = hf_models.model(family)
+    reference = copy.deepcopy(model)
+    _apply(model)
+    ids = torch.randint(1, 512, (2, 11))
+    traced = torch.compile(model.forward, fullgraph=True, backend="eager")
+    tokens = []
+    for m, forward in ((reference, reference.forward), (model, traced)):
+        step = bench.DecodeStep(m, ids, steps=3, forward=forward)
+        with torch.no_grad():
+            step.prefill()
+            spies.clear()
+            step()
+            step()
+        tokens.append(step.token.clone())
+    assert spies.get("linear_group")
+    assert torch.equal(tokens[0], tokens[1])
+
+
 def _groups(model):
     return {id(g): g for m in model.modules() if "forward" in m.__dict__
             for g in _closure_groups(m.forward)}.values()
