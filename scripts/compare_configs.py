@@ -6,7 +6,9 @@ the bench allows 45):
     python scripts/compare_configs.py GroupedQueryAttentionBwdOp --workload "8 x 2k" \
         --workload "4 x 4k" --dtype bfloat16 --config '{"stages": 3}'
 
-Each --config replaces fields of the default config (see profile_op.py). A variant whose
+Each --config replaces fields of the default config (see profile_op.py); for an op that runs
+several kernels, of the one named by --kernel (GroupedGemmBwdOp: --kernel
+grouped_gemm_weight_grad), the others keeping theirs. A variant whose
 outputs disagree with the default's on the same inputs is reported and not timed, as in
 the tuner. Cheaper than `tileops tune` when only a few configs of a large space matter,
 and it puts the best baseline in the same rounds. --baseline NAME (repeatable) times only
@@ -44,7 +46,7 @@ def _tensors(outputs) -> list:
 
 
 def compare(op_cls, workload: dict, dtype: str, variants: list[dict],
-            only_baselines: list[str] | None = None) -> None:
+            only_baselines: list[str] | None = None, dispatch_key: str | None = None) -> None:
     params = op_cls.spec.workload_params(workload)
     inputs = random_inputs(op_cls, workload, dtype)
     default_op = op_cls(**params)
@@ -62,7 +64,8 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict],
     for overrides in variants:
         name = json.dumps(overrides)
         op = op_cls(**params)
-        op.pin_config(config_with(op, inputs, overrides), *inputs)
+        op.pin_config(config_with(op, inputs, overrides, dispatch_key), *inputs,
+                      dispatch_key=dispatch_key)
         if not agrees(_tensors(op(*inputs)), reference):
             print(f"  {name}: outputs disagree with the default's (not timed)")
             continue
@@ -84,7 +87,8 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict],
         print(f"{line}  {'default' if name == OP_KEY else name}")
 
 
-def compile_only(op_cls, workload: dict, dtype: str, variants: list[dict]) -> None:
+def compile_only(op_cls, workload: dict, dtype: str, variants: list[dict],
+                 dispatch_key: str | None = None) -> None:
     """Builds what `compare` runs on this workload, from the shapes alone (meta tensors)."""
     spec = op_cls.spec
     op = op_cls(**spec.workload_params(workload))
@@ -95,9 +99,10 @@ def compile_only(op_cls, workload: dict, dtype: str, variants: list[dict]) -> No
         bucket = kernel.bucket_of(size)
         kernel.compile(kernel.config_for(bucket), bucket)
     for overrides in variants:
-        config = config_with(op, inputs, overrides)
-        dispatch_key, key, size = op.kernels_for(op.check(inputs))[0]
-        kernel = op.kernel_map[dispatch_key](gpu="h200", **key)
+        config = config_with(op, inputs, overrides, dispatch_key)
+        dispatch, key, size = next(k for k in op.kernels_for(op.check(inputs))
+                                   if dispatch_key in (None, k[0]))
+        kernel = op.kernel_map[dispatch](gpu="h200", **key)
         kernel.compile(config, kernel.bucket_of(size))
     print(f"built {op_cls.__name__} [{workload['label']}] {dtype}: default + "
           f"{len(variants)} variant(s)", flush=True)
@@ -113,15 +118,18 @@ def main() -> None:
                         metavar="JSON", help="fields of the default config to replace")
     parser.add_argument("--baseline", action="append", metavar="NAME",
                         help="time only these baselines (repeatable; default: all of the op's)")
+    parser.add_argument("--kernel", metavar="DISPATCH_KEY",
+                        help="for ops that run several kernels: the one the configs replace "
+                             "(a key of the op's kernel_map, e.g. grouped_gemm_weight_grad)")
     parser.add_argument("--compile-only", action="store_true",
                         help="build the programs into the kernel cache (no GPU needed)")
     args = parser.parse_args()
     op_cls = OP_CLASSES[args.op]
     for _, workload, dtype in bench_cases([op_cls], None, args.dtype, args.workload):
         if args.compile_only:
-            compile_only(op_cls, workload, dtype, args.config)
+            compile_only(op_cls, workload, dtype, args.config, args.kernel)
             continue
-        compare(op_cls, workload, dtype, args.config, args.baseline)
+        compare(op_cls, workload, dtype, args.config, args.baseline, args.kernel)
         torch.cuda.empty_cache()
 
 

@@ -33,14 +33,16 @@ def pick_case(op_name: str, workload_text: str, dtype: str) -> tuple:
     return cases[0]
 
 
-def config_with(op, inputs: list, overrides: dict):
-    """The default config of the one kernel `op` runs on `inputs` (shapes suffice), with
-    `overrides` replacing its fields; SystemExit when the op runs several kernels or a field
-    is unknown or the combination invalid."""
-    kernels = op.kernels_for(op.check(inputs))
+def config_with(op, inputs: list, overrides: dict, dispatch_key: str | None = None):
+    """The default config of the one kernel `op` runs on `inputs` (shapes suffice), or of
+    its kernel under `dispatch_key`, with `overrides` replacing its fields; SystemExit when
+    that leaves several kernels or none, or a field is unknown or the combination invalid."""
+    kernels = [k for k in op.kernels_for(op.check(inputs))
+               if dispatch_key in (None, k[0])]
     if len(kernels) != 1:
-        raise SystemExit(f"profile_op: --config needs an op with one kernel, "
-                         f"{type(op).__name__} runs {len(kernels)}")
+        raise SystemExit(f"profile_op: --config needs one kernel, {type(op).__name__} runs "
+                         f"{len(kernels)}{'' if dispatch_key is None else ' under ' + dispatch_key}"
+                         " (name one with --kernel)")
     dispatch_key, key, size = kernels[0]
     kernel = op.kernel_map[dispatch_key](**key)
     default = kernel.heuristic_config(kernel.bucket_of(size), kernel.target["arch"])

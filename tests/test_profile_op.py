@@ -41,3 +41,19 @@ def test_config_replaces_fields_of_the_kernel_default(profile_op):
         profile_op.config_with(op, shapes, {"no_such_field": 1})
     with pytest.raises(SystemExit, match="ds_handoff"):  # an invalid combination
         profile_op.config_with(op, shapes, {"async_mma": True})
+
+
+def test_config_of_one_kernel_among_several(profile_op):
+    """An op running several kernels (the grouped GEMM backward: input and weight
+    gradients) takes a config for the kernel named by its dispatch key."""
+    op_cls, workload = profile_op.pick_case("GroupedGemmBwdOp", "qwen3-30b-a3b expert gate-up",
+                                          "bfloat16")
+    op = op_cls(**op_cls.spec.workload_params(workload))
+    shapes = list(op_cls.spec.workload_tensors(workload, "bfloat16").values())
+    with pytest.raises(SystemExit, match="runs 2 .*--kernel"):
+        profile_op.config_with(op, shapes, {"experts_per_cta": 4})
+    config = profile_op.config_with(op, shapes, {"experts_per_cta": 4},
+                                    "grouped_gemm_weight_grad")
+    from tileops.kernels.moe.grouped_gemm import GroupedGemmConfig
+
+    assert config == GroupedGemmConfig(experts_per_cta=4)

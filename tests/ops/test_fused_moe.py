@@ -80,6 +80,31 @@ def test_grouped_gemm_backward(sizes, n, k, dtype):
     assert (a.grad[int(offsets[-1]):] == 0).all()
 
 
+@pytest.mark.parametrize("sizes", [[0, 1, 200, 0, 129, 64, 1000], "zipf"],
+                         ids=["empty and partial, 7 experts", "zipf, 128 experts"])
+def test_every_weight_gradient_config(sizes):
+    """Each config of the weight gradient's space (experts_per_cta 2-8 among them: a CTA
+    walking several experts, the count not dividing 7) against the float32 loop, into a
+    NaN-poisoned output."""
+    from tileops.kernels.moe import GroupedGemmWeightGradKernel
+
+    if sizes == "zipf":
+        sizes = zipf_sizes(1024, 128, 8)
+    offsets = group_offsets(sizes)
+    m, n, k = int(offsets[-1]) + 5, 256, 512
+    a, dy = randn(m, k, dtype=BF16), randn(m, n, dtype=BF16)
+    want = grouped_backward_reference(dy, a, torch.zeros(len(sizes), n, k, device="cuda"),
+                                      offsets)[1]
+    kernel = GroupedGemmWeightGradKernel(dtype="bfloat16", n=n, k=k, n_experts=len(sizes))
+    configs = kernel.config_space("all")
+    assert {c.experts_per_cta for c in configs} >= {1, 2, 4, 8}
+    for config in configs:
+        kernel.use(config, "all")
+        db = torch.full((len(sizes), n, k), float("nan"), dtype=BF16, device="cuda")
+        kernel(m, dy, a, offsets, db)
+        assert_close(db, want, scale=math.sqrt(max(sizes)), what=str(config))
+
+
 def test_grouped_gemm_backward_op_in_a_cuda_graph_with_new_group_sizes():
     op = GroupedGemmBwdOp()
     offsets = group_offsets([64] * 16)

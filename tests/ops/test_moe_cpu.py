@@ -516,6 +516,26 @@ def test_training_programs_keep_tma_and_wgmma():
 
 
 @pytest.mark.compile
+@pytest.mark.smoke
+def test_weight_gradient_walks_experts_in_one_cta():
+    """experts_per_cta 4: one loop over the CTA's experts around the TMA pipeline, the
+    partial tile and the TMA store (the producer's ring runs across experts); a count that
+    does not divide the experts guards the last slots."""
+    from tileops.kernels.moe import GroupedGemmWeightGradKernel
+    from tileops.kernels.moe.grouped_gemm import GroupedGemmConfig
+
+    for experts, loop, guard in ((128, "i < 4;", None), (5, "i < 2;", "((i * 3) + ")):
+        kernel = GroupedGemmWeightGradKernel(dtype="bfloat16", n=1536, k=2048,
+                                             n_experts=experts)
+        per_cta = 4 if experts == 128 else 2
+        _, program = kernel.compile(GroupedGemmConfig(experts_per_cta=per_cta), "all")
+        source = program.get_kernel_source()
+        assert "tma_load" in source and source.count("wgmma_ss<") == 2
+        assert "tma_store" in source and loop in source
+        assert guard is None or guard + "((int)blockIdx.z)) < 5" in source
+
+
+@pytest.mark.compile
 @pytest.mark.full
 def test_every_training_program_config_keeps_the_fast_path(tmp_path):
     """Each config of the weight-gradient and SiLU spaces: TMA, wgmma, no spills and no

@@ -316,17 +316,20 @@ class Op:
                                                          tune=self.tune, **key)
         return kernel
 
-    def pin_config(self, config: Any, *inputs: Any) -> None:
+    def pin_config(self, config: Any, *inputs: Any, dispatch_key: str | None = None) -> None:
         """Makes this op instance, and no other, run `config` for the kernels that `inputs`
-        dispatch to (tests run every config of a space this way). The shared kernels, and
-        so every other op, keep their tuned or default configs."""
+        dispatch to (tests run every config of a space this way), or only for those under
+        `dispatch_key`. The shared kernels, and so every other op, keep their tuned or
+        default configs."""
         ns = self.check(inputs)
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
-        for dispatch_key, key, size in self.kernels_for(ns):
-            shared = self._shared_kernel(dispatch_key, device, key)
+        for dispatch, key, size in self.kernels_for(ns):
+            if dispatch_key not in (None, dispatch):
+                continue
+            shared = self._shared_kernel(dispatch, device, key)
             kernel = type(shared)(target=shared.target, gpu=shared.gpu, **key)
             kernel.use(config, kernel.bucket_of(size))
-            self._kernel_memo[(dispatch_key, device, *key.values())] = kernel
+            self._kernel_memo[(dispatch, device, *key.values())] = kernel
         self._call_memo.clear()
         self._validated.clear()  # launches hold their kernels
 

@@ -79,6 +79,11 @@ class GroupedGemmConfig:
     # tile too, by row-guarded 16-byte stores, instead of guarded stores from the
     # accumulator's registers (skewed routing: most experts' only tile is partial)
     staged_rows: bool = False
+    # the weight gradient only: > 1, each CTA computes its output tile for this many
+    # experts in turn (experts order[z], order[z + Z], ... of the rows-descending order), so
+    # the producer loads the next expert's rows while the consumers store this one's tile;
+    # 1: a CTA per (tile, expert), its fill, K loop and store in series
+    experts_per_cta: int = 1
 
 
 def tile_bound(m_total, n_experts: int, block_m: int):
@@ -375,9 +380,44 @@ def weight_grad_program(n: int, k: int, n_experts: int, dtype: str,
 
     CTAs launch expert by expert in `order` (most rows first, from `expert_order_program`),
     so under skewed routing the longest reductions start in the first wave instead of
-    running on alone at the end."""
+    running on alone at the end. With `experts_per_cta` > 1 a CTA takes experts strided
+    through that order (a mix of long and short reductions) one after another: TileLang's
+    warp specialization keeps the producer's stage ring running across them, so one
+    expert's loads overlap the previous one's store."""
     m_total = T.dynamic("m_total")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    per_cta = config.experts_per_cta
+    slots = -(-n_experts // per_cta)  # the grid's expert dimension
+
+    @T.macro
+    def expert_tile(dy, a, offsets, db, e, dy_shared, a_shared, dy_tail, a_tail, acc,
+                    db_shared, bx, by):
+        T.clear(acc)
+        # whole row tiles by TMA, pipelined
+        for kk in T.Pipelined(T.max(offsets[e] - _group_start(offsets, e), 0) // bk,
+                              num_stages=config.stages):
+            T.copy(dy[_group_start(offsets, e) + kk * bk, by * bm], dy_shared)
+            T.copy(a[_group_start(offsets, e) + kk * bk, bx * bn], a_shared)
+            T.gemm(dy_shared, a_shared, acc, transpose_A=True)
+        # the last partial row tile by guarded loads (rows past the group read as 0)
+        if T.max(offsets[e] - _group_start(offsets, e), 0) % bk > 0:
+            for i, j in T.Parallel(bk, bm):
+                dy_tail[i, j] = T.if_then_else(
+                    offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
+                    < offsets[e],
+                    dy[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
+                       + i, by * bm + j], T.cast(0, dtype))
+            for i, j in T.Parallel(bk, bn):
+                a_tail[i, j] = T.if_then_else(
+                    offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
+                    < offsets[e],
+                    a[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
+                      + i, bx * bn + j], T.cast(0, dtype))
+            T.gemm(dy_tail, a_tail, acc, transpose_A=True)
+        # out through shared memory by a TMA store: with few rows per expert the
+        # weight gradient's cost is mostly this write
+        T.copy(acc, db_shared)
+        T.copy(db_shared, db[e, by * bm, bx * bn])
 
     @T.prim_func
     def weight_grad(dy: T.Tensor((m_total, n), dtype),
@@ -385,41 +425,22 @@ def weight_grad_program(n: int, k: int, n_experts: int, dtype: str,
                     offsets: T.Tensor((n_experts,), "int32"),
                     order: T.Tensor((n_experts,), "int32"),
                     db: T.Tensor((n_experts, n, k), dtype)):
-        with T.Kernel(T.ceildiv(k, bn), T.ceildiv(n, bm), n_experts,
+        with T.Kernel(T.ceildiv(k, bn), T.ceildiv(n, bm), slots,
                       threads=config.threads) as (bx, by, bz):
-            e = order[bz]
             dy_shared = T.alloc_shared((bk, bm), dtype)
             a_shared = T.alloc_shared((bk, bn), dtype)
             dy_tail = T.alloc_shared((bk, bm), dtype)
             a_tail = T.alloc_shared((bk, bn), dtype)
             acc = T.alloc_fragment((bm, bn), "float32")
             db_shared = T.alloc_shared((bm, bn), dtype)
-            T.clear(acc)
-            # whole row tiles by TMA, pipelined
-            for kk in T.Pipelined(T.max(offsets[e] - _group_start(offsets, e), 0) // bk,
-                                  num_stages=config.stages):
-                T.copy(dy[_group_start(offsets, e) + kk * bk, by * bm], dy_shared)
-                T.copy(a[_group_start(offsets, e) + kk * bk, bx * bn], a_shared)
-                T.gemm(dy_shared, a_shared, acc, transpose_A=True)
-            # the last partial row tile by guarded loads (rows past the group read as 0)
-            if T.max(offsets[e] - _group_start(offsets, e), 0) % bk > 0:
-                for i, j in T.Parallel(bk, bm):
-                    dy_tail[i, j] = T.if_then_else(
-                        offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
-                        < offsets[e],
-                        dy[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
-                           + i, by * bm + j], T.cast(0, dtype))
-                for i, j in T.Parallel(bk, bn):
-                    a_tail[i, j] = T.if_then_else(
-                        offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
-                        < offsets[e],
-                        a[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
-                          + i, bx * bn + j], T.cast(0, dtype))
-                T.gemm(dy_tail, a_tail, acc, transpose_A=True)
-            # out through shared memory by a TMA store: with few rows per expert the
-            # weight gradient's cost is mostly this write
-            T.copy(acc, db_shared)
-            T.copy(db_shared, db[e, by * bm, bx * bn])
+            if per_cta == 1:
+                expert_tile(dy, a, offsets, db, order[bz], dy_shared, a_shared, dy_tail,
+                            a_tail, acc, db_shared, bx, by)
+            else:
+                for i in T.serial(per_cta):
+                    if bz + i * slots < n_experts:
+                        expert_tile(dy, a, offsets, db, order[bz + i * slots], dy_shared,
+                                    a_shared, dy_tail, a_tail, acc, db_shared, bx, by)
 
     return weight_grad
 
@@ -560,7 +581,8 @@ class GroupedGemmWeightGradKernel(Kernel):
         # shared memory: stages x (bm + bn) x bk + the bm x bn output tile (<= 227 KB)
         return [GroupedGemmConfig(),
                 GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=4),
-                GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=6)]
+                GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=6),
+                *(GroupedGemmConfig(experts_per_cta=p) for p in (2, 4, 8))]
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, dy, a, offsets, db) -> None:
         import torch
