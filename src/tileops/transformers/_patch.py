@@ -203,7 +203,8 @@ def _decode_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tens
 # fill and a tail each, and a k_proj of 8 MB never reaches HBM speed on its own. Under
 # apply(linear="decode") with TILEOPS_HF_GROUP_PROJECTIONS=1: off by default until the
 # grouped kernel's GPU tests and timings have run (it was built without a device).
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                     ("q_a_proj", "kv_a_proj_with_mqa"))  # DeepSeek-V3's latent projections
 
 
 def _group_projections() -> bool:
