@@ -390,6 +390,17 @@ def weight_grad_program(n: int, k: int, n_experts: int, dtype: str,
     slots = -(-n_experts // per_cta)  # the grid's expert dimension
 
     @T.macro
+    def partial_rows(src, offsets, e, tail, col0, width):
+        """tail <- src's last (partial) row tile of expert e, columns [col0, col0 + width);
+        rows past the group read as 0."""
+        for i, j in T.Parallel(bk, width):
+            tail[i, j] = T.if_then_else(
+                offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
+                < offsets[e],
+                src[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
+                    + i, col0 + j], T.cast(0, dtype))
+
+    @T.macro
     def expert_tile(dy, a, offsets, db, e, dy_shared, a_shared, dy_tail, a_tail, acc,
                     db_shared, bx, by):
         T.clear(acc)
@@ -401,18 +412,8 @@ def weight_grad_program(n: int, k: int, n_experts: int, dtype: str,
             T.gemm(dy_shared, a_shared, acc, transpose_A=True)
         # the last partial row tile by guarded loads (rows past the group read as 0)
         if T.max(offsets[e] - _group_start(offsets, e), 0) % bk > 0:
-            for i, j in T.Parallel(bk, bm):
-                dy_tail[i, j] = T.if_then_else(
-                    offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
-                    < offsets[e],
-                    dy[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
-                       + i, by * bm + j], T.cast(0, dtype))
-            for i, j in T.Parallel(bk, bn):
-                a_tail[i, j] = T.if_then_else(
-                    offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk + i
-                    < offsets[e],
-                    a[offsets[e] - T.max(offsets[e] - _group_start(offsets, e), 0) % bk
-                      + i, bx * bn + j], T.cast(0, dtype))
+            partial_rows(dy, offsets, e, dy_tail, by * bm, bm)
+            partial_rows(a, offsets, e, a_tail, bx * bn, bn)
             T.gemm(dy_tail, a_tail, acc, transpose_A=True)
         # out through shared memory by a TMA store: with few rows per expert the
         # weight gradient's cost is mostly this write
