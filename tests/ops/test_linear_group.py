@@ -171,6 +171,16 @@ def test_refusals_name_the_argument(weights, biases, match):
         tileops.linear_group(x, ws, biases)
 
 
+def test_plan_takes_2d_inputs_only():
+    """Inputs with leading dims or more than GROUP_ROWS tokens get no planned launch (they
+    go to forward; found on the GPU: a 3-D input once broke the plan). The 2-D case, which
+    binds a CUDA kernel, runs in the GPU tests."""
+    op = LinearGroupFwdOp()
+    ws = [torch.empty(n, 256, dtype=BF16, device="meta") for n in (256, 64)]
+    for shape in ((2, 3, 256), (1, 1, 256), (GROUP_ROWS + 1, 256)):
+        assert op.plan(torch.empty(*shape, dtype=BF16, device="meta"), *ws) is None, shape
+
+
 def test_kernels_for_routes_by_token_count():
     """The compile sweep builds what forward launches: one grouped program up to
     GROUP_ROWS tokens, one GEMM a weight beyond."""

@@ -82,9 +82,11 @@ class LinearGroupFwdOp(Op):
         """A 2-D input the grouped kernel serves: the allocations and the launch, sizes and
         kernel bound; inputs it does not read as they are (strided, unaligned) go to
         forward. Host time per decode call is what an eager step is bound by."""
+        if input.dim() != 2:
+            return None
         weights = [w for w in (weight0, weight1, weight2) if w is not None]
         ns, (m, k) = tuple(w.shape[0] for w in weights), input.shape
-        if input.dim() != 2 or not _one_launch(m, ns, k):
+        if not _one_launch(m, ns, k):
             return None
         has_bias = bias0 is not None
         kernel = self.memo_kernel(("gemm_group", input.device, input.dtype, ns, k, has_bias),
