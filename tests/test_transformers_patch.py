@@ -215,6 +215,18 @@ def test_grouped_projections_by_token_count(tokens, graphed, grouped, spies, mon
         assert len(spies["linear_group"]) == 3
 
 
+def test_grouped_projections_switch_off(spies, monkeypatch):
+    """TILEOPS_HF_GROUP_PROJECTIONS=0: each member runs its own decode call (linear)."""
+    monkeypatch.setenv("TILEOPS_HF_GROUP_PROJECTIONS", "0")
+    monkeypatch.setattr(_patch, "_graphed", lambda: True)
+    model = hf_models.model("llama", dtype=torch.bfloat16)
+    _apply(model)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 1, mlp.gate_proj.in_features, dtype=torch.bfloat16)
+    torch.testing.assert_close(mlp.gate_proj(x), F.linear(x, mlp.gate_proj.weight))
+    assert len(spies["linear"]) == 1 and not spies.get("linear_group")
+
+
 def test_flags_off_patch_nothing():
     model = hf_models.model("llama", dtype=torch.bfloat16)
     report = _apply(model, rms_norm=False, rope=False, attention=False, mlp=False,

@@ -200,15 +200,15 @@ def _decode_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tens
 
 # Sibling projections of one input: at decode sizes one tileops.linear_group launch streams
 # all their weights (kernels/gemm/weight_group.py), where one launch each pays a pipeline
-# fill and a tail each, and a k_proj of 8 MB never reaches HBM speed on its own. Under
-# apply(linear="decode") with TILEOPS_HF_GROUP_PROJECTIONS=1: off by default until the
-# grouped kernel's GPU tests and timings have run (it was built without a device).
+# fill and a tail each, and a k_proj of 8 MB never reaches HBM speed on its own. Part of
+# apply(linear="decode") (Llama-3.1-8B b8 decode step under CUDA graphs, H100: 1965 us
+# grouped, 2082 one launch a weight); TILEOPS_HF_GROUP_PROJECTIONS=0 turns it off.
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
                      ("q_a_proj", "kv_a_proj_with_mqa"))  # DeepSeek-V3's latent projections
 
 
 def _group_projections() -> bool:
-    return os.environ.get("TILEOPS_HF_GROUP_PROJECTIONS", "0") == "1"
+    return os.environ.get("TILEOPS_HF_GROUP_PROJECTIONS", "1") != "0"
 
 
 class _ProjectionGroup:
