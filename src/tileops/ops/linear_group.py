@@ -63,9 +63,7 @@ class LinearGroupFwdOp(Op):
         if _one_launch(rows, ns, k):
             outs = [torch.empty((rows, n), dtype=input.dtype, device=input.device) for n in ns]
             has_bias = bias0 is not None
-            kernel = self.memo_kernel(("gemm_group", input.device, input.dtype, ns, k, has_bias),
-                                      "gemm_group", input.device,
-                                      lambda: _group_key(input.dtype, ns, k, has_bias))
+            kernel = self._group_kernel(input, ns, k, has_bias)
             extra = [tma_ready(b) for b in biases] if has_bias else []
             kernel(rows, x, *[tma_ready(w) for w in weights], *extra, *outs)
         else:
@@ -75,6 +73,12 @@ class LinearGroupFwdOp(Op):
         if weight2 is None:
             outs.append(torch.empty(0, dtype=input.dtype, device=input.device))
         return tuple(outs)
+
+    def _group_kernel(self, input: torch.Tensor, ns: tuple[int, ...], k: int,
+                      has_bias: bool) -> Kernel:
+        return self.memo_kernel(("gemm_group", input.device, input.dtype, ns, k, has_bias),
+                                "gemm_group", input.device,
+                                lambda: _group_key(input.dtype, ns, k, has_bias))
 
     def plan(self, input: torch.Tensor, weight0: torch.Tensor, weight1: torch.Tensor,
              weight2: torch.Tensor | None = None, bias0: torch.Tensor | None = None,
@@ -89,9 +93,7 @@ class LinearGroupFwdOp(Op):
         if not _one_launch(m, ns, k):
             return None
         has_bias = bias0 is not None
-        kernel = self.memo_kernel(("gemm_group", input.device, input.dtype, ns, k, has_bias),
-                                  "gemm_group", input.device,
-                                  lambda: _group_key(input.dtype, ns, k, has_bias))
+        kernel = self._group_kernel(input, ns, k, has_bias)
         two, forward = len(ns) == 2, self.forward
         dtype, device = input.dtype, input.device
 
