@@ -184,6 +184,73 @@ def test_quantize_row_configs_into_poisoned_output(k):
                 assert_same_fp8(y, want_static)
 
 
+def near_e4m3_midpoints(scale, shape, generator):
+    """fp32 values x whose quotient x / scale lies within 3 fp32 ulps of a midpoint between
+    neighbouring e4m3 values (either sign): where x times a rounded 1 / scale can round to
+    the other neighbour, and only a correctly rounded division gives torch's fp8."""
+    grid = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique().sort().values.cuda()
+    mids = (grid[1:] + grid[:-1]) / 2  # exact in fp32
+    pick = torch.randint(len(mids), shape, device="cuda", generator=generator)
+    sign = torch.randint(2, shape, device="cuda", generator=generator) * 2 - 1
+    x = mids[pick] * sign * scale
+    ulps = torch.randint(-3, 4, shape, device="cuda", generator=generator, dtype=torch.int32)
+    return (x.view(torch.int32) + ulps).view(torch.float32)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "group"])
+def test_quantize_reciprocal_division_rounds_as_torch(granularity):
+    """QuantConfig.reciprocal (x times 1 / scale, corrected by one fused residual step) on
+    quotients a few ulps from e4m3 rounding midpoints, where the product alone rounds the
+    other way (asserted, so the data tells the two apart), then with special values (+-inf,
+    NaN, -0, subnormal, huge) and special given scales (zero, infinite, NaN, subnormal, past
+    2^126, negative). Dynamic and static, into poisoned outputs, bit for bit torch's."""
+    from tileops.kernels.fp8.quantize import QuantizeFp8Kernel
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    rows, k = 64, 2048
+    row_scale = torch.rand(rows, 1, device="cuda", generator=g) * 10 + 1e-3
+    if granularity == "tensor":
+        row_scale = row_scale[:1].expand(rows, 1)
+    near = near_e4m3_midpoints(row_scale, (rows, k), g)
+    near[:, ::128] = 448 * row_scale  # each group's amax: dynamic scales near row_scale
+    scales = expand(ref_scales(near, granularity), near, granularity)
+    naive = (near * (1 / scales)).clamp(-448, 448).to(E4M3)
+    assert (naive.float() != ref_quantize(near, granularity)[0].float()).any(), \
+        "the data cannot tell a correctly rounded quotient from the product"
+    special = near.clone()
+    special[5, 3], special[6, 4], special[7, 5] = float("inf"), float("-inf"), float("nan")
+    special[8, 6], special[9, 7], special[10, 3] = -0.0, 1e-40, 3e38
+
+    n_groups = k // 128 if granularity == "group" else 1
+    static = torch.rand(rows, n_groups, device="cuda", generator=g) * 0.01 + 1e-3
+    static[1:7, 0] = torch.tensor([0.0, float("inf"), float("nan"), 1e-40, 1e38, -0.005])
+    if granularity == "tensor":  # one scale a launch: each special in turn
+        given = [static[i, 0].reshape(1) for i in range(7)]
+    else:
+        given = [static]
+    for dynamic in (True, False):
+        kernel = QuantizeFp8Kernel(dtype="float32", k=k, granularity=granularity,
+                                   group=128 if granularity == "group" else 0,
+                                   dynamic=dynamic)
+        config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), reciprocal=True)
+        assert config in kernel.config_space("all")
+        kernel.use(config, "all")
+        for x in (near, special):
+            for scale in [None] if dynamic else given:
+                y = torch.full((rows, k), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
+                s = torch.full((n_groups, rows) if granularity != "tensor" else (1,),
+                               float("nan"), device="cuda")
+                kernel(rows, x, None if dynamic else scale.t().contiguous(), y, s)
+                ref_scale = None if dynamic else (
+                    scale.reshape(()) if granularity == "tensor" else scale)
+                want_y, want_s = ref_quantize(x, granularity, scale=ref_scale)
+                if dynamic:
+                    got_s = s.reshape(()) if granularity == "tensor" else s.t()
+                    torch.testing.assert_close(got_s, want_s, rtol=0, atol=0)
+                assert_same_fp8(y, want_y)
+
+
 def test_quantize_non_contiguous_and_leading_dims():
     base = randn(3, 40, 2048, dtype=torch.bfloat16)
     x = base[:, :, ::2]  # strided: copied

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import tilelang.language as T
 
+from .. import fast_math
 from ..base import Kernel
 
 E4M3_MAX = 448.0
@@ -48,6 +49,10 @@ class QuantConfig:
     # of the absmax pass's sweep, so it first re-reads the rows that pass read last, still
     # in L2 (x is read twice; over 50 MB only its last-read part can be there)
     reverse_rows: bool = False
+    # divide by the scale through its reciprocal, computed once a row, and one fused
+    # correction (fast_math.div_by): IEEE's quotient, bit for bit, in three instructions an
+    # element instead of CUDA's division (eight and an SFU reciprocal)
+    reciprocal: bool = False
 
 
 def _scale_of(amax):
@@ -58,7 +63,7 @@ def _scale_of(amax):
 
 def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: bool,
                      block_m: int, block_k: int, threads: int, ctas_per_sm: int = 1,
-                     reverse_rows: bool = False):
+                     reverse_rows: bool = False, reciprocal: bool = False):
     """The quantizing kernel. Parameters by granularity and mode:
     group/row dynamic: (x, y, scale_out[K/group or 1, M]); static: (x, scale, y, scale_out)
     with the given scale in scale_out's layout, copied to it (so the op's scales output is
@@ -78,11 +83,34 @@ def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: 
     whole = granularity == "group" or (granularity == "row" and k_tiles == 1)
 
     @T.macro
-    def store_quantized(x_local, y, row0, kt, scale_local):
+    def reciprocals(scale_local):
+        """The scales' reciprocals for div_by (a fragment), or None without `reciprocal`."""
+        if not reciprocal:
+            return None
+        fast_math.import_source()
+        recip_local = T.alloc_fragment((block_m,), "float")
+        for i in T.Parallel(block_m):
+            recip_local[i] = fast_math.reciprocal_for_div_by(scale_local[i])
+        return recip_local
+
+    @T.macro
+    def store_quantized(x_local, y, row0, kt, scale_local, recip_local, how):
+        """y = saturate(x / scale) for the tile; how: "divide" (CUDA's IEEE division),
+        "reciprocal" (div_by: scales known normal, zero or infinite), "checked" (div_by
+        falling back to the division where a scale is none of those)."""
         y_local = T.alloc_fragment(tile, FP8)
-        for i, j in T.Parallel(block_m, block_k):
-            # the cast saturates (satfinite) and keeps NaN: see the module docstring
-            y_local[i, j] = T.cast(x_local[i, j], "float") / scale_local[i]
+        if how == "divide":
+            for i, j in T.Parallel(block_m, block_k):
+                # the cast saturates (satfinite) and keeps NaN: see the module docstring
+                y_local[i, j] = T.cast(x_local[i, j], "float") / scale_local[i]
+        else:
+            # the quotients first, then the cast alone: a loop TileLang vectorizes (two
+            # values a conversion), which a call in the same loop would prevent
+            q_local = T.alloc_fragment(tile, "float")
+            for i, j in T.Parallel(block_m, block_k):
+                q_local[i, j] = fast_math.div_by(x_local[i, j], scale_local[i],
+                                                 recip_local[i], how == "checked")
+            T.copy(q_local, y_local)
         T.copy(y_local, y[row0, kt * block_k])
 
     @T.macro
@@ -120,12 +148,16 @@ def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: 
                     scale_local[i] = scale_in[bx, T.min(row0 + i, m - 1)]
                     if row0 + i < m:
                         scale_out[bx, row0 + i] = scale_local[i]
+            recip_local = reciprocals(scale_local)
+            # dynamic scales are amax / 448 >= the floor: normal, or infinite; given ones
+            # may be anything, checked element by element
+            how = "divide" if not reciprocal else "reciprocal" if dynamic else "checked"
             if whole:
-                store_quantized(x_local, y, row0, bx, scale_local)
+                store_quantized(x_local, y, row0, bx, scale_local, recip_local, how)
             else:
                 for kt in T.serial(k_tiles):
                     T.copy(x[row0, kt * block_k], x_local)
-                    store_quantized(x_local, y, row0, kt, scale_local)
+                    store_quantized(x_local, y, row0, kt, scale_local, recip_local, how)
 
     @T.macro
     def per_tensor(x, src, y, scale_out):
@@ -148,7 +180,15 @@ def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: 
             x_local = T.alloc_fragment(tile, dtype)
             row0 = (T.ceildiv(m, block_m) - 1 - by if reverse_rows else by) * block_m
             T.copy(x[row0, bx * block_k], x_local)
-            store_quantized(x_local, y, row0, bx, scale_local)
+            recip_local = reciprocals(scale_local)
+            if not reciprocal:
+                store_quantized(x_local, y, row0, bx, scale_local, recip_local, "divide")
+            elif dynamic:
+                store_quantized(x_local, y, row0, bx, scale_local, recip_local, "reciprocal")
+            elif fast_math.is_nan(recip_local[0]):  # one given scale: a uniform branch
+                store_quantized(x_local, y, row0, bx, scale_local, recip_local, "divide")
+            else:
+                store_quantized(x_local, y, row0, bx, scale_local, recip_local, "reciprocal")
 
     X, Y = (m, k), (m, k)
     if granularity == "tensor":
@@ -228,7 +268,7 @@ class QuantizeFp8Kernel(Kernel):
         key = self.key
         main = quantize_program(key["k"], key["dtype"], key["granularity"], key["group"],
                                 key["dynamic"], config.block_m, config.block_k, config.threads,
-                                config.ctas_per_sm, config.reverse_rows)
+                                config.ctas_per_sm, config.reverse_rows, config.reciprocal)
         if key["granularity"] == "tensor" and key["dynamic"]:
             return absmax_program(key["k"], key["dtype"], config.block_m, config.block_k,
                                   config.threads), main
@@ -270,7 +310,9 @@ class QuantizeFp8Kernel(Kernel):
 
     def config_space(self, bucket: str) -> list[QuantConfig]:
         granularity, k = self.key["granularity"], self.key["k"]
-        space = [self.heuristic_config(bucket, "sm_90a")]
+        default = self.heuristic_config(bucket, "sm_90a")
+        # the default's division by the other route (QuantConfig.reciprocal)
+        space = [default, dataclasses.replace(default, reciprocal=not default.reciprocal)]
         if granularity == "group":
             space += [QuantConfig(bm, self.key["group"], t)
                       for bm in (8, 16, 32, 64) for t in (64, 128, 256)]
@@ -280,5 +322,5 @@ class QuantizeFp8Kernel(Kernel):
             if granularity == "row":
                 space += _whole_row_configs(k)
             elif self.key["dynamic"]:  # the quantizing pass bottom-up (see QuantConfig)
-                space.append(dataclasses.replace(space[0], reverse_rows=True))
+                space.append(dataclasses.replace(default, reverse_rows=True))
         return list(dict.fromkeys(space))
