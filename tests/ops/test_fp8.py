@@ -130,27 +130,29 @@ def test_quantize_every_element_written():
 
 
 @pytest.mark.parametrize("rows", [1, 37, 1001])
-def test_quantize_tensor_rows_bottom_up_into_poisoned_output(rows):
-    """The per-tensor dynamic config whose quantizing pass takes the row blocks in reverse
-    (QuantConfig.reverse_rows), a partial last block included: every element written, bit
-    for bit torch's, the one scale too."""
-    import dataclasses
-
+def test_dynamic_tensor_configs_into_poisoned_output(rows):
+    """The per-tensor dynamic configs beyond plain tile shapes (the quantizing pass
+    bottom-up, the absmax pass reduced once a CTA, the reciprocal division), a partial
+    last row block included: every element written, bit for bit torch's, the scale too."""
     from tileops.kernels.fp8.quantize import QuantizeFp8Kernel
 
     x = randn(rows, 1024, dtype=torch.bfloat16) * torch.logspace(
         -3, 3, rows, device="cuda")[:, None].to(torch.bfloat16)
     want_y, want_s = ref_quantize(x, "tensor")
-    kernel = QuantizeFp8Kernel(dtype="bfloat16", k=1024, granularity="tensor", group=0,
-                               dynamic=True)
-    config = dataclasses.replace(kernel.heuristic_config("all", "sm_90a"), reverse_rows=True)
-    assert config in kernel.config_space("all")
-    kernel.use(config, "all")
-    y = torch.full((rows, 1024), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
-    s = torch.full((1,), float("nan"), device="cuda")
-    kernel(rows, x, None, y, s)
-    torch.testing.assert_close(s.reshape(want_s.shape), want_s, rtol=0, atol=0)
-    assert_same_fp8(y, want_y)
+    key = dict(dtype="bfloat16", k=1024, granularity="tensor", group=0, dynamic=True)
+    space = QuantizeFp8Kernel(**key).config_space("all")
+    space = [c for c in space if c == space[0] or c.reverse_rows or c.absmax_in_lanes
+             or c.reciprocal]
+    assert any(c.reverse_rows for c in space) and any(c.absmax_in_lanes for c in space)
+    for config in space:
+        kernel = QuantizeFp8Kernel(**key)
+        kernel.use(config, "all")
+        y = torch.full((rows, 1024), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
+        s = torch.full((1,), float("nan"), device="cuda")
+        kernel(rows, x, None, y, s)
+        torch.testing.assert_close(s.reshape(want_s.shape), want_s, rtol=0, atol=0,
+                                   msg=str(config))
+        assert_same_fp8(y, want_y)
 
 
 @pytest.mark.parametrize("k", [8192, 28672])

@@ -53,6 +53,9 @@ class QuantConfig:
     # correction (fast_math.div_by): IEEE's quotient, bit for bit, in three instructions an
     # element instead of CUDA's division (eight and an SFU reciprocal)
     reciprocal: bool = False
+    # per tensor, dynamic: the absmax pass keeps a running max per element slot and
+    # reduces across the CTA once (absmax_program's in_lanes)
+    absmax_in_lanes: bool = False
 
 
 def _scale_of(amax):
@@ -214,9 +217,13 @@ def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: 
     return quantize_static
 
 
-def absmax_program(k: int, dtype: str, block_m: int, block_k: int, threads: int):
+def absmax_program(k: int, dtype: str, block_m: int, block_k: int, threads: int,
+                   in_lanes: bool = False):
     """Per-tensor amax, first pass: partial[p] = max |x| over the row blocks p, p + PARTIALS,
-    ... (a fixed grid, so any M runs without a recompile)."""
+    ... (a fixed grid, so any M runs without a recompile). in_lanes: each thread keeps the
+    running max of its own elements over the sweep, reduced across the CTA once at the end
+    (else once a tile, whose shuffles and barriers stand between one tile's loads and the
+    next's)."""
     m = T.dynamic("m")
     tile = (block_m, block_k)
 
@@ -227,14 +234,24 @@ def absmax_program(k: int, dtype: str, block_m: int, block_k: int, threads: int)
             abs_local = T.alloc_fragment(tile, "float")
             row_local = T.alloc_fragment((block_m,), "float")
             all_local = T.alloc_fragment((1,), "float")
-            T.clear(row_local)
+            if in_lanes:
+                T.clear(abs_local)
+            else:
+                T.clear(row_local)
             for t in T.serial(T.ceildiv(m, block_m * PARTIALS)):
                 row0 = (t * PARTIALS + bx) * block_m
                 for kt in T.serial(k // block_k):
                     T.copy(x[row0, kt * block_k], x_local)
-                    for i, j in T.Parallel(block_m, block_k):
-                        abs_local[i, j] = T.abs(T.cast(x_local[i, j], "float"))
-                    T.reduce_max(abs_local, row_local, dim=1, clear=False)
+                    if in_lanes:
+                        for i, j in T.Parallel(block_m, block_k):
+                            abs_local[i, j] = T.max(abs_local[i, j],
+                                                    T.abs(T.cast(x_local[i, j], "float")))
+                    else:
+                        for i, j in T.Parallel(block_m, block_k):
+                            abs_local[i, j] = T.abs(T.cast(x_local[i, j], "float"))
+                        T.reduce_max(abs_local, row_local, dim=1, clear=False)
+            if in_lanes:
+                T.reduce_max(abs_local, row_local, dim=1)
             T.reduce_max(row_local, all_local, dim=0)
             partial[bx] = all_local[0]
     return absmax
@@ -271,7 +288,7 @@ class QuantizeFp8Kernel(Kernel):
                                 config.ctas_per_sm, config.reverse_rows, config.reciprocal)
         if key["granularity"] == "tensor" and key["dynamic"]:
             return absmax_program(key["k"], key["dtype"], config.block_m, config.block_k,
-                                  config.threads), main
+                                  config.threads, config.absmax_in_lanes), main
         return main
 
     def run(self, config: QuantConfig, compiled: tuple, x, scale, y, scale_out) -> None:
@@ -321,6 +338,8 @@ class QuantizeFp8Kernel(Kernel):
                       for bk in (256, 512, 1024) for t in (64, 128, 256)]
             if granularity == "row":
                 space += _whole_row_configs(k)
-            elif self.key["dynamic"]:  # the quantizing pass bottom-up (see QuantConfig)
-                space.append(dataclasses.replace(default, reverse_rows=True))
+            elif self.key["dynamic"]:  # the quantizing pass bottom-up; the absmax in lanes
+                space += [dataclasses.replace(default, reverse_rows=True),
+                          dataclasses.replace(default, absmax_in_lanes=True),
+                          dataclasses.replace(default, absmax_in_lanes=True, reciprocal=True)]
         return list(dict.fromkeys(space))
