@@ -165,6 +165,8 @@ def quantize_program(k: int, dtype: str, granularity: str, group: int, dynamic: 
     @T.macro
     def per_tensor(x, src, y, scale_out):
         with T.Kernel(grid_k, T.ceildiv(m, block_m), threads=threads) as (bx, by):
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
             scale_local = T.alloc_fragment((block_m,), "float")
             if dynamic:
                 part_local = T.alloc_fragment((PARTIALS,), "float")
