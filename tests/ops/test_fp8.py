@@ -378,11 +378,13 @@ def test_gemm_every_element_written(scaling):
                                               ("block", False), ("block", True)])
 def test_every_decode_config_into_poisoned_output(scaling, m_major):
     """The decode programs of the space (M <= 64: block scales prefetched a tile ahead, two
-    CTAs an SM, 256-deep K tiles, the unrolled one-row reduce), each also with one split (no
-    reduce) and with 3 splits (K = 1408: 11 K tiles of 128, the last split 3 of them and 1
-    past K; 5.5 of 256, the last tile's second half past K), at M = 1, 7 (bucket m16) and 50
-    (m64), N = 576 (4.5 blocks of 128), with a bias (the reduce adds it), launched on the
-    kernel into NaN-poisoned outputs. Block scaling with scale_a row-major and M-major."""
+    CTAs an SM, 256-deep K tiles, the unrolled one-row reduce; the weight-streaming tiles
+    with their splits summed in a cluster), each also with one split (no reduce) and with 3
+    splits (K = 1408: 11 K tiles of 128, the last split 3 of them and 1 past K; 5.5 of 256,
+    the last tile's second half past K), at M = 1, 7 (bucket m16) and 50 (m64), N = 576
+    (4.5 blocks of 128: a last weight tile of 64 rows past N), with a bias (the reduce adds
+    it), launched on the kernel into NaN-poisoned outputs. Block scaling with scale_a
+    row-major and M-major."""
     n, k = 576, 1408
     kernel = Fp8GemmKernel(n=n, k=k, scaling=scaling, out_dtype="bfloat16", has_bias=True,
                            scale_a_m_major=m_major)
@@ -395,7 +397,8 @@ def test_every_decode_config_into_poisoned_output(scaling, m_major):
         else:
             sa_k, sb_k = sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous()
         bucket = kernel.bucket_of(m)
-        variants = kernel.decode_variants(kernel.bucket_rows(bucket))
+        variants = (kernel.decode_variants(kernel.bucket_rows(bucket))
+                    + kernel.weight_stream_space(bucket))
         configs = variants + [dataclasses.replace(c, split_k=s) for c in variants for s in (1, 3)]
         for config in dict.fromkeys(configs):
             assert config.valid(), config

@@ -188,6 +188,54 @@ def test_decode_variants_compile_to_the_fast_path(scaling, tmp_path):
             assert "ki < 4" in source and "ki < 8" not in source, config
 
 
+def test_weight_stream_space_serves_the_decode_buckets():
+    """M <= 64: the weight-streaming tiles join the space (token tile = the bucket's rows,
+    up to 16 stages of e4m3, splits keeping >= 4 K tiles); none past 64 rows; none holds
+    gemm_fp8's own decode options; a bucket wider than the token tile is refused."""
+    from tileops.kernels.fp8 import Fp8GemmKernel
+
+    kernel = Fp8GemmKernel(n=7168, k=18432, scaling="block", out_dtype="bfloat16",
+                           has_bias=False, scale_a_m_major=True)
+    for bucket, rows in (("m16", 16), ("m32", 32), ("m64", 64)):
+        space = kernel.weight_stream_space(bucket)
+        assert space and all(c.weight_rows and c.valid() and c.block_m == rows for c in space)
+        assert set(space) <= set(kernel.config_space(bucket))
+    tiles = {(c.block_n, c.block_k, c.stages, c.split_k) for c in kernel.weight_stream_space("m16")}
+    assert (64, 128, 16, 1) in tiles and (128, 256, 6, 1) in tiles
+    assert kernel.weight_stream_space("m128") == []
+    wide = kernel.weight_stream_space("m16")[0]
+    assert not dataclasses.replace(wide, prefetch_scales=True).valid()
+    assert not dataclasses.replace(wide, block_k=64).valid()
+    with pytest.raises(ValueError, match="block_m = 16"):
+        kernel.program(wide, "m32")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_weight_stream_programs_compile_to_the_fast_path(scaling, tmp_path):
+    """wgmma with the weight tile as A and the tokens as B (m64n16k32 on e4m3), TMA loads, a
+    split's partials through the cluster's shared memory, no spills; block scaling promotes
+    each 128-deep half of a 256-deep stage from its own scales, loaded a block ahead."""
+    from tileops.kernels.fp8 import Fp8GemmKernel
+    from tileops.kernels.fp8.gemm_fp8 import Fp8GemmConfig
+    from tileops.kernels.gemm import weight_stream as ws
+
+    from ..helpers import assert_no_spills_or_serialized_wgmma
+
+    kernel = Fp8GemmKernel(n=1536, k=7168, scaling=scaling, out_dtype="bfloat16",
+                           has_bias=True, scale_a_m_major=scaling == "block")
+    for block_k, split in ((128, 1), (256, 4)):
+        config = ws.deepest(16, 64, block_k, split, Fp8GemmConfig, 16)
+        main = kernel.compile(config, "m16")[0]
+        source = main.get_kernel_source()
+        assert "tma_load" in source and "64, 16, 32" in source, config
+        assert ("map_shared_rank" in source) == (split > 1), config
+        assert "scale_a" in source and "scale_b" in source
+        if scaling == "block" and block_k == 256:
+            assert "(h * 8192)" in source and "(h * 2048)" in source, config  # w, x halves
+        assert_no_spills_or_serialized_wgmma(main, tmp_path)
+
+
 @pytest.mark.compile
 def test_unrolled_reduce_program_on_the_cpu():
     """The decode variants' split-K reduce (one output row a CTA, the splits unrolled), run

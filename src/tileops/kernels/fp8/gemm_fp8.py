@@ -84,10 +84,24 @@ def add_scaled(part, acc, factor, block_m: int, block_n: int):
 
 
 @T.macro
-def add_scaled_raw(part, acc, sa, sb, block_m: int, block_n: int):
-    """add_scaled with the factors as raw scale pairs (sa[i] * sb[0])."""
+def add_scaled_raw(part, acc, sa, sb, block_m: int, block_n: int, by_column: bool = False):
+    """add_scaled with the factors as raw scale pairs (sa[i] * sb[0]); `by_column`: the
+    tile is transposed, a's rows on its columns (sa[j] * sb[0])."""
     for i, j in T.Parallel(block_m, block_n):
-        acc[i, j] += part[i, j] * (sa[i] * sb[0])
+        if by_column:
+            acc[i, j] += part[i, j] * (sa[j] * sb[0])
+        else:
+            acc[i, j] += part[i, j] * (sa[i] * sb[0])
+
+
+def scale_shapes(m, n: int, k: int, scaling: str, m_major: bool) -> tuple[tuple, tuple]:
+    """The kernel's scale_a and scale_b shapes: one each ("tensor"), scale_a[M] and
+    scale_b[N] ("row"), scale_a[K/128, M] (M-major) or [M, K/128] and scale_b[N/128, K/128]
+    ("block")."""
+    k_blocks, n_blocks = k // SCALE_BLOCK, -(-n // SCALE_BLOCK)
+    sa_block = (k_blocks, m) if m_major else (m, k_blocks)
+    return ({"tensor": (1,), "row": (m,), "block": sa_block}[scaling],
+            {"tensor": (1,), "row": (n,), "block": (n_blocks, k_blocks)}[scaling])
 
 
 @T.macro
@@ -118,11 +132,16 @@ class Fp8GemmConfig(GemmConfig):
     reduce_unrolled: bool = False
 
     def smem_bytes(self, elem_bytes: int = 1) -> int:
+        if self.weight_rows:
+            return super().smem_bytes(elem_bytes)
         pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
         out_bytes = 4 if self.split_k > 1 else 2
         return pipeline + (self.block_m * self.block_n * out_bytes if self.stage_out else 0)
 
     def valid(self) -> bool:
+        if self.weight_rows:  # weight_stream_fp8.py: K tiles of whole 128-byte TMA boxes
+            return (super().valid() and self.block_k in (128, 256) and not self.prefetch_scales
+                    and self.ctas_per_sm == 1 and not self.reduce_unrolled)
         warps = self.threads // 32
         fits = self.smem_bytes() <= SMEM_LIMIT
         if self.ctas_per_sm != 1:
@@ -156,9 +175,7 @@ def gemm_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_bias: boo
     tiles = k_tiles_per_split(k, block_k, split_k)
     k_blocks = k // SCALE_BLOCK
     n_blocks = -(-n // SCALE_BLOCK)
-    sa_block = (k_blocks, m) if scale_a_m_major else (m, k_blocks)
-    sa_shape = {"tensor": (1,), "row": (m,), "block": sa_block}[scaling]
-    sb_shape = {"tensor": (1,), "row": (n,), "block": (n_blocks, k_blocks)}[scaling]
+    sa_shape, sb_shape = scale_shapes(m, n, k, scaling, scale_a_m_major)
     acc_dtype = "float"
     d_dtype = "float" if split_k > 1 else out_dtype
     d_shape = (split_k, m, n) if split_k > 1 else (m, n)
@@ -278,9 +295,20 @@ class Fp8GemmKernel(GemmKernel):
     # The buckets before the bf16 GEMM's went to 16K rows (its cost model is bf16's).
     m_buckets = (16, 32, 64, 128, 256, 512, 1024)
     large_rows = 4096
+    weight_stream_stages = 16  # an e4m3 stage is half a 16-bit one's bytes
 
     def program(self, config: Fp8GemmConfig, bucket: str):
         key = self.key
+        if config.weight_rows:
+            if self.bucket_rows(bucket) > config.block_m:
+                raise ValueError(f"weight_rows holds M <= block_m = {config.block_m} rows; "
+                                 f"bucket {bucket} has up to {self.bucket_rows(bucket)}")
+            from .weight_stream_fp8 import weight_stream_fp8_program
+
+            return (weight_stream_fp8_program(
+                key["n"], key["k"], key["scaling"], key["out_dtype"], key["has_bias"],
+                config.block_m, config.block_n, config.block_k, config.stages, config.split_k,
+                key["scale_a_m_major"]),)
         main = gemm_fp8_program(key["n"], key["k"], key["scaling"], key["out_dtype"],
                                 key["has_bias"], config.block_m, config.block_n,
                                 config.block_k, config.stages, config.threads, config.split_k,
@@ -295,7 +323,7 @@ class Fp8GemmKernel(GemmKernel):
     def run(self, config: Fp8GemmConfig, compiled: tuple, a, b, scale_a, scale_b,
             *rest) -> None:
         *bias, d = rest  # (d) or (bias, d)
-        if config.split_k == 1:
+        if config.split_k == 1 or config.weight_rows:  # (weight_rows reduces in its cluster)
             compiled[0](a, b, scale_a, scale_b, *bias, d)
             return
         partial = d.new_empty((config.split_k, d.shape[0], d.shape[1]), dtype=torch.float32)
@@ -304,6 +332,11 @@ class Fp8GemmKernel(GemmKernel):
 
     def _splittable(self) -> bool:
         return True
+
+    def _streams_weight(self) -> bool:
+        """The weight-streaming form (weight_stream_fp8.py) serves every key: a and b are
+        [M, K] and [N, K] with K a multiple of 16 (the op's check, TMA's rows)."""
+        return self.key["k"] % 16 == 0
 
     def split_for(self, m: int, block_m: int, block_n: int, block_k: int,
                   ctas_per_sm: int = 1) -> int:
@@ -355,7 +388,7 @@ class Fp8GemmKernel(GemmKernel):
         block = self.key["scaling"] == "block"
         space = [self.heuristic_config(bucket, "sm_90a")]
         if rows <= 64:
-            space += self.decode_variants(rows)
+            space += self.decode_variants(rows) + self.weight_stream_space(bucket)
         if rows <= 128:
             block_m, threads = (64, 128) if rows <= 64 else (128, 256)
             for bn in (128,) if block else (64, 128, 256):  # block: one b block a tile

@@ -314,6 +314,7 @@ class GemmKernel(Kernel):
     Config = GemmConfig
     m_buckets = M_BUCKETS
     large_rows = LARGE_ROWS
+    weight_stream_stages = 8  # the most stages a weight_rows config of the space takes
 
     def bucket_of(self, m: int) -> str:
         for limit in self.m_buckets:
@@ -421,15 +422,16 @@ class GemmKernel(Kernel):
 
     def weight_stream_space(self, bucket: str) -> list[GemmConfig]:
         """The weight-streaming tiles for the tuner, up to 64 rows (the token tile the
-        bucket's rows): 64 / 128 weight rows, K tiles of 128 / 256, the stages that fit,
-        splits 1-4."""
+        bucket's rows): 64 / 128 weight rows, K tiles of 128 / 256, the most stages that fit
+        (up to weight_stream_stages), splits 1-4."""
         from . import weight_stream as ws
 
         rows, key = self.bucket_rows(bucket), self.key
         if rows > max(ws.TOKEN_TILES) or not self._streams_weight():
             return []
         block_m = next(t for t in ws.TOKEN_TILES if t >= rows)
-        space = [ws.deepest(block_m, block_n, block_k, split)
+        space = [ws.deepest(block_m, block_n, block_k, split, self.Config,
+                            self.weight_stream_stages)
                  for block_n in ws.WEIGHT_TILES for block_k in (128, 256) for split in (1, 2, 4)
                  if -(-key["k"] // block_k) // split >= 4]
         return [c for c in space if c is not None]

@@ -37,12 +37,14 @@ MIN_CTAS = 64
 DEFAULT_MAX_SPLIT = 4
 
 
-def deepest(block_m: int, block_n: int, block_k: int, split: int) -> GemmConfig | None:
-    """The weight_rows config of this tile and split with the most stages (up to 8) that fit
-    in shared memory; None if not even 2 do."""
-    for stages in range(8, 1, -1):
-        config = GemmConfig(block_m, block_n, block_k, stages, THREADS, split, 0,
-                            stage_out=False, weight_rows=True)
+def deepest(block_m: int, block_n: int, block_k: int, split: int, config_class=GemmConfig,
+            max_stages: int = 8) -> GemmConfig | None:
+    """The weight_rows config (of config_class: gemm_fp8's takes it too) of this tile and
+    split with the most stages (up to max_stages) that fit in shared memory; None if not
+    even 2 do."""
+    for stages in range(max_stages, 1, -1):
+        config = config_class(block_m, block_n, block_k, stages, THREADS, split, 0,
+                              stage_out=False, weight_rows=True)
         if config.valid():
             return config
     return None
@@ -59,31 +61,33 @@ def default_split(n: int, k: int, block_n: int = DEFAULT_TILE[0],
     return split
 
 
-def weight_stream_program(n: int, k: int, dtype: str, block_m: int, block_n: int,
-                          block_k: int, stages: int, split_k: int, has_bias: bool = False):
-    """The program for a [M, K] (M <= block_m), b [N, K]: CTA bx takes weight tile
-    bx // split_k and K piece bx % split_k (its cluster rank)."""
-    m = T.dynamic("m")
+def weight_stream_body(m, n: int, k: int, in_dtype: str, out_dtype: str, block_m: int,
+                       block_n: int, block_k: int, split_k: int, main_loop, scale=None):
+    """The kernel shared by the 16-bit and the fp8 forms: body(a, b, scale_a, scale_b, bias,
+    d). `main_loop(a, b, scale_a, scale_b, w_shared, x_shared, acc, tn, k0)` accumulates
+    the transposed tile acc[block_n, block_m] over this CTA's K tiles from k0; `scale(
+    scale_a, scale_b, row, token)` (None: no scaling) multiplies the summed tile on its way
+    to d, after the cluster's reduction."""
     steps = k_tiles_per_split(k, block_k, split_k)
     tiles_n = -(-n // block_n)
-    # the weight tile as the loop's A operand (block_n rows), the tokens as its B operand
-    loop = k_loop(dtype, False, True, block_n, block_m, block_k, stages)
 
     @T.macro
-    def write(value, bias, col0, j, i, d):
-        """d[j, col0 + i] <- value (+ bias), inside d's M rows and N columns."""
+    def write(value, bias, scale_a, scale_b, col0, j, i, d):
+        """d[j, col0 + i] <- value (x its scales) (+ bias), inside d's M rows and N columns."""
         if (j < m) & (col0 + i < n):
-            if has_bias:
-                d[j, col0 + i] = T.cast(value + T.cast(bias[col0 + i], "float"), dtype)
+            if scale is not None:
+                value = value * scale(scale_a, scale_b, col0 + i, j)
+            if bias is not None:
+                d[j, col0 + i] = T.cast(value + T.cast(bias[col0 + i], "float"), out_dtype)
             else:
-                d[j, col0 + i] = T.cast(value, dtype)
+                d[j, col0 + i] = T.cast(value, out_dtype)
 
     @T.macro
-    def body(a, b, d, bias):
+    def body(a, b, scale_a, scale_b, bias, d):
         with T.Kernel(tiles_n * split_k, threads=THREADS,
                       cluster_dims=(split_k, 1, 1) if split_k > 1 else None) as bx:
-            w_shared = T.alloc_shared((block_n, block_k), dtype)
-            x_shared = T.alloc_shared((block_m, block_k), dtype)
+            w_shared = T.alloc_shared((block_n, block_k), in_dtype)
+            x_shared = T.alloc_shared((block_m, block_k), in_dtype)
             acc = T.alloc_fragment((block_n, block_m), "float")
             # the tile transposed to d's order ([token, weight row]), so that the stores
             # of consecutive threads go to consecutive columns of d
@@ -101,7 +105,7 @@ def weight_stream_program(n: int, k: int, dtype: str, block_m: int, block_n: int
                     parts[tx, 0, 0] = 0.0
                 T.cluster_sync()
             T.clear(acc)
-            loop(b, a, w_shared, x_shared, acc, tn, 0, rank * steps, steps)
+            main_loop(a, b, scale_a, scale_b, w_shared, x_shared, acc, tn, rank * steps)
             for i, j in T.Parallel(block_n, block_m):
                 mine[j, i] = acc[i, j]
             if split_k > 1:
@@ -113,20 +117,38 @@ def weight_stream_program(n: int, k: int, dtype: str, block_m: int, block_n: int
                         total = parts[0, j, i]
                         for r in T.unroll(split_k - 1):
                             total += parts[r + 1, j, i]
-                        write(total, bias, col0, j, i, d)
+                        write(total, bias, scale_a, scale_b, col0, j, i, d)
             else:
                 for j, i in T.Parallel(block_m, block_n):
-                    write(mine[j, i], bias, col0, j, i, d)
+                    write(mine[j, i], bias, scale_a, scale_b, col0, j, i, d)
+    return body
+
+
+def weight_stream_program(n: int, k: int, dtype: str, block_m: int, block_n: int,
+                          block_k: int, stages: int, split_k: int, has_bias: bool = False):
+    """The program for a [M, K] (M <= block_m), b [N, K]: CTA bx takes weight tile
+    bx // split_k and K piece bx % split_k (its cluster rank)."""
+    m = T.dynamic("m")
+    steps = k_tiles_per_split(k, block_k, split_k)
+    # the weight tile as the loop's A operand (block_n rows), the tokens as its B operand
+    loop = k_loop(dtype, False, True, block_n, block_m, block_k, stages)
+
+    @T.macro
+    def main_loop(a, b, scale_a, scale_b, w_shared, x_shared, acc, tn, k0):
+        loop(b, a, w_shared, x_shared, acc, tn, 0, k0, steps)
+
+    body = weight_stream_body(m, n, k, dtype, dtype, block_m, block_n, block_k, split_k,
+                              main_loop)
 
     if has_bias:
         @T.prim_func
         def gemm_weight_rows_bias(a: T.Tensor((m, k), dtype), b: T.Tensor((n, k), dtype),
                                   bias: T.Tensor((n,), dtype), d: T.Tensor((m, n), dtype)):
-            body(a, b, d, bias)
+            body(a, b, None, None, bias, d)
         return gemm_weight_rows_bias
 
     @T.prim_func
     def gemm_weight_rows(a: T.Tensor((m, k), dtype), b: T.Tensor((n, k), dtype),
                          d: T.Tensor((m, n), dtype)):
-        body(a, b, d, None)
+        body(a, b, None, None, None, d)
     return gemm_weight_rows
