@@ -16,6 +16,7 @@ import tileops
 from tileops import GemmFp8FwdOp, QuantizeFp8FwdOp
 from tileops.kernels.base import Kernel
 from tileops.kernels.fp8 import Fp8GemmKernel
+from tileops.kernels.gemm import weight_stream
 
 from ..helpers import TOLERANCES, randn
 
@@ -212,14 +213,20 @@ def test_quantize_reciprocal_division_rounds_as_torch(granularity):
     g = torch.Generator(device="cuda").manual_seed(7)
     rows, k = 64, 2048
     row_scale = torch.rand(rows, 1, device="cuda", generator=g) * 10 + 1e-3
-    if granularity == "tensor":
-        row_scale = row_scale[:1].expand(rows, 1)
-    near = near_e4m3_midpoints(row_scale, (rows, k), g)
-    near[:, ::128] = 448 * row_scale  # each group's amax: dynamic scales near row_scale
-    scales = expand(ref_scales(near, granularity), near, granularity)
-    naive = (near * (1 / scales)).clamp(-448, 448).to(E4M3)
-    assert (naive.float() != ref_quantize(near, granularity)[0].float()).any(), \
-        "the data cannot tell a correctly rounded quotient from the product"
+    # one scale for the whole tensor: for some scales the product happens to round as the
+    # quotient on every value drawn (seen on an H100 with this seed's first), so the first
+    # of the row scales whose data tells the two apart is taken
+    candidates = ([row_scale[i:i + 1].expand(rows, 1) for i in range(rows)]
+                  if granularity == "tensor" else [row_scale])
+    for row_scale in candidates:
+        near = near_e4m3_midpoints(row_scale, (rows, k), g)
+        near[:, ::128] = 448 * row_scale  # each group's amax: dynamic scales near row_scale
+        scales = expand(ref_scales(near, granularity), near, granularity)
+        naive = (near * (1 / scales)).clamp(-448, 448).to(E4M3)
+        if (naive.float() != ref_quantize(near, granularity)[0].float()).any():
+            break
+    else:
+        pytest.fail("the data cannot tell a correctly rounded quotient from the product")
     special = near.clone()
     special[5, 3], special[6, 4], special[7, 5] = float("inf"), float("-inf"), float("nan")
     special[8, 6], special[9, 7], special[10, 3] = -0.0, 1e-40, 3e38
@@ -374,6 +381,15 @@ def test_gemm_every_element_written(scaling):
         check_gemm(d, want, scaling, k, what=f"M={m}")
 
 
+def with_split(config, split_k: int):
+    """config with split_k K pieces; a weight_rows one with the most stages that then fit
+    (its cluster's partials take shared memory)."""
+    if config.weight_rows:
+        return weight_stream.deepest(config.block_m, config.block_n, config.block_k, split_k,
+                                     type(config), Fp8GemmKernel.weight_stream_stages)
+    return dataclasses.replace(config, split_k=split_k)
+
+
 @pytest.mark.parametrize("scaling, m_major", [("tensor", False), ("row", False),
                                               ("block", False), ("block", True)])
 def test_every_decode_config_into_poisoned_output(scaling, m_major):
@@ -399,7 +415,8 @@ def test_every_decode_config_into_poisoned_output(scaling, m_major):
         bucket = kernel.bucket_of(m)
         variants = (kernel.decode_variants(kernel.bucket_rows(bucket))
                     + kernel.weight_stream_space(bucket))
-        configs = variants + [dataclasses.replace(c, split_k=s) for c in variants for s in (1, 3)]
+        split = [with_split(c, s) for c in variants for s in (1, 3)]
+        configs = variants + [c for c in split if c is not None]  # (None: 3 do not fit)
         for config in dict.fromkeys(configs):
             assert config.valid(), config
             kernel.use(config, bucket)

@@ -119,6 +119,8 @@ def test_decode_split_fills_the_waves():
     def split(n, k, m):
         kernel = Fp8GemmKernel(n=n, k=k, scaling="block", out_dtype="bfloat16",
                                has_bias=False, scale_a_m_major=True)
+        if m <= 64:  # the 64-row tile's split (where a default streams the weight instead)
+            return kernel.split_for(m, 64, 128, 128)
         return kernel.heuristic_config(kernel.bucket_of(m), "sm_90a").split_k
 
     assert split(7168, 18432, 1) == 7
@@ -129,10 +131,33 @@ def test_decode_split_fills_the_waves():
     assert split(5120, 25600, 64) == 3
     assert split(576, 1024, 7) == 2  # 8 K tiles: at most 2 splits of >= 4
     assert split(24576, 1536, 4096) == 1
-    kernel = Fp8GemmKernel(n=7168, k=18432, scaling="block", out_dtype="bfloat16",
+    kernel = Fp8GemmKernel(n=1536, k=7168, scaling="block", out_dtype="bfloat16",
                            has_bias=False, scale_a_m_major=True)
     default = kernel.heuristic_config("m16", "sm_90a")
-    assert default.prefetch_scales and default.reduce_unrolled
+    assert default.prefetch_scales and default.reduce_unrolled and not default.weight_rows
+
+
+def test_weight_stream_default_where_the_weight_tiles_fill_the_gpu():
+    """Up to 16 rows, N / 64 >= 80% of the SMs: the weight-streaming form, 64 x 256 tiles,
+    no split (its cluster lost where the tiles are few); 32 and 64 rows keep the 64-row
+    split-K tile; fewer tiles too (N = 5120: 80 tiles)."""
+    from tileops.kernels.fp8 import Fp8GemmKernel
+
+    def default(n, k, bucket, scaling="block"):
+        kernel = Fp8GemmKernel(n=n, k=k, scaling=scaling, out_dtype="bfloat16",
+                               has_bias=False, scale_a_m_major=True)
+        return kernel.heuristic_config(bucket, "sm_90a")
+
+    for n, k, scaling in ((7168, 18432, "block"), (8192, 8192, "tensor"),
+                          (8192, 28672, "row")):
+        config = default(n, k, "m16", scaling)
+        assert config.weight_rows and config.valid(), (n, k)
+        assert (config.block_m, config.block_n, config.block_k, config.split_k) == (
+            16, 64, 256, 1)
+        assert config.stages == 11  # 11 x (16 + 64) x 256 + the 4 KB tile <= 227 KB
+        assert not default(n, k, "m32", scaling).weight_rows
+    assert not default(5120, 25600, "m16").weight_rows
+    assert not default(1536, 7168, "m16").weight_rows
 
 
 def test_decode_variants_are_valid_and_fit_two_ctas_an_sm():

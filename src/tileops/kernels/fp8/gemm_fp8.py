@@ -367,6 +367,9 @@ class Fp8GemmKernel(GemmKernel):
     def heuristic_config(self, bucket: str, arch: str) -> Fp8GemmConfig:
         rows = self.bucket_rows(bucket)
         block = self.key["scaling"] == "block"
+        stream = self.weight_stream_default(rows)
+        if stream is not None:
+            return stream
         if rows <= 64:
             # block scaling loads the next tile's scales under this one's promotion, and
             # the split-K reduce keeps every split's load in flight (measured: 1.04-1.24x on
@@ -382,6 +385,21 @@ class Fp8GemmKernel(GemmKernel):
             cfg = dict(block_m=128, block_n=256, block_k=128, stages=3, threads=256)
         split = self.split_for(rows, cfg["block_m"], cfg["block_n"], cfg["block_k"])
         return Fp8GemmConfig(**cfg, split_k=split)
+
+    def weight_stream_default(self, rows: int) -> Fp8GemmConfig | None:
+        """Up to 16 rows where the weight's 64-row tiles alone fill >= 80% of the SMs: the
+        weight-streaming form (weight_stream_fp8.py), 64 x 256 tiles, the most stages that
+        fit, no split. Measured on an H100 (2026-12-06, against the 64-row split-K tile):
+        1.10x on DeepSeek-V3's b1 down_proj (112 tiles), 1.10x on Llama-3.1-70B's b1
+        o_proj and 1.04x on its b16 down_proj (128 tiles); where the tiles are few the
+        split-K cluster lost (b32 q_a_proj, 24 tiles: 0.77x at 4 splits, 0.38x at 8), and at
+        64 tokens the one consumer warpgroup did (Qwen3-32B b64 down_proj: 0.55-0.73x)."""
+        from ..gemm import weight_stream as ws
+
+        tiles = -(-self.key["n"] // 64)
+        if rows > ws.ROWS or tiles < 0.8 * NUM_SMS_H200 or not self._streams_weight():
+            return None
+        return ws.deepest(ws.ROWS, 64, 256, 1, Fp8GemmConfig, self.weight_stream_stages)
 
     def config_space(self, bucket: str) -> list[Fp8GemmConfig]:
         rows = self.bucket_rows(bucket)
