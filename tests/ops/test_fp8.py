@@ -381,6 +381,24 @@ def test_gemm_every_element_written(scaling):
         check_gemm(d, want, scaling, k, what=f"M={m}")
 
 
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_gemm_decode_default_streams_the_weight(scaling):
+    """Up to 16 rows on a wide weight (N = 7040: 110 tiles of 64, the last 64 rows full;
+    K = 1408: 5.5 tiles of 256, the last half past K) the default is the weight-streaming
+    form; through tileops.gemm_fp8, with and without a bias, fp16 out, at M = 1, 9, 16."""
+    n, k = 7040, 1408
+    kernel = Fp8GemmKernel(n=n, k=k, scaling=scaling, out_dtype="float16", has_bias=True,
+                           scale_a_m_major=True)
+    assert kernel.heuristic_config("m16", "sm_90a").weight_rows
+    for m in (1, 9, 16):
+        a, b, sa, sb, (ref, mag) = make_gemm(m, n, k, scaling)
+        bias = randn(n, dtype=torch.float16)
+        out = tileops.gemm_fp8(a, b, sa, sb, torch.float16, bias)
+        check_gemm(out, (ref + bias.float(), mag + bias.float().abs()), scaling, k,
+                   what=f"M={m}")
+        check_gemm(tileops.gemm_fp8(a, b, sa, sb), (ref, mag), scaling, k, what=f"M={m}")
+
+
 def with_split(config, split_k: int):
     """config with split_k K pieces; a weight_rows one with the most stages that then fit
     (its cluster's partials take shared memory)."""
