@@ -66,11 +66,15 @@ def test_tuned_and_manifest_selection_is_unchanged():
         where = (record["op"], record["label"], record["dtype"], record["bucket"])
         if record["config"].get("weight_rows"):
             # up to 16 rows of a 16-bit Linear layout: the weight-streaming default (its
-            # bucket's four tuned entries, tuned before the form existed, were dropped)
-            kernel = GemmKernel(**record["key"]) if "key" in record else None
+            # bucket's four tuned entries, tuned before the form existed, were dropped);
+            # of an fp8 GEMM on a weight whose 64-row tiles fill the SMs: its own
             assert record["bucket"] == "m16", where
-            assert kernel is None or GemmConfig(**record["config"]) == \
-                kernel.weight_stream_config("m16"), where
+            if record["op"] == "GemmFp8FwdOp":
+                assert Fp8GemmConfig(**record["config"]) == Fp8GemmKernel(
+                    **record["key"]).weight_stream_default(16), where
+            elif "key" in record:
+                assert GemmConfig(**record["config"]) == GemmKernel(
+                    **record["key"]).weight_stream_config("m16"), where
             streamed.append(where)
             continue
         if same_config(record["config"], before["config"]):
@@ -78,7 +82,7 @@ def test_tuned_and_manifest_selection_is_unchanged():
         assert not before["tuned"], (where, before["config"], record["config"])
         changed[where] = GemmConfig(**record["config"])
     assert changed == CHANGED_BY_THE_MODEL
-    assert streamed and {w[0] for w in streamed} <= {"GemmFwdOp", "LinearFwdOp"}
+    assert streamed and {w[0] for w in streamed} <= {"GemmFwdOp", "LinearFwdOp", "GemmFp8FwdOp"}
 
 
 def test_weight_stream_default_serves_the_small_bucket_of_linear_layouts():
