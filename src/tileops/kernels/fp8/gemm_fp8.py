@@ -300,9 +300,7 @@ class Fp8GemmKernel(GemmKernel):
     def program(self, config: Fp8GemmConfig, bucket: str):
         key = self.key
         if config.weight_rows:
-            if self.bucket_rows(bucket) > config.block_m:
-                raise ValueError(f"weight_rows holds M <= block_m = {config.block_m} rows; "
-                                 f"bucket {bucket} has up to {self.bucket_rows(bucket)}")
+            self._check_token_tile(config, bucket)
             from .weight_stream_fp8 import weight_stream_fp8_program
 
             return (weight_stream_fp8_program(

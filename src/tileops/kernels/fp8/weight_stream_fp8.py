@@ -17,7 +17,7 @@ Scalings, in the transposed tile acc[weight row, token]:
 
 import tilelang.language as T
 
-from ..gemm.gemm import k_loop, k_tiles_per_split
+from ..gemm.gemm import k_tiles_per_split
 from ..gemm.weight_stream import weight_stream_body
 from .gemm_fp8 import (
     FP8,
@@ -27,8 +27,6 @@ from .gemm_fp8 import (
     load_block_scales,
     scale_shapes,
 )
-
-MAX_STAGES = 16  # an fp8 stage is half a 16-bit one's bytes: twice as many fit
 
 
 def tensor_scale(scale_a, scale_b, row, token):
@@ -78,22 +76,14 @@ def weight_stream_fp8_program(n: int, k: int, scaling: str, out_dtype: str, has_
     """(a, b, scale_a, scale_b[, bias], d) for a [M, K] (M <= block_m) e4m3, b [N, K] e4m3,
     the scales in gemm_fp8's kernel layouts; d [M, N] in out_dtype."""
     m = T.dynamic("m")
-    steps = k_tiles_per_split(k, block_k, split_k)
-    if scaling == "block":
+    main_loop, scale = None, {"tensor": tensor_scale, "row": row_scale}.get(scaling)
+    if scaling == "block":  # promoted in the loop, not scaled on the way out
         assert k % SCALE_BLOCK == 0 and block_k % SCALE_BLOCK == 0
         assert SCALE_BLOCK % block_n == 0  # a weight tile inside one block of scale_b
-        main_loop = block_scaled_loop(m, k, block_m, block_n, block_k, stages, steps,
-                                      scale_a_m_major)
-        scale = None  # promoted in the loop
-    else:
-        loop = k_loop(FP8, False, True, block_n, block_m, block_k, stages)
-
-        @T.macro
-        def main_loop(a, b, scale_a, scale_b, w_shared, x_shared, acc, tn, k0):
-            loop(b, a, w_shared, x_shared, acc, tn, 0, k0, steps)
-        scale = tensor_scale if scaling == "tensor" else row_scale
-    body = weight_stream_body(m, n, k, FP8, out_dtype, block_m, block_n, block_k, split_k,
-                              main_loop, scale)
+        main_loop = block_scaled_loop(m, k, block_m, block_n, block_k, stages,
+                                      k_tiles_per_split(k, block_k, split_k), scale_a_m_major)
+    body = weight_stream_body(m, n, k, FP8, out_dtype, block_m, block_n, block_k, stages,
+                              split_k, main_loop, scale)
     sa_shape, sb_shape = scale_shapes(m, n, k, scaling, scale_a_m_major)
 
     # Each parameter its own annotation object (a shared one would alias the buffers).

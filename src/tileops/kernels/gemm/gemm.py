@@ -367,12 +367,16 @@ class GemmKernel(Kernel):
         if not self._streams_weight():
             raise ValueError("weight_rows takes 16-bit a [M, K] and b [N, K] with a static K "
                              f"(a multiple of 8) and no accumulation, got {k}")
-        if self.bucket_rows(bucket) > config.block_m:
-            raise ValueError(f"weight_rows holds M <= block_m = {config.block_m} rows; bucket "
-                             f"{bucket} has up to {self.bucket_rows(bucket)}")
+        self._check_token_tile(config, bucket)
         return weight_stream_program(k["n"], k["k"], k["dtype"], config.block_m, config.block_n,
                                      config.block_k, config.stages, config.split_k,
                                      k.get("has_bias", False))
+
+    def _check_token_tile(self, config: GemmConfig, bucket: str) -> None:
+        """A weight_rows program holds all of M in its token tile (block_m rows)."""
+        if self.bucket_rows(bucket) > config.block_m:
+            raise ValueError(f"weight_rows holds M <= block_m = {config.block_m} rows; bucket "
+                             f"{bucket} has up to {self.bucket_rows(bucket)}")
 
     def pass_configs(self, config: GemmConfig, program_index: int) -> dict:
         return dict(SAFE_MEMORY_OFF) if config.wave_fill else {}

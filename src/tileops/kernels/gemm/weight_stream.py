@@ -62,14 +62,22 @@ def default_split(n: int, k: int, block_n: int = DEFAULT_TILE[0],
 
 
 def weight_stream_body(m, n: int, k: int, in_dtype: str, out_dtype: str, block_m: int,
-                       block_n: int, block_k: int, split_k: int, main_loop, scale=None):
+                       block_n: int, block_k: int, stages: int, split_k: int, main_loop=None,
+                       scale=None):
     """The kernel shared by the 16-bit and the fp8 forms: body(a, b, scale_a, scale_b, bias,
     d). `main_loop(a, b, scale_a, scale_b, w_shared, x_shared, acc, tn, k0)` accumulates
-    the transposed tile acc[block_n, block_m] over this CTA's K tiles from k0; `scale(
-    scale_a, scale_b, row, token)` (None: no scaling) multiplies the summed tile on its way
-    to d, after the cluster's reduction."""
+    the transposed tile acc[block_n, block_m] over this CTA's K tiles from k0 (None: the
+    plain pipelined K loop); `scale(scale_a, scale_b, row, token)` (None: no scaling)
+    multiplies the summed tile on its way to d, after the cluster's reduction."""
     steps = k_tiles_per_split(k, block_k, split_k)
     tiles_n = -(-n // block_n)
+    if main_loop is None:
+        # the weight tile as the loop's A operand (block_n rows), the tokens as its B operand
+        loop = k_loop(in_dtype, False, True, block_n, block_m, block_k, stages)
+
+        @T.macro
+        def main_loop(a, b, scale_a, scale_b, w_shared, x_shared, acc, tn, k0):
+            loop(b, a, w_shared, x_shared, acc, tn, 0, k0, steps)
 
     @T.macro
     def write(value, bias, scale_a, scale_b, col0, j, i, d):
@@ -129,16 +137,8 @@ def weight_stream_program(n: int, k: int, dtype: str, block_m: int, block_n: int
     """The program for a [M, K] (M <= block_m), b [N, K]: CTA bx takes weight tile
     bx // split_k and K piece bx % split_k (its cluster rank)."""
     m = T.dynamic("m")
-    steps = k_tiles_per_split(k, block_k, split_k)
-    # the weight tile as the loop's A operand (block_n rows), the tokens as its B operand
-    loop = k_loop(dtype, False, True, block_n, block_m, block_k, stages)
-
-    @T.macro
-    def main_loop(a, b, scale_a, scale_b, w_shared, x_shared, acc, tn, k0):
-        loop(b, a, w_shared, x_shared, acc, tn, 0, k0, steps)
-
-    body = weight_stream_body(m, n, k, dtype, dtype, block_m, block_n, block_k, split_k,
-                              main_loop)
+    body = weight_stream_body(m, n, k, dtype, dtype, block_m, block_n, block_k, stages,
+                              split_k)
 
     if has_bias:
         @T.prim_func
