@@ -16,6 +16,7 @@ import threading
 from typing import Any, ClassVar
 
 from ..errors import TileOpsUnsupportedError
+from .launch_shared_memory import check_launch_shared_memory
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
@@ -229,6 +230,8 @@ class Kernel:
             compiled = tuple(tilelang.compile(p, target=self.target,
                                               pass_configs=self.pass_configs(config, i) or None)
                              for i, p in enumerate(programs))
+            for program in compiled:
+                check_launch_shared_memory(self.name, config, program)
             Kernel._compiled[memo_key] = compiled
             Kernel.compile_count += len(compiled)
         return compiled

@@ -579,11 +579,15 @@ class GroupedGemmWeightGradKernel(Kernel):
         return GroupedGemmConfig()
 
     def config_space(self, bucket: str) -> list[GroupedGemmConfig]:
-        # shared memory: stages x (bm + bn) x bk + the bm x bn output tile (<= 227 KB)
+        # shared memory: stages x (bm + bn) x bk, the two tails' (bm + bn) x bk and the
+        # bm x bn output tile (<= 227 KB). One expert a CTA, TileLang reuses the tails' bytes
+        # for the output tile; the expert loop keeps all of them live, so the 128 x 256
+        # tiles drop to 2 stages there (3 would ask for 256 KB).
         return [GroupedGemmConfig(),
                 GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=4),
                 GroupedGemmConfig(block_m=128, block_n=128, block_k=64, stages=6),
-                *(GroupedGemmConfig(experts_per_cta=p) for p in (2, 4, 8))]
+                *(GroupedGemmConfig(experts_per_cta=p, stages=2) for p in (2, 4, 8)),
+                *(GroupedGemmConfig(block_n=128, stages=4, experts_per_cta=p) for p in (2, 4))]
 
     def run(self, config: GroupedGemmConfig, compiled: tuple, dy, a, offsets, db) -> None:
         import torch
