@@ -1,7 +1,9 @@
 """tileops.linear_group: one input by two or three weights. GPU: every output against
-float32 F.linear per weight (one launch up to 16 tokens, with and without biases, weights
-off the tile and of one tile, both dtypes; one GEMM a weight beyond), poisoned outputs,
-gradients, torch.compile and CUDA-graph capture. CPU: meta shapes, refusals, the route."""
+float32 F.linear per weight (one launch up to 16 tokens and past 64, with and without
+biases, weights off the tile and of one tile, both dtypes; one GEMM a weight between and
+where N is not a multiple of 8), poisoned outputs, every token-tile config, gradients,
+torch.compile and CUDA-graph capture. CPU: meta shapes, refusals, the route, the
+generated code."""
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 
 import tileops
 from tileops.errors import TileOpsError
-from tileops.ops.linear_group import GROUP_ROWS, LinearGroupFwdOp
+from tileops.ops.linear_group import GROUP_ROWS, TILE_ROWS, LinearGroupFwdOp
 
 from ..helpers import assert_close, poison_allocator, randn
 
@@ -22,6 +24,10 @@ CASES = [
     ((2, 3, 512), (200, 72, 1000), True, BF16),     # leading dims; weights off the 64 tile
     ((5, 256), (64, 8), False, FP16),               # one tile, a weight of 8 rows
     ((17, 1024), (1024, 256, 256), True, BF16),     # past GROUP_ROWS: one GEMM a weight
+    ((700, 1024), (1024, 256, 256), True, BF16),    # token tiles, a partial last row tile
+    ((3, 200, 512), (1000, 72, 200), False, FP16),  # token tiles off the column tiles
+    ((65, 256), (64, 8), True, BF16),               # token tiles, weights under one tile
+    ((100, 512), (1000, 36), False, BF16),          # N = 36: one GEMM a weight
 ]
 
 
@@ -53,16 +59,38 @@ def test_forward_matches_float32(shape, ns, with_bias, dtype):
 
 @pytest.mark.gpu
 def test_one_launch_is_the_grouped_kernel():
-    """Up to GROUP_ROWS tokens the op launches the grouped kernel (its key names every
-    weight), past them one GEMM a weight."""
+    """Up to GROUP_ROWS tokens and past TILE_ROWS the op launches the grouped kernel (its
+    key names every weight): the weight-streaming and the token-tile buckets."""
     from tileops.kernels.gemm.weight_group import GemmGroupKernel
 
     op = LinearGroupFwdOp()
-    x, ws, _ = _inputs((GROUP_ROWS, 512), (512, 128, 128), False, BF16)
-    op(x, *ws)
+    for rows in (GROUP_ROWS, TILE_ROWS + 1, 1000):
+        x, ws, _ = _inputs((rows, 512), (512, 128, 128), False, BF16)
+        op(x, *ws)
     kernels = [k for k in op._call_memo.values() if isinstance(k, GemmGroupKernel)]
     assert [k.key["ns"] for k in kernels] == [(512, 128, 128)]
-    assert kernels[0]._by_bucket, "the grouped kernel never ran"
+    assert set(kernels[0]._by_bucket) == {"m16", "m128", "m1024"}
+
+
+@pytest.mark.gpu
+def test_every_token_tile_config_into_poisoned_output():
+    """Each config of the token-tile space (128 x 256 and 128 x 128 tiles, square and
+    whole-row warp groups) at 300 rows (a partial row tile) on weights off the column
+    tiles, with biases, launched on the kernel into NaN-poisoned outputs."""
+    from tileops.kernels.gemm.weight_group import GemmGroupKernel
+
+    ns = (1000, 256, 200)
+    x, ws, bs = _inputs((300, 512), ns, True, BF16)
+    kernel = GemmGroupKernel(dtype="bfloat16", ns=ns, k=512, has_bias=True)
+    configs = kernel.config_space("m512")
+    assert len({(c.block_n, c.full_row) for c in configs}) == 4
+    for config in configs:
+        kernel.use(config, "m512")
+        outs = [torch.full((300, n), float("nan"), dtype=BF16, device="cuda") for n in ns]
+        kernel(300, x, *ws, *bs, *outs)
+        for g, y in enumerate(outs):
+            want = F.linear(x.float(), ws[g].float(), bs[g].float())
+            assert_close(y, want, scale=2.0, what=f"{config}, output {g}")
 
 
 @pytest.mark.gpu
@@ -183,12 +211,18 @@ def test_plan_takes_2d_inputs_only():
 
 def test_kernels_for_routes_by_token_count():
     """The compile sweep builds what forward launches: one grouped program up to
-    GROUP_ROWS tokens, one GEMM a weight beyond."""
+    GROUP_ROWS tokens and past TILE_ROWS, one GEMM a weight between, and past TILE_ROWS
+    where a weight's N is not a multiple of 8 (the outputs' rows are stored by TMA)."""
     op = LinearGroupFwdOp()
-    ws = [torch.empty(n, 256, dtype=BF16, device="meta") for n in (256, 64)]
-    for rows, want in ((GROUP_ROWS, ["gemm_group"]), (GROUP_ROWS + 1, ["gemm", "gemm"])):
+    for n1, rows, want in ((64, GROUP_ROWS, ["gemm_group"]),
+                           (64, GROUP_ROWS + 1, ["gemm", "gemm"]),
+                           (64, TILE_ROWS, ["gemm", "gemm"]),
+                           (64, TILE_ROWS + 1, ["gemm_group"]),
+                           (60, TILE_ROWS + 1, ["gemm", "gemm"]),
+                           (60, GROUP_ROWS, ["gemm_group"])):
+        ws = [torch.empty(n, 256, dtype=BF16, device="meta") for n in (256, n1)]
         ns = op.check([torch.empty(rows, 256, dtype=BF16, device="meta"), *ws])
-        assert [d for d, _, _ in op.kernels_for(ns)] == want
+        assert [d for d, _, _ in op.kernels_for(ns)] == want, (n1, rows)
 
 
 @pytest.mark.compile
@@ -204,3 +238,27 @@ def test_grouped_program_streams_every_weight_by_tma():
     source = source.get_kernel_source()
     assert sorted(set(re.findall(r"tma_load\((b\d)_desc", source))) == ["b0", "b1", "b2"]
     assert "wgmma" in source
+
+
+@pytest.mark.compile
+def test_token_tile_program_loads_and_stores_every_weight_by_tma(tmp_path):
+    """The token-tile form (sm_90a, no GPU needed): each weight loaded from its own TMA
+    descriptor, each output stored through its own, wgmma, no spills or serialized
+    wgmma, and every config of its space within a CTA's shared memory (compile refuses
+    the others)."""
+    import re
+
+    from tileops.kernels.gemm.weight_group import GemmGroupKernel
+
+    from ..helpers import assert_no_spills_or_serialized_wgmma
+
+    kernel = GemmGroupKernel(dtype="bfloat16", ns=(1024, 256, 200), k=512, has_bias=True)
+    for config in kernel.config_space("m512")[:2]:
+        assert not config.weight_rows, config
+        program = kernel.compile(config, "m512")[0]
+        source = program.get_kernel_source()
+        assert sorted(set(re.findall(r"tma_load\((b\d)_desc", source))) == ["b0", "b1", "b2"]
+        assert sorted(set(re.findall(r"tma_store\((d\d)_desc", source))) == [
+            "d0", "d1", "d2"], config
+        assert "wgmma" in source
+    assert_no_spills_or_serialized_wgmma(program, tmp_path)

@@ -5,7 +5,10 @@ q / k / v and gate / up projections.
 - Up to GROUP_ROWS tokens (decode steps): one launch streams every weight
   (kernels/gemm/weight_group.py), where separate calls pay a launch and a pipeline fill
   each and a small weight (a k_proj) never reaches HBM speed on its own.
-- More tokens: one linear GEMM a weight (LinearFwdOp's), each of which fills the GPU.
+- More than TILE_ROWS tokens (prefill, training): one launch of the dense GEMM's tiles over
+  every weight's columns, where a GEMM a weight leaves the small weights' launches a
+  fraction of a wave each.
+- Between the two (and N not a multiple of 8): one linear GEMM a weight (LinearFwdOp's).
 - Backward: each weight's linear backward (LinearBwdOp), the input gradients summed.
 """
 
@@ -26,6 +29,7 @@ from .layout import as_rows, is_tma_ready, tma_ready
 from .linear import LinearBwdOp, LinearFwdOp, _gemm_key
 
 GROUP_ROWS = 16  # the weight-streaming bucket (kernels/gemm/weight_stream.py's ROWS)
+TILE_ROWS = 64  # the grouped token tiles serve more rows than this
 
 
 def _group_key(dtype: torch.dtype, ns: tuple[int, ...], k: int,
@@ -34,9 +38,12 @@ def _group_key(dtype: torch.dtype, ns: tuple[int, ...], k: int,
 
 
 def _one_launch(rows: int, ns: tuple[int, ...], k: int) -> bool:
-    """Whether the grouped kernel serves the call: a decode-size token count, and weights it
-    can load by TMA (K of whole 16-byte rows, no empty weight)."""
-    return 0 < rows <= GROUP_ROWS and k > 0 and k % 8 == 0 and min(ns) > 0
+    """Whether the grouped kernel serves the call: weights it can load by TMA (K of whole
+    16-byte rows, no empty weight) and a decode-size token count, or a prefill one with
+    outputs it can store by TMA (N of whole 16-byte rows)."""
+    if k <= 0 or k % 8 or min(ns) <= 0:
+        return False
+    return 0 < rows <= GROUP_ROWS or (rows > TILE_ROWS and all(n % 8 == 0 for n in ns))
 
 
 class LinearGroupFwdOp(Op):
