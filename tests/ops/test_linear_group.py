@@ -211,15 +211,19 @@ def test_plan_takes_2d_inputs_only():
 
 def test_kernels_for_routes_by_token_count():
     """The compile sweep builds what forward launches: one grouped program up to
-    GROUP_ROWS tokens and past TILE_ROWS, one GEMM a weight between, and past TILE_ROWS
-    where a weight's N is not a multiple of 8 (the outputs' rows are stored by TMA)."""
+    GROUP_ROWS tokens and past TILE_ROWS while the smallest weight alone would not fill a
+    wave, else one GEMM a weight, as past TILE_ROWS where a weight's N is not a multiple
+    of 8 (the outputs' rows are stored by TMA)."""
     op = LinearGroupFwdOp()
     for n1, rows, want in ((64, GROUP_ROWS, ["gemm_group"]),
                            (64, GROUP_ROWS + 1, ["gemm", "gemm"]),
                            (64, TILE_ROWS, ["gemm", "gemm"]),
                            (64, TILE_ROWS + 1, ["gemm_group"]),
                            (60, TILE_ROWS + 1, ["gemm", "gemm"]),
-                           (60, GROUP_ROWS, ["gemm_group"])):
+                           (60, GROUP_ROWS, ["gemm_group"]),
+                           # the smallest weight's 128 x 256 tiles: 131, then 132 (a wave)
+                           (256, 131 * 128, ["gemm_group"]),
+                           (256, 131 * 128 + 1, ["gemm", "gemm"])):
         ws = [torch.empty(n, 256, dtype=BF16, device="meta") for n in (256, n1)]
         ns = op.check([torch.empty(rows, 256, dtype=BF16, device="meta"), *ws])
         assert [d for d, _, _ in op.kernels_for(ns)] == want, (n1, rows)
