@@ -25,6 +25,7 @@ from ..base import Kernel
 from . import async_pipeline
 from . import weight_stream as ws
 from .gemm import LARGE_ROWS, M_BUCKETS, GemmConfig
+from .gemm import NUM_SMS_H200 as SMS
 
 GROUPS = (2, 3)
 BUCKETS = (16, 32, 64)  # M buckets: the token tile is the bucket's rows
@@ -288,15 +289,24 @@ class GemmGroupKernel(Kernel):
 
     def heuristic_config(self, bucket: str, arch: str) -> GemmConfig:
         """Up to 64 rows weight_stream's default tile (64 weight rows, K tiles of 128, the
-        most stages that fit), the token tile the bucket's rows. More rows: 128 x 256 tiles,
-        3 stages, each consumer warp group on whole rows. The best of the space on every
-        workload measured (H100, 2026-12-06, Llama-3.1-8B q/k/v and gate/up at 512 and
-        4096 tokens): 1.00-1.26x the square split and the 128 x 128 tiles."""
+        most stages that fit), the token tile the bucket's rows. More rows: 128-row tiles
+        with each consumer warp group on whole rows (H100, 2026-12-06, Llama-3.1-8B q/k/v
+        and gate/up at 512 and 4096 tokens: 1.00-1.26x the square split and the 128 x 128
+        tiles), of the width (a multiple of 16 up to 256) that takes the fewest waves
+        times columns over the SMs, the wider on a tie: a tile's time grows with its width,
+        and a wave that leaves SMs idle costs as much as a full one (Llama-3.1-8B's q/k/v
+        at 512 tokens: 96 tiles of 256 columns leave 36 SMs idle, 120 of 208 take one wave
+        at 0.81x the width)."""
         rows = self.bucket_rows(bucket)
         if rows <= BUCKETS[-1]:
             block_n, block_k = ws.DEFAULT_TILE
             return ws.deepest(rows, block_n, block_k, 1)
-        return token_tile_config(256, full_row=True)
+
+        def cost(width: int) -> int:
+            tiles = -(-rows // 128) * tile_starts(tuple(self.key["ns"]), width)[-1]
+            return -(-tiles // SMS) * width
+
+        return token_tile_config(min(range(256, 127, -16), key=cost), full_row=True)
 
     def config_space(self, bucket: str) -> list[GemmConfig]:
         rows = self.bucket_rows(bucket)
