@@ -191,12 +191,16 @@ def _closure_groups(fn):
             yield from _closure_groups(value)
 
 
-@pytest.mark.parametrize("tokens, graphed, grouped", [(16, True, True), (17, True, False),
-                                                      (1, False, False)])
+@pytest.mark.parametrize("tokens, graphed, grouped", [(16, True, True), (64, True, True),
+                                                      (65, True, False), (1, False, False)])
 def test_grouped_projections_by_token_count(tokens, graphed, grouped, spies, monkeypatch):
-    """Grouped members take the decode route's calls (<= 16 tokens, compiled or captured)
-    in one launch, the first member called computing all; others run F.linear. A member
-    called on another tensor than the one its group ran on computes its own."""
+    """Grouped members take compiled or captured calls of up to GROUPED_TOKENS tokens
+    (linear_group's weight-streaming rows) in one launch, the first member called computing
+    all; others run F.linear. A member called on another tensor than the one its group ran
+    on computes its own."""
+    from tileops.ops.linear_group import GROUP_ROWS
+
+    assert _patch.GROUPED_TOKENS == GROUP_ROWS
     monkeypatch.setenv("TILEOPS_HF_GROUP_PROJECTIONS", "1")
     monkeypatch.setattr(_patch, "_graphed", lambda: graphed)
     model = hf_models.model("llama", dtype=torch.bfloat16)

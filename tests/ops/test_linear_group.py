@@ -1,9 +1,9 @@
 """tileops.linear_group: one input by two or three weights. GPU: every output against
-float32 F.linear per weight (one launch up to 16 tokens and past 64, with and without
-biases, weights off the tile and of one tile, both dtypes; one GEMM a weight between and
-where N is not a multiple of 8), poisoned outputs, every token-tile config, gradients,
-torch.compile and CUDA-graph capture. CPU: meta shapes, refusals, the route, the
-generated code."""
+float32 F.linear per weight (one launch up to 64 tokens and past them, with and without
+biases, weights off the tile and of one tile, both dtypes; one GEMM a weight where the
+smallest weight fills a wave or N is not a multiple of 8), poisoned outputs, every
+token-tile config, gradients, torch.compile and CUDA-graph capture. CPU: meta shapes,
+refusals, the route, the generated code."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tileops
 from tileops.errors import TileOpsError
-from tileops.ops.linear_group import GROUP_ROWS, TILE_ROWS, LinearGroupFwdOp
+from tileops.ops.linear_group import GROUP_ROWS, LinearGroupFwdOp
 
 from ..helpers import assert_close, poison_allocator, randn
 
@@ -23,11 +23,13 @@ CASES = [
     ((1, 2048), (5632, 5632), False, BF16),         # gate / up at one token
     ((2, 3, 512), (200, 72, 1000), True, BF16),     # leading dims; weights off the 64 tile
     ((5, 256), (64, 8), False, FP16),               # one tile, a weight of 8 rows
-    ((17, 1024), (1024, 256, 256), True, BF16),     # past GROUP_ROWS: one GEMM a weight
+    ((17, 1024), (1024, 256, 256), True, BF16),     # one launch, bucket m32
+    ((50, 2048), (2048, 512, 512), True, FP16),     # one launch, bucket m64
     ((700, 1024), (1024, 256, 256), True, BF16),    # token tiles, a partial last row tile
     ((3, 200, 512), (1000, 72, 200), False, FP16),  # token tiles off the column tiles
     ((65, 256), (64, 8), True, BF16),               # token tiles, weights under one tile
     ((100, 512), (1000, 36), False, BF16),          # N = 36: one GEMM a weight
+    ((131 * 128 + 1, 256), (256, 256), False, BF16),  # each weight a wave: a GEMM a weight
 ]
 
 
@@ -59,17 +61,17 @@ def test_forward_matches_float32(shape, ns, with_bias, dtype):
 
 @pytest.mark.gpu
 def test_one_launch_is_the_grouped_kernel():
-    """Up to GROUP_ROWS tokens and past TILE_ROWS the op launches the grouped kernel (its
-    key names every weight): the weight-streaming and the token-tile buckets."""
+    """Up to GROUP_ROWS tokens and past them the op launches the grouped kernel (its key
+    names every weight): the weight-streaming and the token-tile buckets."""
     from tileops.kernels.gemm.weight_group import GemmGroupKernel
 
     op = LinearGroupFwdOp()
-    for rows in (GROUP_ROWS, TILE_ROWS + 1, 1000):
+    for rows in (16, GROUP_ROWS, GROUP_ROWS + 1, 1000):
         x, ws, _ = _inputs((rows, 512), (512, 128, 128), False, BF16)
         op(x, *ws)
     kernels = [k for k in op._call_memo.values() if isinstance(k, GemmGroupKernel)]
     assert [k.key["ns"] for k in kernels] == [(512, 128, 128)]
-    assert set(kernels[0]._by_bucket) == {"m16", "m128", "m1024"}
+    assert set(kernels[0]._by_bucket) == {"m16", "m64", "m128", "m1024"}
 
 
 @pytest.mark.gpu
@@ -200,27 +202,25 @@ def test_refusals_name_the_argument(weights, biases, match):
 
 
 def test_plan_takes_2d_inputs_only():
-    """Inputs with leading dims or more than GROUP_ROWS tokens get no planned launch (they
-    go to forward; found on the GPU: a 3-D input once broke the plan). The 2-D case, which
-    binds a CUDA kernel, runs in the GPU tests."""
+    """Inputs with leading dims, or a 2-D input the grouped kernel does not serve, get no
+    planned launch (they go to forward; found on the GPU: a 3-D input once broke the
+    plan). The 2-D case, which binds a CUDA kernel, runs in the GPU tests."""
     op = LinearGroupFwdOp()
     ws = [torch.empty(n, 256, dtype=BF16, device="meta") for n in (256, 64)]
-    for shape in ((2, 3, 256), (1, 1, 256), (GROUP_ROWS + 1, 256)):
+    for shape in ((2, 3, 256), (1, 1, 256), (132 * 128, 256)):
         assert op.plan(torch.empty(*shape, dtype=BF16, device="meta"), *ws) is None, shape
 
 
 def test_kernels_for_routes_by_token_count():
     """The compile sweep builds what forward launches: one grouped program up to
-    GROUP_ROWS tokens and past TILE_ROWS while the smallest weight alone would not fill a
-    wave, else one GEMM a weight, as past TILE_ROWS where a weight's N is not a multiple
-    of 8 (the outputs' rows are stored by TMA)."""
+    GROUP_ROWS tokens, and past them while the smallest weight alone would not fill a wave
+    and every N is a multiple of 8 (the outputs' rows are stored by TMA); else one GEMM a
+    weight."""
     op = LinearGroupFwdOp()
     for n1, rows, want in ((64, GROUP_ROWS, ["gemm_group"]),
-                           (64, GROUP_ROWS + 1, ["gemm", "gemm"]),
-                           (64, TILE_ROWS, ["gemm", "gemm"]),
-                           (64, TILE_ROWS + 1, ["gemm_group"]),
-                           (60, TILE_ROWS + 1, ["gemm", "gemm"]),
+                           (64, GROUP_ROWS + 1, ["gemm_group"]),
                            (60, GROUP_ROWS, ["gemm_group"]),
+                           (60, GROUP_ROWS + 1, ["gemm", "gemm"]),
                            # the smallest weight's 128 x 256 tiles: 131, then 132 (a wave)
                            (256, 131 * 128, ["gemm_group"]),
                            (256, 131 * 128 + 1, ["gemm", "gemm"])):

@@ -2,13 +2,14 @@
 weights, `tuple(F.linear(input, w, b) for w, b in zip(weights, biases))`: a decoder layer's
 q / k / v and gate / up projections.
 
-- Up to GROUP_ROWS tokens (decode steps): one launch streams every weight
-  (kernels/gemm/weight_group.py), where separate calls pay a launch and a pipeline fill
-  each and a small weight (a k_proj) never reaches HBM speed on its own.
-- More than TILE_ROWS tokens where the smallest weight's GEMM would not fill one wave
-  (q / k / v up to ~4K tokens): one launch of the dense GEMM's tiles over every weight's
-  columns, where a GEMM a weight leaves the small weights' launches a fraction of a wave.
-- Otherwise (and N not a multiple of 8): one linear GEMM a weight (LinearFwdOp's).
+- Up to GROUP_ROWS tokens (decode steps, small prefill chunks): one launch streams every
+  weight (kernels/gemm/weight_group.py), where separate calls pay a launch and a pipeline
+  fill each and a small weight (a k_proj) never reaches HBM speed on its own.
+- More tokens where the smallest weight's GEMM would not fill one wave (q / k / v up to
+  ~4K tokens): one launch of the dense GEMM's tiles over every weight's columns, where a
+  GEMM a weight leaves the small weights' launches a fraction of a wave.
+- Otherwise (and N not a multiple of 8 past GROUP_ROWS): one linear GEMM a weight
+  (LinearFwdOp's).
 - Backward: each weight's linear backward (LinearBwdOp), the input gradients summed.
 """
 
@@ -29,8 +30,10 @@ from .base import Op
 from .layout import as_rows, is_tma_ready, tma_ready
 from .linear import LinearBwdOp, LinearFwdOp, _gemm_key
 
-GROUP_ROWS = 16  # the weight-streaming bucket (kernels/gemm/weight_stream.py's ROWS)
-TILE_ROWS = 64  # the grouped token tiles serve more rows than this
+# the weight-streaming buckets' rows (weight_group.BUCKETS). H100, 2026-12-06, at 32 and 64
+# tokens on Llama-3.1-8B / 70B and Qwen3-32B q/k/v and gate/up: 1.02-1.44x a GEMM a weight
+# (8B q/k/v 25.0 against 35.9 us), 0.93-1.04x cuBLAS on the concatenated weight
+GROUP_ROWS = 64
 TOKEN_TILE = (128, 256)  # their tile (weight_group.token_tile_config's default)
 
 
@@ -44,15 +47,15 @@ def _one_launch(rows: int, ns: tuple[int, ...], k: int) -> bool:
     16-byte rows, no empty weight) and a decode-size token count, or a prefill one where
     a GEMM of the smallest weight alone would not fill one wave of the SMs (its 128 x 256
     tiles), with outputs it can store by TMA (N of whole 16-byte rows). H100, 2026-12-06:
-    the token tiles ran Llama-3.1-8B's q/k/v at 512 tokens in 49.9 us where a GEMM a
-    weight took 54.5; where every weight fills the SMs alone (gate/up at 512 tokens, q/k/v
-    at 4096) the dense GEMM's own tiles are as fast or faster (0.95-0.97x cuBLAS)."""
+    the token tiles ran Llama-3.1-8B's q/k/v at 512 tokens in 41.8 us where a GEMM a
+    weight took 55.7; where every weight fills the SMs alone (gate/up at 512 and 4096
+    tokens) the dense GEMM's own tiles were faster (161.1 against 191.0 us at 512)."""
     if k <= 0 or k % 8 or min(ns) <= 0:
         return False
     if rows <= GROUP_ROWS:
         return rows > 0
     smallest_tiles = -(-rows // TOKEN_TILE[0]) * -(-min(ns) // TOKEN_TILE[1])
-    return (rows > TILE_ROWS and smallest_tiles < SMS and all(n % 8 == 0 for n in ns))
+    return smallest_tiles < SMS and all(n % 8 == 0 for n in ns)
 
 
 class LinearGroupFwdOp(Op):

@@ -205,6 +205,10 @@ def _decode_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tens
 # grouped, 2082 one launch a weight); TILEOPS_HF_GROUP_PROJECTIONS=0 turns it off.
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
                      ("q_a_proj", "kv_a_proj_with_mqa"))  # DeepSeek-V3's latent projections
+# Grouped members take calls of up to this many tokens (linear_group's GROUP_ROWS, its
+# weight-streaming buckets): at 32 and 64 tokens the grouped launch ran 1.02-1.44x one
+# cuBLAS call a weight (H100, 2026-12-06; Llama-3.1-8B q/k/v 25.0 against 35.8 us).
+GROUPED_TOKENS = 64
 
 
 def _group_projections() -> bool:
@@ -226,7 +230,7 @@ class _ProjectionGroup:
         group = self
 
         def _grouped_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            if x.numel() > DECODE_TOKENS * x.shape[-1] or not _graphed():
+            if x.numel() > GROUPED_TOKENS * x.shape[-1] or not _graphed():
                 return F.linear(x, self.weight, self.bias)
             held = group.pending.pop(index, None)
             if held is not None and held[0] is x:
