@@ -28,7 +28,7 @@ from .gemm import LARGE_ROWS, M_BUCKETS, GemmConfig
 from .gemm import NUM_SMS_H200 as SMS
 
 GROUPS = (2, 3)
-BUCKETS = (16, 32, 64)  # M buckets: the token tile is the bucket's rows
+BUCKETS = (16, 32, 64)  # the weight-streaming M buckets: the token tile is the bucket's rows
 
 
 def tile_starts(ns: tuple[int, ...], width: int) -> list[int]:
@@ -50,7 +50,7 @@ def by_tile(starts: list[int], leaf):
 
 
 def weight_loader(starts: list[int], width: int, block_k: int):
-    """load(tile, bs, stages, s, kt, full): the TMA load of K tile kt of weight tile `tile`
+    """load(tile, bs, w_shared, s, kt, full): the TMA load of K tile kt of weight tile `tile`
     (`width` rows of whichever weight holds it) into stage s, from that weight's own
     descriptor."""
     def load(g):
