@@ -190,7 +190,8 @@ def test_trains_under_torch_compile(family):
 
 @pytest.mark.parametrize("family,batch,grouped", [
     ("llama", 2, False), ("qwen3", 2, False), ("gemma2", 2, False), ("mistral", 8, False),
-    ("gemma3", 8, False), ("llama", 8, True), ("qwen2", 8, True)])
+    ("gemma3", 8, False), ("llama", 8, True), ("qwen2", 8, True),
+    ("llama", 48, True)])  # (48 tokens a step: the grouped projections' m64 bucket)
 def test_generates_with_static_cache_under_cuda_graphs(family, batch, grouped, monkeypatch):
     """transformers' automatic compile (reduce-overhead: CUDA graphs) of the decode step; the
     steps read the static layers' own [B, Hkv, S_max, D] tensors in place through
