@@ -24,17 +24,19 @@ from ..errors import TileOpsTypeError, op_error
 from ..kernels.base import Kernel
 from ..kernels.gemm import GemmKernel
 from ..kernels.gemm.gemm import NUM_SMS_H200 as SMS
+from ..kernels.gemm.weight_group import BUCKETS as WEIGHT_STREAM_BUCKETS
 from ..kernels.gemm.weight_group import GemmGroupKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
 from .layout import as_rows, is_tma_ready, tma_ready
 from .linear import LinearBwdOp, LinearFwdOp, _gemm_key
 
-# the weight-streaming buckets' rows (weight_group.BUCKETS). H100, 2026-12-06, at 32 and 64
-# tokens on Llama-3.1-8B / 70B and Qwen3-32B q/k/v and gate/up: 1.02-1.44x a GEMM a weight
-# (8B q/k/v 25.0 against 35.9 us), 0.93-1.04x cuBLAS on the concatenated weight
-GROUP_ROWS = 64
-TOKEN_TILE = (128, 256)  # their tile (weight_group.token_tile_config's default)
+# the weight-streaming buckets' rows. H100, 2026-12-06, at 32 and 64 tokens on Llama-3.1-8B
+# / 70B and Qwen3-32B q/k/v and gate/up: 1.02-1.44x a GEMM a weight (8B q/k/v 25.0 against
+# 35.9 us), 0.93-1.04x cuBLAS on the concatenated weight
+GROUP_ROWS = WEIGHT_STREAM_BUCKETS[-1]
+# the tile the route prices a weight's own GEMM in (the dense GEMM's large-M tile)
+TOKEN_TILE = (128, 256)
 
 
 def _group_key(dtype: torch.dtype, ns: tuple[int, ...], k: int,
