@@ -149,21 +149,25 @@ def test_strided_and_misaligned_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_repeated_signatures_through_the_planned_launch(with_bias):
+@pytest.mark.parametrize("rows, ns", [(12, (192, 64)),     # the grouped kernel's plan
+                                      (100, (192, 60))],   # N = 60: each weight's plan
+                         ids=["grouped", "per-weight"])
+def test_repeated_signatures_through_the_planned_launch(with_bias, rows, ns):
     """A seen signature runs the op's planned launch; inputs of that signature it does not
     read as they are (a strided input, a weight or bias at a 2-byte offset) go to forward.
     Outputs land in NaN-poisoned blocks."""
     op = LinearGroupFwdOp()
-    ws = [randn(n, 256, dtype=BF16, std=256 ** -0.5) for n in (192, 64)]
-    bs = [randn(n, dtype=BF16) for n in (192, 64)] if with_bias else [None, None]
-    odd_w = randn(64 * 256 + 1, dtype=BF16)[1:].view(64, 256)
-    odd_b = randn(65, dtype=BF16)[1:] if with_bias else None
-    cases = [(randn(12, 256, dtype=BF16), ws, bs),
-             (randn(12, 256, dtype=BF16), ws, bs),                  # the plan's launch
-             (randn(256, 12, dtype=BF16).t(), ws, bs),              # strided input
-             (randn(12, 256, dtype=BF16), [ws[0], odd_w], bs),      # unaligned weight
-             (randn(12, 256, dtype=BF16), ws, [bs[0], odd_b]),      # unaligned bias
-             (randn(12, 256, dtype=BF16), ws, bs)]
+    n1 = ns[1]
+    ws = [randn(n, 256, dtype=BF16, std=256 ** -0.5) for n in ns]
+    bs = [randn(n, dtype=BF16) for n in ns] if with_bias else [None, None]
+    odd_w = randn(n1 * 256 + 1, dtype=BF16)[1:].view(n1, 256)
+    odd_b = randn(n1 + 1, dtype=BF16)[1:] if with_bias else None
+    cases = [(randn(rows, 256, dtype=BF16), ws, bs),
+             (randn(rows, 256, dtype=BF16), ws, bs),                  # the plan's launch
+             (randn(256, rows, dtype=BF16).t(), ws, bs),              # strided input
+             (randn(rows, 256, dtype=BF16), [ws[0], odd_w], bs),      # unaligned weight
+             (randn(rows, 256, dtype=BF16), ws, [bs[0], odd_b]),      # unaligned bias
+             (randn(rows, 256, dtype=BF16), ws, bs)]
     for i, (x, weights, biases) in enumerate(cases):
         poison_allocator()
         outs = op(x, weights[0], weights[1], None, biases[0], biases[1], None)
@@ -172,6 +176,7 @@ def test_repeated_signatures_through_the_planned_launch(with_bias):
             want = F.linear(x.float(), weights[g].float(),
                             None if biases[g] is None else biases[g].float())
             assert_close(outs[g], want, scale=2.0, what=f"case {i}, output {g}")
+    assert op._validated[next(iter(op._validated))] is not None  # a plan, not forward
 
 
 def test_meta_shapes_and_the_custom_op():
@@ -202,12 +207,12 @@ def test_refusals_name_the_argument(weights, biases, match):
 
 
 def test_plan_takes_2d_inputs_only():
-    """Inputs with leading dims, or a 2-D input the grouped kernel does not serve, get no
-    planned launch (they go to forward; found on the GPU: a 3-D input once broke the
-    plan). The 2-D case, which binds a CUDA kernel, runs in the GPU tests."""
+    """Inputs with leading dims get no planned launch (they go to forward; found on the
+    GPU: a 3-D input once broke the plan). The 2-D cases, which bind CUDA kernels (the
+    grouped one, or each weight's linear), run in the GPU tests."""
     op = LinearGroupFwdOp()
     ws = [torch.empty(n, 256, dtype=BF16, device="meta") for n in (256, 64)]
-    for shape in ((2, 3, 256), (1, 1, 256), (132 * 128, 256)):
+    for shape in ((2, 3, 256), (1, 1, 256), (2, 132 * 64, 256)):
         assert op.plan(torch.empty(*shape, dtype=BF16, device="meta"), *ws) is None, shape
 
 

@@ -104,15 +104,16 @@ class LinearGroupFwdOp(Op):
     def plan(self, input: torch.Tensor, weight0: torch.Tensor, weight1: torch.Tensor,
              weight2: torch.Tensor | None = None, bias0: torch.Tensor | None = None,
              bias1: torch.Tensor | None = None, bias2: torch.Tensor | None = None) -> Any:
-        """A 2-D input the grouped kernel serves: the allocations and the launch, sizes and
-        kernel bound; inputs it does not read as they are (strided, unaligned) go to
-        forward. Host time per decode call is what an eager step is bound by."""
+        """A 2-D input: the allocations and the launch, sizes and kernel bound (the grouped
+        kernel's, or each weight's planned linear launch); inputs it does not read as they
+        are (strided, unaligned) go to forward. Host time per decode call is what an eager
+        step is bound by."""
         if input.dim() != 2:
             return None
         weights = [w for w in (weight0, weight1, weight2) if w is not None]
         ns, (m, k) = tuple(w.shape[0] for w in weights), input.shape
         if not _one_launch(m, ns, k):
-            return None
+            return self._plan_per_weight(input, weights, [bias0, bias1, bias2])
         has_bias = bias0 is not None
         kernel = self._group_kernel(input, ns, k, has_bias)
         two, forward = len(ns) == 2, self.forward
@@ -125,6 +126,25 @@ class LinearGroupFwdOp(Op):
             outs = [torch.empty((m, n), dtype=dtype, device=device) for n in ns]
             kernel(m, *tensors, *outs)
             if two:  # (output2, empty: a tensor of its own each call, as forward's)
+                outs.append(torch.empty(0, dtype=dtype, device=device))
+            return tuple(outs)
+        return launch
+
+    def _plan_per_weight(self, input: torch.Tensor, weights: list[torch.Tensor],
+                         biases: list[torch.Tensor | None]) -> Any:
+        """The GEMM-a-weight route's launch: each weight's planned linear launch (which
+        sends inputs it cannot read as they are to its own forward), called in turn."""
+        launches = [self._linear.plan(input, w, b)
+                    for w, b in zip(weights, biases[:len(weights)], strict=True)]
+        if None in launches:  # (an empty dimension)
+            return None
+        dtype, device = input.dtype, input.device
+
+        def launch(input: torch.Tensor, *rest: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            g = len(launches)  # (rest: three weight slots, then the biases)
+            ws, bs = rest[:g], [*rest[3:], None, None, None][:g]
+            outs = [run(input, w, b) for run, w, b in zip(launches, ws, bs, strict=True)]
+            if len(outs) == 2:  # (output2, empty: a tensor of its own each call)
                 outs.append(torch.empty(0, dtype=dtype, device=device))
             return tuple(outs)
         return launch
