@@ -141,25 +141,6 @@ def test_every_backward_config_of_the_space():
             assert_close(db, want[2], scale=rows ** 0.5, what=f"db {config}")
 
 
-@pytest.mark.parametrize("config", LayerNormBwdKernel(dtype="bfloat16", n=6144, has_weight=True,
-                                                      has_bias=True).paired_space(), ids=str)
-def test_backward_two_ctas_an_sm(config):
-    """The staged configs of two CTAs an SM (GPT-NeoX's 6144 columns, read where they
-    land), on row counts off the grid and past several passes of it."""
-    w, b = randn(6144, dtype=torch.bfloat16), randn(6144, dtype=torch.bfloat16)
-    op = LayerNormBwdOp(normalized_shape=[6144])
-    many = randn(4097, 6144, dtype=torch.bfloat16)
-    op.pin_config(config, many, many, w, b)  # (the bucket of many rows, the one they serve)
-    for rows in (4097, 12289):
-        x, dy = randn(rows, 6144, dtype=torch.bfloat16), randn(rows, 6144, dtype=torch.bfloat16)
-        poison_allocator()
-        dx, dw, db = op(dy, x, w, b)
-        want = grads(F.layer_norm, x.float(), [6144], w.float(), b.float(), 1e-5, dy.float())
-        assert_close(dx, want[0], what=f"dx rows={rows}")
-        assert_close(dw, want[1], scale=rows ** 0.5, what=f"dw rows={rows}")
-        assert_close(db, want[2], scale=rows ** 0.5, what=f"db rows={rows}")
-
-
 def test_torch_compile_forward_and_backward():
     x, dy = randn(300, 4096, dtype=torch.bfloat16), randn(300, 4096, dtype=torch.bfloat16)
     w, b = randn(4096, dtype=torch.bfloat16), randn(4096, dtype=torch.bfloat16)

@@ -20,15 +20,11 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from ..attention.attention_fwd import sm_sharing
 from ..base import Kernel
 from .lane_norm_bwd import lanes_bwd_body
 from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
 from .rows import SMS, RowTile, cta_sums, dx_value, row_configs, stageable, vector_map_ok
 
-# what two CTAs of an SM may stage together: the SM's 228 KB less a margin for the row
-# sums' buffers, the barriers and the 1 KB the driver keeps a CTA
-PAIRED_SMEM = 216 * 1024
 FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials
 
 
@@ -51,30 +47,15 @@ class NormBwdConfig:
     # of warps; its dW / dB shares in shared memory instead of registers (`acc_shared`)
     lanes: bool = False
     acc_shared: bool = False
-    # staged only: this many CTAs made resident on an SM together (the launch bound and a
-    # register split for their producer and consumer warpgroups), so one CTA's reductions
-    # and stores overlap another's; `ctas` is the grid (a multiple of SMS) either way
-    ctas_per_sm: int = 1
-
-    def staged_bytes(self, n: int, tensors: int, elem_bytes: int = 2) -> int:
-        """Shared memory of a staged config's rows (`tensors` staged a row: dy, h and, for
-        the fused add, dres) and, read where they land, the weight's copy beside them."""
-        rows = self.stages * tensors * self.block_rows * n * elem_bytes
-        return rows + (self.block_rows * n * elem_bytes if self.from_shared else 0)
 
 
 def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
                      prefetch: bool, stages: int = 0, from_shared: bool = False,
-                     fused_sums: bool = False, lanes: bool = False, acc_shared: bool = False,
-                     ctas_per_sm: int = 1):
+                     fused_sums: bool = False, lanes: bool = False, acc_shared: bool = False):
     rows = T.dynamic("rows")
     flags = dict(centered=centered, has_weight=has_weight, has_bias=has_bias,
                  has_residual_grad=has_residual_grad)
-    if ctas_per_sm > 1 and (lanes or not (stages and stageable(n, block_rows, threads))):
-        raise ValueError(f"ctas_per_sm={ctas_per_sm} is an option of the staged rows "
-                         f"(stages > 0 on a stageable tile), got stages={stages}, "
-                         f"lanes={lanes}")
     if lanes:
         if not lanes_ok(n, dtype, block_rows, threads) or stages or from_shared or fused_sums:
             raise ValueError(f"the lane map needs an exact split of {n} columns into 16-byte "
@@ -87,15 +68,14 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
             raise ValueError("acc_shared is an option of the lane map (lanes=True)")
         body = _tile_bwd_body(rows, n, dtype, block_rows=block_rows, threads=threads,
                               ctas=ctas, prefetch=prefetch, stages=stages,
-                              from_shared=from_shared, fused_sums=fused_sums,
-                              ctas_per_sm=ctas_per_sm, **flags)
+                              from_shared=from_shared, fused_sums=fused_sums, **flags)
     return _bwd_signature(body, rows, n, dtype, ctas, **flags)
 
 
 def _tile_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                    has_bias: bool, has_residual_grad: bool, block_rows: int, threads: int,
                    ctas: int, prefetch: bool, stages: int, from_shared: bool,
-                   fused_sums: bool, ctas_per_sm: int = 1):
+                   fused_sums: bool):
     """The tile map's `body(dy, h, w, dres, dx, dw_part, db_part, eps)` macro."""
     staged = stages > 0 and stageable(n, block_rows, threads)
     tile = RowTile(n, block_rows, threads, exact=staged)
@@ -262,12 +242,9 @@ def _tile_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
             row_step(dy_rows, h_rows, dres_rows, cta.dx, cta.dx_local, cta.tmp, cta.rstd,
                      cta.dot, cta.mean, cta.gsum, cta.w, cta.dw_acc, cta.db_acc, row0, cta.eps)
 
-    share_sm = sm_sharing(threads, ctas_per_sm)
-
     @T.macro
     def body(dy, h, w, dres, dx, dw_part, db_part, eps):
         with T.Kernel(ctas, threads=threads) as bx:
-            share_sm()
             # staged rows may be read straight from shared memory (wide rows: the registers
             # of a [1, n] copy are what the producer's register cap cannot spare)
             in_shared = staged and from_shared
@@ -488,8 +465,7 @@ class NormBwdKernel(Kernel):
                                 ctas=config.ctas, prefetch=config.prefetch,
                                 stages=config.stages, from_shared=config.from_shared,
                                 fused_sums=config.fused_sums, lanes=config.lanes,
-                                acc_shared=config.acc_shared, ctas_per_sm=config.ctas_per_sm,
-                                **flags)
+                                acc_shared=config.acc_shared, **flags)
         sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
             "has_bias"] else ()
         return (main, *sums)
@@ -614,35 +590,7 @@ class NormBwdKernel(Kernel):
                   and RowTile(self.key["n"], c.block_rows, c.threads,
                               exact=True).rows_per_thread == c.block_rows]
         space += self.lane_space()
-        space += self.paired_space()
         return list(dict.fromkeys(space))
-
-    def paired_space(self) -> list[NormBwdConfig]:
-        """Staged configs of two CTAs an SM (`ctas_per_sm`): 256 consumer threads each, 2
-        or 3 stages, rows copied to registers (where a thread holds at most 20 elements: the
-        104 registers left each consumer spilled at 32) or read where they land, as long as
-        both CTAs' stages fit the SM's shared memory."""
-        n, flags = self.key["n"], self.flags()
-        if flags["has_bias"] and flags["centered"] and n > 8192:
-            return []
-        tensors = 3 if flags["has_residual_grad"] else 2
-        elem = 4 if self.key["dtype"] == "float32" else 2
-        found = []
-        for block_rows in (1, 2):
-            if not stageable(n, block_rows, 256):
-                continue
-            exact = RowTile(n, block_rows, 256, exact=True).rows_per_thread == block_rows
-            for stages in (2, 3):
-                for from_shared in (False, True):
-                    if not from_shared and block_rows * n // 256 > 20:
-                        continue
-                    config = NormBwdConfig(block_rows, 256, 2 * SMS, prefetch=False,
-                                           stages=stages, from_shared=from_shared,
-                                           fused_sums=exact and not from_shared,
-                                           ctas_per_sm=2)
-                    if 2 * config.staged_bytes(n, tensors, elem) <= PAIRED_SMEM:
-                        found.append(config)
-        return found
 
     def lane_space(self) -> list[NormBwdConfig]:
         """The lane map's configs: each split of a row into whole warps of 1-5 vectors a
