@@ -128,11 +128,15 @@ def test_fused_linear_cross_entropy_errors(call, match):
 @pytest.mark.parametrize("tokens", [1, 100, 1000, 4096, 8192, 16384, 100000])
 def test_fused_linear_chunks_bound_the_memory(tokens):
     """A chunk's 2-byte logits take at most 1/12 of the tokens' fp32 logits once the token
-    count leaves room for the 256-row minimum; chunks are multiples of 128 rows."""
+    count leaves room for the 256-row minimum; chunks are a GEMM bucket's power of two
+    rows, the largest the bound allows (4096 tokens: 512, where the old rule's 640 fell in
+    the 1024-row bucket)."""
     rows = chunk_rows(tokens, 128256)
     assert 1 <= rows <= min(tokens, 2048)
     if tokens >= 256 * 6:
-        assert rows % 128 == 0 and rows * 2 * 12 <= tokens * 4
+        assert rows & (rows - 1) == 0 and rows * 2 * 12 <= tokens * 4
+        assert rows == 2048 or rows * 2 * 2 * 12 > tokens * 4  # the largest that fits
+    assert chunk_rows(4096, 128256) == 512 and chunk_rows(8192, 151936) == 1024
 
 
 def test_fused_linear_kernels_cover_the_chunk_tail():

@@ -36,11 +36,20 @@ MIN_CHUNK_ROWS = 256
 
 
 def chunk_rows(tokens: int, vocab: int) -> int:
-    """Tokens per chunk: a multiple of 128 whose 2-byte logits take at most 1/12 of the
-    tokens' full fp32 logits (the memory bound), as large as that allows (each chunk reads
-    and writes grad_weight once more), within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS]."""
-    rows = (tokens * 4 // (2 * 12)) // 128 * 128
-    return min(max(rows, MIN_CHUNK_ROWS), MAX_CHUNK_ROWS, max(tokens, 1))
+    """Tokens per chunk: the largest power of two whose 2-byte logits take at most 1/12 of
+    the tokens' full fp32 logits (the memory bound; each chunk reads and writes grad_weight
+    once more, so larger is faster), within [MIN_CHUNK_ROWS, MAX_CHUNK_ROWS].
+
+    A power of two is a GEMM bucket's own row count, so the chunk GEMMs run the configs
+    chosen for exactly their rows: grad_hidden's (K = the vocabulary) split-K fills the SMs.
+    640-row chunks (the old multiple-of-128 rule at 4K tokens) fell in the 1024-row bucket,
+    whose unsplit 128 x 256 tiles left grad_hidden 80 CTAs on 132 SMs (Llama-3.1-8B and
+    Qwen3 both)."""
+    bound = tokens * 4 // (2 * 12)
+    rows = MIN_CHUNK_ROWS
+    while rows * 2 <= min(bound, MAX_CHUNK_ROWS):
+        rows *= 2
+    return min(rows, max(tokens, 1))
 
 
 class FusedLinearCrossEntropyFwdOp(_CrossEntropy, Op):
