@@ -14,6 +14,7 @@ from tileops import (
     SoftmaxFwdOp,
 )
 from tileops.errors import TileOpsError
+from tileops.kernels.gemm import GemmKernel
 from tileops.kernels.softmax.row_map import RowMap, vector_width
 from tileops.kernels.softmax.softmax import default_row_config
 from tileops.ops.fused_linear_cross_entropy import chunk_rows
@@ -136,6 +137,8 @@ def test_fused_linear_chunks_bound_the_memory(tokens):
     if tokens >= 256 * 6:
         assert rows & (rows - 1) == 0 and rows * 2 * 12 <= tokens * 4
         assert rows == 2048 or rows * 2 * 2 * 12 > tokens * 4  # the largest that fits
+        gemm = GemmKernel(dtype="bfloat16", n=4096, k=128256, trans_a=False, trans_b=False)
+        assert gemm.bucket_rows(gemm.bucket_of(rows)) == rows  # a bucket's own row count
     assert chunk_rows(4096, 128256) == 512 and chunk_rows(8192, 151936) == 1024
 
 
