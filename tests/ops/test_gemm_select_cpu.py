@@ -21,12 +21,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Manifest GEMMs whose config the cost model changed (none of them tuned), with the reason.
 CHANGED_BY_THE_MODEL = {
-    # grad_hidden of a 640-token chunk (N 3584, K 256000), bucket m1024: 112 CTAs of 128 x 256
-    # fill 0.85 of a wave; split 8 gives 896 CTAs, 6.8 waves (the fp32 partials are ~4% of the
-    # K loop). 128 x 256 split-K is in the space since its output staging shares the pipeline's
-    # shared memory (GemmConfig.smem_bytes)
-    ("FusedLinearCrossEntropyFwdOp", "gemma-2-9b head 4k tokens softcap 30", "bfloat16",
-     "m1024"): GemmConfig(128, 256, 64, 3, 256, 8, 8),
     # wave fill (wave_fill.py): 2000 tiles of 128 x 256 are 15.2 waves; the 20 left over run
     # in 6 pieces each instead of a 16th wave that is 15% full
     ("FusedLinearCrossEntropyFwdOp", "mistral-7b head 16k tokens", "bfloat16", "m2048"):
