@@ -178,6 +178,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode speed through transformers' generate loop and/or, for the "
                         "compiled variants, the decode step alone (compiled with CUDA "
                         "graphs, step after step, no generate loop) (default: both)")
+    p.add_argument("--optimizer", choices=["tileops", "torch"], default="tileops",
+                   help="the tileops variants' training optimizer: tileops.optim.AdamW "
+                        "(default) or torch's fused AdamW, which the other variants always "
+                        "step with (the model's patching alone)")
     p.add_argument("--timeout", type=_positive_int, default=540,
                    help="seconds per (model, variant) subprocess")
     p.add_argument("--out", default="bench-results", metavar="DIR",
@@ -650,7 +654,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     rows = bench.run(args.model, variants, layers, args.batch, args.seq,
                      tuple(args.gen_batch), args.prompt, args.new_tokens, args.steps,
                      not args.no_train, not args.no_generate, pathlib.Path(args.out),
-                     args.timeout, tuple(args.decode))
+                     args.timeout, tuple(args.decode), args.optimizer)
     print(f"wrote {args.out}/bench-model.md")
     return 1 if any("error" in r for r in rows) else 0
 

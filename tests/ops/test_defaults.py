@@ -235,6 +235,28 @@ def _linear_group(dtype):  # no biases: F.linear's default
             torch.cat([F.linear(x, w) for w in ws], -1))
 
 
+def _adamw(dtype):
+    """tileops.optim.AdamW(params) against torch.optim.AdamW(params), three steps of the same
+    gradients. In float32 whatever `dtype` (defaults do not depend on it, and a 16-bit
+    parameter's rounding would hide a weight decay of lr * 0.01): the parameters' change and
+    the two moments, so lr, weight_decay and betas all show."""
+    from tileops.optim import AdamW
+
+    start = randn(1000, dtype=torch.float32)
+    grads = [randn(1000, dtype=torch.float32) for _ in range(3)]
+    results = []
+    for make in (AdamW, torch.optim.AdamW):
+        param = torch.nn.Parameter(start.clone())
+        opt = make([param])
+        for g in grads:
+            param.grad = g.clone()
+            opt.step()
+        state = opt.state[param]
+        results.append(torch.cat([param.detach() - start, state["exp_avg"],
+                                  state["exp_avg_sq"]]))
+    return tuple(results)
+
+
 # op name -> a function of the dtype returning (ours, reference), both with defaults only
 DEFAULT_CASES = {
     "RMSNormFwdOp": _rms_norm,
@@ -273,6 +295,7 @@ DEFAULT_CASES = {
     "LinearFwdOp": _linear,
     "LinearBwdOp": _linear_grad,
     "LinearGroupFwdOp": _linear_group,
+    "AdamwStepFwdOp": _adamw,
 }
 
 

@@ -80,6 +80,7 @@ from .normalization import (
     layer_norm,
     rms_norm,
 )
+from .optimizer import AdamwStepFwdOp
 from .position_encoding import (
     RotaryBwdOp,
     RotaryFwdOp,
@@ -125,7 +126,8 @@ OP_CLASSES: dict[str, type[Op]] = {
                                   QuantizeFp8FwdOp, GemmFp8FwdOp, MoeRouteFwdOp,
                                   MoePermuteFwdOp, MoeUnpermuteFwdOp, GroupedGemmFwdOp,
                                   GroupedGemmBwdOp, GroupedGemmSiluAndMulFwdOp,
-                                  MoeUnpermuteBwdOp, FusedMoeFwdOp, GroupedGemmFp8FwdOp)}
+                                  MoeUnpermuteBwdOp, FusedMoeFwdOp, GroupedGemmFp8FwdOp,
+                                  AdamwStepFwdOp)}
 
 __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttentionFwdOp",
            "GroupedQueryAttentionVarlenFwdOp", "GroupedQueryAttentionBwdOp", "attention",
@@ -151,4 +153,5 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "MoeRouteFwdOp", "MoePermuteFwdOp", "MoeUnpermuteFwdOp", "moe_route", "moe_permute",
            "moe_unpermute", "GroupedGemmFwdOp", "grouped_gemm", "GroupedGemmBwdOp",
            "GroupedGemmSiluAndMulFwdOp", "grouped_gemm_silu_and_mul", "MoeUnpermuteBwdOp",
-           "FusedMoeFwdOp", "fused_moe", "GroupedGemmFp8FwdOp", "grouped_gemm_fp8"]
+           "FusedMoeFwdOp", "fused_moe", "GroupedGemmFp8FwdOp", "grouped_gemm_fp8",
+           "AdamwStepFwdOp"]

@@ -592,6 +592,33 @@ def _linear_group_baselines() -> dict[str, Baseline]:
     return {"cublas-concatenated": concatenated, "cublas-per-weight": per_weight}
 
 
+def _adamw_baselines() -> dict[str, Baseline]:
+    """torch.optim.AdamW's fused and foreach updates, as users step them: an optimizer over
+    the one tensor, made once per tensor with the given moments as its state (the step
+    count then advances by one a call, as in training)."""
+    optimizers: dict[tuple, Any] = {}
+
+    def make(kind: str) -> Baseline:
+        def step(param, grad, exp_avg, exp_avg_sq, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=1e-2, step=1, maximize=False):
+            key = (kind, param.data_ptr(), lr, beta1, beta2, eps, weight_decay, maximize)
+            opt = optimizers.get(key)
+            if opt is None:
+                opt = optimizers[key] = torch.optim.AdamW(
+                    [param], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
+                    maximize=maximize, **{kind: True})
+                count = torch.tensor(float(step - 1),
+                                     device=param.device if kind == "fused" else "cpu")
+                opt.state[param] = {"step": count, "exp_avg": exp_avg,
+                                    "exp_avg_sq": exp_avg_sq}
+            param.grad = grad
+            opt.step()
+            return param, exp_avg, exp_avg_sq
+        return step
+
+    return {"torch-fused": make("fused"), "torch-foreach": make("foreach")}
+
+
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
@@ -604,6 +631,8 @@ def baselines_for(op_name: str) -> dict[str, Baseline]:
         return {"cublas": F.linear}
     if op_name == "LinearGroupFwdOp":
         return _linear_group_baselines()
+    if op_name == "AdamwStepFwdOp":
+        return _adamw_baselines()
     if op_name == "LinearBwdOp":  # (grad_output, input, weight): autograd's cuBLAS GEMMs
         plain, biased = _graph_backward(F.linear, (0, 1)), _graph_backward(F.linear, (0, 1, 2))
         biases: dict[int, torch.Tensor] = {}  # one bias per weight: the graphs stay cached

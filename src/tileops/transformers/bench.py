@@ -92,15 +92,25 @@ class Case:
     train: bool
     generate: bool
     decode: tuple[str, ...] = DECODE_MODES
+    optimizer: str = "tileops"  # the tileops variants' optimizer (see make_optimizer)
 
 
-def make_optimizer(model: Any) -> Any:
-    """The training step's optimizer: AdamW with the fused CUDA update, what transformers'
-    Trainer runs by default (`optim="adamw_torch_fused"`). torch's own default on CUDA
-    (foreach) took 94 of the eager Qwen3-30B-A3B step's 197 ms of GPU time (8 layers, H100,
-    fortieth session): a cost no kernel library changes, which hid the model's speed-up."""
+OPTIMIZERS = ("tileops", "torch")
+
+
+def make_optimizer(model: Any, variant: str = "eager", optimizer: str = "tileops") -> Any:
+    """The training step's optimizer. The unpatched variants (eager, compile, liger) step
+    with AdamW's fused CUDA update, what transformers' Trainer runs by default
+    (`optim="adamw_torch_fused"`; torch's own default, foreach, took 94 of the eager
+    Qwen3-30B-A3B step's 197 ms of GPU time, 8 layers, H100, fortieth session). The tileops
+    variants step with `tileops.optim.AdamW` unless `optimizer` is "torch" (then the fused
+    update too: the model's patching alone)."""
     import torch
 
+    if variant.startswith("tileops") and optimizer == "tileops":
+        from ..optim import AdamW
+
+        return AdamW(model.parameters(), lr=1e-5)
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
@@ -271,7 +281,8 @@ def run_case(case: Case) -> dict[str, Any]:
     if case.train:
         model.train()
         step_model = torch.compile(model) if compiled else model
-        opt = make_optimizer(model)
+        opt = make_optimizer(model, case.variant, case.optimizer)
+        result["optimizer"] = type(opt).__module__.split(".")[0] + ".AdamW"
         ids = torch.randint(0, vocab, (case.batch, case.seq), device="cuda")
 
         # per step: the peak of forward + backward (activations, the loss's buffers) and of
@@ -346,6 +357,7 @@ def recorded_programs(models: list[str], layers: dict[str, int], batch: int, seq
                 ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
                 model.train()
                 model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                make_optimizer(model, "tileops").step()
             model.eval()
             stack.enter_context(torch.no_grad())
             for b in gen_batches if generate else ():
@@ -363,14 +375,15 @@ def recorded_programs(models: list[str], layers: dict[str, int], batch: int, seq
 def run(models: list[str], variants: list[str], layers: dict[str, int], batch: int, seq: int,
         gen_batches: tuple[int, ...], prompt: int, new_tokens: int, steps: int, train: bool,
         generate: bool, out: pathlib.Path, timeout: int,
-        decode: tuple[str, ...] = DECODE_MODES) -> list[dict[str, Any]]:
+        decode: tuple[str, ...] = DECODE_MODES,
+        optimizer: str = "tileops") -> list[dict[str, Any]]:
     """Runs every (model, variant) in its own subprocess; writes the reports; returns rows."""
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in models:
         for variant in variants:
             case = Case(name, variant, layers.get(name, 0), batch, seq, tuple(gen_batches),
-                        prompt, new_tokens, steps, train, generate, tuple(decode))
+                        prompt, new_tokens, steps, train, generate, tuple(decode), optimizer)
             rows.append(_subprocess(case, timeout))
             print(_row_line(rows[-1]), flush=True)
             _write(rows, out)
@@ -397,7 +410,7 @@ def _row_line(row: dict[str, Any]) -> str:
         return f"{row['model']:16} {row['variant']:16} error: {row['error']}"
     parts = [f"{row['model']:16} {row['variant']:16}"]
     if "train_tokens_per_s" in row:
-        parts.append(f"train {row['train_tokens_per_s']:9.0f} tok/s "
+        parts.append(f"{row.get('optimizer', '')} train {row['train_tokens_per_s']:9.0f} tok/s "
                      f"{row['train_peak_gib']:6.1f} GiB (fwd+bwd "
                      f"{row.get('train_fwd_bwd_peak_gib', float('nan')):.1f})")
     for b, g in (row.get("generate") or {}).items():
@@ -415,8 +428,9 @@ def _write(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
              "Random-init bf16 models with the real configs (layer counts as listed). Speed-up "
              "columns are against the same model's `eager` row.", "",
              "## Training step (forward, backward, AdamW)", "",
-             "| model | layers | variant | tokens/s | vs eager | peak GiB | fwd+bwd peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | layers | variant | optimizer | tokens/s | vs eager | peak GiB "
+             "| fwd+bwd peak GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     eager = {r["model"]: r for r in rows if r.get("variant") == "eager" and "error" not in r}
     for r in rows:
         if "train_tokens_per_s" in r:
@@ -424,7 +438,8 @@ def _write(rows: list[dict[str, Any]], out: pathlib.Path) -> None:
             ratio = f"{r['train_tokens_per_s'] / base:.2f}x" if base else "-"
             fwd_bwd = r.get("train_fwd_bwd_peak_gib")
             lines.append(f"| {r['model']} | {r['layers'] or 'all'} | {r['variant']} | "
-                         f"{r['train_tokens_per_s']:.0f} | {ratio} | {r['train_peak_gib']:.1f} | "
+                         f"{r.get('optimizer', '-')} | {r['train_tokens_per_s']:.0f} | {ratio} | "
+                         f"{r['train_peak_gib']:.1f} | "
                          f"{'-' if fwd_bwd is None else f'{fwd_bwd:.1f}'} |")
     lines += ["", "## Generation with a static KV cache", "",
               "Decode tokens/s through transformers' generate (its host loop included); "

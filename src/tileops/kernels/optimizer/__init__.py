@@ -1,0 +1,3 @@
+from .adamw import AdamWConfig, AdamWKernel
+
+__all__ = ["AdamWConfig", "AdamWKernel"]
