@@ -21,7 +21,7 @@ def profile_step(model_name: str, variant: str, layers: int, seq: int, top: int)
     model = make_model(model_name, layers)
     _apply_variant(model, variant)
     model.train()
-    opt = make_optimizer(model)
+    opt = make_optimizer(model, variant)
     ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
 
     def step() -> None:

@@ -1,0 +1,102 @@
+"""What is allocated at the peak of a bench model's training step: the step (forward,
+backward, AdamW) of each variant under the CUDA caching allocator's recorder, its trace
+replayed to the moment of the most memory allocated, and the blocks live then summed by
+the line of Python that allocated them (the first frame in tileops, liger_kernel or
+transformers, else the innermost).
+
+    python scripts/memory_peak.py --model llama-3.1-8b --variant tileops liger
+
+Blocks allocated before the recorded step (parameters, optimizer state) show as one
+`before the step` line, less what the step freed of them. The bench (`tileops bench-model`)
+gives the peak; this says what makes one variant's higher than another's.
+"""
+
+import argparse
+import collections
+
+import torch
+
+from tileops.transformers.bench import _apply_variant, make_model, make_optimizer
+
+OWN = ("tileops", "liger_kernel", "transformers")
+
+
+def _site(frames: list[dict]) -> str:
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(f"/{own}/" in name for own in OWN):
+            short = name[name.rfind("/", 0, name.rfind("/")) + 1:]
+            return f"{short}:{frame.get('line')} {frame.get('name')}"
+    return "(no Python frame of a model library)" if not frames else \
+        f"{frames[0].get('filename', '?').rsplit('/', 1)[-1]}:{frames[0].get('line')}"
+
+
+def peak_report(model_name: str, variant: str, layers: int, seq: int, top: int) -> None:
+    model = make_model(model_name, layers)
+    _apply_variant(model, variant)
+    model.train()
+    opt = make_optimizer(model, variant)
+    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up: kernel builds, optimizer state
+        step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    step()
+    torch.cuda.synchronize()
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak_seen = torch.cuda.max_memory_allocated()
+
+    def replay(stop: int | None) -> tuple[int, int, dict[int, dict]]:
+        live: dict[int, dict] = {}
+        current, best, best_at = before, before, -1
+        for i, entry in enumerate(trace[:stop]):
+            action = entry["action"]
+            if action == "alloc":
+                live[entry["addr"]] = entry
+                current += entry["size"]
+            elif action == "free_completed":
+                current -= entry["size"]
+                live.pop(entry["addr"], None)
+            if current > best:
+                best, best_at = current, i
+        return best, best_at, live
+
+    best, best_at, _ = replay(None)
+    _, _, live = replay(best_at + 1)
+    by_site: dict[str, int] = collections.defaultdict(int)
+    for entry in live.values():
+        by_site[_site(entry.get("frames", []))] += entry["size"]
+    in_step = sum(by_site.values())
+    print(f"\n{model_name} ({layers} layers, {seq} tokens) {variant}: peak {best / 2**30:.3f} "
+          f"GiB by the trace ({peak_seen / 2**30:.3f} by the allocator's counter), "
+          f"{len(trace)} trace entries, peak at entry {best_at}")
+    print(f"  {(best - in_step) / 2**20:9.1f} MiB  before the step (parameters, optimizer "
+          "state; less what the step had freed)")
+    for site, size in sorted(by_site.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {size / 2**20:9.1f} MiB  {site}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--variant", nargs="+", default=["tileops", "liger"])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    for variant in args.variant:
+        peak_report(args.model, variant, args.layers, args.seq, args.top)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
