@@ -491,8 +491,9 @@ def spies(monkeypatch):
 
     monkeypatch.setattr(hf_attention, "served", lambda *ts: True)
     op("rms_norm", lambda x, n, w, eps: F.rms_norm(x, (n,) if isinstance(n, int) else n, w, eps))
-    op("swiglu", lambda g, u: F.silu(g) * u)
-    op("geglu", lambda g, u, approximate="none": F.gelu(g, approximate=approximate) * u)
+    op("swiglu", lambda g, u, reuse_inputs=False: F.silu(g) * u)
+    op("geglu", lambda g, u, approximate="none", reuse_inputs=False:
+       F.gelu(g, approximate=approximate) * u)
     op("apply_rotary", _ref_rotary, "rope")
     op("attention", _ref_attention)
     op("decode_attention", _ref_decode)
@@ -679,7 +680,7 @@ def test_bench_model_report(tmp_path):
              "train_tokens_per_s": 1000.0, "train_peak_gib": 40.0,
              "generate": {"8": {"prefill_ms": 20.0, "decode_tokens_per_s": 500.0}}},
             {"model": "llama-3.1-8b", "variant": "tileops", "layers": 8, "note": "",
-             "train_tokens_per_s": 1300.0, "train_peak_gib": 30.0,
+             "optimizer": "tileops.AdamW", "train_tokens_per_s": 1300.0, "train_peak_gib": 30.0,
              "train_fwd_bwd_peak_gib": 25.0,
              "generate": {"8": {"prefill_ms": 15.0, "decode_tokens_per_s": 600.0}}},
             {"model": "llama-3.1-8b", "variant": "liger", "error": "ImportError: x"},
@@ -689,8 +690,8 @@ def test_bench_model_report(tmp_path):
              "generate": {"8": {"graph_decode_ms": 1.6}}}]
     bench._write(rows, tmp_path)
     text = (tmp_path / "bench-model.md").read_text()
-    assert "| llama-3.1-8b | 8 | tileops | 1300 | 1.30x | 30.0 | 25.0 |" in text
-    assert "| llama-3.1-8b | 8 | eager | 1000 | 1.00x | 40.0 | - |" in text
+    assert "| llama-3.1-8b | 8 | tileops | tileops.AdamW | 1300 | 1.30x | 30.0 | 25.0 |" in text
+    assert "| llama-3.1-8b | 8 | eager | - | 1000 | 1.00x | 40.0 | - |" in text
     assert "| llama-3.1-8b | tileops | 8 | 15.0 | 600 | 1.20x | - | - | - |" in text
     assert "| llama-3.1-8b | compile | 8 | - | - | - | 2000 | 4000 | 1.00x |" in text
     assert "| llama-3.1-8b | tileops-compile | 8 | - | - | - | 1600 | 5000 | 1.25x |" in text

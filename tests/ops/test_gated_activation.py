@@ -369,3 +369,44 @@ def test_geglu_op_objects_halves_and_cuda_graph():
     want = reference_grads("gelu_tanh", gate, up, dy)
     assert_close(dgate, want[0])
     assert_close(dup, want[1])
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_reuse_inputs_writes_the_gradients_over_gate_and_up(act, dtype):
+    """An MLP's projections as gate and up (outputs of a matmul, as in the Hugging Face
+    patch): the gradients match the reference and are the projections' own storage;
+    reading them again through a retained graph fails loudly."""
+    fn = tileops.swiglu if act == "silu" else functools.partial(
+        tileops.geglu, approximate="tanh" if act == "gelu_tanh" else "none")
+    x = randn(3, 700, 256, dtype=dtype).requires_grad_()
+    w_gate, w_up = (randn(1536, 256, dtype=dtype, std=256 ** -0.5) for _ in range(2))
+    gate, up = x @ w_gate.t(), x @ w_up.t()
+    dy = randn(3, 700, 1536, dtype=dtype)
+    want = reference_grads(act, gate, up, dy)
+    out = fn(gate, up, reuse_inputs=True)
+    assert_close(out, reference(act, gate, up))
+    grads = torch.autograd.grad(out, (gate, up), dy, retain_graph=True)
+    assert_close(grads[0], want[0], what="grad_gate")
+    assert_close(grads[1], want[1], what="grad_up")
+    assert grads[0].data_ptr() == gate.data_ptr() and grads[1].data_ptr() == up.data_ptr()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, (gate, up), dy)
+
+
+def test_reuse_inputs_on_halves_and_without_grad_leaves_the_inputs():
+    """Halves of one tensor (not contiguous) get fresh gradients; a call needing no
+    gradient is the plain op."""
+    x = randn(64, 2 * 1000, dtype=BF16)
+    gate, up = (t.requires_grad_() for t in (x[:, :1000].clone(), x[:, 1000:].clone()))
+    pair = torch.cat([gate, up], -1).detach().requires_grad_()
+    g_half, u_half = halves(pair)
+    dy = randn(64, 1000, dtype=BF16)
+    want = reference_grads("silu", gate, up, dy)
+    tileops.swiglu(g_half, u_half, reuse_inputs=True).backward(dy)
+    assert_close(pair.grad, torch.cat(want, -1), what="grad of the pair")
+    before = gate.detach().clone()
+    with torch.no_grad():
+        tileops.swiglu(gate, up, reuse_inputs=True)
+    assert torch.equal(gate.detach(), before)
