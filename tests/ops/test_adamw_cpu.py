@@ -136,6 +136,7 @@ def test_kernel_matches_the_reference_thread_by_thread(dtype, vec, n):
 
 
 @pytest.mark.compile
+@pytest.mark.full  # 76 programs: minutes on CI's two cores
 def test_every_config_compiles():
     for dtype, vec in (("bfloat16", 8), ("float32", 4)):
         kernel = AdamWKernel(dtype=dtype, vec=vec)
