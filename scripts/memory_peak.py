@@ -16,7 +16,7 @@ import collections
 
 import torch
 
-from tileops.transformers.bench import _apply_variant, make_model, make_optimizer
+from tileops.transformers.bench import warm_training_step
 
 OWN = ("tileops", "liger_kernel", "transformers")
 
@@ -32,20 +32,7 @@ def _site(frames: list[dict]) -> str:
 
 
 def peak_report(model_name: str, variant: str, layers: int, seq: int, top: int) -> None:
-    model = make_model(model_name, layers)
-    _apply_variant(model, variant)
-    model.train()
-    opt = make_optimizer(model, variant)
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(2):  # warm-up: kernel builds, optimizer state
-        step()
-    torch.cuda.synchronize()
+    step = warm_training_step(model_name, variant, layers, seq)
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")

@@ -12,26 +12,13 @@ import collections
 
 import torch
 
-from tileops.transformers.bench import _apply_variant, make_model, make_optimizer
+from tileops.transformers.bench import warm_training_step
 
 NAME_WIDTH = 100
 
 
 def profile_step(model_name: str, variant: str, layers: int, seq: int, top: int) -> None:
-    model = make_model(model_name, layers)
-    _apply_variant(model, variant)
-    model.train()
-    opt = make_optimizer(model, variant)
-    ids = torch.randint(0, model.config.vocab_size, (1, seq), device="cuda")
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(2):  # warm-up: kernel builds, optimizer state
-        step()
-    torch.cuda.synchronize()
+    step = warm_training_step(model_name, variant, layers, seq)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()

@@ -341,6 +341,20 @@ class Op:
         raise NotImplementedError
 
 
+class InPlaceByDefault:
+    """Mixed in before Op by ops that update their inputs (the cache append, AdamW): an op
+    object writes in place (`inplace`), as engines and optimizers want; the shared instances
+    behind the pure custom op (`cached()`) return updated copies, as its schema promises."""
+
+    inplace = True
+
+    @classmethod
+    def cached(cls, **params: Any) -> Op:
+        op = super().cached(**params)  # type: ignore[misc]
+        op.inplace = False
+        return op
+
+
 def _too_many_inputs(spec: CompiledSpec, n: int) -> TileOpsTypeError:
     return op_error(TileOpsTypeError, spec.op_name, "inputs",
                     f"at most {len(spec.inputs)} tensors {spec.input_names}", n)

@@ -82,7 +82,7 @@ from ..kernels.attention.decode import (
 from ..kernels.attention.kv_cache import KVCacheAppendKernel
 from ..kernels.base import Kernel, sm_count
 from ..manifest.spec import DTYPE_NAMES
-from .base import LIBRARY, Op
+from .base import LIBRARY, InPlaceByDefault, Op
 
 
 def _sms(device: torch.device) -> int:
@@ -383,7 +383,7 @@ class ChunkedPrefillAttentionFwdOp(DecodeAttentionFwdOp):
             else "decode_attention"
 
 
-class KVCacheAppendFwdOp(Op):
+class KVCacheAppendFwdOp(InPlaceByDefault, Op):
     """vLLM's reshape_and_cache: k_new/v_new [T, Hkv, D] into the page pools at
     slot_mapping [T] (page * page_size + offset; -1 skips the token). Slots past the pool
     are skipped by the kernel; slots must be distinct.
@@ -400,13 +400,6 @@ class KVCacheAppendFwdOp(Op):
     def __init__(self, *, kv_layout: str = "NHD",
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
         super().__init__(kv_layout=kv_layout, kernel_map=kernel_map, tune=tune)
-        self.inplace = True
-
-    @classmethod
-    def cached(cls, **params: Any) -> Op:
-        op = super().cached(**params)
-        op.inplace = False  # behind the pure custom op: copies
-        return op
 
     def __call__(self, *inputs: Any) -> Any:
         if self.inplace and torch.compiler.is_compiling():

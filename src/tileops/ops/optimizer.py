@@ -23,7 +23,7 @@ from ..errors import TileOpsValueError, op_error
 from ..kernels.base import Kernel
 from ..kernels.optimizer import AdamWKernel
 from ..manifest.spec import DTYPE_NAMES
-from .base import Op
+from .base import InPlaceByDefault, Op
 
 _KERNELS = {"adamw": AdamWKernel}
 # elements a launch: the kernel's int32 indices stay below 2^31 (larger tensors take slices)
@@ -40,7 +40,7 @@ def _vector_width(tensors: tuple[torch.Tensor, ...]) -> int:
     return vec
 
 
-class AdamwStepFwdOp(Op):
+class AdamwStepFwdOp(InPlaceByDefault, Op):
     """One AdamW update of one parameter tensor (torch.optim.AdamW's math, no amsgrad)."""
 
     kernel_map = _KERNELS
@@ -51,13 +51,6 @@ class AdamwStepFwdOp(Op):
                  kernel_map: Mapping[str, type[Kernel]] | None = None, tune: bool = False):
         super().__init__(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                          step=step, maximize=maximize, kernel_map=kernel_map, tune=tune)
-        self.inplace = True
-
-    @classmethod
-    def cached(cls, **params: Any) -> Op:
-        op = super().cached(**params)
-        op.inplace = False  # behind the pure custom op: copies
-        return op
 
     def forward(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

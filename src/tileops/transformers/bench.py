@@ -35,6 +35,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 VARIANTS = ("eager", "compile", "liger", "tileops", "tileops-compile")
@@ -266,6 +267,30 @@ def graph_decode(model: Any, batch: int, prompt: int, steps: int) -> dict[str, A
             kernels[event.name[:120]] += event.device_time
     return {"graph_decode_ms": times[len(times) // 2],
             "graph_decode_kernels": sorted(kernels.items(), key=lambda kv: -kv[1])[:20]}
+
+
+def warm_training_step(name: str, variant: str, layers: int, seq: int,
+                       batch: int = 1) -> Callable[[], None]:
+    """A training step (forward, backward, the variant's optimizer step, zero_grad) of a
+    bench model patched for `variant`, warmed up twice (kernel builds, optimizer state):
+    what the profiling scripts look inside."""
+    import torch
+
+    model = make_model(name, layers)
+    _apply_variant(model, variant)
+    model.train()
+    opt = make_optimizer(model, variant)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    return step
 
 
 def run_case(case: Case) -> dict[str, Any]:
