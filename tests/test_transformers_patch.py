@@ -622,6 +622,18 @@ def test_mlp_activation_comes_from_the_module(act, approximate, spies):
         assert {c["approximate"] for c in spies["geglu"]} == {approximate}
 
 
+def test_mlp_gradients_overwrite_its_own_projections_unless_hooked(spies):
+    """The patched MLP asks swiglu for reuse_inputs (its backward writes the gradients over
+    the gate/up projections) only where no forward hook could have kept those outputs."""
+    model = hf_models.model("llama")
+    _apply(model)
+    kept = []
+    model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, out: kept.append(out))
+    model(input_ids=torch.randint(0, 512, (2, 12)), labels=torch.randint(0, 512, (2, 12)))
+    reuse = [c["reuse_inputs"] for c in spies["swiglu"]]
+    assert reuse == [False] + [True] * (len(reuse) - 1) and len(reuse) > 1, reuse
+
+
 def test_generate_matches(spies):
     model = hf_models.model("qwen3")
     reference = copy.deepcopy(model)
@@ -671,6 +683,21 @@ def test_bench_model_compile_only_records_the_training_and_decode_programs():
     assert {"DecodeAttentionFwdOp", "LinearFwdOp"} <= {i.op_name for i in only_decode}
     assert not {"RMSNormBwdOp", "FusedLinearCrossEntropyFwdOp"} & {
         i.op_name for i in only_decode}
+
+
+def test_bench_model_optimizers():
+    """The unpatched variants step torch's fused AdamW (the Trainer's default); the tileops
+    variants tileops.optim.AdamW unless told "torch"."""
+    from tileops.optim import AdamW
+    from tileops.transformers import bench
+
+    model = torch.nn.Linear(4, 4)
+    for variant in ("eager", "compile", "liger"):
+        opt = bench.make_optimizer(model, variant, "tileops")
+        assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
+    for variant in ("tileops", "tileops-compile"):
+        assert type(bench.make_optimizer(model, variant)) is AdamW
+        assert type(bench.make_optimizer(model, variant, "torch")) is torch.optim.AdamW
 
 
 def test_bench_model_report(tmp_path):
