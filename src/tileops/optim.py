@@ -7,8 +7,9 @@ dicts load either way). Each parameter with a gradient takes one launch of the A
 computed on the host from the step count, which is kept as a CPU tensor (torch's default,
 non-capturable form), so a step never waits for the GPU.
 
-Not supported, refused by name: amsgrad, sparse gradients, non-contiguous parameters,
-learning rates held in CUDA tensors, and stepping inside torch.compile.
+Not supported, refused by name: amsgrad, sparse gradients, DTensor parameters (FSDP2,
+tensor parallelism), non-contiguous parameters, learning rates held in CUDA tensors, and
+stepping inside torch.compile.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def _learning_rate(lr: Any) -> float:
                          f"a tensor of shape {tuple(lr.shape)} on {lr.device}")
         return float(lr)
     return float(lr)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 class AdamW(torch.optim.Optimizer):
@@ -95,6 +100,10 @@ class AdamW(torch.optim.Optimizer):
                 if grad.is_sparse:
                     raise _error(TileOpsTypeError, "params", "dense gradients",
                                  "a sparse gradient")
+                if _is_dtensor(p):
+                    raise _error(TileOpsUnsupportedError, "params", "plain tensors (DTensor "
+                                 "parameters of FSDP2 / tensor parallelism are not supported "
+                                 "yet: use torch.optim.AdamW)", "a DTensor")
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0)

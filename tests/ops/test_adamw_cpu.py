@@ -81,7 +81,14 @@ def test_optimizer_defaults_and_state_names_match_torch():
                                        if k in AdamW([param]).defaults}
 
 
-def test_refusals_of_a_device_learning_rate_and_sparse_gradients():
+def _replicated(t):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    return torch.nn.Parameter(distribute_tensor(t, init_device_mesh("cpu", (1,)), [Replicate()]))
+
+
+def test_refusals_of_a_device_learning_rate_dtensors_and_sparse_gradients():
     p = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(TileOpsValueError, match=r"argument 'lr': expected a float or a "
                        r"one-element CPU tensor .*, got a tensor of shape \(\) on meta"):
@@ -91,6 +98,17 @@ def test_refusals_of_a_device_learning_rate_and_sparse_gradients():
     p.grad = torch.zeros(4)
     with pytest.raises(TileOpsValueError, match=r"argument 'lr'"):
         opt.step()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:  # a DTensor parameter on a one-process CPU mesh (what FSDP2 hands an optimizer)
+        dtensor = _replicated(torch.zeros(4, 4))
+        dtensor.grad = torch.zeros_like(dtensor)
+        with pytest.raises(TileOpsUnsupportedError, match=r"argument 'params': expected "
+                           r"plain tensors \(DTensor .*, got a DTensor"):
+            AdamW([dtensor]).step()
+    finally:  # other tests (and transformers) read whether a process group exists
+        dist.destroy_process_group()
     sparse = torch.nn.Parameter(torch.zeros(4))
     sparse.grad = torch.zeros(4).to_sparse()
     with pytest.raises(TileOpsTypeError, match=r"argument 'params': expected dense gradients"):
