@@ -53,6 +53,8 @@ namespace tl {
 static inline float clamp(float x, float lo, float hi) {
   return x != x ? x : fminf(fmaxf(x, lo), hi);
 }
+// the SFU's approximate reciprocal (rcp.approx): the exact quotient here
+static inline float fast_rcp(float x) { return 1.0f / x; }
 }  // namespace tl
 """
 # kernels/cuda_helpers.py's functions on the host: l2_hints' 16-byte loads and stores, whose

@@ -117,18 +117,18 @@ def test_refusals_of_a_device_learning_rate_dtensors_and_sparse_gradients():
 
 @pytest.mark.compile
 @pytest.mark.smoke
-@pytest.mark.parametrize("dtype, vec, n", [
-    (torch.bfloat16, 8, 8 * 128 * 3 + 5),  # a partial last vector
-    (torch.bfloat16, 1, 300),  # misaligned tensors: one element a vector
-    (torch.float32, 4, 4 * 256 * 2 * 2 + 4),  # a partial last CTA
-    (torch.float16, 4, 1000),
+@pytest.mark.parametrize("dtype, vec, n, config", [
+    (torch.bfloat16, 8, 8 * 128 * 3 + 5, AdamWConfig(128, 2)),  # a partial last vector
+    (torch.bfloat16, 1, 300, AdamWConfig(128, 2)),  # misaligned: one element a vector
+    (torch.float32, 4, 4 * 256 * 2 * 2 + 4, AdamWConfig(128, 2)),  # a partial last CTA
+    (torch.float16, 4, 1000, AdamWConfig(128, 2)),
+    (torch.bfloat16, 8, 8 * 256 * 2 + 9, AdamWConfig(256, 1, fast_rcp=True)),  # the default
 ])
-def test_kernel_matches_the_reference_thread_by_thread(dtype, vec, n):
+def test_kernel_matches_the_reference_thread_by_thread(dtype, vec, n, config):
     from ..cuda_emulation import run
 
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     kernel = AdamWKernel(dtype=name[dtype], vec=vec)
-    config = AdamWConfig(threads=128, vecs=2)
     compiled = kernel.compile(config, "large")[0]
     gen = torch.Generator().manual_seed(n)
     p, g, m = (torch.randn(n, generator=gen).to(dtype) for _ in range(3))
