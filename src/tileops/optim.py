@@ -9,7 +9,8 @@ non-capturable form), so a step never waits for the GPU.
 
 Not supported, refused by name: amsgrad, sparse gradients, DTensor parameters (FSDP2,
 tensor parallelism), non-contiguous parameters, learning rates held in CUDA tensors, and
-stepping inside torch.compile.
+stepping inside torch.compile or a CUDA graph capture (a replay would repeat the step's
+scalars).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class AdamW(torch.optim.Optimizer):
             raise TileOpsUnsupportedError(
                 f"{_NAME}: step() inside torch.compile is not supported; call it eagerly "
                 "(its launches are already one a parameter)")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise TileOpsUnsupportedError(
+                f"{_NAME}: step() inside CUDA graph capture is not supported: the step's "
+                "learning rate and bias corrections are kernel arguments, which a replay "
+                "would repeat; use torch.optim.AdamW(capturable=True)")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -81,6 +81,16 @@ def test_optimizer_defaults_and_state_names_match_torch():
                                        if k in AdamW([param]).defaults}
 
 
+def test_stepping_inside_a_cuda_graph_capture_is_refused(monkeypatch):
+    """A replay would repeat the captured step's learning rate and bias corrections."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.zeros(4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(TileOpsUnsupportedError, match=r"step\(\) inside CUDA graph capture"):
+        AdamW([p]).step()
+
+
 def _replicated(t):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
