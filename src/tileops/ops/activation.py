@@ -200,7 +200,7 @@ def _split_backward(op: Op, activation: str, grad_out: torch.Tensor, gate: torch
                     up: torch.Tensor,
                     into_inputs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_gate, grad_up); with `into_inputs`, written over gate and up themselves where
-    the kernel reads them in place (contiguous, aligned: see `mlp_activation`)."""
+    the kernel reads them in place (contiguous, aligned: see `_MlpActivation`)."""
     n = gate.shape[-1]
     if into_inputs and is_tma_ready(gate) and is_tma_ready(up):
         grad_gate, grad_up = gate, up

@@ -63,14 +63,8 @@ class AdamwStepFwdOp(InPlaceByDefault, Op):
     def update_(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, lr: float, step: int) -> None:
         """The update in place with this call's `lr` and `step` (the op's own are unused)."""
-        inputs = (param, grad, exp_avg, exp_avg_sq)
-        signature = (param.shape, param.dtype, param.device, grad.shape, grad.dtype,
-                     grad.device, exp_avg.shape, exp_avg.dtype, exp_avg.device,
-                     exp_avg_sq.shape, exp_avg_sq.dtype, exp_avg_sq.device)
-        if signature not in self._validated:
-            if self.validate(inputs) is not None:
-                return  # meta tensors: checked, nothing to update
-            self._validated[signature] = None
+        if self.validate((param, grad, exp_avg, exp_avg_sq)) is not None:
+            return  # meta tensors: checked, nothing to update (CUDA: cached per signature)
         if not lr >= 0.0:
             raise op_error(TileOpsValueError, self.spec.op_name, "lr", "a value >= 0", lr)
         if step < 1:
