@@ -36,11 +36,24 @@ def tma_producer(trans_a: bool, trans_b: bool, block_m: int, block_n: int, block
     """The producer's loop: `steps` K tiles from K tile k0 of output tile (tm, tn), the
     pipeline's steps numbered on from `base` (the steps of the CTA's earlier tiles). In a
     cluster of CTAs on the same column tile, the B tile goes to all of them in one
-    multicast load (TMA's: the cluster's first CTA issues it, each CTA expects its bytes)."""
+    multicast load (TMA's: the cluster's first CTA issues it, each CTA expects its bytes).
+
+    `out` (an accumulating persistent GEMM, else None): (d, d_shared, out_full, out_free,
+    tile), the CTA's tile-th output tile's old values loaded into d_shared once the
+    consumers have freed it (out_free's phase of the tile before) and the tile's first
+    stages are issued, so its read overlaps the tile's K loop."""
     multicast = (1 << cluster) - 1 if cluster > 1 else None
 
     @T.macro
-    def produce(a, b, a_stages, b_stages, full, empty, tm, tn, k0, steps, base):
+    def load_out(tm, tn, out):
+        d, d_shared, out_full, out_free, tile = out
+        T.mbarrier_wait_parity(out_free, (tile & 1) ^ 1)
+        T.tma_copy(d[tm * block_m:(tm + 1) * block_m, tn * block_n:(tn + 1) * block_n],
+                   d_shared, barrier=out_full)
+        T.mbarrier_arrive(out_full)
+
+    @T.macro
+    def produce(a, b, a_stages, b_stages, full, empty, tm, tn, k0, steps, base, out=None):
         for ko in T.serial(steps):
             s = (base + ko) % stages
             # a fresh barrier passes a wait for the parity before its first phase
@@ -59,6 +72,9 @@ def tma_producer(trans_a: bool, trans_b: bool, block_m: int, block_n: int, block
                 T.tma_copy(b[kt * block_k:(kt + 1) * block_k, tn * block_n:(tn + 1) * block_n],
                            b_stages[s, :, :], barrier=full[s], cluster_mask=multicast)
             T.mbarrier_arrive(full[s])
+            if out is not None:
+                if ko == T.min(steps, stages) - 1:
+                    load_out(tm, tn, out)
     return produce
 
 

@@ -18,6 +18,9 @@ from .wave_fill import SAFE_MEMORY_OFF, merge_buffers, partition, wave_fill_prog
 
 NUM_SMS_H200 = 132
 SMEM_LIMIT = 227 * 1024
+# a named barrier of the consumer warp groups alone (TileLang's own syncs of a warp-
+# specialized consumer use 3; 0 is __syncthreads)
+EPILOGUE_BARRIER = 5
 # M buckets: powers of two up to 16K rows, then "large". Wave quantization makes the best
 # tile differ between 4K and 16K rows for the same N, so each gets its own config.
 M_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -57,6 +60,11 @@ class GemmConfig:
     # CTA), the tokens on its N side (block_m, the whole of M), split-K CTAs reduced in a
     # cluster's shared memory. a [M, K] and b [N, K] only.
     weight_rows: bool = False
+    # Accumulating GEMMs (d += a @ b; async_mma): the producer brings the old output tile
+    # into the output staging buffer by TMA (first; persistent: after the tile's first
+    # stages, once the tile before has left the buffer), so its read overlaps the K loop
+    # and the consumers add it after; without it they read it before the loop, exposed.
+    early_out: bool = False
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         if self.weight_rows:  # the stages, the transposed tile, the cluster's partials
@@ -85,6 +93,8 @@ class GemmConfig:
                 and not (self.wave_fill and self.split_k > 1)
                 and not (self.wave_fill and self.async_mma)
                 and not (self.persistent and (not self.async_mma or self.split_k > 1))
+                and not (self.early_out and (not self.async_mma or not self.stage_out
+                                             or self.split_k > 1 or self.cluster_m > 1))
                 and self.cluster_m in (1, 2)
                 and not (self.cluster_m > 1 and (not self.async_mma or self.persistent))
                 and self.block_m >= 64 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
@@ -142,13 +152,13 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                  block_m: int, block_n: int, block_k: int, stages: int, threads: int,
                  split_k: int, raster: int, stage_out: bool = True, accumulate: bool = False,
                  has_bias: bool = False, full_row: bool = False, async_mma: bool = False,
-                 persistent: bool = False, cluster_m: int = 1):
+                 persistent: bool = False, cluster_m: int = 1, early_out: bool = False):
     """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]. With
     `accumulate` it adds to d instead (d += op(a) @ op(b), one rounding per call): the
     weight gradient of a chunked loss sums into its output without a temporary. With
     `has_bias` it adds bias[N] in the epilogue (split_k 1; the split-K reduce adds it
     otherwise). k=None makes K symbolic, like M (a weight gradient reduces over tokens).
-    full_row, async_mma, persistent and cluster_m are GemmConfig's (async_pipeline.py)."""
+    full_row, async_mma, persistent, cluster_m and early_out are GemmConfig's."""
     m = T.dynamic("m")
     if k is None:
         k = T.dynamic("k")
@@ -194,6 +204,8 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                 b_shared = T.alloc_shared(b_stages, dtype)
                 full = T.alloc_barrier([producer] * stages)
                 empty = alloc_empty([arrivals] * stages)
+                if early_out:
+                    out_full = T.alloc_barrier([producer])
             else:
                 a_shared = T.alloc_shared(a_tile, dtype)
                 b_shared = T.alloc_shared(b_tile, dtype)
@@ -211,11 +223,23 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
             if async_mma:
                 if T.get_thread_binding() >= threads:
                     T.set_max_nreg(async_pipeline.PRODUCER_REGISTERS, 0)
+                    if early_out:
+                        T.tma_copy(d[tm * block_m:(tm + 1) * block_m,
+                                     tn * block_n:(tn + 1) * block_n], d_shared,
+                                   barrier=out_full)
+                        T.mbarrier_arrive(out_full)
                     produce(a, b, a_shared, b_shared, full, empty, tm, tn, bz * tiles, tiles, 0)
                 else:
                     T.set_max_nreg(async_pipeline.CONSUMER_REGISTERS, 1)
-                    start(d, acc_local, tm, tn)
+                    if early_out:
+                        T.clear(acc_local)
+                    else:
+                        start(d, acc_local, tm, tn)
                     consume(a_shared, b_shared, acc_local, full, empty, tiles, 0)
+                    if early_out:
+                        T.mbarrier_wait_parity(out_full, 0)
+                        for i, j in T.Parallel(block_m, block_n):
+                            acc_local[i, j] += T.cast(d_shared[i, j], "float")
                     store(acc_local, d_shared, bias, tn, out)
                 if cluster_m > 1:  # no CTA leaves while its peers may still write to it
                     T.cluster_sync()
@@ -234,6 +258,9 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
             b_shared = T.alloc_shared(b_stages, dtype)
             full = T.alloc_barrier([producer] * stages)
             empty = T.alloc_barrier([threads] * stages)
+            if early_out:  # the old output tile landed; the staging buffer free again
+                out_full = T.alloc_barrier([producer])
+                out_free = T.alloc_barrier([threads])
             acc_local = T.alloc_fragment((block_m, block_n), "float")
             d_shared = T.alloc_shared((block_m, block_n), out_dtype) if stage_out else None
             mine = T.ceildiv(out_tiles - cta, grid)  # tiles cta, cta + grid, ...
@@ -241,14 +268,27 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                 T.set_max_nreg(async_pipeline.PRODUCER_REGISTERS, 0)
                 for i in T.serial(mine):
                     tm, tn = tile_of(cta + i * grid, tiles_m)
-                    produce(a, b, a_shared, b_shared, full, empty, tm, tn, 0, tiles, i * tiles)
+                    produce(a, b, a_shared, b_shared, full, empty, tm, tn, 0, tiles, i * tiles,
+                            (d, d_shared, out_full, out_free, i) if early_out else None)
             else:
                 T.set_max_nreg(async_pipeline.CONSUMER_REGISTERS, 1)
                 for i in T.serial(mine):
                     tm, tn = tile_of(cta + i * grid, tiles_m)
-                    start(d, acc_local, tm, tn)
+                    if early_out:
+                        T.clear(acc_local)
+                    else:
+                        start(d, acc_local, tm, tn)
                     consume(a_shared, b_shared, acc_local, full, empty, tiles, i * tiles)
+                    if early_out:
+                        T.mbarrier_wait_parity(out_full, i & 1)
+                        for r, c in T.Parallel(block_m, block_n):
+                            acc_local[r, c] += T.cast(d_shared[r, c], "float")
                     store(acc_local, d_shared, bias, tn, d[tm * block_m, tn * block_n])
+                    if early_out:
+                        # the store's one issuing thread has waited for its reads of the
+                        # buffer: past this barrier the producer may fill it again
+                        T.sync_threads(EPILOGUE_BARRIER, threads)
+                        T.mbarrier_arrive(out_free)
 
     launch = persistent_body if persistent else body
 
@@ -330,6 +370,8 @@ class GemmKernel(Kernel):
         if config.async_mma and not self.tma_aligned():
             raise ValueError("the hand-written pipeline loads by TMA: K (and N when b is "
                              f"[K, N]) must be a multiple of 8 elements, got {k}")
+        if config.early_out and not k.get("accumulate", False):
+            raise ValueError("early_out loads the old output tile of an accumulating GEMM")
         if config.weight_rows:
             return (self._weight_stream_program(config, bucket),)
         if config.wave_fill:
@@ -345,7 +387,7 @@ class GemmKernel(Kernel):
                             config.threads, config.split_k, config.raster, config.stage_out,
                             k.get("accumulate", False), k.get("has_bias", False),
                             config.full_row, config.async_mma, config.persistent,
-                            config.cluster_m)
+                            config.cluster_m, config.early_out)
         if config.split_k == 1:
             return main
         if not self._splittable():
