@@ -164,9 +164,14 @@ def _cupti_round(fns: dict[str, Callable[[], object]],
 def kernel_breakdown(fn: Callable[[], object], reps: int = 10) -> list[tuple[str, float]]:
     """What one call of `fn` runs on the device: (name, median us) of each kernel, memset or
     copy, in launch order, L2 flushed before every call as in the timing protocol. Shows
-    where a multi-kernel op spends its time (its main kernel against its helper passes)."""
-    fn()
-    torch.cuda.synchronize()
+    where a multi-kernel op spends its time (its main kernel against its helper passes).
+    Warmed up as the bench warms up (0.25 s of sustained load): a device left idle while
+    the host set up the inputs runs its first calls at lower clocks (on an H100, 7-12%
+    slower kernels on the first case of a run, 2026-12-06)."""
+    errors: dict[str, Exception] = {}
+    _warm_up({"fn": fn}, 3, 0.25, errors)
+    if errors:
+        raise errors["fn"]
     found = _brackets(_profiled_calls([fn], reps), reps, 1)
     if found is None:
         raise RuntimeError("the profiler trace does not hold one bracket per call")
