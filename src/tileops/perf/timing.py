@@ -166,8 +166,9 @@ def kernel_breakdown(fn: Callable[[], object], reps: int = 10) -> list[tuple[str
     copy, in launch order, L2 flushed before every call as in the timing protocol. Shows
     where a multi-kernel op spends its time (its main kernel against its helper passes).
     Warmed up as the bench warms up (0.25 s of sustained load): a device left idle while
-    the host set up the inputs runs its first calls at lower clocks (on an H100, 7-12%
-    slower kernels on the first case of a run, 2026-12-06)."""
+    the host sets up inputs runs its first calls at lower clocks (H100, 2026-12-06: the
+    unwarmed breakdown put our norm kernels, each case's first candidate, 7-12% above
+    ncu's times of them, Liger's, timed after them, 3%)."""
     errors: dict[str, Exception] = {}
     _warm_up({"fn": fn}, 3, 0.25, errors)
     if errors:
