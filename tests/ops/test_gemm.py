@@ -252,13 +252,15 @@ def test_weight_stream_default_through_linear(n, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("persistent", [False, True])
-def test_async_pipeline_accumulates_over_symbolic_k(persistent, dtype):
+@pytest.mark.parametrize("persistent, early_out", [(False, False), (True, False),
+                                                   (False, True), (True, True)])
+def test_async_pipeline_accumulates_over_symbolic_k(persistent, early_out, dtype):
     """The accumulating, symbolic-K form (a weight gradient: d += a^T b over tokens) on the
-    hand-written pipeline, at token counts that are and are not multiples of the K tile."""
+    hand-written pipeline, at token counts that are and are not multiples of the K tile,
+    fewer K tiles than stages among them; with early_out the old tile comes by TMA."""
     n, m_out = 3000, 1000
     config = GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True,
-                        persistent=persistent)
+                        persistent=persistent, early_out=early_out)
     kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=None, trans_a=True,
                         trans_b=False, accumulate=True)
     for tokens in (64, 4100):

@@ -143,8 +143,16 @@ def test_fused_linear_chunks_bound_the_memory(tokens):
 
 
 def test_fused_linear_kernels_cover_the_chunk_tail():
+    """grad_weight's GEMMs: the first chunk's writes, the later full chunks' and the
+    tail's accumulate; a single chunk only writes."""
     op = FusedLinearCrossEntropyFwdOp()
-    ns = op.check([meta(3000, 256), meta(16000, 256), meta(3000, dtype=torch.int64), None])
-    accumulating = [key["k"] for name, key, _ in op.kernels_for(ns) if key.get("accumulate")]
+
+    def weight_grads(tokens):
+        ns = op.check([meta(tokens, 256), meta(16000, 256), meta(tokens, dtype=torch.int64),
+                       None])
+        return sorted((key["k"], key.get("accumulate", False))
+                      for name, key, _ in op.kernels_for(ns) if key.get("trans_a"))
+
     rows = chunk_rows(3000, 16000)
-    assert sorted(accumulating) == sorted({rows, 3000 % rows})
+    assert weight_grads(3000) == sorted({(rows, False), (rows, True), (3000 % rows, True)})
+    assert weight_grads(100) == [(100, False)]
