@@ -34,6 +34,10 @@ from .cross_entropy import _REDUCTIONS, _CrossEntropy
 
 MAX_CHUNK_ROWS = 2048
 MIN_CHUNK_ROWS = 256
+# Chunks whose gradient logits one grad_weight GEMM takes together (K = their tokens): each
+# GEMM reads and writes all of grad_weight (2 GB at a 128K x 4K head), about as long as its
+# tensor-core work at 512 tokens, so longer K is faster; the logits buffer holds them all.
+WEIGHT_GRAD_CHUNKS = 1
 
 
 def chunk_rows(tokens: int, vocab: int) -> int:
@@ -90,29 +94,34 @@ class FusedLinearCrossEntropyFwdOp(_CrossEntropy, Op):
         grad_bias = torch.zeros(vocab if grads and bias is not None else 0,
                                 dtype=torch.float32, device=dev)
         rows = chunk_rows(tokens, vocab)
-        logits = torch.empty((min(rows, tokens), vocab), dtype=dtype, device=dev)
-        for start in range(0, tokens, rows):
-            stop = min(start + rows, tokens)
-            n = stop - start
-            chunk = logits[:n]
-            self._gemm(dev, dtype, vocab, width, False, True)(n, hidden[start:stop], weight,
-                                                              chunk)
-            if bias is not None:
-                chunk += bias
-            mode = "loss_and_grad" if grads else "loss"
-            extra = (chunk,) if grads else ()
-            self.get_kernel("cross_entropy", dev, **self._key(mode, dtype, vocab))(
-                n, chunk, target[start:stop], loss[start:stop], lse[start:stop], *extra,
-                *self._scalars())
-            if not grads:
-                continue
-            # grad_hidden rows = grad_logits @ weight; grad_weight += grad_logits^T @ hidden
-            self._gemm(dev, dtype, width, vocab, False, False)(n, chunk, weight,
-                                                               grad_hidden[start:stop])
-            self._gemm(dev, dtype, width, n, True, False, accumulate=start > 0)(
-                vocab, chunk, hidden[start:stop], grad_weight)
-            if bias is not None:
-                grad_bias += chunk.sum(0, dtype=torch.float32)
+        group = rows * (WEIGHT_GRAD_CHUNKS if grads else 1)
+        logits = torch.empty((min(group, tokens), vocab), dtype=dtype, device=dev)
+        mode = "loss_and_grad" if grads else "loss"
+        for first in range(0, tokens, group):
+            last = min(first + group, tokens)
+            for start in range(first, last, rows):
+                stop = min(start + rows, last)
+                n = stop - start
+                chunk = logits[start - first:stop - first]
+                self._gemm(dev, dtype, vocab, width, False, True)(n, hidden[start:stop],
+                                                                  weight, chunk)
+                if bias is not None:
+                    chunk += bias
+                extra = (chunk,) if grads else ()
+                self.get_kernel("cross_entropy", dev, **self._key(mode, dtype, vocab))(
+                    n, chunk, target[start:stop], loss[start:stop], lse[start:stop], *extra,
+                    *self._scalars())
+                if not grads:
+                    continue
+                # grad_hidden rows = grad_logits @ weight
+                self._gemm(dev, dtype, width, vocab, False, False)(n, chunk, weight,
+                                                                   grad_hidden[start:stop])
+                if bias is not None:
+                    grad_bias += chunk.sum(0, dtype=torch.float32)
+            if grads:  # grad_weight (+)= grad_logits^T @ hidden over the group's tokens
+                self._gemm(dev, dtype, width, last - first, True, False,
+                           accumulate=first > 0)(vocab, logits[:last - first],
+                                                 hidden[first:last], grad_weight)
         total = self._reduced(loss, target)
         return total, grad_hidden, grad_weight, grad_bias.to(dtype)
 
@@ -143,10 +152,11 @@ class FusedLinearCrossEntropyFwdOp(_CrossEntropy, Op):
         if self.with_grad:
             found.append(("gemm", {**gemm, "n": width, "k": vocab, "trans_b": False}, rows))
             weight_grad = {**gemm, "n": width, "trans_a": True, "trans_b": False}
-            chunks = [rows] * (tokens // rows) + ([tokens % rows] if tokens % rows else [])
-            if chunks:  # the first chunk writes grad_weight, the others add to it
-                found.append(("gemm", {**weight_grad, "k": chunks[0]}, vocab))
-            for n in sorted(set(chunks[1:])):
+            group = rows * WEIGHT_GRAD_CHUNKS
+            groups = [group] * (tokens // group) + ([tokens % group] if tokens % group else [])
+            if groups:  # the first group's GEMM writes grad_weight, the others add to it
+                found.append(("gemm", {**weight_grad, "k": groups[0]}, vocab))
+            for n in sorted(set(groups[1:])):
                 found.append(("gemm", {**weight_grad, "k": n, "accumulate": True}, vocab))
         return found
 
