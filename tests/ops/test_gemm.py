@@ -1,5 +1,7 @@
 """GemmFwdOp on the GPU against an fp32 torch.matmul reference."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -251,16 +253,25 @@ def test_weight_stream_default_through_linear(n, k, dtype):
         assert_close(out, reference(x[:rows], w) + bias.float(), what=f"M={rows}")
 
 
+ACCUMULATING = GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True)
+TWO_AN_SM = dataclasses.replace(ACCUMULATING, stages=2, threads=128, ctas_per_sm=2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("persistent, early_out", [(False, False), (True, False),
-                                                   (False, True), (True, True)])
-def test_async_pipeline_accumulates_over_symbolic_k(persistent, early_out, dtype):
+@pytest.mark.parametrize("config", [
+    ACCUMULATING, dataclasses.replace(ACCUMULATING, persistent=True),
+    dataclasses.replace(ACCUMULATING, early_out=True),
+    dataclasses.replace(ACCUMULATING, early_out=True, persistent=True),
+    dataclasses.replace(TWO_AN_SM, early_out=True),
+    dataclasses.replace(TWO_AN_SM, early_out=True, persistent=True)],
+    ids=["plain", "persistent", "early_out", "persistent-early_out", "2-an-sm-early_out",
+         "2-an-sm-persistent-early_out"])
+def test_async_pipeline_accumulates_over_symbolic_k(config, dtype):
     """The accumulating, symbolic-K form (a weight gradient: d += a^T b over tokens) on the
     hand-written pipeline, at token counts that are and are not multiples of the K tile,
-    fewer K tiles than stages among them; with early_out the old tile comes by TMA."""
+    fewer K tiles than stages among them; with early_out the old tile comes by TMA; two
+    CTAs an SM of one consumer warp group each."""
     n, m_out = 3000, 1000
-    config = GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True,
-                        persistent=persistent, early_out=early_out)
     kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=None, trans_a=True,
                         trans_b=False, accumulate=True)
     for tokens in (64, 4100):

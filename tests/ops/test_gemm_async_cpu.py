@@ -1,10 +1,15 @@
 """The hand-written GEMM pipeline (kernels/gemm/async_pipeline.py) on the CPU: the persistent
-walk's tile order and which configs may take the pipeline."""
+walk's tile order, which configs may take the pipeline, and the two-CTAs-an-SM program's
+registers."""
+
+import dataclasses
 
 import pytest
 
-from tileops.kernels.gemm import GemmConfig
-from tileops.kernels.gemm.async_pipeline import tile_order
+from tileops.kernels.gemm import GemmConfig, GemmKernel
+from tileops.kernels.gemm.async_pipeline import register_budgets, tile_order
+
+from ..helpers import assert_no_spills_or_serialized_wgmma
 
 ASYNC = GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True)
 
@@ -43,3 +48,29 @@ def test_pipeline_config_rules():
     assert GemmConfig(128, 128, 64, 4, 256, 1, 8, async_mma=True, cluster_m=2).valid()
     assert not GemmConfig(128, 128, 64, 4, 256, 1, 0, cluster_m=2).valid()
     assert not GemmConfig(128, 128, 64, 4, 256, 1, 0, async_mma=True, cluster_m=4).valid()
+
+
+def test_early_out_and_two_ctas_an_sm_rules():
+    early = dataclasses.replace(ASYNC, early_out=True)
+    assert early.valid() and dataclasses.replace(early, persistent=True).valid()
+    assert not dataclasses.replace(early, async_mma=False).valid()  # the producer loads it
+    assert not dataclasses.replace(early, stage_out=False).valid()  # it lands there
+    two = dataclasses.replace(early, stages=2, threads=128, ctas_per_sm=2)
+    assert two.valid() and two.smem_bytes() == 2 * 256 * 64 * 2 + 128 * 128 * 2
+    assert not dataclasses.replace(two, stages=3).valid()  # 2 x 128 KB of shared memory
+    assert not dataclasses.replace(two, async_mma=False, early_out=False).valid()
+    assert register_budgets(256) == (40, 232)
+    assert register_budgets(128, ctas_per_sm=2) == (40, 216)  # 2 x (128 x 40 + 128 x 216)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_two_ctas_an_sm_program_fits_its_registers(persistent, tmp_path):
+    """The accumulating GEMM at two CTAs an SM: launch-bounded for two, no spill at the
+    consumers' 216-register budget, no serialized wgmma (ptxas)."""
+    kernel = GemmKernel(dtype="bfloat16", n=4096, k=512, trans_a=True, trans_b=False,
+                        accumulate=True)
+    config = GemmConfig(128, 128, 64, 2, 128, 1, 8, full_row=True, async_mma=True,
+                        early_out=True, ctas_per_sm=2, persistent=persistent)
+    compiled = kernel.compile(config, "large")[0]
+    assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)

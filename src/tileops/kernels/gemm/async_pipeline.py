@@ -21,6 +21,17 @@ PRODUCER_THREADS = 128
 # warp groups (TileLang's own split is 24 / 240; 40 leaves the producer its addressing).
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
+SM_REGISTERS = 65536
+
+
+def register_budgets(consumer_threads: int, ctas_per_sm: int = 1) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg budgets: the defaults above for one CTA an SM; with
+    several, the consumers take what the CTA's share of the register file leaves after
+    the producer's 40 (multiples of 8: 216 for one consumer warp group at two an SM)."""
+    if ctas_per_sm == 1:
+        return PRODUCER_REGISTERS, CONSUMER_REGISTERS
+    share = SM_REGISTERS // ctas_per_sm - PRODUCER_REGISTERS * PRODUCER_THREADS
+    return PRODUCER_REGISTERS, min(CONSUMER_REGISTERS, share // consumer_threads // 8 * 8)
 
 
 def stage_shapes(trans_a: bool, trans_b: bool, block_m: int, block_n: int, block_k: int,

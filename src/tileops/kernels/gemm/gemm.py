@@ -66,6 +66,10 @@ class GemmConfig:
     # stages, once the tile before has left the buffer), so its read overlaps the K loop
     # and the consumers add it after; without it they read it before the loop, exposed.
     early_out: bool = False
+    # async_mma: CTAs resident on an SM at once (launch bound and register budgets to
+    # match): with one consumer warp group each, one CTA's epilogue runs while another's
+    # wgmmas do (the grad_weight GEMM's old-tile traffic against its short K loop)
+    ctas_per_sm: int = 1
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         if self.weight_rows:  # the stages, the transposed tile, the cluster's partials
@@ -90,7 +94,9 @@ class GemmConfig:
                     and not (self.wave_fill or self.async_mma or self.persistent
                              or self.full_row or self.cluster_m > 1))
         warps = self.threads // 32
-        return (self.smem_bytes() <= SMEM_LIMIT and warps % 4 == 0
+        return (self.smem_bytes() * self.ctas_per_sm <= SMEM_LIMIT and warps % 4 == 0
+                and (self.ctas_per_sm == 1 or (self.async_mma and self.cluster_m == 1
+                                                and self.ctas_per_sm == 2))
                 and not (self.wave_fill and self.split_k > 1)
                 and not (self.wave_fill and self.async_mma)
                 and not (self.persistent and (not self.async_mma or self.split_k > 1))
@@ -162,13 +168,14 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                  block_m: int, block_n: int, block_k: int, stages: int, threads: int,
                  split_k: int, raster: int, stage_out: bool = True, accumulate: bool = False,
                  has_bias: bool = False, full_row: bool = False, async_mma: bool = False,
-                 persistent: bool = False, cluster_m: int = 1, early_out: bool = False):
+                 persistent: bool = False, cluster_m: int = 1, early_out: bool = False,
+                 ctas_per_sm: int = 1):
     """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]. With
     `accumulate` it adds to d instead (d += op(a) @ op(b), one rounding per call): the
     weight gradient of a chunked loss sums into its output without a temporary. With
     `has_bias` it adds bias[N] in the epilogue (split_k 1; the split-K reduce adds it
     otherwise). k=None makes K symbolic, like M (a weight gradient reduces over tokens).
-    full_row, async_mma, persistent, cluster_m and early_out are GemmConfig's."""
+    full_row, async_mma, persistent, cluster_m, early_out and ctas_per_sm are GemmConfig's."""
     m = T.dynamic("m")
     if k is None:
         k = T.dynamic("k")
@@ -193,6 +200,7 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                                                      block_k, stages)
     store = tile_store(n, block_m, block_n, epilogue_bias, stage_out)
     producer = async_pipeline.PRODUCER_THREADS if async_mma else 0
+    producer_regs, consumer_regs = async_pipeline.register_budgets(threads, ctas_per_sm)
     tiles_n = -(-n // block_n)
     tile_of = async_pipeline.tile_order(tiles_n, raster)
 
@@ -209,6 +217,8 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
         with T.Kernel(T.ceildiv(n, block_n), T.ceildiv(m, block_m * cluster_m) * cluster_m,
                       split_k, threads=threads + producer,
                       cluster_dims=(1, cluster_m, 1) if cluster_m > 1 else None) as (bx, by, bz):
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
             if async_mma:
                 a_shared = T.alloc_shared(a_stages, dtype)
                 b_shared = T.alloc_shared(b_stages, dtype)
@@ -232,7 +242,7 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                 tm * block_m, tn * block_n]
             if async_mma:
                 if T.get_thread_binding() >= threads:
-                    T.set_max_nreg(async_pipeline.PRODUCER_REGISTERS, 0)
+                    T.set_max_nreg(producer_regs, 0)
                     if early_out:
                         T.tma_copy(d[tm * block_m:(tm + 1) * block_m,
                                      tn * block_n:(tn + 1) * block_n], d_shared,
@@ -240,7 +250,7 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                         T.mbarrier_arrive(out_full)
                     produce(a, b, a_shared, b_shared, full, empty, tm, tn, bz * tiles, tiles, 0)
                 else:
-                    T.set_max_nreg(async_pipeline.CONSUMER_REGISTERS, 1)
+                    T.set_max_nreg(consumer_regs, 1)
                     if early_out:
                         T.clear(acc_local)
                     else:
@@ -262,8 +272,10 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
     def persistent_body(a, b, d, bias):
         tiles_m = T.ceildiv(m, block_m)
         out_tiles = tiles_m * tiles_n
-        grid = T.min(out_tiles, NUM_SMS_H200)
+        grid = T.min(out_tiles, NUM_SMS_H200 * ctas_per_sm)
         with T.Kernel(grid, threads=threads + producer) as cta:
+            if ctas_per_sm > 1:
+                T.annotate_min_blocks_per_sm(ctas_per_sm)
             a_shared = T.alloc_shared(a_stages, dtype)
             b_shared = T.alloc_shared(b_stages, dtype)
             full = T.alloc_barrier([producer] * stages)
@@ -275,13 +287,13 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
             d_shared = T.alloc_shared((block_m, block_n), out_dtype) if stage_out else None
             mine = T.ceildiv(out_tiles - cta, grid)  # tiles cta, cta + grid, ...
             if T.get_thread_binding() >= threads:
-                T.set_max_nreg(async_pipeline.PRODUCER_REGISTERS, 0)
+                T.set_max_nreg(producer_regs, 0)
                 for i in T.serial(mine):
                     tm, tn = tile_of(cta + i * grid, tiles_m)
                     produce(a, b, a_shared, b_shared, full, empty, tm, tn, 0, tiles, i * tiles,
                             (d, d_shared, out_full, out_free, i) if early_out else None)
             else:
-                T.set_max_nreg(async_pipeline.CONSUMER_REGISTERS, 1)
+                T.set_max_nreg(consumer_regs, 1)
                 for i in T.serial(mine):
                     tm, tn = tile_of(cta + i * grid, tiles_m)
                     if early_out:
@@ -397,7 +409,7 @@ class GemmKernel(Kernel):
                             config.threads, config.split_k, config.raster, config.stage_out,
                             k.get("accumulate", False), k.get("has_bias", False),
                             config.full_row, config.async_mma, config.persistent,
-                            config.cluster_m, config.early_out)
+                            config.cluster_m, config.early_out, config.ctas_per_sm)
         if config.split_k == 1:
             return main
         if not self._splittable():
@@ -549,6 +561,11 @@ class GemmKernel(Kernel):
                     space += [dataclasses.replace(EARLY_ACCUMULATE, block_n=bn, stages=st,
                                                   persistent=p)
                               for bn, st in ((256, 3), (192, 4)) for p in (False, True)]
+                    # two CTAs an SM, one consumer warp group each (built, not yet timed)
+                    space += [dataclasses.replace(EARLY_ACCUMULATE, block_n=128, block_k=bk,
+                                                  stages=st, threads=128, ctas_per_sm=2,
+                                                  persistent=p)
+                              for bk, st in ((64, 2), (32, 4)) for p in (False, True)]
         # the cost model's runners-up (split-K ones among them)
         scored = select.ranked(self.model_shape(), rows, self.gpu)
         space += [c for _, c in sorted(scored, key=lambda s: s[0])[:6]]
