@@ -54,14 +54,7 @@ def tma_producer(trans_a: bool, trans_b: bool, block_m: int, block_n: int, block
     consumers have freed it (out_free's phase of the tile before) and the tile's first
     stages are issued, so its read overlaps the tile's K loop."""
     multicast = (1 << cluster) - 1 if cluster > 1 else None
-
-    @T.macro
-    def load_out(tm, tn, out):
-        d, d_shared, out_full, out_free, tile = out
-        T.mbarrier_wait_parity(out_free, (tile & 1) ^ 1)
-        T.tma_copy(d[tm * block_m:(tm + 1) * block_m, tn * block_n:(tn + 1) * block_n],
-                   d_shared, barrier=out_full)
-        T.mbarrier_arrive(out_full)
+    load_out = old_tile_load(block_m, block_n)
 
     @T.macro
     def produce(a, b, a_stages, b_stages, full, empty, tm, tn, k0, steps, base, out=None):
@@ -85,8 +78,24 @@ def tma_producer(trans_a: bool, trans_b: bool, block_m: int, block_n: int, block
             T.mbarrier_arrive(full[s])
             if out is not None:
                 if ko == T.min(steps, stages) - 1:
-                    load_out(tm, tn, out)
+                    load_out(tm, tn, *out)
     return produce
+
+
+def old_tile_load(block_m: int, block_n: int):
+    """The producer's load of output tile (tm, tn)'s old values into d_shared, on out_full
+    (an accumulating GEMM's `early_out`); first, in a persistent walk, the wait for the
+    consumers to have freed d_shared of the CTA's tile before (out_free; None: a CTA with
+    one tile)."""
+
+    @T.macro
+    def load_out(tm, tn, d, d_shared, out_full, out_free, tile):
+        if out_free is not None:
+            T.mbarrier_wait_parity(out_free, (tile & 1) ^ 1)
+        T.tma_copy(d[tm * block_m:(tm + 1) * block_m, tn * block_n:(tn + 1) * block_n],
+                   d_shared, barrier=out_full)
+        T.mbarrier_arrive(out_full)
+    return load_out
 
 
 def empty_arrivals(consumer_threads: int, cluster: int = 1) -> int:

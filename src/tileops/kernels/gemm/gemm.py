@@ -204,12 +204,22 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
     tiles_n = -(-n // block_n)
     tile_of = async_pipeline.tile_order(tiles_n, raster)
 
+    load_old_tile = async_pipeline.old_tile_load(block_m, block_n)
+
     @T.macro
     def start(d, acc_local, by, bx):
-        if accumulate:
+        if accumulate and not early_out:
             T.copy(d[by * block_m, bx * block_n], acc_local)
         else:
             T.clear(acc_local)
+
+    @T.macro
+    def add_old_tile(acc_local, d_shared, out_full, parity):
+        """early_out: the old tile, landed in d_shared, added to the K loop's sums."""
+        if early_out:
+            T.mbarrier_wait_parity(out_full, parity)
+            for i, j in T.Parallel(block_m, block_n):
+                acc_local[i, j] += T.cast(d_shared[i, j], "float")
 
     @T.macro
     def body(a, b, d, bias):
@@ -243,23 +253,14 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
             if async_mma:
                 if T.get_thread_binding() >= threads:
                     T.set_max_nreg(producer_regs, 0)
-                    if early_out:
-                        T.tma_copy(d[tm * block_m:(tm + 1) * block_m,
-                                     tn * block_n:(tn + 1) * block_n], d_shared,
-                                   barrier=out_full)
-                        T.mbarrier_arrive(out_full)
+                    if early_out:  # the CTA's one tile: before its stages
+                        load_old_tile(tm, tn, d, d_shared, out_full, None, 0)
                     produce(a, b, a_shared, b_shared, full, empty, tm, tn, bz * tiles, tiles, 0)
                 else:
                     T.set_max_nreg(consumer_regs, 1)
-                    if early_out:
-                        T.clear(acc_local)
-                    else:
-                        start(d, acc_local, tm, tn)
+                    start(d, acc_local, tm, tn)
                     consume(a_shared, b_shared, acc_local, full, empty, tiles, 0)
-                    if early_out:
-                        T.mbarrier_wait_parity(out_full, 0)
-                        for i, j in T.Parallel(block_m, block_n):
-                            acc_local[i, j] += T.cast(d_shared[i, j], "float")
+                    add_old_tile(acc_local, d_shared, out_full if early_out else None, 0)
                     store(acc_local, d_shared, bias, tn, out)
                 if cluster_m > 1:  # no CTA leaves while its peers may still write to it
                     T.cluster_sync()
@@ -296,15 +297,9 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                 T.set_max_nreg(consumer_regs, 1)
                 for i in T.serial(mine):
                     tm, tn = tile_of(cta + i * grid, tiles_m)
-                    if early_out:
-                        T.clear(acc_local)
-                    else:
-                        start(d, acc_local, tm, tn)
+                    start(d, acc_local, tm, tn)
                     consume(a_shared, b_shared, acc_local, full, empty, tiles, i * tiles)
-                    if early_out:
-                        T.mbarrier_wait_parity(out_full, i & 1)
-                        for r, c in T.Parallel(block_m, block_n):
-                            acc_local[r, c] += T.cast(d_shared[r, c], "float")
+                    add_old_tile(acc_local, d_shared, out_full if early_out else None, i & 1)
                     store(acc_local, d_shared, bias, tn, d[tm * block_m, tn * block_n])
                     if early_out:
                         # the store's one issuing thread has waited for its reads of the
