@@ -11,10 +11,10 @@ Blocks allocated before the recorded step (parameters, optimizer state) show as 
 gives the peak; this says what makes one variant's higher than another's.
 """
 
-import argparse
 import collections
 
 import torch
+from profile_model_step import for_each_variant
 
 from tileops.transformers.bench import warm_training_step
 
@@ -73,16 +73,8 @@ def peak_report(model_name: str, variant: str, layers: int, seq: int, top: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--variant", nargs="+", default=["tileops", "liger"])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--top", type=int, default=25)
-    args = parser.parse_args()
-    for variant in args.variant:
-        peak_report(args.model, variant, args.layers, args.seq, args.top)
-        torch.cuda.empty_cache()
+    for_each_variant(peak_report, __doc__.splitlines()[0], "llama-3.1-8b",
+                     ["tileops", "liger"])
 
 
 if __name__ == "__main__":

@@ -36,17 +36,24 @@ def profile_step(model_name: str, variant: str, layers: int, seq: int, top: int)
               f"{name[:NAME_WIDTH]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-30b-a3b")
-    parser.add_argument("--variant", nargs="+", default=["eager", "tileops"])
+def for_each_variant(report, description: str, model: str, variants: list[str]) -> None:
+    """The command line of the bench-model step scripts (this one, memory_peak.py): one
+    model, its variants in turn, `report(model, variant, layers, seq, top)` for each."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=model)
+    parser.add_argument("--variant", nargs="+", default=variants)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     for variant in args.variant:
-        profile_step(args.model, variant, args.layers, args.seq, args.top)
+        report(args.model, variant, args.layers, args.seq, args.top)
         torch.cuda.empty_cache()
+
+
+def main() -> None:
+    for_each_variant(profile_step, __doc__.splitlines()[0], "qwen3-30b-a3b",
+                     ["eager", "tileops"])
 
 
 if __name__ == "__main__":
