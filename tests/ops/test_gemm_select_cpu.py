@@ -39,6 +39,8 @@ def same_config(now: dict, before: dict) -> bool:
     leaves the selection as it was."""
     if (now["block_m"], now["block_n"]) == select.FULL_ROW_TILE:
         now = {**now, "full_row": False}
+        if "full_row" in before:  # (a record frozen with it: the same on both sides)
+            before = {**before, "full_row": False}
     defaults = {f.name: f.default for config in (GemmConfig, Fp8GemmConfig)
                 for f in dataclasses.fields(config)}
     added = [f for f in now if f not in before and now[f] != defaults[f]]

@@ -116,6 +116,14 @@ class GemmConfig:
 # runs); persistent 1339.5-1362.1, 128 x 192 x 4 stages 1328.8-1355.7 (2026-12-06).
 EARLY_ACCUMULATE = GemmConfig(128, 256, 64, 3, 256, 1, 8, full_row=True, async_mma=True,
                               early_out=True)
+# ... and of those with K <= SHORT_ACCUMULATE_K: two CTAs an SM of 128 x 128 tiles, one
+# consumer warp group each, so one CTA's old-tile traffic and store run under the other's
+# wgmmas (a 512-deep K loop is too short to hide them in one CTA). The same GEMM on an H100:
+# 1246.0 us against EARLY_ACCUMULATE's 1324.7 (1.063x; cuBLAS addmm 1111.8); at K 1024 the
+# two-CTA form lost (2346.4 against 1963.9) (2026-12-06).
+TWO_CTA_ACCUMULATE = dataclasses.replace(EARLY_ACCUMULATE, block_n=128, block_k=32, stages=4,
+                                         threads=128, ctas_per_sm=2)
+SHORT_ACCUMULATE_K = 512
 
 
 def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
@@ -511,13 +519,14 @@ class GemmKernel(Kernel):
         if stream is not None:
             return stream
         if self.accumulates_early(bucket):
-            return EARLY_ACCUMULATE
+            return (TWO_CTA_ACCUMULATE if self.key["k"] <= SHORT_ACCUMULATE_K
+                    else EARLY_ACCUMULATE)
         return select.choose(self.model_shape(), self.bucket_rows(bucket), self.gpu)
 
     def accumulates_early(self, bucket: str) -> bool:
-        """Whether `EARLY_ACCUMULATE` serves: an accumulating GEMM with a static K of whole
-        TMA rows, past a wave of 128-row tiles (the fused loss's grad_weight: M = the
-        vocabulary)."""
+        """Whether `EARLY_ACCUMULATE` (or `TWO_CTA_ACCUMULATE`) serves: an accumulating GEMM
+        with a static K of whole TMA rows, past a wave of 128-row tiles (the fused loss's
+        grad_weight: M = the vocabulary)."""
         return (self.key.get("accumulate", False) and self.key["k"] is not None
                 and self.tma_aligned() and self.bucket_rows(bucket) > 128)
 
@@ -556,7 +565,7 @@ class GemmKernel(Kernel):
                     space += [dataclasses.replace(EARLY_ACCUMULATE, block_n=bn, stages=st,
                                                   persistent=p)
                               for bn, st in ((256, 3), (192, 4)) for p in (False, True)]
-                    # two CTAs an SM, one consumer warp group each (built, not yet timed)
+                    # two CTAs an SM, one consumer warp group each
                     space += [dataclasses.replace(EARLY_ACCUMULATE, block_n=128, block_k=bk,
                                                   stages=st, threads=128, ctas_per_sm=2,
                                                   persistent=p)
