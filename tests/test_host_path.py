@@ -191,3 +191,41 @@ def test_argmax_plan_and_its_fallbacks(stub):
     assert op.plan(bf16(2, 4, 1000)) is None  # leading dims: forward's view
     assert op.plan(bf16(0, 1000)) is None
     assert tileops.argmax(x, -1, keepdim=True).shape == (8, 1)
+
+
+def test_planned_launches_call_the_bound_executable_until_the_bucket_is_repinned(
+        stub, monkeypatch):
+    """A plan calls its bucket's executable itself (`Kernel.bind`) with the arguments the
+    kernel's run would pass, and goes back through the kernel once the bucket holds another
+    pick (here: a test's)."""
+    from tileops import SoftmaxFwdOp
+    from tileops.kernels import base as kernels_base
+
+    calls = []
+    monkeypatch.setattr(kernels_base.Kernel, "compile",
+                        lambda self, config, bucket: (lambda *args: calls.append(args),) * 4)
+    x, w = bf16(8, 256), bf16(256)
+    for op, inputs, expected in (
+            (RMSNormFwdOp(normalized_shape=[256], eps=1e-5), (x, w), (x, w, "out", 1e-5)),
+            (RMSNormFwdOp(normalized_shape=[256], eps=1e-5), (x, None), (x, "out", 1e-5)),
+            (LayerNormFwdOp(normalized_shape=[256]), (x, w, w), (x, w, w, "out", 1e-5)),
+            (SoftmaxFwdOp(), (x,), (x, "out", 1))):
+        for planned in (False, True):  # the first call plans, the second takes the plan
+            calls.clear()
+            with monkeypatch.context() as patch:
+                if planned:  # the executable directly: the kernel itself is never called
+                    patch.setattr(kernels_base.Kernel, "__call__", None)
+                out = op(*inputs)
+            assert len(calls) == 1
+            got = calls[0]
+            assert len(got) == len(expected) and all(
+                (g is out) if e == "out" else (g is e or g == e)
+                for g, e in zip(got, expected, strict=True))
+        kernel = next(iter(op._call_memo.values()))
+        bucket = kernel.bucket_of(8)
+        repinned = []
+        kernel._by_bucket[bucket] = (kernel._by_bucket[bucket][0],
+                                     (lambda *args, sink=repinned: sink.append(args),) * 4)
+        calls.clear()
+        op(*inputs)
+        assert not calls and len(repinned) == 1, type(op).__name__

@@ -13,12 +13,16 @@ import json
 import os
 import pathlib
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ..errors import TileOpsUnsupportedError
 from .launch_shared_memory import check_launch_shared_memory
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
+# `Kernel.bind`'s stand-in where it finds no direct call (`bind(size) or UNBOUND`): a
+# planned launch whose `current()` is never true calls the kernel as usual
+UNBOUND: tuple[Any, tuple, Any] = (None, (), lambda: False)
 TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
 
 
@@ -197,6 +201,12 @@ class Kernel:
     def bucket_of(self, size: int) -> Any:
         return "all"
 
+    def direct_args(self, config: Any) -> tuple | None:
+        """The arguments `run(config, ...)` adds after the tensors where it is one call of
+        the first executable with the tensors that are not None, then these (a planned
+        launch may then make that call itself: `bind`); None where run does more."""
+        return None
+
     def pass_configs(self, config: Any, program_index: int) -> dict[str, Any]:
         """TileLang pass configs for program `program_index` of `program()` (none by
         default, which keeps TileLang's cache keys of every other kernel as they were)."""
@@ -268,6 +278,21 @@ class Kernel:
         if found is None:
             found = self.use(self.config_for(bucket), bucket)
         return found
+
+    def bind(self, size: int) -> tuple[Any, tuple, Callable[[], bool]] | None:
+        """A planned launch's fast path (an op's `plan`): (executable, trailing arguments,
+        current) where `size`'s bucket runs one executable directly (`direct_args`);
+        `current()` says whether the bucket still holds that pick (pin_config, the tuner or
+        a test may pin another: the plan then calls the kernel as usual). None for a tuning
+        kernel (its first call in a bucket times the space) and where run does more."""
+        if self.tune:
+            return None
+        found = self.select(size)
+        extra = self.direct_args(found[0])
+        if extra is None:
+            return None
+        bucket, pinned = self.bucket_of(size), self._by_bucket
+        return found[1][0], extra, lambda: pinned.get(bucket) is found
 
     def __call__(self, size: int, *tensors: Any) -> None:
         found = self._by_bucket.get(self.bucket_of(size))  # select()'s hit, inlined

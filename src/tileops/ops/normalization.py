@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import TileOpsValueError, op_error
-from ..kernels.base import Kernel
+from ..kernels.base import UNBOUND, Kernel
 from ..kernels.normalization import (
     FusedAddRMSNormBwdKernel,
     FusedAddRMSNormKernel,
@@ -98,12 +98,18 @@ class RMSNormFwdOp(_RowNorm, Op):
             return None
         kernel, rows, eps, forward = (self._kernel(input, weight), input.shape[0], self._eps(),
                                       self.forward)
+        exe, _, current = kernel.bind(rows) or UNBOUND
 
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
             if not (is_tma_ready(input) and (weight is None or is_tma_ready(weight))):
                 return forward(input, weight)
             y = torch.empty_like(input)
-            kernel(rows, input, weight, y, eps)
+            if not current():
+                kernel(rows, input, weight, y, eps)
+            elif weight is None:
+                exe(input, y, eps)
+            else:
+                exe(input, weight, y, eps)
             return y
         return launch
 
@@ -172,13 +178,17 @@ class FusedAddRMSNormFwdOp(_RowNorm, Op):
             return None
         rows, n = input.shape
         kernel, eps, forward = self._kernel(input, n), self._eps(), self.forward
+        exe, _, current = kernel.bind(rows) or UNBOUND
 
         def launch(input: torch.Tensor, residual: torch.Tensor,
                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if not (is_tma_ready(input) and is_tma_ready(residual) and is_tma_ready(weight)):
                 return forward(input, residual, weight)
             y, h = torch.empty_like(input), torch.empty_like(input)
-            kernel(rows, input, residual, weight, y, h, eps)
+            if current():
+                exe(input, residual, weight, y, h, eps)
+            else:
+                kernel(rows, input, residual, weight, y, h, eps)
             return y, h
         return launch
 
@@ -244,6 +254,9 @@ class LayerNormFwdOp(_RowNorm, Op):
             return None
         kernel, rows, eps, forward = (self._kernel(input, weight, bias), input.shape[0],
                                       self._eps(), self.forward)
+        # the executable directly for the common affine form (weight and bias)
+        bound = kernel.bind(rows) if weight is not None and bias is not None else None
+        exe, _, current = bound or UNBOUND
 
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -251,7 +264,10 @@ class LayerNormFwdOp(_RowNorm, Op):
                     and (bias is None or is_tma_ready(bias))):
                 return forward(input, weight, bias)
             y = torch.empty_like(input)
-            kernel(rows, input, weight, bias, y, eps)
+            if current():
+                exe(input, weight, bias, y, eps)
+            else:
+                kernel(rows, input, weight, bias, y, eps)
             return y
         return launch
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import TileOpsUnsupportedError, op_error
-from ..kernels.base import Kernel
+from ..kernels.base import UNBOUND, Kernel
 from ..kernels.selection import MAX_K, ArgmaxKernel, TopkKernel, k_cap_of
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
@@ -87,12 +87,16 @@ class ArgmaxFwdOp(Op):
         rows = input.shape[0]
         kernel = self._kernel(input)
         device, forward, empty, int64 = input.device, self.forward, torch.empty, torch.int64
+        exe, _, current = kernel.bind(rows) or UNBOUND
 
         def launch(input: torch.Tensor) -> torch.Tensor:
             if not is_tma_ready(input):
                 return forward(input)
             out = empty(rows, dtype=int64, device=device)
-            kernel(rows, input, out)
+            if current():
+                exe(input, out)
+            else:
+                kernel(rows, input, out)
             return out
         return launch
 

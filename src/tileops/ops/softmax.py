@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ..kernels.base import Kernel
+from ..kernels.base import UNBOUND, Kernel
 from ..kernels.softmax import SoftmaxKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import as_rows, output_rows
+from .layout import as_rows, is_tma_ready, output_rows
 
 _KERNELS = {"softmax": SoftmaxKernel}
 
@@ -36,9 +36,11 @@ class _RowOp:
         rows = reference.numel() // n if n else 0
         if rows == 0:
             return
-        kernel = self.memo_kernel(("softmax", reference.device, reference.dtype, n), "softmax",
-                                  reference.device, lambda: _key(self.kind, reference.dtype, n))
-        kernel(rows, *tensors)
+        self._kernel(reference, n)(rows, *tensors)
+
+    def _kernel(self, reference: torch.Tensor, n: int) -> Kernel:
+        return self.memo_kernel(("softmax", reference.device, reference.dtype, n), "softmax",
+                                reference.device, lambda: _key(self.kind, reference.dtype, n))
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         t = ns[self.spec.input_names[-1]]
@@ -70,6 +72,26 @@ class _ElementwiseRowFwd(_RowOp):
         y_rows, y = output_rows(x, input)
         self._launch(input, x, y_rows)
         return y
+
+    def plan(self, input: torch.Tensor) -> Any:
+        """[rows, N] inputs as the kernels read them: the output's allocation and the
+        launch, the kernel bound (host time of a decode step's sampling)."""
+        if input.dim() != 2 or 0 in input.shape:
+            return None
+        rows = input.shape[0]
+        kernel, forward = self._kernel(input, input.shape[1]), self.forward
+        exe, extra, current = kernel.bind(rows) or UNBOUND
+
+        def launch(input: torch.Tensor) -> torch.Tensor:
+            if not is_tma_ready(input):
+                return forward(input)
+            y = torch.empty_like(input)
+            if current():
+                exe(input, y, *extra)
+            else:
+                kernel(rows, input, y)
+            return y
+        return launch
 
 
 class _ElementwiseRowBwd(_RowOp):

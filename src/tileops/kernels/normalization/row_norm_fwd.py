@@ -307,6 +307,9 @@ class NormFwdKernel(Kernel):
     def run(self, config: NormConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*[t for t in tensors if t is not None])
 
+    def direct_args(self, config: NormConfig) -> tuple:
+        return ()
+
     def bucket_of(self, size: int) -> str:
         return "few" if size <= FEW_ROWS else "all"
 

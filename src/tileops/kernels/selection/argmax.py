@@ -147,6 +147,9 @@ class ArgmaxKernel(Kernel):
         scratch = zeroed_scratch(logits.device, 2, logits.shape[0], torch.uint64)
         compiled[0](logits, scratch, out)
 
+    def direct_args(self, config: ArgmaxConfig) -> tuple | None:
+        return () if self.splits(config) == 1 else None
+
     def bucket_of(self, batch: int) -> str:
         return "small" if batch <= 16 else "large"
 

@@ -621,6 +621,9 @@ class RowKernel(Kernel):
                                          config.ctas_per_sm)
         compiled[0](*tensors, clusters)
 
+    def direct_args(self, config: RowConfig) -> tuple | None:
+        return None if config.meet or self.persistent(config) else (1,)
+
     def persistent(self, config: RowConfig) -> bool:
         """Whether `config` runs persistent clusters (a grid of the resident clusters)."""
         return bool(config.cluster) and not config.meet
