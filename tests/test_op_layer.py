@@ -12,7 +12,7 @@ from tileops import (
     TileOpsUnsupportedError,
     TileOpsValueError,
 )
-from tileops.ops.base import custom_op_name
+from tileops.ops.base import Op, custom_op_name
 
 pytestmark = pytest.mark.smoke
 
@@ -137,6 +137,25 @@ def test_cached_instances_tell_equal_values_of_other_types_apart():
         TopkFwdOp.cached(k=5.0)
     shape = RMSNormFwdOp.cached(normalized_shape=[64], eps=None)  # a list: frozen, still cached
     assert shape is RMSNormFwdOp.cached(normalized_shape=[64], eps=None)
+
+
+def test_functionals_find_their_shared_instance_by_key(monkeypatch):
+    """rms_norm / layer_norm look their instance up by (shape, eps, type(eps))
+    (`Op.apply_keyed`): the instance `cached` gives for those params, one per key."""
+    seen = []
+    monkeypatch.setattr(Op, "run", lambda self, *inputs: seen.append(self))
+    x, w = torch.randn(4, 64), torch.randn(64)
+    for _ in range(2):
+        tileops.rms_norm(x, [64], w, 1e-6)
+        tileops.rms_norm(x, 64, w, 1e-6)
+    assert all(op is RMSNormFwdOp.cached(normalized_shape=(64,), eps=1e-6) for op in seen)
+    seen.clear()
+    tileops.layer_norm(x, [64], w, w, eps=1)
+    tileops.layer_norm(x, [64], w, w, eps=1.0)
+    tileops.layer_norm(x, (64,), w, w, eps=1e-5)
+    assert seen[0] is seen[1] is not seen[2]  # (eps is made a float before the op sees it)
+    assert seen[0].eps == 1.0 and type(seen[0].eps) is float
+    assert len({id(op) for op in RMSNormFwdOp._keyed.values()}) <= len(RMSNormFwdOp._instances)
 
 
 def test_unsupported_gpu_is_rejected(monkeypatch):

@@ -18,7 +18,7 @@ meta outputs of the manifest's shapes and dtypes, with no GPU and no kernel.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -58,6 +58,7 @@ class Op:
     # (backward, setup_context) of the custom op, from `register_autograd`
     _autograd_formula: ClassVar[tuple[Any, Any] | None]
     _instances: ClassVar[dict[tuple, Op]]
+    _keyed: ClassVar[dict[tuple, Op]]  # apply_keyed's keys -> the same shared instances
     _kernels: ClassVar[dict[tuple, Kernel]] = {}
     # per position of the custom op's arguments: an input's index or a param's name
     _call_slots: ClassVar[tuple[int | str, ...]]
@@ -65,7 +66,7 @@ class Op:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.spec = CompiledSpec(cls.__name__, get_spec(cls.__name__))
-        cls._instances = {}
+        cls._instances, cls._keyed = {}, {}
         inputs = cls.spec.input_names
         cls._call_slots = tuple(inputs.index(n) if n in inputs else n
                                 for n in cls.spec.call_order)
@@ -127,6 +128,19 @@ class Op:
         if _is_compiling() or _grad_enabled() and _any_requires_grad(*inputs):
             return cls.through_custom_op(*inputs, **params)
         return cls.cached(**params).run(*inputs)
+
+    @classmethod
+    def apply_keyed(cls, inputs: tuple, key: tuple, params: Callable[[], dict[str, Any]]) -> Any:
+        """`apply(*inputs, **params())` for a functional whose params give a cheap key of
+        their own: `key` (their values and the types that tell equal values apart, as
+        `cached` keys them) finds the shared instance; `params()` runs on a miss and for
+        calls through the custom op only (host time of an eager call: ~0.5 us less)."""
+        if _is_compiling() or _grad_enabled() and _any_requires_grad(*inputs):
+            return cls.through_custom_op(*inputs, **params())
+        op = cls._keyed.get(key)
+        if op is None:
+            op = cls._keyed[key] = cls.cached(**params())
+        return op.run(*inputs)
 
     @classmethod
     def through_custom_op(cls, *inputs: Any, **params: Any) -> Any:

@@ -34,7 +34,7 @@ FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
 def _shape_tuple(normalized_shape: Sequence[int] | int) -> tuple[int, ...]:
     """normalized_shape as a tuple: hashable, so the functional API's per-call instance lookup
-    (Op.cached) takes its fast path."""
+    (Op.apply_keyed) takes its fast path."""
     return (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
 
@@ -394,8 +394,9 @@ LayerNormFwdOp.register_autograd(_layer_norm_backward,
 def rms_norm(input: torch.Tensor, normalized_shape: Sequence[int] | int,
              weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
     """torch.nn.functional.rms_norm on TileOPs kernels (differentiable)."""
-    return RMSNormFwdOp.apply(input, weight, normalized_shape=_shape_tuple(normalized_shape),
-                              eps=eps)
+    shape = _shape_tuple(normalized_shape)
+    return RMSNormFwdOp.apply_keyed((input, weight), (shape, eps, type(eps)),
+                                    lambda: {"normalized_shape": shape, "eps": eps})
 
 
 def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -435,5 +436,6 @@ def layer_norm(input: torch.Tensor, normalized_shape: Sequence[int] | int,
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5) -> torch.Tensor:
     """torch.nn.functional.layer_norm on TileOPs kernels (differentiable)."""
-    return LayerNormFwdOp.apply(input, weight, bias,
-                                normalized_shape=_shape_tuple(normalized_shape), eps=float(eps))
+    shape = _shape_tuple(normalized_shape)
+    return LayerNormFwdOp.apply_keyed((input, weight, bias), (shape, eps, type(eps)),
+                                      lambda: {"normalized_shape": shape, "eps": float(eps)})
