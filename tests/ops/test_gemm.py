@@ -9,6 +9,7 @@ import tileops
 from tileops import GemmFwdOp, TileOpsError
 from tileops.kernels.base import Kernel, sm_count
 from tileops.kernels.gemm import GemmConfig, GemmKernel, select, weight_stream
+from tileops.kernels.gemm.gemm import EARLY_ACCUMULATE, SHORT_ACCUMULATE_K, TWO_CTA_ACCUMULATE
 from tileops.kernels.gemm.wave_fill import partition
 
 from ..helpers import assert_close, poison_allocator, randn
@@ -174,6 +175,10 @@ ROWS_AND_ASYNC = {
     "128x128-cluster-split2": GemmConfig(128, 128, 64, 4, 256, 2, 0, full_row=True,
                                          async_mma=True, cluster_m=2),
     "64x128-cluster": GemmConfig(64, 128, 128, 4, 128, 1, 0, async_mma=True, cluster_m=2),
+    "128x128-2-an-sm": GemmConfig(128, 128, 32, 4, 128, 1, 8, full_row=True, async_mma=True,
+                                  ctas_per_sm=2),
+    "128x128-2-an-sm-persistent": GemmConfig(128, 128, 64, 2, 128, 1, 8, full_row=True,
+                                             async_mma=True, persistent=True, ctas_per_sm=2),
 }
 
 
@@ -282,6 +287,25 @@ def test_async_pipeline_accumulates_over_symbolic_k(config, dtype):
         want = d.float() + a.float().t() @ b.float()
         kernel(m_out, a, b, d)
         assert_close(d, want, what=f"K={tokens}")
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [72, 512, 1000])
+def test_accumulating_defaults_over_static_k(k, dtype):
+    """The defaults of an accumulating GEMM with a static K (the fused loss's grad_weight:
+    TWO_CTA_ACCUMULATE up to K 512, EARLY_ACCUMULATE past it), with partial tiles in M and
+    N and K not a multiple of the K tile (72: fewer K tiles than stages)."""
+    n, m_out = 3000, 1000
+    kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=k, trans_a=True,
+                        trans_b=False, accumulate=True)
+    assert kernel.config_for(kernel.bucket_of(m_out)) == (
+        TWO_CTA_ACCUMULATE if k <= SHORT_ACCUMULATE_K else EARLY_ACCUMULATE)
+    a = randn(k, m_out, dtype=dtype)                 # [K, M]: trans_a
+    b = randn(k, n, dtype=dtype, std=k ** -0.5)      # [K, N]
+    d = randn(m_out, n, dtype=dtype)
+    want = d.float() + a.float().t() @ b.float()
+    kernel(m_out, a, b, d)
+    assert_close(d, want, what=f"K={k}")
+
 
 def test_wave_fill_is_reproducible():
     """The pieces' partials are summed in piece order: the same bits on every call."""
