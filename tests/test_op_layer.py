@@ -140,8 +140,8 @@ def test_cached_instances_tell_equal_values_of_other_types_apart():
 
 
 def test_functionals_find_their_shared_instance_by_key(monkeypatch):
-    """rms_norm / layer_norm look their instance up by (shape, eps, type(eps))
-    (`Op.apply_keyed`): the instance `cached` gives for those params, one per key."""
+    """rms_norm / layer_norm look their instance up by (shape, eps, type(eps)), softmax and
+    argmax by their dims (`Op.apply_keyed`): the instance `cached` gives for those params."""
     seen = []
     monkeypatch.setattr(Op, "run", lambda self, *inputs: seen.append(self))
     x, w = torch.randn(4, 64), torch.randn(64)
@@ -156,6 +156,14 @@ def test_functionals_find_their_shared_instance_by_key(monkeypatch):
     assert seen[0] is seen[1] is not seen[2]  # (eps is made a float before the op sees it)
     assert seen[0].eps == 1.0 and type(seen[0].eps) is float
     assert len({id(op) for op in RMSNormFwdOp._keyed.values()}) <= len(RMSNormFwdOp._instances)
+    seen.clear()
+    for _ in range(2):
+        tileops.softmax(x)
+        tileops.argmax(x, -1)
+    from tileops import ArgmaxFwdOp, SoftmaxFwdOp
+
+    assert seen[0] is seen[2] is SoftmaxFwdOp.cached(dim=-1)
+    assert seen[1] is seen[3] is ArgmaxFwdOp.cached(dim=-1, keepdim=False)
 
 
 def test_unsupported_gpu_is_rejected(monkeypatch):

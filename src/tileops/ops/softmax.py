@@ -205,12 +205,12 @@ LogsumexpFwdOp.register_autograd(_logsumexp_backward, setup_context=_save_lse)
 # -- functional API -----------------------------------------------------------------------
 def softmax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """torch.softmax over the last dim on TileOPs kernels (differentiable)."""
-    return SoftmaxFwdOp.apply(input, dim=dim)
+    return SoftmaxFwdOp.apply_keyed((input,), (dim, type(dim)), lambda: {"dim": dim})
 
 
 def log_softmax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """torch.log_softmax over the last dim on TileOPs kernels (differentiable)."""
-    return LogSoftmaxFwdOp.apply(input, dim=dim)
+    return LogSoftmaxFwdOp.apply_keyed((input,), (dim, type(dim)), lambda: {"dim": dim})
 
 
 def logsumexp(input: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
