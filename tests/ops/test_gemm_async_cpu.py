@@ -8,6 +8,7 @@ import pytest
 
 from tileops.kernels.gemm import GemmConfig, GemmKernel
 from tileops.kernels.gemm.async_pipeline import register_budgets, tile_order
+from tileops.kernels.gemm.gemm import TWO_CTA_ACCUMULATE
 
 from ..helpers import assert_no_spills_or_serialized_wgmma
 
@@ -63,14 +64,20 @@ def test_early_out_and_two_ctas_an_sm_rules():
     assert register_budgets(128, ctas_per_sm=2) == (40, 216)  # 2 x (128 x 40 + 128 x 216)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_two_ctas_an_sm_program_fits_its_registers(persistent, tmp_path):
-    """The accumulating GEMM at two CTAs an SM: launch-bounded for two, no spill at the
-    consumers' 216-register budget, no serialized wgmma (ptxas)."""
+TWO_AN_SM = GemmConfig(128, 128, 64, 2, 128, 1, 8, full_row=True, async_mma=True,
+                       early_out=True, ctas_per_sm=2)
+
+
+@pytest.mark.parametrize("config", [TWO_AN_SM, dataclasses.replace(TWO_AN_SM, persistent=True),
+                                    TWO_CTA_ACCUMULATE],
+                         ids=["k64x2", "k64x2-persistent", "default-k32x4"])
+def test_two_ctas_an_sm_program_fits_its_registers(config, tmp_path):
+    """The accumulating GEMM at two CTAs an SM (the K <= 512 default among them): launch-
+    bounded for two, no spill at the consumers' 216-register budget, no serialized wgmma
+    (ptxas)."""
     kernel = GemmKernel(dtype="bfloat16", n=4096, k=512, trans_a=True, trans_b=False,
                         accumulate=True)
-    config = GemmConfig(128, 128, 64, 2, 128, 1, 8, full_row=True, async_mma=True,
-                        early_out=True, ctas_per_sm=2, persistent=persistent)
+    assert kernel.config_for("large") == TWO_CTA_ACCUMULATE
     compiled = kernel.compile(config, "large")[0]
     assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
