@@ -119,8 +119,8 @@ EARLY_ACCUMULATE = GemmConfig(128, 256, 64, 3, 256, 1, 8, full_row=True, async_m
 # ... and of those with K <= SHORT_ACCUMULATE_K: two CTAs an SM of 128 x 128 tiles, one
 # consumer warp group each, so one CTA's old-tile traffic and store run under the other's
 # wgmmas (a 512-deep K loop is too short to hide them in one CTA). The same GEMM on an H100:
-# 1246.0 us against EARLY_ACCUMULATE's 1324.7 (1.063x; cuBLAS addmm 1111.8); at K 1024 the
-# two-CTA form lost (2346.4 against 1963.9) (2026-12-06).
+# 1246.0 us against EARLY_ACCUMULATE's 1324.7 (1.063x; cuBLAS addmm 1111.8); at K 1024 it
+# lost (1955.2 against 1915.8; K 2048: 3826.7 against 3455.7) (2026-12-06).
 TWO_CTA_ACCUMULATE = dataclasses.replace(EARLY_ACCUMULATE, block_n=128, block_k=32, stages=4,
                                          threads=128, ctas_per_sm=2)
 SHORT_ACCUMULATE_K = 512
