@@ -179,6 +179,12 @@ ROWS_AND_ASYNC = {
                                   ctas_per_sm=2),
     "128x128-2-an-sm-persistent": GemmConfig(128, 128, 64, 2, 128, 1, 8, full_row=True,
                                              async_mma=True, persistent=True, ctas_per_sm=2),
+    "128x128-pingpong": GemmConfig(128, 128, 64, 4, 256, 1, 8, full_row=True, async_mma=True,
+                                   persistent=True, pingpong=True),
+    "128x192-pingpong": GemmConfig(128, 192, 64, 3, 256, 1, 8, full_row=True, async_mma=True,
+                                   persistent=True, pingpong=True),
+    "64x256-pingpong-row-major": GemmConfig(64, 256, 64, 4, 256, 1, 0, full_row=True,
+                                            async_mma=True, persistent=True, pingpong=True),
 }
 
 
@@ -268,9 +274,10 @@ TWO_AN_SM = dataclasses.replace(ACCUMULATING, stages=2, threads=128, ctas_per_sm
     dataclasses.replace(ACCUMULATING, early_out=True),
     dataclasses.replace(ACCUMULATING, early_out=True, persistent=True),
     dataclasses.replace(TWO_AN_SM, early_out=True),
-    dataclasses.replace(TWO_AN_SM, early_out=True, persistent=True)],
+    dataclasses.replace(TWO_AN_SM, early_out=True, persistent=True),
+    dataclasses.replace(ACCUMULATING, persistent=True, pingpong=True)],
     ids=["plain", "persistent", "early_out", "persistent-early_out", "2-an-sm-early_out",
-         "2-an-sm-persistent-early_out"])
+         "2-an-sm-persistent-early_out", "pingpong"])
 def test_async_pipeline_accumulates_over_symbolic_k(config, dtype):
     """The accumulating, symbolic-K form (a weight gradient: d += a^T b over tokens) on the
     hand-written pipeline, at token counts that are and are not multiples of the K tile,

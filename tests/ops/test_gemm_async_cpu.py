@@ -3,6 +3,7 @@ walk's tile order, which configs may take the pipeline, and the two-CTAs-an-SM p
 registers."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -80,4 +81,37 @@ def test_two_ctas_an_sm_program_fits_its_registers(config, tmp_path):
     assert kernel.config_for("large") == TWO_CTA_ACCUMULATE
     compiled = kernel.compile(config, "large")[0]
     assert "__launch_bounds__(256, 2)" in compiled.get_kernel_source()
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+PINGPONG = dataclasses.replace(ASYNC, persistent=True, pingpong=True)
+
+
+def test_pingpong_rules():
+    """Ping-pong: a persistent walk of two consumer warp groups, each with its own output
+    staging tile; nothing it does not implement (one CTA an SM, no early_out)."""
+    assert PINGPONG.valid()
+    assert PINGPONG.smem_bytes() == 4 * (128 + 128) * 64 * 2 + 2 * 128 * 128 * 2
+    assert not dataclasses.replace(PINGPONG, persistent=False).valid()
+    assert not dataclasses.replace(PINGPONG, threads=128).valid()
+    assert not dataclasses.replace(PINGPONG, early_out=True).valid()
+    assert not dataclasses.replace(PINGPONG, stage_out=False).valid()
+    assert not dataclasses.replace(PINGPONG, block_n=192).valid()  # 4 x 40 + 96 KB
+    assert dataclasses.replace(PINGPONG, block_n=192, stages=3).valid()
+
+
+@pytest.mark.parametrize("config", [PINGPONG, dataclasses.replace(PINGPONG, block_m=64,
+                                                                   block_n=256)],
+                         ids=["128x128", "64x256"])
+def test_pingpong_program_gives_each_warp_group_its_tile(config, tmp_path):
+    """Each consumer warp group syncs its own epilogue (named barriers of 128 threads, two
+    ids), the pair hands the tensor cores over by mbarriers, and no consumer spills or
+    serializes its wgmmas at 232 registers (ptxas)."""
+    kernel = GemmKernel(dtype="bfloat16", n=32768, k=512, trans_a=False, trans_b=True)
+    compiled = kernel.compile(config, "m16384")[0]
+    source = compiled.get_kernel_source()
+    assert "__launch_bounds__(384, 1)" in source
+    syncs = set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", source))
+    assert len(syncs) == 2 and {count for _, count in syncs} == {"128"}
+    assert "turn[0].wait" in source and "turn[1].wait" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)

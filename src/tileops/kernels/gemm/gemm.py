@@ -70,6 +70,11 @@ class GemmConfig:
     # match): with one consumer warp group each, one CTA's epilogue runs while another's
     # wgmmas do (the grad_weight GEMM's old-tile traffic against its short K loop)
     ctas_per_sm: int = 1
+    # Ping-pong (persistent, async_mma, two consumer warp groups): each consumer warp group
+    # owns whole block_m x block_n tiles, the CTA's tiles dealt to them in turn, and their K
+    # loops take turns on the tensor cores, so one's epilogue runs under the other's K loop
+    # (a K loop of 512 is too short to hide a tile's store; CUTLASS's "pingpong" kernels).
+    pingpong: bool = False
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         if self.weight_rows:  # the stages, the transposed tile, the cluster's partials
@@ -79,6 +84,7 @@ class GemmConfig:
         pipeline = self.stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
         out_bytes = 4 if self.split_k > 1 else elem_bytes
         out = self.block_m * self.block_n * out_bytes if self.stage_out else 0
+        out *= 2 if self.pingpong else 1  # a staging tile per consumer warp group
         # TileLang's shared-memory planner places the output staging tile over the pipeline
         # buffers of its own pipeline (the K loop is done when the epilogue writes it), not
         # over the hand-written pipeline's
@@ -103,6 +109,9 @@ class GemmConfig:
                 and not (self.early_out and (not self.async_mma or not self.stage_out
                                              or self.split_k > 1 or self.cluster_m > 1))
                 and self.cluster_m in (1, 2)
+                and not (self.pingpong and not (self.persistent and self.threads == 256
+                                                and self.stage_out and self.ctas_per_sm == 1
+                                                and not self.early_out))
                 and not (self.cluster_m > 1 and (not self.async_mma or self.persistent))
                 and self.block_m >= 64 and self.block_m % (16 * min(warps, self.block_m // 16)) == 0
                 # whole-row warp groups take any wgmma width in steps of 16
@@ -177,13 +186,14 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                  split_k: int, raster: int, stage_out: bool = True, accumulate: bool = False,
                  has_bias: bool = False, full_row: bool = False, async_mma: bool = False,
                  persistent: bool = False, cluster_m: int = 1, early_out: bool = False,
-                 ctas_per_sm: int = 1):
+                 ctas_per_sm: int = 1, pingpong: bool = False):
     """The GEMM program; with split_k > 1 it writes fp32 partials [split_k, M, N]. With
     `accumulate` it adds to d instead (d += op(a) @ op(b), one rounding per call): the
     weight gradient of a chunked loss sums into its output without a temporary. With
     `has_bias` it adds bias[N] in the epilogue (split_k 1; the split-K reduce adds it
     otherwise). k=None makes K symbolic, like M (a weight gradient reduces over tokens).
-    full_row, async_mma, persistent, cluster_m, early_out and ctas_per_sm are GemmConfig's."""
+    full_row, async_mma, persistent, cluster_m, early_out, ctas_per_sm and pingpong are
+    GemmConfig's."""
     m = T.dynamic("m")
     if k is None:
         k = T.dynamic("k")
@@ -315,7 +325,54 @@ def gemm_program(n: int, k: int | None, dtype: str, trans_a: bool, trans_b: bool
                         T.sync_threads(EPILOGUE_BARRIER, threads)
                         T.mbarrier_arrive(out_free)
 
-    launch = persistent_body if persistent else body
+    @T.macro
+    def consume_turn(a, b, d, bias, a_shared, b_shared, full, empty, turn, acc_local, d_shared,
+                     cta, grid, tiles_m, g, t):
+        """Warp group g's t-th tile (the CTA's tile 2 t + g) of a ping-pong walk."""
+        i = 2 * t + g
+        tm, tn = tile_of(cta + i * grid, tiles_m)
+        if g == 1 or t > 0:
+            T.mbarrier_wait_parity(turn[g], (t - 1 + g) & 1)
+        start(d, acc_local, tm, tn)
+        consume(a_shared, b_shared, acc_local, full, empty, tiles, i * tiles)
+        T.mbarrier_arrive(turn[1 - g])
+        store(acc_local, d_shared, bias, tn, d[tm * block_m, tn * block_n])
+
+    @T.macro
+    def pingpong_body(a, b, d, bias):
+        group = threads // 2  # a consumer warp group: one tile at a time
+        tiles_m = T.ceildiv(m, block_m)
+        out_tiles = tiles_m * tiles_n
+        grid = T.min(out_tiles, NUM_SMS_H200)
+        with T.Kernel(grid, threads=threads + producer) as cta:
+            a_shared = T.alloc_shared(a_stages, dtype)
+            b_shared = T.alloc_shared(b_stages, dtype)
+            full = T.alloc_barrier([producer] * stages)
+            empty = T.alloc_barrier([group] * stages)  # a stage is one warp group's
+            # turn[g]: the other warp group's K loop is done, warp group g's may start (the
+            # stages are dealt in tile order, and a waiter may be only one phase behind)
+            turn = T.alloc_barrier([group, group])
+            acc = [T.alloc_fragment((block_m, block_n), "float") for _ in range(2)]
+            staged = [T.alloc_shared((block_m, block_n), out_dtype) for _ in range(2)]
+            mine = T.ceildiv(out_tiles - cta, grid)  # tiles cta, cta + grid, ...
+            tx = T.get_thread_binding()
+            if tx >= threads:
+                T.set_max_nreg(producer_regs, 0)
+                for i in T.serial(mine):
+                    tm, tn = tile_of(cta + i * grid, tiles_m)
+                    produce(a, b, a_shared, b_shared, full, empty, tm, tn, 0, tiles, i * tiles)
+            elif tx < group:
+                T.set_max_nreg(consumer_regs, 1)
+                for t in T.serial(T.ceildiv(mine, 2)):
+                    consume_turn(a, b, d, bias, a_shared, b_shared, full, empty, turn, acc[0],
+                                 staged[0], cta, grid, tiles_m, 0, t)
+            else:
+                T.set_max_nreg(consumer_regs, 1)
+                for t in T.serial(mine // 2):
+                    consume_turn(a, b, d, bias, a_shared, b_shared, full, empty, turn, acc[1],
+                                 staged[1], cta, grid, tiles_m, 1, t)
+
+    launch = pingpong_body if pingpong else persistent_body if persistent else body
 
     # Each parameter its own annotation object (a shared one would alias the buffers).
     if epilogue_bias:
@@ -412,7 +469,8 @@ class GemmKernel(Kernel):
                             config.threads, config.split_k, config.raster, config.stage_out,
                             k.get("accumulate", False), k.get("has_bias", False),
                             config.full_row, config.async_mma, config.persistent,
-                            config.cluster_m, config.early_out, config.ctas_per_sm)
+                            config.cluster_m, config.early_out, config.ctas_per_sm,
+                            config.pingpong)
         if config.split_k == 1:
             return main
         if not self._splittable():
