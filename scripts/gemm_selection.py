@@ -119,6 +119,10 @@ def short(config: dict) -> str:
         text += " full-row"
     if c.get("async_mma"):
         text += " async"
+    if c.get("pingpong"):
+        text += " pingpong"
+    elif c.get("persistent"):
+        text += " persistent"
     return text
 
 

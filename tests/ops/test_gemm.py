@@ -9,7 +9,12 @@ import tileops
 from tileops import GemmFwdOp, TileOpsError
 from tileops.kernels.base import Kernel, sm_count
 from tileops.kernels.gemm import GemmConfig, GemmKernel, select, weight_stream
-from tileops.kernels.gemm.gemm import EARLY_ACCUMULATE, SHORT_ACCUMULATE_K, TWO_CTA_ACCUMULATE
+from tileops.kernels.gemm.gemm import (
+    EARLY_ACCUMULATE,
+    SHORT_ACCUMULATE_K,
+    SHORT_K_PINGPONG,
+    TWO_CTA_ACCUMULATE,
+)
 from tileops.kernels.gemm.wave_fill import partition
 
 from ..helpers import assert_close, poison_allocator, randn
@@ -313,6 +318,21 @@ def test_accumulating_defaults_over_static_k(k, dtype):
     kernel(m_out, a, b, d)
     assert_close(d, want, what=f"K={k}")
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_short_k_linear_takes_the_pingpong_default(dtype):
+    """tileops.linear with K 512 past 256 rows runs SHORT_K_PINGPONG (DeepSeek-V3's
+    kv_b_proj): partial row and column tiles, an odd number of tiles per CTA (one warp group
+    one tile more than the other), into poisoned outputs."""
+    n, k = 3000, 512
+    x, w = make_inputs(4100, n, k, dtype)
+    kernel = GemmKernel(dtype=str(dtype).split(".")[1], n=n, k=k, trans_a=False, trans_b=True)
+    for rows in (300, 1000, 4100):
+        assert kernel.config_for(kernel.bucket_of(rows)) == SHORT_K_PINGPONG
+        poison_allocator()
+        out = tileops.linear(x[:rows], w)
+        assert_close(out, reference(x[:rows], w), what=f"M={rows}")
 
 def test_wave_fill_is_reproducible():
     """The pieces' partials are summed in piece order: the same bits on every call."""

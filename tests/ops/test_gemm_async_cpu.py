@@ -9,7 +9,7 @@ import pytest
 
 from tileops.kernels.gemm import GemmConfig, GemmKernel
 from tileops.kernels.gemm.async_pipeline import register_budgets, tile_order
-from tileops.kernels.gemm.gemm import TWO_CTA_ACCUMULATE
+from tileops.kernels.gemm.gemm import SHORT_K_PINGPONG, TWO_CTA_ACCUMULATE
 
 from ..helpers import assert_no_spills_or_serialized_wgmma
 
@@ -115,3 +115,20 @@ def test_pingpong_program_gives_each_warp_group_its_tile(config, tmp_path):
     assert len(syncs) == 2 and {count for _, count in syncs} == {"128"}
     assert "turn[0].wait" in source and "turn[1].wait" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+def test_pingpong_default_serves_short_k_linear_layouts_only():
+    """SHORT_K_PINGPONG: a [M, K] x b [N, K] with a static K of 256-512, no bias, no
+    accumulation, past 256 rows; every other key keeps its default."""
+    def pick(bucket="m4096", **key):
+        key = {"dtype": "bfloat16", "n": 32768, "k": 512, "trans_a": False, "trans_b": True,
+               **key}
+        return GemmKernel(**key).config_for(bucket)
+
+    assert pick() == SHORT_K_PINGPONG and pick(k=256) == SHORT_K_PINGPONG
+    assert pick(bucket="m512") == SHORT_K_PINGPONG and pick(dtype="float16").pingpong
+    assert not pick(bucket="m256").pingpong
+    for key in ({"k": 1024}, {"k": 128}, {"k": 516}, {"trans_a": True},
+                {"trans_b": False}, {"has_bias": True}):
+        assert not pick(**key).pingpong, key
+    assert not pick(accumulate=True, trans_a=True, trans_b=False, n=4096).pingpong

@@ -133,6 +133,17 @@ EARLY_ACCUMULATE = GemmConfig(128, 256, 64, 3, 256, 1, 8, full_row=True, async_m
 TWO_CTA_ACCUMULATE = dataclasses.replace(EARLY_ACCUMULATE, block_n=128, block_k=32, stages=4,
                                          threads=128, ctas_per_sm=2)
 SHORT_ACCUMULATE_K = 512
+# The default of plain GEMMs in a Linear layer's layout (a [M, K], b [N, K]) with a static
+# K in PINGPONG_K past 256 rows (DeepSeek-V3's kv_b_proj, K 512): a ping-pong walk of 128 x
+# 128 tiles, K 64 x 5 stages, so one tile's store runs under the next one's K loop (8 steps
+# of 64, too short to hide it). On an H100 at 512 / 4096 / 16384 tokens: 37.9 / 230.0 /
+# 985.9 us against the cost model's 128 x 256 TileLang pipeline's 41.2 / 283.0 / 1101.5
+# (1.09-1.23x; cuBLAS 32.7 / 219.6 / 854.1). Left out: K 896-1024 (0.93-1.08x), the
+# transposed-a weight gradient's layout (0.96x) and K 32 x 10 or 128 x 2 stages (0.6-0.9x)
+# (2026-12-06).
+SHORT_K_PINGPONG = GemmConfig(128, 128, 64, 5, 256, 1, 8, full_row=True, async_mma=True,
+                              persistent=True, pingpong=True)
+PINGPONG_K = (256, 512)
 
 
 def k_tiles_per_split(k: int, block_k: int, split_k: int) -> int:
@@ -579,6 +590,8 @@ class GemmKernel(Kernel):
         if self.accumulates_early(bucket):
             return (TWO_CTA_ACCUMULATE if self.key["k"] <= SHORT_ACCUMULATE_K
                     else EARLY_ACCUMULATE)
+        if self.pingpong_serves(bucket):
+            return SHORT_K_PINGPONG
         return select.choose(self.model_shape(), self.bucket_rows(bucket), self.gpu)
 
     def accumulates_early(self, bucket: str) -> bool:
@@ -587,6 +600,15 @@ class GemmKernel(Kernel):
         grad_weight: M = the vocabulary)."""
         return (self.key.get("accumulate", False) and self.key["k"] is not None
                 and self.tma_aligned() and self.bucket_rows(bucket) > 128)
+
+    def pingpong_serves(self, bucket: str) -> bool:
+        """Whether `SHORT_K_PINGPONG` serves: a plain GEMM (no bias, no accumulation) of a
+        [M, K] and b [N, K] with a static K in PINGPONG_K, past 256 rows."""
+        k = self.key
+        return (not k.get("accumulate", False) and not k.get("has_bias", False)
+                and k["k"] is not None and PINGPONG_K[0] <= k["k"] <= PINGPONG_K[1]
+                and not k["trans_a"] and k["trans_b"] and self.tma_aligned()
+                and self.bucket_rows(bucket) > 256)
 
     def weight_stream_config(self, bucket: str) -> GemmConfig | None:
         """The weight-streaming default for a bucket of <= 16 rows where the form serves the
@@ -619,6 +641,8 @@ class GemmKernel(Kernel):
             if self.tma_aligned():  # the hand-written pipeline (not a default: see select.py)
                 space += [GemmConfig(128, bn, 64, st, 256, 1, 8, full_row=True, async_mma=True)
                           for bn, st in ((256, 3), (128, 4))]
+                space += [SHORT_K_PINGPONG, dataclasses.replace(SHORT_K_PINGPONG, block_n=192,
+                                                                stages=3)]
                 if self.key.get("accumulate", False):
                     space += [dataclasses.replace(EARLY_ACCUMULATE, block_n=bn, stages=st,
                                                   persistent=p)
