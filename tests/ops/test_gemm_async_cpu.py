@@ -132,3 +132,18 @@ def test_pingpong_default_serves_short_k_linear_layouts_only():
                 {"trans_b": False}, {"has_bias": True}):
         assert not pick(**key).pingpong, key
     assert not pick(accumulate=True, trans_a=True, trans_b=False, n=4096).pingpong
+
+
+def test_192_row_tiles_take_the_square_split_of_the_hand_written_pipeline():
+    """A 192-row tile: each of two consumer warp groups takes all 192 rows and half the
+    columns (m64 n96 wgmmas for 192 x 192), 3 stages in 227 KB; not whole-row warp groups
+    (96 rows each), not TileLang's own pipeline."""
+    wide = GemmConfig(192, 192, 64, 3, 256, 1, 8, async_mma=True)
+    assert wide.valid() and dataclasses.replace(wide, persistent=True).valid()
+    assert wide.smem_bytes() == 3 * (192 + 192) * 64 * 2 + 192 * 192 * 2
+    assert not dataclasses.replace(wide, stages=4).valid()
+    assert not dataclasses.replace(wide, full_row=True).valid()
+    assert not dataclasses.replace(wide, async_mma=False).valid()
+    kernel = GemmKernel(dtype="bfloat16", n=32768, k=512, trans_a=False, trans_b=True)
+    source = kernel.compile(wide, "m4096")[0].get_kernel_source()
+    assert set(re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16,", source)) == {"96"}
