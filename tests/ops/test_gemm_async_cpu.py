@@ -132,6 +132,13 @@ def test_pingpong_default_serves_short_k_linear_layouts_only():
                 {"trans_b": False}, {"has_bias": True}):
         assert not pick(**key).pingpong, key
     assert not pick(accumulate=True, trans_a=True, trans_b=False, n=4096).pingpong
+    # the tuner tries it on plain GEMMs only (accumulating: far slower; bias: minutes of ptxas)
+    plain = GemmKernel(dtype="bfloat16", n=4096, k=4096, trans_a=False, trans_b=True)
+    assert any(c.pingpong for c in plain.config_space("m4096"))
+    for flags in ({"has_bias": True}, {"accumulate": True}):
+        kernel = GemmKernel(dtype="bfloat16", n=4096, k=4096, trans_a=False, trans_b=True,
+                            **flags)
+        assert not any(c.pingpong for c in kernel.config_space("m4096")), flags
 
 
 def test_192_row_tiles_take_the_square_split_of_the_hand_written_pipeline():

@@ -652,8 +652,10 @@ class GemmKernel(Kernel):
             if self.tma_aligned():  # the hand-written pipeline (not a default: see select.py)
                 space += [GemmConfig(128, bn, 64, st, 256, 1, 8, full_row=True, async_mma=True)
                           for bn, st in ((256, 3), (128, 4))]
-                space += [SHORT_K_PINGPONG, dataclasses.replace(SHORT_K_PINGPONG, block_n=192,
-                                                                stages=3)]
+                if not (self.key.get("accumulate", False) or self.key.get("has_bias", False)):
+                    # (measured far slower accumulating; with a bias, ptxas takes minutes)
+                    space += [SHORT_K_PINGPONG,
+                              dataclasses.replace(SHORT_K_PINGPONG, block_n=192, stages=3)]
                 if self.key.get("accumulate", False):
                     space += [dataclasses.replace(EARLY_ACCUMULATE, block_n=bn, stages=st,
                                                   persistent=p)
