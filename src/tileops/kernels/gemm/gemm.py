@@ -649,7 +649,7 @@ class GemmKernel(Kernel):
                     space.append(GemmConfig(bm, bn, 64, st, 256, 1, raster))
             for bm, bn in ((128, 256), (256, 128)):  # a 4th stage in the epilogue's space
                 space.append(GemmConfig(bm, bn, 64, 4, 256, 1, 8, stage_out=False))
-            if self.tma_aligned():  # the hand-written pipeline (not a default: see select.py)
+            if self.tma_aligned():  # the hand-written pipeline (defaults: see heuristic_config)
                 space += [GemmConfig(128, bn, 64, st, 256, 1, 8, full_row=True, async_mma=True)
                           for bn, st in ((256, 3), (128, 4))]
                 if not (self.key.get("accumulate", False) or self.key.get("has_bias", False)):
