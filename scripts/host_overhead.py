@@ -53,15 +53,17 @@ def stub_launches():
         try:
             yield
         finally:  # what the shared instances learnt of CPU calls is forgotten with the stub
-            for instance in _shared_instances(ops_base.Op):
-                for cache in ("_validated", "_kernel_memo", "_call_memo"):
-                    getattr(instance, cache, set()).clear()
+            for op_class in _op_classes(ops_base.Op):
+                op_class.__dict__.get("_keyed_launches", {}).clear()
+                for instance in op_class.__dict__.get("_instances", {}).values():
+                    for cache in ("_validated", "_kernel_memo", "_call_memo"):
+                        getattr(instance, cache, set()).clear()
 
 
-def _shared_instances(cls):
+def _op_classes(cls):
     for sub in cls.__subclasses__():
-        yield from sub.__dict__.get("_instances", {}).values()
-        yield from _shared_instances(sub)
+        yield sub
+        yield from _op_classes(sub)
 
 
 def cpu_us(fn, calls=2000):

@@ -10,6 +10,7 @@ import torch
 import tileops
 from tileops import LayerNormFwdOp, RMSNormFwdOp, TileOpsError
 from tileops.ops.base import Op
+from tileops.ops.signature import signature_of
 
 from .helpers import load_script
 
@@ -48,7 +49,7 @@ def test_a_seen_signature_launches_through_the_plan_and_a_new_one_is_validated(s
     op = RMSNormFwdOp(normalized_shape=[256])
     x, w = bf16(8, 256), bf16(256)
     assert op(x, w).shape == (8, 256)
-    launch = op._validated[((x.shape, x.dtype, x.device), (w.shape, w.dtype, w.device))]
+    launch = op._validated[signature_of((x, w))]
     assert launch is not None  # the planned launch
     assert op(bf16(8, 256), bf16(256)).shape == (8, 256)
     # same shapes, a strided input: the plan hands it to forward (which copies it)
@@ -146,7 +147,7 @@ def test_gemm_plan_and_its_fallbacks(stub):
     a, b = bf16(16, 64), bf16(32, 64)
     for x, y in ((a, b), (bf16(16, 64), b), (bf16(64, 16).t(), b), (a, bf16(64, 32).t())):
         assert op(x, y).shape == (16, 32)
-    assert op._validated[((a.shape, a.dtype, a.device), (b.shape, b.dtype, b.device))]
+    assert op._validated[signature_of((a, b))]
     assert GemmFwdOp(trans_a=True).plan(bf16(64, 12), b) is None  # M % 8: forward copies a
 
 
@@ -158,7 +159,7 @@ def test_linear_plan_and_its_fallbacks(stub):
     for args in ((x, w, b), (bf16(16, 64), w, b), (bf16(64, 16).t(), w, b), (x, w, None),
                  (x, w, None), (bf16(2, 8, 64), w, b), (bf16(2, 8, 64), w, b)):
         assert op(*args).shape == (*args[0].shape[:-1], 32)
-    assert op._validated[tuple((t.shape, t.dtype, t.device) for t in (x, w, b))]
+    assert op._validated[signature_of((x, w, b))]
     assert op.plan(bf16(2, 8, 64), w, b) is None  # 3-D input: forward's views
 
 
@@ -170,7 +171,7 @@ def test_fused_add_plan_and_the_in_place_form(stub):
     for args in ((x, r, w), (bf16(8, 256), r, w), (x, bf16(256, 8).t(), w)):
         y, h = op(*args)
         assert y.shape == h.shape == (8, 256)
-    assert op._validated[tuple((t.shape, t.dtype, t.device) for t in (x, r, w))]
+    assert op._validated[signature_of((x, r, w))]
     for shape in ((8, 256), (2, 4, 256)):
         a, b = bf16(*shape), bf16(*shape)
         out, res = tileops.fused_add_rms_norm_(a, b, w)
@@ -185,7 +186,7 @@ def test_argmax_plan_and_its_fallbacks(stub):
     for logits in (x, bf16(8, 1000), bf16(1000, 8).t()):  # the last: strided, to forward
         out = op(logits)
         assert out.shape == (8,) and out.dtype == torch.int64
-    assert op._validated[((x.shape, x.dtype, x.device),)] is not None
+    assert op._validated[signature_of((x,))] is not None
     assert ArgmaxFwdOp(dim=-1, keepdim=True).plan(x) is None
     assert ArgmaxFwdOp().plan(x) is None  # dim=None: the flattened tensor
     assert op.plan(bf16(2, 4, 1000)) is None  # leading dims: forward's view
@@ -229,3 +230,77 @@ def test_planned_launches_call_the_bound_executable_until_the_bucket_is_repinned
         calls.clear()
         op(*inputs)
         assert not calls and len(repinned) == 1, type(op).__name__
+
+
+def test_signatures_tell_apart_what_validation_depends_on():
+    from tileops.ops.signature import signature_builder
+
+    x, w = bf16(8, 256), bf16(256)
+    sigs = [signature_of(inputs) for inputs in (
+        (x, w), (x, None), (x, w.float()), (x, bf16(255)), (bf16(8, 255), w),
+        (x, w, None), (x, None, w), (x, w, w), (x,), (x, w, w, None),
+        (x, None, None, w))]
+    assert len(set(sigs)) == len(sigs)
+    assert signature_of((x, w)) == signature_of((bf16(8, 256), bf16(256)))
+    # (CPU and meta tensors share device index -1: neither kind of signature is ever kept,
+    # CPU inputs failing validation, meta ones returning before it is kept: test_meta.py)
+    assert signature_builder(2)((x, w)) == signature_of((x, w))
+    with pytest.raises(ValueError):  # an op's own builder takes all of its inputs
+        signature_builder(2)((x,))
+    with pytest.raises(AttributeError):
+        signature_of(([1.0], w))
+
+
+def test_functionals_reuse_the_launch_their_instance_planned(stub, monkeypatch):
+    """The second call of a functional with a seen signature goes straight to the planned
+    launch (Op.run never runs); a new signature is validated in full, with the op's errors;
+    pin_config drops the launches its class kept."""
+    from tileops import ArgmaxFwdOp, SoftmaxFwdOp
+
+    x, w = bf16(8, 256), bf16(256)
+    calls = [lambda: tileops.rms_norm(x, [256], w, 1e-5),
+             lambda: tileops.rms_norm(x, 256, None),
+             lambda: tileops.layer_norm(x, [256], w, None),
+             lambda: tileops.softmax(x), lambda: tileops.argmax(x, -1)]
+    first = [call() for call in calls]
+    with monkeypatch.context() as patch:
+        patch.setattr(Op, "run", None)
+        for call, out in zip(calls, first, strict=True):
+            again = call()
+            assert again.shape == out.shape and again.dtype == out.dtype
+    for cls in (RMSNormFwdOp, LayerNormFwdOp, SoftmaxFwdOp, ArgmaxFwdOp):
+        assert cls._keyed_launches
+    with pytest.raises(TileOpsError, match=r"RMSNormFwdOp: argument 'weight': expected "):
+        tileops.rms_norm(x, [256], bf16(128), 1e-5)
+    with pytest.raises(TileOpsError, match=r"LayerNormFwdOp: argument 'bias': expected dtype"):
+        tileops.layer_norm(x, [256], w, w.float())
+    with pytest.raises(TileOpsError, match=r"RMSNormFwdOp: argument 'input': expected a "
+                                           r"torch.Tensor"):
+        tileops.rms_norm([1.0], [256], w, 1e-5)
+    op = RMSNormFwdOp.cached(normalized_shape=(256,), eps=1e-5)
+    kernel = op._kernel(x, w)
+    op.pin_config(kernel.config_for(kernel.bucket_of(8)), x, w)
+    assert not RMSNormFwdOp._keyed_launches
+
+
+def test_argmax_split_rows_launch_their_executable_with_the_scratch(stub, monkeypatch):
+    """Rows split over CTAs meet in a zeroed scratch buffer: the planned launch calls the
+    executable with it (`ArgmaxKernel.direct_call`), as the kernel's run would."""
+    from tileops import ArgmaxFwdOp
+    from tileops.kernels import base as kernels_base
+
+    calls = []
+    monkeypatch.setattr(kernels_base.Kernel, "compile",
+                        lambda self, config, bucket: (lambda *args: calls.append(args),) * 4)
+    op = ArgmaxFwdOp(dim=-1)
+    logits = bf16(64, 32000)
+    op(logits)
+    kernel = next(iter(op._call_memo.values()))
+    assert kernel.splits(kernel.select(64)[0]) > 1
+    calls.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels_base.Kernel, "__call__", None)
+        out = op(logits)
+    (got,) = calls
+    assert got[0] is logits and got[2] is out and got[1].dtype == torch.uint64
+    assert got[1].shape[0] >= 2 and got[1].shape[1] >= 64 and not got[1].any()

@@ -280,19 +280,27 @@ class Kernel:
         return found
 
     def bind(self, size: int) -> tuple[Any, tuple, Callable[[], bool]] | None:
-        """A planned launch's fast path (an op's `plan`): (executable, trailing arguments,
-        current) where `size`'s bucket runs one executable directly (`direct_args`);
-        `current()` says whether the bucket still holds that pick (pin_config, the tuner or
-        a test may pin another: the plan then calls the kernel as usual). None for a tuning
-        kernel (its first call in a bucket times the space) and where run does more."""
+        """A planned launch's fast path (an op's `plan`): (call, trailing arguments, current)
+        where `size`'s bucket runs as one call (`direct_call`); `current()` says whether the
+        bucket still holds that pick (pin_config, the tuner or a test may pin another: the
+        plan then calls the kernel as usual). None for a tuning kernel (its first call in a
+        bucket times the space) and where run does more."""
         if self.tune:
             return None
         found = self.select(size)
-        extra = self.direct_args(found[0])
-        if extra is None:
+        direct = self.direct_call(found[0], found[1], size)
+        if direct is None:
             return None
         bucket, pinned = self.bucket_of(size), self._by_bucket
-        return found[1][0], extra, lambda: pinned.get(bucket) is found
+        return direct[0], direct[1], lambda: pinned.get(bucket) is found
+
+    def direct_call(self, config: Any, compiled: tuple,
+                    size: int) -> tuple[Callable[..., Any], tuple] | None:
+        """(call, trailing arguments) doing what `run(config, compiled, ...)` does for calls
+        of `size`: by default the first executable where `direct_args` gives its trailing
+        arguments, None where run does more."""
+        extra = self.direct_args(config)
+        return None if extra is None else (compiled[0], extra)
 
     def __call__(self, size: int, *tensors: Any) -> None:
         found = self._by_bucket.get(self.bucket_of(size))  # select()'s hit, inlined

@@ -14,6 +14,7 @@ sees every other chunk's key, writes the index, and zeroes both slots for the ne
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import tilelang.language as T
 
@@ -147,8 +148,17 @@ class ArgmaxKernel(Kernel):
         scratch = zeroed_scratch(logits.device, 2, logits.shape[0], torch.uint64)
         compiled[0](logits, scratch, out)
 
-    def direct_args(self, config: ArgmaxConfig) -> tuple | None:
-        return () if self.splits(config) == 1 else None
+    def direct_call(self, config: ArgmaxConfig, compiled: tuple,
+                    size: int) -> tuple[Any, tuple]:
+        if self.splits(config) == 1:
+            return compiled[0], ()
+        import torch
+
+        exe, uint64 = compiled[0], torch.uint64
+
+        def split_rows(logits, out) -> None:  # run's split branch, the row count bound
+            exe(logits, zeroed_scratch(logits.device, 2, size, uint64), out)
+        return split_rows, ()
 
     def bucket_of(self, batch: int) -> str:
         return "small" if batch <= 16 else "large"
