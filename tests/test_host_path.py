@@ -304,3 +304,19 @@ def test_argmax_split_rows_launch_their_executable_with_the_scratch(stub, monkey
     (got,) = calls
     assert got[0] is logits and got[2] is out and got[1].dtype == torch.uint64
     assert got[1].shape[0] >= 2 and got[1].shape[1] >= 64 and not got[1].any()
+
+
+@pytest.mark.compile
+def test_row_executables_reject_strided_inputs_with_a_stride_error():
+    """Planned row launches check alignment only and leave strides to TileLang's executable,
+    which raises one of STRIDE_ERRORS before launching (here on CPU tensors: its stride
+    check comes before its device check): the plan then sends the call to forward."""
+    from tileops.kernels.normalization import RMSNormKernel
+    from tileops.ops.layout import STRIDE_ERRORS
+
+    exe = RMSNormKernel(gpu="h200", dtype="bfloat16", n=256, has_weight=True).select(8)[1][0]
+    x, w, y = bf16(256, 8).t(), bf16(256), bf16(8, 256)
+    with pytest.raises(STRIDE_ERRORS, match="strides"):
+        exe(x, w, y, 1e-5)
+    with pytest.raises(STRIDE_ERRORS, match="device_type"):  # contiguous: the next check
+        exe(x.contiguous(), w, y, 1e-5)

@@ -27,7 +27,7 @@ from ..kernels.normalization import (
 )
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import as_rows, is_tma_ready, output_rows, tma_ready
+from .layout import ALIGN, STRIDE_ERRORS, as_rows, output_rows, tma_ready
 
 FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
@@ -101,15 +101,18 @@ class RMSNormFwdOp(_RowNorm, Op):
         exe, _, current = kernel.bind(rows) or UNBOUND
 
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-            if not (is_tma_ready(input) and (weight is None or is_tma_ready(weight))):
+            if (input.data_ptr() | (0 if weight is None else weight.data_ptr())) % ALIGN:
                 return forward(input, weight)
             y = torch.empty_like(input)
-            if not current():
-                kernel(rows, input, weight, y, eps)
-            elif weight is None:
-                exe(input, y, eps)
-            else:
-                exe(input, weight, y, eps)
+            try:
+                if not current():
+                    kernel(rows, input, weight, y, eps)
+                elif weight is None:
+                    exe(input, y, eps)
+                else:
+                    exe(input, weight, y, eps)
+            except STRIDE_ERRORS:  # a strided input: forward copies it
+                return forward(input, weight)
             return y
         return launch
 
@@ -182,13 +185,16 @@ class FusedAddRMSNormFwdOp(_RowNorm, Op):
 
         def launch(input: torch.Tensor, residual: torch.Tensor,
                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if not (is_tma_ready(input) and is_tma_ready(residual) and is_tma_ready(weight)):
+            if (input.data_ptr() | residual.data_ptr() | weight.data_ptr()) % ALIGN:
                 return forward(input, residual, weight)
             y, h = torch.empty_like(input), torch.empty_like(input)
-            if current():
-                exe(input, residual, weight, y, h, eps)
-            else:
-                kernel(rows, input, residual, weight, y, h, eps)
+            try:
+                if current():
+                    exe(input, residual, weight, y, h, eps)
+                else:
+                    kernel(rows, input, residual, weight, y, h, eps)
+            except STRIDE_ERRORS:  # a strided input: forward copies it
+                return forward(input, residual, weight)
             return y, h
         return launch
 
@@ -260,14 +266,17 @@ class LayerNormFwdOp(_RowNorm, Op):
 
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-            if not (is_tma_ready(input) and (weight is None or is_tma_ready(weight))
-                    and (bias is None or is_tma_ready(bias))):
+            if (input.data_ptr() | (0 if weight is None else weight.data_ptr())
+                    | (0 if bias is None else bias.data_ptr())) % ALIGN:
                 return forward(input, weight, bias)
             y = torch.empty_like(input)
-            if current():
-                exe(input, weight, bias, y, eps)
-            else:
-                kernel(rows, input, weight, bias, y, eps)
+            try:
+                if current():
+                    exe(input, weight, bias, y, eps)
+                else:
+                    kernel(rows, input, weight, bias, y, eps)
+            except STRIDE_ERRORS:  # a strided input: forward copies it
+                return forward(input, weight, bias)
             return y
         return launch
 

@@ -29,7 +29,7 @@ from ..kernels.base import UNBOUND, Kernel
 from ..kernels.selection import MAX_K, ArgmaxKernel, TopkKernel, k_cap_of
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import is_tma_ready, tma_ready
+from .layout import ALIGN, STRIDE_ERRORS, tma_ready
 
 _MAX_ROW = (1 << 31) - 1  # row positions are int32 in the kernels
 
@@ -91,13 +91,16 @@ class ArgmaxFwdOp(Op):
         like = torch.empty(rows, dtype=torch.int64, device=input.device)
 
         def launch(input: torch.Tensor) -> torch.Tensor:
-            if not is_tma_ready(input):
+            if input.data_ptr() % ALIGN:
                 return forward(input)
             out = empty_like(like)
-            if current():
-                exe(input, out)
-            else:
-                kernel(rows, input, out)
+            try:
+                if current():
+                    exe(input, out)
+                else:
+                    kernel(rows, input, out)
+            except STRIDE_ERRORS:  # a strided input: forward copies it
+                return forward(input)
             return out
         return launch
 

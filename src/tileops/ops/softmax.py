@@ -19,7 +19,7 @@ from ..kernels.base import UNBOUND, Kernel
 from ..kernels.softmax import SoftmaxKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import as_rows, is_tma_ready, output_rows
+from .layout import ALIGN, STRIDE_ERRORS, as_rows, output_rows
 
 _KERNELS = {"softmax": SoftmaxKernel}
 
@@ -83,13 +83,16 @@ class _ElementwiseRowFwd(_RowOp):
         exe, extra, current = kernel.bind(rows) or UNBOUND
 
         def launch(input: torch.Tensor) -> torch.Tensor:
-            if not is_tma_ready(input):
+            if input.data_ptr() % ALIGN:
                 return forward(input)
             y = torch.empty_like(input)
-            if current():
-                exe(input, y, *extra)
-            else:
-                kernel(rows, input, y)
+            try:
+                if current():
+                    exe(input, y, *extra)
+                else:
+                    kernel(rows, input, y)
+            except STRIDE_ERRORS:  # a strided input: forward copies it
+                return forward(input)
             return y
         return launch
 
