@@ -67,11 +67,11 @@ def _op_classes(cls):
 
 
 def cpu_us(fn, calls=2000):
-    """Best of 7 runs of `calls` calls, in CPU-time us per call (no device to wait for; CPU
+    """Best of 3 runs of `calls` calls, in CPU-time us per call (no device to wait for; CPU
     time, so that other processes on a shared machine count less)."""
     for _ in range(50):
         fn()
-    runs = timeit.repeat(fn, number=calls, repeat=7, timer=time.process_time)
+    runs = timeit.repeat(fn, number=calls, repeat=3, timer=time.process_time)
     return min(runs) / calls * 1e6
 
 
@@ -79,16 +79,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stub", action="store_true",
                         help="CPU tensors, launches replaced by a no-op (no GPU needed)")
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="rounds over every row, interleaved (a shared host's load "
+                             "drifts: each row reports its best and median round)")
     args = parser.parse_args()
     if args.stub:
         with stub_launches():
             rows = layer_rows("cpu")
-            report(rows, cpu_us)
+            report(rows, lambda fn: cpu_us(fn, calls=500), args.rounds)
     else:
         from tileops.perf.timing import call_latency_us
 
         rows = layer_rows("cuda")
-        report(rows, lambda fn: call_latency_us(fn, calls=2000))
+        report(rows, lambda fn: call_latency_us(fn, calls=1000), args.rounds)
         print("dlpack exchange api:", hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
               hasattr(torch.Tensor, "__c_dlpack_exchange_api__"))
 
@@ -185,10 +188,17 @@ def other_op_rows(device):
     return rows
 
 
-def report(rows, time_us):
-    print(f"{'layer':44s} host us/call")
-    for name, fn in rows.items():
-        print(f"{name:44s} {time_us(fn):8.2f}")
+def report(rows, time_us, rounds):
+    """Each row timed once a round, rows interleaved, `rounds` rounds: best and median."""
+    import statistics
+
+    times = {name: [] for name in rows}
+    for _ in range(rounds):
+        for name, fn in rows.items():
+            times[name].append(time_us(fn))
+    print(f"{'layer':44s} host us/call: best, median of {rounds} rounds")
+    for name, ts in times.items():
+        print(f"{name:44s} {min(ts):8.2f} {statistics.median(ts):8.2f}")
     sys.stdout.flush()
 
 
