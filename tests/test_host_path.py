@@ -320,3 +320,19 @@ def test_row_executables_reject_strided_inputs_with_a_stride_error():
         exe(x, w, y, 1e-5)
     with pytest.raises(STRIDE_ERRORS, match="device_type"):  # contiguous: the next check
         exe(x.contiguous(), w, y, 1e-5)
+
+
+def test_custom_op_records_autograd_for_any_input_that_needs_grad(stub):
+    """The custom op's autograd kernel reads requires_grad off the schema's tensor arguments
+    (an optional one may be None): a weight alone needing grad is recorded, params never."""
+    x, w = bf16(8, 256), bf16(256, requires_grad=True)
+    y = torch.ops.tileops.rms_norm_fwd(x, [256], w, 1e-5)
+    assert y.requires_grad
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+    assert not torch.ops.tileops.rms_norm_fwd(x, [256], None, 1e-5).requires_grad
+    b = bf16(256, requires_grad=True)
+    out = torch.ops.tileops.layer_norm_fwd(x, [256], None, b, 1e-5)
+    assert out.requires_grad
+    with torch.no_grad():
+        assert not torch.ops.tileops.layer_norm_fwd(x, [256], None, b, 1e-5).requires_grad

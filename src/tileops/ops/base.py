@@ -448,6 +448,13 @@ def _register_custom_op(cls: type[Op]) -> Any:
     inputs_of = (eval(f"lambda args: args[:{len(input_at)}]")  # noqa: S307
                  if input_at == list(range(len(input_at))) else
                  eval(f"lambda args: ({''.join(f'args[{i}], ' for i in input_at)})"))  # noqa: S307
+    # Whether an input tensor requires grad, read off the schema's tensor arguments (the
+    # dispatcher has parsed them: tensors, or None where optional): ~0.35 us under
+    # _any_requires_grad over every argument, lists and floats included.
+    grad_terms = [f"(args[{i}] is not None and args[{i}].requires_grad)"
+                  if t.optional else f"args[{i}].requires_grad"
+                  for i, t in zip(input_at, spec.inputs, strict=True)]
+    inputs_need_grad = eval(f"lambda args: {' or '.join(grad_terms) or 'False'}")  # noqa: S307
     by_args: dict[tuple, Op] = {}
 
     def instance(args: tuple) -> Op:
@@ -473,7 +480,7 @@ def _register_custom_op(cls: type[Op]) -> Any:
     torch.library.register_fake(f"{LIBRARY}::{name}", fake, lib=_library)
 
     after_autograd = torch._C._after_autograd_keyset
-    grad_enabled, any_requires_grad = torch._C.is_grad_enabled, torch._C._any_requires_grad
+    grad_enabled = torch._C.is_grad_enabled
 
     def forward(ctx: Any, keyset: Any, *args: Any) -> Any:
         with torch._C._AutoDispatchBelowAutograd():
@@ -498,7 +505,7 @@ def _register_custom_op(cls: type[Op]) -> Any:
                     {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def autograd_kernel(keyset: Any, *args: Any) -> Any:
-        if grad_enabled() and any_requires_grad(*args):
+        if grad_enabled() and inputs_need_grad(args):
             return function.apply(keyset, *args)
         direct = _direct_keysets.get(keyset.raw_repr())
         if direct is None:
