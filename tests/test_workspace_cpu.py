@@ -15,7 +15,7 @@ def test_buffers_are_reused_grown_and_kept_per_stream():
     with mock.patch.object(torch._C, "_cuda_getCurrentRawStream",
                            lambda index: stream[0], create=True), \
             mock.patch.dict(workspace._buffers, clear=True), \
-            mock.patch.dict(workspace._sizes, clear=True), \
+            mock.patch.dict(workspace._found, clear=True), \
             mock.patch.object(workspace, "_retired", []):
         first = workspace.zeroed_scratch(cpu, 2, 64, torch.uint64)
         assert first.shape == (2, workspace.MIN_COLUMNS) and not first.view(torch.int64).any()

@@ -19,7 +19,9 @@ import torch
 
 _lock = threading.Lock()
 _buffers: dict[tuple[torch.device, int, torch.dtype, bool], torch.Tensor] = {}
-_sizes: dict[tuple[torch.device, int, torch.dtype, bool], tuple[int, int]] = {}  # their shapes
+# the same buffers as (rows, columns, buffer): a call's size check and the buffer in one
+# lookup, without reading its shape (~0.3 us a call)
+_found: dict[tuple[torch.device, int, torch.dtype, bool], tuple[int, int, torch.Tensor]] = {}
 _retired: list[torch.Tensor] = []  # outgrown buffers a captured graph may still use
 MIN_COLUMNS = 1024
 
@@ -43,9 +45,9 @@ def _scratch(device: torch.device, rows: int, columns: int, dtype: torch.dtype,
              zeroed: bool) -> torch.Tensor:
     # (the raw handle: building a torch.cuda.Stream object costs a microsecond or more)
     slot = (device, torch._C._cuda_getCurrentRawStream(device.index), dtype, zeroed)
-    size = _sizes.get(slot)  # (two ints: reading the buffer's shape costs ~0.3 us a call)
-    if size is not None and size[0] >= rows and size[1] >= columns:
-        return _buffers[slot]
+    found = _found.get(slot)
+    if found is not None and found[0] >= rows and found[1] >= columns:
+        return found[2]
     with _lock:
         old = _buffers.get(slot)
         shape = (max(rows, old.shape[0] if old is not None else 0),
@@ -53,5 +55,5 @@ def _scratch(device: torch.device, rows: int, columns: int, dtype: torch.dtype,
         if old is not None:
             _retired.append(old)
         buffer = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
-        _buffers[slot], _sizes[slot] = buffer, shape
+        _buffers[slot], _found[slot] = buffer, (*shape, buffer)
         return buffer
