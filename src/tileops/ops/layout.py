@@ -6,10 +6,9 @@ import torch
 
 TMA_ALIGN_BYTES = 16
 # What a planned launch of a row kernel checks per call (its signature fixes the rest): the
-# base addresses' alignment (`(a.data_ptr() | b.data_ptr()) % ALIGN`, ~0.1 us a tensor) and
-# the strides, which TileLang's executable checks itself before it launches anything,
-# raising one of STRIDE_ERRORS (~0.1 us a tensor less than `is_tma_ready`).
-ALIGN = TMA_ALIGN_BYTES
+# base addresses' alignment (`(a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES`, ~0.1 us a
+# tensor) and the strides, which TileLang's executable checks itself before it launches
+# anything, raising one of STRIDE_ERRORS (~0.1 us a tensor less than `is_tma_ready`).
 STRIDE_ERRORS = (RuntimeError,)
 
 

@@ -27,7 +27,7 @@ from ..kernels.normalization import (
 )
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import ALIGN, STRIDE_ERRORS, as_rows, output_rows, tma_ready
+from .layout import STRIDE_ERRORS, TMA_ALIGN_BYTES, as_rows, output_rows, tma_ready
 
 FP32_EPS = torch.finfo(torch.float32).eps  # torch's eps=None for fp16/bf16 rows
 
@@ -101,7 +101,7 @@ class RMSNormFwdOp(_RowNorm, Op):
         exe, _, current = kernel.bind(rows) or UNBOUND
 
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-            if (input.data_ptr() | (0 if weight is None else weight.data_ptr())) % ALIGN:
+            if (input.data_ptr() | (0 if weight is None else weight.data_ptr())) % TMA_ALIGN_BYTES:
                 return forward(input, weight)
             y = torch.empty_like(input)
             try:
@@ -185,7 +185,7 @@ class FusedAddRMSNormFwdOp(_RowNorm, Op):
 
         def launch(input: torch.Tensor, residual: torch.Tensor,
                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if (input.data_ptr() | residual.data_ptr() | weight.data_ptr()) % ALIGN:
+            if (input.data_ptr() | residual.data_ptr() | weight.data_ptr()) % TMA_ALIGN_BYTES:
                 return forward(input, residual, weight)
             y, h = torch.empty_like(input), torch.empty_like(input)
             try:
@@ -267,7 +267,7 @@ class LayerNormFwdOp(_RowNorm, Op):
         def launch(input: torch.Tensor, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
             if (input.data_ptr() | (0 if weight is None else weight.data_ptr())
-                    | (0 if bias is None else bias.data_ptr())) % ALIGN:
+                    | (0 if bias is None else bias.data_ptr())) % TMA_ALIGN_BYTES:
                 return forward(input, weight, bias)
             y = torch.empty_like(input)
             try:

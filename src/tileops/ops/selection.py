@@ -29,7 +29,7 @@ from ..kernels.base import UNBOUND, Kernel
 from ..kernels.selection import MAX_K, ArgmaxKernel, TopkKernel, k_cap_of
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import ALIGN, STRIDE_ERRORS, tma_ready
+from .layout import STRIDE_ERRORS, TMA_ALIGN_BYTES, tma_ready
 
 _MAX_ROW = (1 << 31) - 1  # row positions are int32 in the kernels
 
@@ -91,7 +91,7 @@ class ArgmaxFwdOp(Op):
         like = torch.empty(rows, dtype=torch.int64, device=input.device)
 
         def launch(input: torch.Tensor) -> torch.Tensor:
-            if input.data_ptr() % ALIGN:
+            if input.data_ptr() % TMA_ALIGN_BYTES:
                 return forward(input)
             out = empty_like(like)
             try:

@@ -19,7 +19,7 @@ from ..kernels.base import UNBOUND, Kernel
 from ..kernels.softmax import SoftmaxKernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .layout import ALIGN, STRIDE_ERRORS, as_rows, output_rows
+from .layout import STRIDE_ERRORS, TMA_ALIGN_BYTES, as_rows, output_rows
 
 _KERNELS = {"softmax": SoftmaxKernel}
 
@@ -83,7 +83,7 @@ class _ElementwiseRowFwd(_RowOp):
         exe, extra, current = kernel.bind(rows) or UNBOUND
 
         def launch(input: torch.Tensor) -> torch.Tensor:
-            if input.data_ptr() % ALIGN:
+            if input.data_ptr() % TMA_ALIGN_BYTES:
                 return forward(input)
             y = torch.empty_like(input)
             try:
