@@ -95,9 +95,10 @@ def test_non_contiguous_inputs_out_of_place():
 
 def space_cases():
     """(hidden, config) for every config at Qwen3-32B's 5120 and DeepSeek-V3's 7168 columns
-    (lane maps of 160-896 threads next to the tile map's 128) and Phi-2's 2560."""
+    (lane maps of 160-896 threads next to the tile map's 128), Phi-2's 2560 and Llama-70B's
+    8192 (the tile map, with and without fused row sums)."""
     return [pytest.param(hidden, config, id=f"{hidden}-{config}")
-            for hidden in (2560, 5120, 7168)
+            for hidden in (2560, 5120, 7168, 8192)
             for config in FusedAddRMSNormKernel(dtype="bfloat16", n=hidden).config_space("all")]
 
 

@@ -93,9 +93,10 @@ def test_repeated_signatures_through_the_planned_launch(dtype):
 
 def forward_space_cases():
     """(hidden, config) for every forward config at the hidden sizes off the powers of two
-    (the lane map's sizes: ViT-H 1280, Phi-2 2560, GPT-NeoX-20B 6144)."""
+    (the lane map's sizes: ViT-H 1280, Phi-2 2560, GPT-NeoX-20B 6144) and Falcon-40B's 8192
+    (the tile map, with and without fused row sums)."""
     cases = []
-    for hidden in (1280, 2560, 6144):
+    for hidden in (1280, 2560, 6144, 8192):
         kernel = LayerNormKernel(dtype="bfloat16", n=hidden, has_weight=True, has_bias=True)
         for config in kernel.config_space("all"):
             cases.append(pytest.param(hidden, config, id=f"{hidden}-{config}"))

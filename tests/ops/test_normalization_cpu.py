@@ -211,20 +211,55 @@ def test_lane_map_program_on_the_cpu(name):
     """The lane-map kernel, one host thread per CUDA thread, against fp32 torch: row sums
     across warps through shared memory, rows of fewer lanes than a warp, a partial last
     CTA whose spare rows are not stored, and the fused add writing over its inputs."""
+    from tileops.kernels.normalization.row_norm_fwd import NormConfig
+
+    kind, n, dtype, (block_rows, threads, *prefetch), rows = LANE_CASES[name]
+    run_forward_on_the_cpu(kind, n, dtype, rows,
+                           NormConfig(block_rows, threads, lanes=True, prefetch=bool(prefetch)))
+
+
+# -- the forward's fused row sums on the tile map, run thread by thread on the CPU ------
+FUSED_FWD_CASES = {  # name -> (kind, n, dtype, (block_rows, threads), rows)
+    "layer norm 8192, two rows a CTA, a last CTA of 1": ("layer", 8192, torch.bfloat16,
+                                                         (2, 256), 3),
+    "rms norm 4096, one row of 256 threads": ("rms", 4096, torch.float16, (1, 256), 2),
+    # (the fused add's packed bf16 add has no host form in the emulator: its GPU tests)
+    "rms norm 2048, four rows of 128 threads": ("rms", 2048, torch.bfloat16, (4, 128), 6),
+    "layer norm 1000, padded, 128 threads": ("layer", 1000, torch.float16, (1, 128), 2),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.smoke] if i == 0
+                                               else [pytest.mark.full])
+                                  for i, n in enumerate(FUSED_FWD_CASES)])
+def test_fused_row_sums_forward_on_the_cpu(name):
+    """The tile map's forward with a row's sums taken by shuffles and one barrier each
+    (`cta_sums`): LayerNorm's two sums, several rows a CTA, a partial last CTA, the padded
+    scalar path (its padding must stay out of the variance)."""
+    from tileops.kernels.normalization.row_norm_fwd import NormConfig
+
+    kind, n, dtype, (block_rows, threads), rows = FUSED_FWD_CASES[name]
+    run_forward_on_the_cpu(kind, n, dtype, rows, NormConfig(block_rows, threads,
+                                                            fused_sums=True))
+
+
+def run_forward_on_the_cpu(kind: str, n: int, dtype, rows: int, config) -> None:
+    """Runs a forward norm kernel (RMSNorm, LayerNorm or the fused add at `n` columns) with
+    `config`, one host thread per CUDA thread, and checks it against fp32 torch (the fused
+    add writing both results over its inputs)."""
     import torch.nn.functional as F
 
     from tileops.kernels.normalization import FusedAddRMSNormKernel, LayerNormKernel
-    from tileops.kernels.normalization.row_norm_fwd import NormConfig
 
     from ..cuda_emulation_threads import run
 
-    kind, n, dtype, (block_rows, threads, *prefetch), rows = LANE_CASES[name]
+    block_rows, threads = config.block_rows, config.threads
     name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
     w = torch.randn(n, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
-    config = NormConfig(block_rows, threads, lanes=True, prefetch=bool(prefetch))
     grid = -(-rows // block_rows)
     if kind == "layer":
         kernel = LayerNormKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
@@ -345,6 +380,22 @@ def test_fused_sums_where_threads_split_rows_is_refused():
     assert not any(c.fused_sums for c in kernel.config_space("many"))
     assert any(c.fused_sums for c in RMSNormBwdKernel(
         dtype="bfloat16", n=4096, has_weight=True).config_space("many"))
+
+
+def test_forward_fused_sums_where_threads_split_rows_is_refused():
+    """The forward's fused sums need each thread in every row of its CTA (not the lane
+    map, not short rows shared by groups of threads): refused, and not in the space."""
+    from tileops.kernels.normalization.row_norm_fwd import NormConfig
+
+    kernel = RMSNormKernel(dtype="bfloat16", n=128, has_weight=True)
+    with pytest.raises(ValueError, match="fused_sums needs the tile map"):
+        kernel.program(NormConfig(8, 64, fused_sums=True), "all")
+    assert not any(c.fused_sums for c in kernel.config_space("all"))
+    lanes = RMSNormKernel(dtype="bfloat16", n=2560, has_weight=True)
+    with pytest.raises(ValueError, match="fused_sums needs the tile map"):
+        lanes.program(NormConfig(2, 128, lanes=True, fused_sums=True), "all")
+    assert any(c.fused_sums for c in RMSNormKernel(
+        dtype="bfloat16", n=4096, has_weight=True).config_space("all"))
 
 
 def test_fused_sums_with_rows_read_where_they_land_is_refused():

@@ -26,7 +26,7 @@ import tilelang.language as T
 from ..base import Kernel
 from ..softmax.row_map import RowMap
 from ..vectors import ELEM_BYTES, vector_width
-from .rows import RowTile, lane_row_macros, row_configs, vector_map_ok
+from .rows import RowTile, cta_sums, lane_row_macros, row_configs, vector_map_ok
 
 FEW_ROWS = 1024
 
@@ -43,6 +43,16 @@ class NormConfig:
     # lane map: the weight and bias loaded with the row (in flight during the row sums, ~8
     # more registers: 7 instead of 8 CTAs an SM at 2560 columns) instead of after its sums
     prefetch: bool = False
+    # tile map: a row's sums by warp shuffles and one barrier (`cta_sums`) instead of
+    # TileLang's all-reduce (two barriers per level above a warp); needs every thread to
+    # hold a share of every row of the CTA
+    fused_sums: bool = False
+
+
+def fused_sums_ok(n: int, block_rows: int, threads: int) -> bool:
+    """Whether the tile map's rows can take their sums by `cta_sums`: every thread holds a
+    share of each of the CTA's rows, and the CTA has whole warps."""
+    return threads >= 64 and RowTile(n, block_rows, threads).rows_per_thread == block_rows
 
 
 def lanes_ok(n: int, dtype: str, block_rows: int, threads: int) -> bool:
@@ -104,35 +114,96 @@ def default_lanes(n: int, dtype: str) -> NormConfig | None:
 
 def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual: bool, block_rows: int, threads: int, lanes: bool = False,
-                     ctas_per_sm: int = 0, prefetch: bool = False):
+                     ctas_per_sm: int = 0, prefetch: bool = False, fused_sums: bool = False):
     rows = T.dynamic("rows")
+    if fused_sums and (lanes or not fused_sums_ok(n, block_rows, threads)):
+        raise ValueError(f"fused_sums needs the tile map with every thread holding a share "
+                         f"of every row (n={n}, block_rows={block_rows}, threads={threads}, "
+                         f"lanes={lanes})")
     if lanes:
         body = _lanes_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
                            block_rows, threads, ctas_per_sm, prefetch)
     else:
         body = _tile_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
-                          block_rows, threads)
+                          block_rows, threads, fused_sums)
     return _signature(body, rows, n, dtype, has_weight, has_bias, has_residual)
 
 
 def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
-               has_residual: bool, block_rows: int, threads: int):
+               has_residual: bool, block_rows: int, threads: int, fused_sums: bool):
     tile = RowTile(n, block_rows, threads)
     load, store = tile.macros(rows)
     n_tile = tile.n_tile
+    f32 = "float"
 
     def value(x_local, mean_local, i, j):  # h in fp32, centered for LayerNorm
-        h = T.cast(x_local[i, j], "float")
+        h = T.cast(x_local[i, j], f32)
         return h - mean_local[i] if centered else h
+
+    def scaled(x_local, mean_local, rstd_local, w, b, i, j):  # y in the output dtype
+        col = T.min(j, n - 1)  # padded columns read a valid weight, never stored
+        v = value(x_local, mean_local, i, j) * rstd_local[i]
+        if has_weight:
+            v = v * T.cast(w[col], f32)
+        if has_bias:
+            v = v + T.cast(b[col], f32)
+        return T.cast(v, dtype)
+
+    @T.macro
+    def tile_stats(x_local, sq_local, mean_local, rstd_local, eps):
+        """mean_local / rstd_local [block_rows] <- each row's mean and rsqrt(var + eps) by
+        TileLang's all-reduce over the fp32 tile sq_local."""
+        if centered:
+            for i, j in T.Parallel(block_rows, n_tile):
+                sq_local[i, j] = T.cast(x_local[i, j], f32)
+            T.reduce_sum(sq_local, mean_local, dim=1)
+            for i in T.Parallel(block_rows):
+                mean_local[i] = mean_local[i] / n
+        for i, j in T.Parallel(block_rows, n_tile):
+            # centered padding is -mean: it must stay out of the variance
+            sq_local[i, j] = T.if_then_else(
+                j < n, value(x_local, mean_local, i, j) * value(x_local, mean_local, i, j),
+                0.0)
+        T.reduce_sum(sq_local, rstd_local, dim=1)
+        for i in T.Parallel(block_rows):
+            rstd_local[i] = T.rsqrt(rstd_local[i] / n + eps)
+
+    @T.macro
+    def fused_stats(x_local, mean_local, rstd_local, red_mean, red, eps):
+        """The same statistics in per-thread registers: each thread's partial sums, then
+        `cta_sums` (a barrier each; the mean's own shared buffer, so none between)."""
+        if centered:
+            for r in T.unroll(block_rows):
+                mean_local[r] = 0.0
+                for j in T.Parallel(n_tile):  # the padding reads as zero
+                    mean_local[r] = mean_local[r] + T.cast(x_local[r, j], f32)
+            cta_sums(mean_local, red_mean, block_rows, threads)
+            for r in T.unroll(block_rows):
+                mean_local[r] = mean_local[r] / n
+        for r in T.unroll(block_rows):
+            rstd_local[r] = 0.0
+            for j in T.Parallel(n_tile):
+                c = T.if_then_else(j < n, value(x_local, mean_local, r, j), 0.0)
+                rstd_local[r] = rstd_local[r] + c * c
+        cta_sums(rstd_local, red, block_rows, threads)
+        for r in T.unroll(block_rows):
+            rstd_local[r] = T.rsqrt(rstd_local[r] / n + eps)
 
     @T.macro
     def body(x, residual, w, b, y, residual_out, eps):
         with T.Kernel(T.ceildiv(rows, block_rows), threads=threads) as bx:
             row0 = bx * block_rows
             x_local = T.alloc_fragment(tile.shape, dtype)
-            sq_local = T.alloc_fragment(tile.shape, "float")
-            mean_local = T.alloc_fragment((block_rows,), "float") if centered else None
-            rstd_local = T.alloc_fragment((block_rows,), "float")
+            if fused_sums:  # per-thread statistics
+                mean_local = T.alloc_local((block_rows,), f32) if centered else None
+                rstd_local = T.alloc_local((block_rows,), f32)
+                warps = threads // 32
+                red_mean = T.alloc_shared((block_rows, warps), f32) if centered else None
+                red = T.alloc_shared((block_rows, warps), f32)
+            else:
+                sq_local = T.alloc_fragment(tile.shape, f32)
+                mean_local = T.alloc_fragment((block_rows,), f32) if centered else None
+                rstd_local = T.alloc_fragment((block_rows,), f32)
             y_local = T.alloc_fragment(tile.shape, dtype)
             load(x, x_local, row0)
             if has_residual:
@@ -141,28 +212,17 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
                 for i, j in T.Parallel(block_rows, n_tile):
                     x_local[i, j] = x_local[i, j] + r_local[i, j]  # rounded, as torch's add
                 store(x_local, residual_out, row0)
-            if centered:
+            if fused_sums:
+                fused_stats(x_local, mean_local, rstd_local, red_mean, red, eps)
+            else:
+                tile_stats(x_local, sq_local, mean_local, rstd_local, eps)
+            if fused_sums:  # per-thread statistics: a row at a time
+                for i in T.unroll(block_rows):
+                    for j in T.Parallel(n_tile):
+                        y_local[i, j] = scaled(x_local, mean_local, rstd_local, w, b, i, j)
+            else:
                 for i, j in T.Parallel(block_rows, n_tile):
-                    sq_local[i, j] = T.cast(x_local[i, j], "float")
-                T.reduce_sum(sq_local, mean_local, dim=1)
-                for i in T.Parallel(block_rows):
-                    mean_local[i] = mean_local[i] / n
-            for i, j in T.Parallel(block_rows, n_tile):
-                # centered padding is -mean: it must stay out of the variance
-                sq_local[i, j] = T.if_then_else(
-                    j < n, value(x_local, mean_local, i, j) * value(x_local, mean_local, i, j),
-                    0.0)
-            T.reduce_sum(sq_local, rstd_local, dim=1)
-            for i in T.Parallel(block_rows):
-                rstd_local[i] = T.rsqrt(rstd_local[i] / n + eps)
-            for i, j in T.Parallel(block_rows, n_tile):
-                col = T.min(j, n - 1)  # padded columns read a valid weight, never stored
-                v = value(x_local, mean_local, i, j) * rstd_local[i]
-                if has_weight:
-                    v = v * T.cast(w[col], "float")
-                if has_bias:
-                    v = v + T.cast(b[col], "float")
-                y_local[i, j] = T.cast(v, dtype)
+                    y_local[i, j] = scaled(x_local, mean_local, rstd_local, w, b, i, j)
             store(y_local, y, row0)
 
     return body
@@ -302,7 +362,7 @@ class NormFwdKernel(Kernel):
         return norm_fwd_program(self.key["n"], self.key["dtype"], block_rows=config.block_rows,
                                 threads=config.threads, lanes=config.lanes,
                                 ctas_per_sm=config.ctas_per_sm, prefetch=config.prefetch,
-                                **self.flags())
+                                fused_sums=config.fused_sums, **self.flags())
 
     def run(self, config: NormConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*[t for t in tensors if t is not None])
@@ -337,6 +397,10 @@ class NormFwdKernel(Kernel):
         n, dtype = self.key["n"], self.key["dtype"]
         space = [self.heuristic_config(bucket, "sm_90a")]
         space += [NormConfig(r, t) for r, t in row_configs(n, (8, 64))]
+        # the tile map's configs again with a row's sums fused where every thread holds a
+        # share of every row
+        space += [dataclasses.replace(c, fused_sums=True) for c in space
+                  if not c.lanes and fused_sums_ok(n, c.block_rows, c.threads)]
         if n & (n - 1):  # the tile map serves powers of two exactly (and was tuned there)
             space += [c for c in lane_configs(n, dtype, (8, 40)) if c.threads <= 896]
             if space[0].lanes:
