@@ -187,7 +187,7 @@ def test_lane_map_needs_an_exact_split_of_16_byte_vectors():
 
 
 # -- the lane map's generated CUDA on the CPU (threads, shuffles and shared memory) -------
-LANE_CASES = {  # name -> (kind, n, dtype, config, rows)
+LANE_CASES = {  # name -> (kind, n, dtype, (block_rows, threads[, prefetch[, ctas]]), rows)
     "layer norm 2560, one row per CTA": ("layer", 2560, torch.bfloat16, (1, 160), 3),
     "layer norm 384, 8 rows of 16 lanes, a last CTA of 3": ("layer", 384, torch.float16,
                                                              (8, 128), 11),
@@ -200,6 +200,15 @@ LANE_CASES = {  # name -> (kind, n, dtype, config, rows)
                                                              (4, 128), 5),
     "rms norm 2560, 2 rows of 64 lanes, a last CTA of 1": ("rms", 2560, torch.float16,
                                                            (2, 128), 3),
+    # persistent grids (config `ctas`): groups of rows in turn, the next one's rows loading
+    # during this one's sums, the shared sums alternating between two halves
+    "rms norm 2560, 2 CTAs over 5 groups of 2 rows": ("rms", 2560, torch.float16,
+                                                      (2, 128, False, 2), 9),
+    "layer norm 1280, 3 CTAs over 4 groups, a last group of 1": ("layer", 1280,
+                                                                 torch.bfloat16,
+                                                                 (4, 128, False, 3), 13),
+    "fused add 2560 in place, 2 CTAs": ("fused_add", 2560, torch.bfloat16,
+                                        (2, 128, False, 2), 7),
 }
 
 
@@ -213,9 +222,10 @@ def test_lane_map_program_on_the_cpu(name):
     CTA whose spare rows are not stored, and the fused add writing over its inputs."""
     from tileops.kernels.normalization.row_norm_fwd import NormConfig
 
-    kind, n, dtype, (block_rows, threads, *prefetch), rows = LANE_CASES[name]
-    run_forward_on_the_cpu(kind, n, dtype, rows,
-                           NormConfig(block_rows, threads, lanes=True, prefetch=bool(prefetch)))
+    kind, n, dtype, fields, rows = LANE_CASES[name]
+    block_rows, threads, prefetch, ctas = (*fields, False, 0)[:4]  # (rows, threads[, ...])
+    run_forward_on_the_cpu(kind, n, dtype, rows, NormConfig(block_rows, threads, lanes=True,
+                                                            prefetch=prefetch, ctas=ctas))
 
 
 # -- the forward's fused row sums on the tile map, run thread by thread on the CPU ------
@@ -261,6 +271,7 @@ def run_forward_on_the_cpu(kind: str, n: int, dtype, rows: int, config) -> None:
     w = torch.randn(n, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
     grid = -(-rows // block_rows)
+    grid = min(grid, config.ctas) if config.ctas else grid
     if kind == "layer":
         kernel = LayerNormKernel(dtype=name_of, n=n, has_weight=True, has_bias=True)
         y = torch.full_like(x, float("nan"))

@@ -26,7 +26,7 @@ import tilelang.language as T
 from ..base import Kernel
 from ..softmax.row_map import RowMap
 from ..vectors import ELEM_BYTES, vector_width
-from .rows import RowTile, cta_sums, lane_row_macros, row_configs, vector_map_ok
+from .rows import SMS, RowTile, cta_sums, lane_row_macros, row_configs, vector_map_ok
 
 FEW_ROWS = 1024
 
@@ -43,6 +43,9 @@ class NormConfig:
     # lane map: the weight and bias loaded with the row (in flight during the row sums, ~8
     # more registers: 7 instead of 8 CTAs an SM at 2560 columns) instead of after its sums
     prefetch: bool = False
+    # lane map: a persistent grid of at most `ctas` CTAs (0: a CTA per group of block_rows
+    # rows), each loading its next group's rows while it normalizes the current ones
+    ctas: int = 0
     # tile map: a row's sums by warp shuffles and one barrier (`cta_sums`) instead of
     # TileLang's all-reduce (two barriers per level above a warp); needs every thread to
     # hold a share of every row of the CTA
@@ -114,15 +117,18 @@ def default_lanes(n: int, dtype: str) -> NormConfig | None:
 
 def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual: bool, block_rows: int, threads: int, lanes: bool = False,
-                     ctas_per_sm: int = 0, prefetch: bool = False, fused_sums: bool = False):
+                     ctas_per_sm: int = 0, prefetch: bool = False, fused_sums: bool = False,
+                     ctas: int = 0):
     rows = T.dynamic("rows")
+    if ctas and not lanes:
+        raise ValueError(f"a persistent grid (ctas={ctas}) needs the lane map")
     if fused_sums and (lanes or not fused_sums_ok(n, block_rows, threads)):
         raise ValueError(f"fused_sums needs the tile map with every thread holding a share "
                          f"of every row (n={n}, block_rows={block_rows}, threads={threads}, "
                          f"lanes={lanes})")
     if lanes:
         body = _lanes_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
-                           block_rows, threads, ctas_per_sm, prefetch)
+                           block_rows, threads, ctas_per_sm, prefetch, ctas)
     else:
         body = _tile_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
                           block_rows, threads, fused_sums)
@@ -230,82 +236,121 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
 
 def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                 has_residual: bool, block_rows: int, threads: int, ctas_per_sm: int,
-                prefetch: bool):
+                prefetch: bool, ctas: int):
     row_threads = threads // block_rows
     vec = vector_width(n, dtype)
     rm = RowMap(n, dtype, threads, row_threads, n // vec // row_threads, ctas=1)
     load, store, reduce_sum, _, _ = rm.macros(rows)
     vecs, warps = rm.vecs, max(rm.row_warps, 1)
+    f32 = "float"
+    groups = T.ceildiv(rows, block_rows)
 
     _, load_row, load_vector = lane_row_macros(row_threads, vec, vecs)
 
+    def local():  # a thread's share of a row, in the input dtype (half fp32's registers)
+        return T.alloc_local((vecs, vec), dtype)
+
+    @T.macro
+    def load_inputs(x, residual, h_local, r_local, row, lane):
+        load_row(x, h_local, row, lane)
+        if has_residual:
+            load_row(residual, r_local, row, lane)
+
+    @T.macro
+    def load_params(w, b, w_local, b_local, lane):
+        if has_weight:
+            load_vector(w, w_local, lane)
+        if has_bias:
+            load_vector(b, b_local, lane)
+
+    @T.macro
+    def normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out, total, mean, red,
+                  base, row_in, row, r, lane, eps):
+        """One row of the CTA's group: h (= x + residual, written out) normalized into y.
+        Its two sums use rows base + [0, block_rows) (the mean) and base + [block_rows,
+        2 block_rows) (the squares) of `red`: no barrier after the first one's reads."""
+        if has_residual:
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):  # rounded, as torch's add
+                    h_local[i, j] = T.cast(T.cast(h_local[i, j], f32)
+                                           + T.cast(r_local[i, j], f32), dtype)
+            if row_in < rows:
+                store(h_local, residual_out, row, 0, lane)
+        mean[0] = 0.0
+        if centered:
+            total[0] = 0.0
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    total[0] = total[0] + T.cast(h_local[i, j], f32)
+            reduce_sum(total, red, base + r, lane)
+            mean[0] = total[0] / n
+        total[0] = 0.0
+        for i in T.unroll(vecs):
+            for j in T.unroll(vec):
+                d = T.cast(h_local[i, j], f32) - mean[0]
+                total[0] = total[0] + d * d
+        reduce_sum(total, red, base + block_rows + r, lane)
+        total[0] = T.rsqrt(total[0] / n + eps)
+        if not (prefetch or ctas):  # from L2 after the sums: fewer registers live across them
+            load_params(w, b, w_local, b_local, lane)
+        for i in T.unroll(vecs):
+            for j in T.unroll(vec):
+                v = (T.cast(h_local[i, j], f32) - mean[0]) * total[0]
+                if has_weight:
+                    v = v * T.cast(w_local[i, j], f32)
+                if has_bias:
+                    v = v + T.cast(b_local[i, j], f32)
+                h_local[i, j] = T.cast(v, dtype)
+        if row_in < rows:
+            store(h_local, y, row, 0, lane)
+
     @T.macro
     def body(x, residual, w, b, y, residual_out, eps):
-        with T.Kernel(T.ceildiv(rows, block_rows), threads=threads) as bx:
+        with T.Kernel(T.min(groups, ctas) if ctas else groups, threads=threads) as bx:
             if ctas_per_sm:
                 T.annotate_min_blocks_per_sm(ctas_per_sm)
             tx = T.get_thread_binding()
             r, lane = tx // row_threads, tx % row_threads
-            row_in = bx * block_rows + r
-            # a last CTA's spare rows re-read the last row, so that every thread meets the
-            # barriers of the row sums; only their stores are skipped
-            row = T.min(row_in, rows - 1)
-            # rows held in the input dtype (half the registers of fp32), widened per use
-            h_local = T.alloc_local((vecs, vec), dtype)
-            w_local = T.alloc_local((vecs, vec), dtype)
-            b_local = T.alloc_local((vecs, vec), dtype)
-            total = T.alloc_local((1,), "float")
-            mean = T.alloc_local((1,), "float")
-            # rows [0, block_rows) of the mean, [block_rows, 2 block_rows) of the squares: one
-            # buffer, so the second sum needs no barrier after the first one's reads
-            red = T.alloc_shared((2 * block_rows, warps), "float")
-
-            load_row(x, h_local, row, lane)
-            if has_residual:
-                r_local = T.alloc_local((vecs, vec), dtype)
-                load_row(residual, r_local, row, lane)
-            if prefetch:  # the weight and bias in flight during the row sums
-                if has_weight:
-                    load_vector(w, w_local, lane)
-                if has_bias:
-                    load_vector(b, b_local, lane)
-            if has_residual:
-                for i in T.unroll(vecs):
-                    for j in T.unroll(vec):  # rounded, as torch's add
-                        h_local[i, j] = T.cast(T.cast(h_local[i, j], "float")
-                                               + T.cast(r_local[i, j], "float"), dtype)
-                if row_in < rows:
-                    store(h_local, residual_out, row, 0, lane)
-            mean[0] = 0.0
-            if centered:
-                total[0] = 0.0
-                for i in T.unroll(vecs):
-                    for j in T.unroll(vec):
-                        total[0] = total[0] + T.cast(h_local[i, j], "float")
-                reduce_sum(total, red, r, lane)
-                mean[0] = total[0] / n
-            total[0] = 0.0
-            for i in T.unroll(vecs):
-                for j in T.unroll(vec):
-                    d = T.cast(h_local[i, j], "float") - mean[0]
-                    total[0] = total[0] + d * d
-            reduce_sum(total, red, block_rows + r, lane)
-            total[0] = T.rsqrt(total[0] / n + eps)
-            if not prefetch:  # from L2 after the row sums: fewer registers live across them
-                if has_weight:
-                    load_vector(w, w_local, lane)
-                if has_bias:
-                    load_vector(b, b_local, lane)
-            for i in T.unroll(vecs):
-                for j in T.unroll(vec):
-                    v = (T.cast(h_local[i, j], "float") - mean[0]) * total[0]
-                    if has_weight:
-                        v = v * T.cast(w_local[i, j], "float")
-                    if has_bias:
-                        v = v + T.cast(b_local[i, j], "float")
-                    h_local[i, j] = T.cast(v, dtype)
-            if row_in < rows:
-                store(h_local, y, row, 0, lane)
+            h_local, w_local, b_local = local(), local(), local()
+            r_local = local() if has_residual else None
+            total = T.alloc_local((1,), f32)
+            mean = T.alloc_local((1,), f32)
+            # per row: the mean's partials, then the squares'; twice over when persistent
+            # (consecutive groups alternate, so a group's writes never meet the reads of
+            # the group before)
+            red = T.alloc_shared(((4 if ctas else 2) * block_rows, warps), f32)
+            if not ctas:
+                row_in = bx * block_rows + r
+                # a last CTA's spare rows re-read the last row, so that every thread meets
+                # the barriers of the row sums; only their stores are skipped
+                row = T.min(row_in, rows - 1)
+                load_inputs(x, residual, h_local, r_local, row, lane)
+                if prefetch:  # the weight and bias in flight during the row sums
+                    load_params(w, b, w_local, b_local, lane)
+                normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out, total, mean,
+                          red, 0, row_in, row, r, lane, eps)
+            else:
+                # persistent: groups bx, bx + grid, ...; the next group's inputs load while
+                # this one's are normalized (past the last group: the last row, unused)
+                grid = T.min(groups, ctas)
+                h_next = local()
+                r_next = local() if has_residual else None
+                load_inputs(x, residual, h_local, r_local, T.min(bx * block_rows + r, rows - 1),
+                            lane)
+                load_params(w, b, w_local, b_local, lane)
+                for step in T.serial(T.ceildiv(groups - bx, grid)):
+                    g = bx + step * grid
+                    load_inputs(x, residual, h_next, r_next,
+                                T.min((g + grid) * block_rows + r, rows - 1), lane)
+                    row_in = g * block_rows + r
+                    normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out,
+                              total, mean, red, (step % 2) * 2 * block_rows, row_in,
+                              T.min(row_in, rows - 1), r, lane, eps)
+                    for i in T.unroll(vecs):
+                        for j in T.unroll(vec):
+                            h_local[i, j] = h_next[i, j]
+                            if has_residual:
+                                r_local[i, j] = r_next[i, j]
 
     return body
 
@@ -362,7 +407,8 @@ class NormFwdKernel(Kernel):
         return norm_fwd_program(self.key["n"], self.key["dtype"], block_rows=config.block_rows,
                                 threads=config.threads, lanes=config.lanes,
                                 ctas_per_sm=config.ctas_per_sm, prefetch=config.prefetch,
-                                fused_sums=config.fused_sums, **self.flags())
+                                fused_sums=config.fused_sums, ctas=config.ctas,
+                                **self.flags())
 
     def run(self, config: NormConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*[t for t in tensors if t is not None])
@@ -405,6 +451,9 @@ class NormFwdKernel(Kernel):
             space += [c for c in lane_configs(n, dtype, (8, 40)) if c.threads <= 896]
             if space[0].lanes:
                 space.append(dataclasses.replace(space[0], prefetch=True))
+                # the default's persistent forms: 2, 4 or 8 CTAs an SM
+                space += [dataclasses.replace(space[0], ctas=k * SMS) for k in (2, 4, 8)
+                          if k * space[0].threads <= 2048]
         return list(dict.fromkeys(space))
 
 
