@@ -14,7 +14,6 @@ def test_buffers_are_reused_grown_and_kept_per_stream():
     cpu = torch.device("cpu")
     with mock.patch.object(torch._C, "_cuda_getCurrentRawStream",
                            lambda index: stream[0], create=True), \
-            mock.patch.dict(workspace._buffers, clear=True), \
             mock.patch.dict(workspace._found, clear=True), \
             mock.patch.object(workspace, "_retired", []):
         first = workspace.zeroed_scratch(cpu, 2, 64, torch.uint64)

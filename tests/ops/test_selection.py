@@ -166,8 +166,8 @@ def test_argmax_chunks_meet_in_one_launch_on_every_stream():
     for x, outs in zip(xs, results, strict=True):
         for got in outs:
             check_argmax(x, got)
-    assert workspace._buffers  # (no torch.any for uint64 on CUDA: viewed as int64)
-    assert not any(b.view(torch.int64).any() for b in workspace._buffers.values())
+    assert workspace._found  # (no torch.any for uint64 on CUDA: viewed as int64)
+    assert not any(b.view(torch.int64).any() for _, _, b in workspace._found.values())
 
 
 @pytest.mark.smoke

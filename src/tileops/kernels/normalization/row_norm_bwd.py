@@ -23,7 +23,16 @@ import tilelang.language as T
 from ..base import Kernel
 from .lane_norm_bwd import lanes_bwd_body
 from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
-from .rows import SMS, RowTile, cta_sums, dx_value, row_configs, stageable, vector_map_ok
+from .rows import (
+    SMS,
+    RowTile,
+    cta_sums,
+    dx_value,
+    fused_sums_ok,
+    row_configs,
+    stageable,
+    vector_map_ok,
+)
 
 FEW_ROWS = 4096  # bucket edge: up to this many rows a smaller grid leaves fewer partials
 
@@ -86,7 +95,7 @@ def _tile_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
     # a thread's rows reduce in one all-reduce (one set of barriers, not one per row): short
     # rows (several per CTA) were bound by the barriers of 4 reductions x block_rows rows
     batch = tile.rows_per_thread
-    if fused_sums and (batch != block_rows or threads <= 32):
+    if fused_sums and not fused_sums_ok(n, block_rows, threads, exact=staged):
         raise ValueError(f"fused_sums needs every thread to hold a share of every row of the "
                          f"step (n={n}, block_rows={block_rows}, threads={threads})")
     if fused_sums and from_shared:
@@ -569,7 +578,7 @@ class NormBwdKernel(Kernel):
         # of every row of the step: on the H200, 8K rows, RMSNorm 58.0 -> 57.1 us (4096),
         # 106.6 -> 105.6 (8192), 145.5 -> 127.6 (Qwen3-32B's 5120); LayerNorm 124.4 -> 108.0
         # (8192), 122.1 -> 95.5 (6144); the fused add 74.6 -> 73.6, 138.4 -> 136.5
-        fused = RowTile(n, block_rows, threads, exact=True).rows_per_thread == block_rows
+        fused = fused_sums_ok(n, block_rows, threads, exact=True)
         return NormBwdConfig(block_rows, threads, SMS, prefetch=False,
                              stages=3 if elems <= 24 else 2, fused_sums=fused)
 
@@ -587,8 +596,7 @@ class NormBwdKernel(Kernel):
         # the staged configs again with a row's sums fused (the staged default's choice)
         space += [dataclasses.replace(c, fused_sums=True) for c in space
                   if c.stages and not c.from_shared
-                  and RowTile(self.key["n"], c.block_rows, c.threads,
-                              exact=True).rows_per_thread == c.block_rows]
+                  and fused_sums_ok(self.key["n"], c.block_rows, c.threads, exact=True)]
         space += self.lane_space()
         return list(dict.fromkeys(space))
 

@@ -26,7 +26,7 @@ import tilelang.language as T
 from ..base import Kernel
 from ..softmax.row_map import RowMap
 from ..vectors import ELEM_BYTES, vector_width
-from .rows import SMS, RowTile, cta_sums, lane_row_macros, row_configs, vector_map_ok
+from .rows import SMS, RowTile, cta_sums, fused_sums_ok, lane_row_macros, row_configs, vector_map_ok
 
 FEW_ROWS = 1024
 
@@ -50,12 +50,6 @@ class NormConfig:
     # TileLang's all-reduce (two barriers per level above a warp); needs every thread to
     # hold a share of every row of the CTA
     fused_sums: bool = False
-
-
-def fused_sums_ok(n: int, block_rows: int, threads: int) -> bool:
-    """Whether the tile map's rows can take their sums by `cta_sums`: every thread holds a
-    share of each of the CTA's rows, and the CTA has whole warps."""
-    return threads >= 64 and RowTile(n, block_rows, threads).rows_per_thread == block_rows
 
 
 def lanes_ok(n: int, dtype: str, block_rows: int, threads: int) -> bool:

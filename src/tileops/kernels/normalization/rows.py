@@ -39,6 +39,13 @@ def stageable(n: int, block_rows: int, threads: int) -> bool:
     return vector_map_ok(n, block_rows, threads) or (block_rows == 1 and n % (4 * threads) == 0)
 
 
+def fused_sums_ok(n: int, block_rows: int, threads: int, exact: bool = False) -> bool:
+    """Whether a CTA's row sums can be taken by `cta_sums` (`fused_sums`, forward and
+    backward): more than a warp, each thread holding a share of every one of its rows
+    (`exact`: the staged [block_rows, n] tile)."""
+    return threads > 32 and RowTile(n, block_rows, threads, exact).rows_per_thread == block_rows
+
+
 @dataclass(frozen=True)
 class RowTile:
     """The [block_rows, n_tile] register tile of `n`-element rows and how it moves;
