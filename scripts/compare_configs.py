@@ -118,7 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", choices=sorted(OP_CLASSES))
     parser.add_argument("--workload", action="append", required=True, metavar="TEXT",
-                        help="workloads whose label contains TEXT (repeatable)")
+                        help="workloads whose label contains TEXT, or equals TEXT after a "
+                             "leading = (repeatable)")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--config", type=json.loads, action="append", default=[],
                         metavar="JSON", help="fields of the default config to replace")

@@ -412,6 +412,11 @@ def test_workload_selection_filters_by_label_text_and_dtype():
     assert [(w["label"], d) for w, d in bf16_causal] == [("8k causal", ["bfloat16"]),
                                                          ("2k causal", ["bfloat16"])]
     assert select_workloads(workloads, ["fp16 only"], ["bfloat16"]) == []
+    # '=' asks for the whole label: "8k causal" alone, not a label it starts
+    workloads.append({"label": "8k causal per head", "dtypes": ["bfloat16"]})
+    assert [w["label"] for w, _ in select_workloads(workloads, ["=8k causal"], None)] == [
+        "8k causal"]
+    assert len(select_workloads(workloads, ["8k causal"], None)) == 2
 
 
 def test_bench_cases_filter_by_tier_dtype_and_label_text():

@@ -103,10 +103,12 @@ def list_ops(family: str | None = None, status: str | None = None) -> list[OpInf
 def select_workloads(workloads: list[dict[str, Any]], texts: list[str] | None = None,
                      dtypes: list[str] | None = None) -> list[tuple[dict[str, Any], list[str]]]:
     """(workload, its dtypes among `dtypes`) for the workloads whose label contains one of
-    `texts` (None: no filter); a workload left with no dtype drops out."""
+    `texts` (None: no filter), or equals it for a text starting with '=' (a label that is
+    the start of another's); a workload left with no dtype drops out."""
     chosen = []
     for w in workloads:
-        if texts and not any(text in w["label"] for text in texts):
+        if texts and not any(w["label"] == text[1:] if text.startswith("=") else text in w["label"]
+                             for text in texts):
             continue
         kept = [d for d in w["dtypes"] if not dtypes or d in dtypes]
         if kept:
