@@ -267,7 +267,10 @@ def run_forward_on_the_cpu(kind: str, n: int, dtype, rows: int, config) -> None:
     block_rows, threads = config.block_rows, config.threads
     name_of = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(rows, n, generator=gen) * 2 + 0.5).to(dtype)
+    x = torch.randn(rows, n, generator=gen) * 2 + 0.5
+    if kind == "layer":  # a row far from zero mean: its variance must not cancel away
+        x[-1] += 300.0
+    x = x.to(dtype)
     w = torch.randn(n, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype)
     grid = -(-rows // block_rows)

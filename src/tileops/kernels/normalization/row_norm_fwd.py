@@ -26,7 +26,16 @@ import tilelang.language as T
 from ..base import Kernel
 from ..softmax.row_map import RowMap
 from ..vectors import ELEM_BYTES, vector_width
-from .rows import SMS, RowTile, cta_sums, fused_sums_ok, lane_row_macros, row_configs, vector_map_ok
+from .rows import (
+    SMS,
+    RowTile,
+    cta_moments,
+    cta_sums,
+    fused_sums_ok,
+    lane_row_macros,
+    row_configs,
+    vector_map_ok,
+)
 
 FEW_ROWS = 1024
 
@@ -169,23 +178,27 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
             rstd_local[i] = T.rsqrt(rstd_local[i] / n + eps)
 
     @T.macro
-    def fused_stats(x_local, mean_local, rstd_local, red_mean, red, eps):
-        """The same statistics in per-thread registers: each thread's partial sums, then
-        `cta_sums` (a barrier each; the mean's own shared buffer, so none between)."""
-        if centered:
-            for r in T.unroll(block_rows):
-                mean_local[r] = 0.0
-                for j in T.Parallel(n_tile):  # the padding reads as zero
-                    mean_local[r] = mean_local[r] + T.cast(x_local[r, j], f32)
-            cta_sums(mean_local, red_mean, block_rows, threads)
-            for r in T.unroll(block_rows):
-                mean_local[r] = mean_local[r] / n
+    def fused_stats(x_local, mean_local, rstd_local, cnt_local, red, eps):
+        """The same statistics in per-thread registers: RMSNorm's sum of squares by
+        `cta_sums`; LayerNorm's mean and squared deviations about it per thread (two
+        passes over its registers), merged across the CTA by `cta_moments`: one barrier
+        either way."""
         for r in T.unroll(block_rows):
             rstd_local[r] = 0.0
+            if centered:
+                mean_local[r] = 0.0
+                cnt_local[r] = 0.0
+                for j in T.Parallel(n_tile):  # the padding reads as zero, counts nothing
+                    mean_local[r] = mean_local[r] + T.cast(x_local[r, j], f32)
+                    cnt_local[r] = cnt_local[r] + T.if_then_else(j < n, 1.0, 0.0)
+                mean_local[r] = mean_local[r] / T.max(cnt_local[r], 1.0)
             for j in T.Parallel(n_tile):
                 c = T.if_then_else(j < n, value(x_local, mean_local, r, j), 0.0)
                 rstd_local[r] = rstd_local[r] + c * c
-        cta_sums(rstd_local, red, block_rows, threads)
+        if centered:
+            cta_moments(cnt_local, mean_local, rstd_local, red, block_rows, threads)
+        else:
+            cta_sums(rstd_local, red, block_rows, threads)
         for r in T.unroll(block_rows):
             rstd_local[r] = T.rsqrt(rstd_local[r] / n + eps)
 
@@ -196,10 +209,11 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
             x_local = T.alloc_fragment(tile.shape, dtype)
             if fused_sums:  # per-thread statistics
                 mean_local = T.alloc_local((block_rows,), f32) if centered else None
+                cnt_local = T.alloc_local((block_rows,), f32) if centered else None
                 rstd_local = T.alloc_local((block_rows,), f32)
                 warps = threads // 32
-                red_mean = T.alloc_shared((block_rows, warps), f32) if centered else None
-                red = T.alloc_shared((block_rows, warps), f32)
+                red = T.alloc_shared((3, block_rows, warps) if centered else (block_rows, warps),
+                                     f32)
             else:
                 sq_local = T.alloc_fragment(tile.shape, f32)
                 mean_local = T.alloc_fragment((block_rows,), f32) if centered else None
@@ -213,7 +227,7 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
                     x_local[i, j] = x_local[i, j] + r_local[i, j]  # rounded, as torch's add
                 store(x_local, residual_out, row0)
             if fused_sums:
-                fused_stats(x_local, mean_local, rstd_local, red_mean, red, eps)
+                fused_stats(x_local, mean_local, rstd_local, cnt_local, red, eps)
             else:
                 tile_stats(x_local, sq_local, mean_local, rstd_local, eps)
             if fused_sums:  # per-thread statistics: a row at a time

@@ -175,3 +175,47 @@ def cta_sums(part, red, count: int, threads: int):
         part[q] = red[q, 0]
         for w in T.unroll(warps - 1):
             part[q] = part[q] + red[q, w + 1]
+
+
+@T.macro
+def merge_moments(cnt, mean, m2, q, other):
+    """Row q's (count, mean, sum of squared deviations) <- merged with `other` [3]'s
+    (Chan et al.'s pairwise update: the deviations of two groups' means, never a difference
+    of two large sums, so rows far from zero mean keep their variance). Reads the old
+    values before writing each."""
+    total = T.max(cnt[q] + other[0], 1.0)  # two empty groups stay empty
+    delta = other[1] - mean[q]
+    m2[q] = m2[q] + other[2] + delta * delta * cnt[q] * other[0] / total
+    mean[q] = mean[q] + delta * other[0] / total
+    cnt[q] = cnt[q] + other[0]
+
+
+@T.macro
+def cta_moments(cnt, mean, m2, red, count: int, threads: int):
+    """cnt / mean / m2 [0:count] (fp32 registers) <- each row's element count, mean and sum
+    of squared deviations over the CTA's `threads` threads, from each thread's own: warp
+    shuffles, the warps' moments through `red` [3, count, threads // 32] in shared memory,
+    one barrier. A LayerNorm's mean and variance in one exchange, where `cta_sums` needs one
+    for the mean and another for the squares about it."""
+    warps = threads // 32
+    other = T.alloc_local((3,), "float")
+    for q in T.unroll(count):
+        for k in T.unroll(5):
+            other[0] = T.shfl_xor(cnt[q], 1 << k)
+            other[1] = T.shfl_xor(mean[q], 1 << k)
+            other[2] = T.shfl_xor(m2[q], 1 << k)
+            merge_moments(cnt, mean, m2, q, other)
+    tx = T.get_thread_binding()
+    if tx % 32 == 0:  # a warp-specialized consumer's warps may start past 0: any order
+        for q in T.unroll(count):
+            red[0, q, (tx // 32) % warps] = cnt[q]
+            red[1, q, (tx // 32) % warps] = mean[q]
+            red[2, q, (tx // 32) % warps] = m2[q]
+    for q in T.unroll(count):
+        cnt[q] = red[0, q, 0]
+        mean[q] = red[1, q, 0]
+        m2[q] = red[2, q, 0]
+        for w in T.unroll(warps - 1):
+            for v in T.unroll(3):
+                other[v] = red[v, q, w + 1]
+            merge_moments(cnt, mean, m2, q, other)
