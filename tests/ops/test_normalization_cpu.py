@@ -187,7 +187,7 @@ def test_lane_map_needs_an_exact_split_of_16_byte_vectors():
 
 
 # -- the lane map's generated CUDA on the CPU (threads, shuffles and shared memory) -------
-LANE_CASES = {  # name -> (kind, n, dtype, (block_rows, threads[, prefetch[, ctas]]), rows)
+LANE_CASES = {  # name -> (kind, n, dtype, (block_rows, threads[, prefetch[, ...]]), rows)
     "layer norm 2560, one row per CTA": ("layer", 2560, torch.bfloat16, (1, 160), 3),
     "layer norm 384, 8 rows of 16 lanes, a last CTA of 3": ("layer", 384, torch.float16,
                                                              (8, 128), 11),
@@ -209,6 +209,14 @@ LANE_CASES = {  # name -> (kind, n, dtype, (block_rows, threads[, prefetch[, cta
                                                                  (4, 128, False, 3), 13),
     "fused add 2560 in place, 2 CTAs": ("fused_add", 2560, torch.bfloat16,
                                         (2, 128, False, 2), 7),
+    # LayerNorm's mean and variance as merged moments (`fused_sums`): across 8 warps, two
+    # warps a row on a persistent grid, 16 lanes a row (shuffles alone)
+    "layer norm 6144, moments over 8 warps": ("layer", 6144, torch.bfloat16,
+                                              (1, 256, False, 0, True), 3),
+    "layer norm 2560, moments, 2 CTAs": ("layer", 2560, torch.float16,
+                                         (2, 128, False, 2, True), 9),
+    "layer norm 384, moments of 16 lanes": ("layer", 384, torch.bfloat16,
+                                            (8, 128, False, 0, True), 11),
 }
 
 
@@ -223,9 +231,10 @@ def test_lane_map_program_on_the_cpu(name):
     from tileops.kernels.normalization.row_norm_fwd import NormConfig
 
     kind, n, dtype, fields, rows = LANE_CASES[name]
-    block_rows, threads, prefetch, ctas = (*fields, False, 0)[:4]  # (rows, threads[, ...])
-    run_forward_on_the_cpu(kind, n, dtype, rows, NormConfig(block_rows, threads, lanes=True,
-                                                            prefetch=prefetch, ctas=ctas))
+    # (rows, threads[, prefetch[, ctas[, fused_sums]]])
+    block_rows, threads, prefetch, ctas, fused = (*fields, False, 0, False)[:5]
+    run_forward_on_the_cpu(kind, n, dtype, rows, NormConfig(
+        block_rows, threads, lanes=True, prefetch=prefetch, ctas=ctas, fused_sums=fused))
 
 
 # -- the forward's fused row sums on the tile map, run thread by thread on the CPU ------

@@ -125,13 +125,16 @@ def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     rows = T.dynamic("rows")
     if ctas and not lanes:
         raise ValueError(f"a persistent grid (ctas={ctas}) needs the lane map")
-    if fused_sums and (lanes or not fused_sums_ok(n, block_rows, threads)):
+    if fused_sums and lanes and not centered:
+        raise ValueError("fused_sums on the lane map merges LayerNorm's mean and variance "
+                         "into one exchange; an uncentered norm has one sum")
+    if fused_sums and not lanes and not fused_sums_ok(n, block_rows, threads):
         raise ValueError(f"fused_sums needs the tile map with every thread holding a share "
                          f"of every row (n={n}, block_rows={block_rows}, threads={threads}, "
                          f"lanes={lanes})")
     if lanes:
         body = _lanes_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
-                           block_rows, threads, ctas_per_sm, prefetch, ctas)
+                           block_rows, threads, ctas_per_sm, prefetch, ctas, fused_sums)
     else:
         body = _tile_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
                           block_rows, threads, fused_sums)
@@ -244,7 +247,7 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
 
 def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                 has_residual: bool, block_rows: int, threads: int, ctas_per_sm: int,
-                prefetch: bool, ctas: int):
+                prefetch: bool, ctas: int, moments: bool = False):
     row_threads = threads // block_rows
     vec = vector_width(n, dtype)
     rm = RowMap(n, dtype, threads, row_threads, n // vec // row_threads, ctas=1)
@@ -257,6 +260,35 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
 
     def local():  # a thread's share of a row, in the input dtype (half fp32's registers)
         return T.alloc_local((vecs, vec), dtype)
+
+    per_thread = vecs * vec
+    shuffles = (min(row_threads, 32)).bit_length() - 1
+
+    @T.macro
+    def row_moments(mean, m2, other, red, r_mean, r_m2, lane):
+        """mean[0] / m2[0] <- the row's mean and sum of squared deviations, from each
+        thread's own over its `per_thread` elements: pairwise merges of equal counts
+        (Chan et al.: the deviation of two means, never a difference of two large sums)
+        by shuffles, then the warps' through rows r_mean / r_m2 of `red`: one barrier
+        where a row spans warps, against two for the mean and then the squares."""
+        for k in T.unroll(shuffles):
+            other[0] = T.shfl_xor(mean[0], 1 << k)
+            other[1] = T.shfl_xor(m2[0], 1 << k)
+            d = other[0] - mean[0]  # both halves hold per_thread << k elements
+            m2[0] = m2[0] + other[1] + d * d * T.cast(per_thread << k, f32) * 0.5
+            mean[0] = (mean[0] + other[0]) * 0.5
+        if warps > 1:
+            if lane % 32 == 0:
+                red[r_mean, lane // 32] = mean[0]
+                red[r_m2, lane // 32] = m2[0]
+            T.sync_threads()
+            mean[0] = red[r_mean, 0]
+            m2[0] = red[r_m2, 0]
+            for w in T.unroll(warps - 1):  # w + 1 warps so far, one more: (w + 2) in all
+                d = red[r_mean, w + 1] - mean[0]
+                m2[0] = m2[0] + red[r_m2, w + 1] + d * d * T.cast(
+                    per_thread * 32 * (w + 1), f32) / T.cast(w + 2, f32)
+                mean[0] = mean[0] + d / T.cast(w + 2, f32)
 
     @T.macro
     def load_inputs(x, residual, h_local, r_local, row, lane):
@@ -272,8 +304,8 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
             load_vector(b, b_local, lane)
 
     @T.macro
-    def normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out, total, mean, red,
-                  base, row_in, row, r, lane, eps):
+    def normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out, total, mean,
+                  other, red, base, row_in, row, r, lane, eps):
         """One row of the CTA's group: h (= x + residual, written out) normalized into y.
         Its two sums use rows base + [0, block_rows) (the mean) and base + [block_rows,
         2 block_rows) (the squares) of `red`: no barrier after the first one's reads."""
@@ -290,14 +322,20 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
             for i in T.unroll(vecs):
                 for j in T.unroll(vec):
                     total[0] = total[0] + T.cast(h_local[i, j], f32)
-            reduce_sum(total, red, base + r, lane)
-            mean[0] = total[0] / n
+            if moments:  # the thread's own mean; the row's comes with the squares
+                mean[0] = total[0] * (1.0 / per_thread)
+            else:
+                reduce_sum(total, red, base + r, lane)
+                mean[0] = total[0] / n
         total[0] = 0.0
         for i in T.unroll(vecs):
             for j in T.unroll(vec):
                 d = T.cast(h_local[i, j], f32) - mean[0]
                 total[0] = total[0] + d * d
-        reduce_sum(total, red, base + block_rows + r, lane)
+        if moments:
+            row_moments(mean, total, other, red, base + r, base + block_rows + r, lane)
+        else:
+            reduce_sum(total, red, base + block_rows + r, lane)
         total[0] = T.rsqrt(total[0] / n + eps)
         if not (prefetch or ctas):  # from L2 after the sums: fewer registers live across them
             load_params(w, b, w_local, b_local, lane)
@@ -323,6 +361,7 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
             r_local = local() if has_residual else None
             total = T.alloc_local((1,), f32)
             mean = T.alloc_local((1,), f32)
+            other = T.alloc_local((2,), f32) if moments else None  # a partner's moments
             # per row: the mean's partials, then the squares'; twice over when persistent
             # (consecutive groups alternate, so a group's writes never meet the reads of
             # the group before)
@@ -336,7 +375,7 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
                 if prefetch:  # the weight and bias in flight during the row sums
                     load_params(w, b, w_local, b_local, lane)
                 normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out, total, mean,
-                          red, 0, row_in, row, r, lane, eps)
+                          other, red, 0, row_in, row, r, lane, eps)
             else:
                 # persistent: groups bx, bx + grid, ...; the next group's inputs load while
                 # this one's are normalized (past the last group: the last row, unused)
@@ -352,7 +391,7 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
                                 T.min((g + grid) * block_rows + r, rows - 1), lane)
                     row_in = g * block_rows + r
                     normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out,
-                              total, mean, red, (step % 2) * 2 * block_rows, row_in,
+                              total, mean, other, red, (step % 2) * 2 * block_rows, row_in,
                               T.min(row_in, rows - 1), r, lane, eps)
                     for i in T.unroll(vecs):
                         for j in T.unroll(vec):
@@ -462,6 +501,9 @@ class NormFwdKernel(Kernel):
                 # the default's persistent forms: 2, 4 or 8 CTAs an SM
                 space += [dataclasses.replace(space[0], ctas=k * SMS) for k in (2, 4, 8)
                           if k * space[0].threads <= 2048]
+                # LayerNorm's mean and variance in one exchange, where a row spans warps
+                if self.flags()["centered"] and space[0].threads // space[0].block_rows > 32:
+                    space.append(dataclasses.replace(space[0], fused_sums=True))
         return list(dict.fromkeys(space))
 
 
