@@ -406,8 +406,9 @@ def test_fused_sums_where_threads_split_rows_is_refused():
 
 
 def test_forward_fused_sums_where_threads_split_rows_is_refused():
-    """The forward's fused sums need each thread in every row of its CTA (not the lane
-    map, not short rows shared by groups of threads): refused, and not in the space."""
+    """The tile map's fused sums need each thread in every row of its CTA (not short rows
+    shared by groups of threads); on the lane map they merge LayerNorm's two statistics,
+    so RMSNorm's one sum is refused there; neither is in the space."""
     from tileops.kernels.normalization.row_norm_fwd import NormConfig
 
     kernel = RMSNormKernel(dtype="bfloat16", n=128, has_weight=True)
@@ -415,8 +416,9 @@ def test_forward_fused_sums_where_threads_split_rows_is_refused():
         kernel.program(NormConfig(8, 64, fused_sums=True), "all")
     assert not any(c.fused_sums for c in kernel.config_space("all"))
     lanes = RMSNormKernel(dtype="bfloat16", n=2560, has_weight=True)
-    with pytest.raises(ValueError, match="fused_sums needs the tile map"):
+    with pytest.raises(ValueError, match="an uncentered norm has one sum"):
         lanes.program(NormConfig(2, 128, lanes=True, fused_sums=True), "all")
+    assert not any(c.fused_sums and c.lanes for c in lanes.config_space("all"))
     assert any(c.fused_sums for c in RMSNormKernel(
         dtype="bfloat16", n=4096, has_weight=True).config_space("all"))
 
