@@ -17,6 +17,7 @@
 # print; a cut-off run exits 124) and BENCH_SECONDS a bench sweep; steps chain
 # with && in one device call. The device's git metadata is stale: pass the local HEAD as
 # TILEOPS_COMMIT=<hash> so the bench JSON names it.
+# A new checkout first runs `bash scripts/stage_device.sh` (the kit, .whl, the excludes).
 # Device time goes to timing, not compiling, when the kernels are built here first:
 # `TILEOPS_CACHE_DIR=.tilecache python3 scripts/compare_configs.py ... --compile-only` or
 # `TILEOPS_CACHE_DIR=.tilecache python3 -m tileops.cli compile --op ... --tier full`, then
