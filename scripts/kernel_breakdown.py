@@ -20,13 +20,20 @@ from tileops.perf.timing import kernel_breakdown
 NAME_WIDTH = 90
 
 
-def print_case(op_cls, workload: dict, dtype: str) -> None:
-    """The breakdown of the op and of each of its baselines on one (workload, dtype)."""
+def print_case(op_cls, workload: dict, dtype: str, only_baselines: list[str] | None) -> None:
+    """The breakdown of the op and of each of its baselines (or of those named) on one
+    (workload, dtype)."""
     params = op_cls.spec.workload_params(workload)
     op = op_cls(**params)
     inputs = random_inputs(op_cls, workload, dtype)
-    candidates = case_candidates(op, params, lambda fn: lambda: fn(*inputs),
-                                 baselines_for(op_cls.__name__))
+    baselines = baselines_for(op_cls.__name__)
+    if only_baselines is not None:  # e.g. leave out torch.compile's device-side compile
+        unknown = set(only_baselines) - set(baselines)
+        if unknown:
+            raise SystemExit(f"--baseline {sorted(unknown)}: {op_cls.__name__}'s baselines "
+                             f"are {sorted(baselines)}")
+        baselines = {name: fn for name, fn in baselines.items() if name in only_baselines}
+    candidates = case_candidates(op, params, lambda fn: lambda: fn(*inputs), baselines)
     print(f"\n{op_cls.__name__} [{workload['label']}] {dtype}")
     for name, fn in candidates.items():
         try:
@@ -45,10 +52,13 @@ def main() -> None:
     parser.add_argument("--workload", action="append", metavar="TEXT",
                         help="only workloads whose label contains TEXT (repeatable)")
     parser.add_argument("--dtype", nargs="+", metavar="D", help="only these dtypes")
+    parser.add_argument("--baseline", action="append", metavar="NAME",
+                        help="only these baselines (repeatable; --baseline none: the op alone)")
     args = parser.parse_args()
     op_cls = OP_CLASSES[args.op]
     for _, workload, dtype in bench_cases([op_cls], None, args.dtype, args.workload):
-        print_case(op_cls, workload, dtype)
+        only = None if args.baseline is None else [b for b in args.baseline if b != "none"]
+        print_case(op_cls, workload, dtype, only)
         torch.cuda.empty_cache()
 
 
