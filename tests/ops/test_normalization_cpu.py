@@ -386,7 +386,14 @@ def run_backward_on_the_cpu(kind: str, n: int, dtype, rows: int, seed: int, conf
         torch.testing.assert_close(db_part.sum(0), bf.grad, atol=5e-2, rtol=1e-3)
     if column_sum:
         dw = torch.full((n,), float("nan"), dtype=dtype)
-        run(programs[1], -(-n // column_strip(n)), 256, dict(part=dw_part, out=dw), {})
+        db = torch.full((n,), float("nan"), dtype=dtype)
+        strips = -(-n // column_strip(n))
+        if kind == "layer":  # dW and dB in one launch
+            run(programs[1], 2 * strips, 256,
+                dict(part=dw_part, part_b=db_part, out=dw, out_b=db), {})
+            torch.testing.assert_close(db.float(), bf.grad, atol=5e-2, rtol=1e-2)
+        else:
+            run(programs[1], strips, 256, dict(part=dw_part, out=dw), {})
         torch.testing.assert_close(dw.float(), wf.grad, atol=5e-2, rtol=1e-2)
 
 

@@ -399,14 +399,16 @@ def column_strip(n: int) -> int:
 
 
 def column_sum_program(parts: int, n: int, out_dtype: str, threads: int = 256,
-                       unroll: int = 4):
-    """out[j] = sum over the `parts` partial rows of part[:, j], cast to `out_dtype`.
+                       unroll: int = 4, sums: int = 1):
+    """out[j] = sum over the `parts` partial rows of part[:, j], cast to `out_dtype`; with
+    `sums=2`, (part, part_b) -> (out, out_b) in the same launch (LayerNorm's dW and dB).
 
     A few KB to a few MB read once, so latency-bound: CTAs of narrow column strips (enough
     of them to reach every SM), each thread a 16-byte vector of a strip on every
     `slices`-th partial row, `unroll` rows' loads issued before their adds; the slices meet
     in shared memory. (One CTA of 128 columns walking all the rows 32 at a time left
-    1280-column rows with 10 CTAs of up to 33 dependent loads.)"""
+    1280-column rows with 10 CTAs of up to 33 dependent loads.) Two sums share one launch:
+    each is a few microseconds of mostly launch and load latency."""
     f32 = "float"
     vec = 4 if n % 4 == 0 else 1
     strip = column_strip(n)
@@ -415,46 +417,64 @@ def column_sum_program(parts: int, n: int, out_dtype: str, threads: int = 256,
     shuffles = (32 // strip_vecs).bit_length() - 1
     steps = -(-parts // (slices * unroll))
 
-    @T.prim_func
-    def column_sum(part: T.Tensor((parts, n), f32), out: T.Tensor((n,), out_dtype)):
-        with T.Kernel(T.ceildiv(n, strip), threads=threads) as bx:
-            tx = T.get_thread_binding()
-            v, s = tx % strip_vecs, tx // strip_vecs
-            col = bx * strip + v * vec
-            acc = T.alloc_local((vec,), f32)
-            got = T.alloc_local((unroll, vec), f32)
-            red = T.alloc_shared((warps, strip), f32)
-            for j in T.unroll(vec):
-                acc[j] = 0.0
-            if col < n:
-                for k in T.serial(steps):
-                    for u in T.unroll(unroll):
-                        row = (k * unroll + u) * slices + s
-                        if row < parts:
-                            for j in T.vectorized(vec):
-                                got[u, j] = part[row, col + j]
-                        else:
-                            for j in T.unroll(vec):
-                                got[u, j] = 0.0
-                    for u in T.unroll(unroll):
+    @T.macro
+    def strip_sum(part, out, bx):
+        tx = T.get_thread_binding()
+        v, s = tx % strip_vecs, tx // strip_vecs
+        col = bx * strip + v * vec
+        acc = T.alloc_local((vec,), f32)
+        got = T.alloc_local((unroll, vec), f32)
+        red = T.alloc_shared((warps, strip), f32)
+        for j in T.unroll(vec):
+            acc[j] = 0.0
+        if col < n:
+            for k in T.serial(steps):
+                for u in T.unroll(unroll):
+                    row = (k * unroll + u) * slices + s
+                    if row < parts:
+                        for j in T.vectorized(vec):
+                            got[u, j] = part[row, col + j]
+                    else:
                         for j in T.unroll(vec):
-                            acc[j] = acc[j] + got[u, j]
-            # the warp's slices by shuffles, then the warps' sums through shared memory
-            for k in T.unroll(shuffles):
-                for j in T.unroll(vec):
-                    acc[j] = acc[j] + T.shfl_xor(acc[j], strip_vecs << k)
-            if tx % 32 < strip_vecs:
-                for j in T.unroll(vec):
-                    red[tx // 32, v * vec + j] = acc[j]
-            T.sync_threads()
-            if tx < strip:
-                total = T.alloc_local((1,), f32)
-                total[0] = red[0, tx]
-                for w in T.unroll(warps - 1):
-                    total[0] = total[0] + red[w + 1, tx]
-                if bx * strip + tx < n:
-                    out[bx * strip + tx] = T.cast(total[0], out_dtype)
+                            got[u, j] = 0.0
+                for u in T.unroll(unroll):
+                    for j in T.unroll(vec):
+                        acc[j] = acc[j] + got[u, j]
+        # the warp's slices by shuffles, then the warps' sums through shared memory
+        for k in T.unroll(shuffles):
+            for j in T.unroll(vec):
+                acc[j] = acc[j] + T.shfl_xor(acc[j], strip_vecs << k)
+        if tx % 32 < strip_vecs:
+            for j in T.unroll(vec):
+                red[tx // 32, v * vec + j] = acc[j]
+        T.sync_threads()
+        if tx < strip:
+            total = T.alloc_local((1,), f32)
+            total[0] = red[0, tx]
+            for w in T.unroll(warps - 1):
+                total[0] = total[0] + red[w + 1, tx]
+            if bx * strip + tx < n:
+                out[bx * strip + tx] = T.cast(total[0], out_dtype)
 
+    P = (parts, n)
+    if sums == 1:
+        @T.prim_func
+        def column_sum(part: T.Tensor(P, f32), out: T.Tensor((n,), out_dtype)):
+            with T.Kernel(T.ceildiv(n, strip), threads=threads) as bx:
+                strip_sum(part, out, bx)
+    elif sums == 2:  # one grid: the first sum's strips, then the second's
+        blocks = -(-n // strip)
+
+        @T.prim_func
+        def column_sum(part: T.Tensor(P, f32), part_b: T.Tensor(P, f32),
+                       out: T.Tensor((n,), out_dtype), out_b: T.Tensor((n,), out_dtype)):
+            with T.Kernel(2 * blocks, threads=threads) as bx:
+                if bx < blocks:
+                    strip_sum(part, out, bx)
+                else:
+                    strip_sum(part_b, out_b, bx - blocks)
+    else:
+        raise ValueError(f"column_sum_program: sums must be 1 or 2, got {sums}")
     return column_sum
 
 
@@ -475,8 +495,8 @@ class NormBwdKernel(Kernel):
                                 stages=config.stages, from_shared=config.from_shared,
                                 fused_sums=config.fused_sums, lanes=config.lanes,
                                 acc_shared=config.acc_shared, **flags)
-        sums = (column_sum_program(config.ctas, n, dtype),) if flags["has_weight"] or flags[
-            "has_bias"] else ()
+        count = int(flags["has_weight"]) + int(flags["has_bias"])
+        sums = (column_sum_program(config.ctas, n, dtype, sums=count),) if count else ()
         return (main, *sums)
 
     def run(self, config: NormBwdConfig, compiled: tuple, dy, h, w, dres, dx, dw, db,
@@ -492,10 +512,8 @@ class NormBwdKernel(Kernel):
         dw_part, db_part = partials(dw), partials(db)
         compiled[0](*(t for t in (dy, h, w, dres, dx, dw_part, db_part) if t is not None),
                     eps)
-        if dw is not None:
-            compiled[1](dw_part, dw)
-        if db is not None:
-            compiled[1](db_part, db)
+        if dw is not None or db is not None:  # one launch sums both
+            compiled[1](*(t for t in (dw_part, db_part, dw, db) if t is not None))
 
     def bucket_of(self, size: int) -> str:
         return "few" if size <= FEW_ROWS else "many"
