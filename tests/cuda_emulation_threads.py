@@ -170,6 +170,16 @@ static inline void fence_proxy_async() {}
 static inline void tma_load(void *smem, const void *gmem, Barrier &, uint32_t bytes) {
   std::memcpy(smem, gmem, bytes);
 }
+// cp.async: the copy lands when issued, so commit and wait have nothing to do
+template <int N> static inline void cp_async_gs(void *smem, const void *gmem) {
+  std::memcpy(smem, gmem, N);
+}
+template <int N> static inline void cp_async_gs_conditional(void *smem, const void *gmem,
+                                                            bool pred) {
+  if (pred) std::memcpy(smem, gmem, N); else std::memset(smem, 0, N);
+}
+static inline void cp_async_commit() {}
+template <int N> static inline void cp_async_wait() {}
 static inline void cluster_arrive() {}
 static inline void cluster_wait() { pthread_barrier_wait(&emu_cluster_barrier); }
 static inline void cluster_sync() { pthread_barrier_wait(&emu_cluster_barrier); }

@@ -454,6 +454,12 @@ LANE_BWD_CASES = {  # name -> (kind, n, dtype, config fields, rows)
         "fused_add", 768, torch.bfloat16, dict(block_rows=2, threads=64, prefetch=False), 9),
     "layer norm 2560, two rows of two warps, registers": (
         "layer", 2560, torch.float16, dict(block_rows=2, threads=128, prefetch=False), 10),
+    "layer norm 1280, four rows of a warp, a 3-step shared ring": (
+        "layer", 1280, torch.bfloat16, dict(block_rows=4, threads=128, prefetch=False,
+                                            stages=3), 29),
+    "fused add 1536, rows of two warps, a 2-step ring, shared dW": (
+        "fused_add", 1536, torch.float16, dict(block_rows=1, threads=64, prefetch=False,
+                                               stages=2, acc_shared=True), 8),
 }
 
 

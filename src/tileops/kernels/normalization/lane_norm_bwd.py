@@ -8,7 +8,11 @@ lane and its sums are warp shuffles alone; 6144 is 256 threads of three.
 
 Per step a CTA takes `block_rows` rows (one per thread group) of a persistent walk, with
 the next step's dy and h optionally in flight in registers during this one's sums
-(`prefetch`). A row's sums ([h^2, g h] for RMSNorm; the mean first, then [(h - mean)^2,
+(`prefetch`), or the next `stages - 1` steps' in flight into a ring of shared memory
+(`stages`): each thread copies its own vectors there by cp.async and reads back only
+those, so the ring costs no registers and its steps need no producer warps.
+
+A row's sums ([h^2, g h] for RMSNorm; the mean first, then [(h - mean)^2,
 g (h - mean), g] for LayerNorm) are taken together: shuffles, then one barrier through
 shared memory when the row spans several warps. The dW / dB shares of the CTA's rows
 accumulate in fp32, in registers or (`acc_shared`, fewer registers: more CTAs an SM) in
@@ -26,8 +30,11 @@ from .rows import SMS, dx_value, lane_row_macros
 
 def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                    has_bias: bool, has_residual_grad: bool, block_rows: int, threads: int,
-                   ctas: int, prefetch: bool, acc_shared: bool):
+                   ctas: int, prefetch: bool, acc_shared: bool, stages: int = 0):
     """The `body(dy, h, w, dres, dx, dw_part, db_part, eps)` macro of the lane map."""
+    if stages and (prefetch or stages < 2):
+        raise ValueError(f"the lane map's shared ring needs 2 or more stages and no register "
+                         f"double buffer (stages={stages}, prefetch={prefetch})")
     f32 = "float"
     row_threads = threads // block_rows
     vec = vector_width(n, dtype)
@@ -41,6 +48,22 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
     combine = has_acc and (acc_shared or block_rows > 1)
 
     col, load_row, _ = lane_row_macros(row_threads, vec, vecs)
+
+    def step_row(step, bx, r):  # group r's row at `step`; past the last rows: the last
+        return T.min((step * ctas + bx) * block_rows + r, rows - 1)
+
+    @T.macro
+    def ring_issue(gmem, ring, slot, row, r, lane):
+        """This thread's vectors of `row` into ring[slot, r] by cp.async (not waited)."""
+        for i in T.unroll(vecs):
+            T.ptx_cp_async(T.access_ptr(ring[slot, r, col(i, 0, lane)], "w", vec),
+                           T.access_ptr(gmem[row, col(i, 0, lane)], "r", vec), vec)
+
+    @T.macro
+    def ring_read(ring, local, slot, r, lane):
+        for i in T.unroll(vecs):
+            for j in T.vectorized(vec):
+                local[i, j] = ring[slot, r, col(i, j, lane)]
 
     def column_total(acc_sh, c):  # the row groups' shares of column c, summed
         return functools.reduce(operator.add, [acc_sh[q, c] for q in range(block_rows)])
@@ -120,6 +143,8 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
             red = T.alloc_shared((2, n_sums, block_rows, warps), f32) if warps > 1 else None
             red_mean = T.alloc_shared((1, 1, block_rows, warps), f32) \
                 if warps > 1 and centered else None
+            dy_ring = T.alloc_shared((stages, block_rows, n), dtype) if stages else None
+            h_ring = T.alloc_shared((stages, block_rows, n), dtype) if stages else None
 
             if has_weight:
                 for i in T.unroll(vecs):
@@ -139,6 +164,10 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                 first = T.min(bx * block_rows + r, rows - 1)
                 load_row(dy, dy_next, first, lane)
                 load_row(h, h_next, first, lane)
+            for p in T.unroll(stages - 1 if stages else 0):  # the ring's first steps
+                ring_issue(dy, dy_ring, p, step_row(p, bx, r), r, lane)
+                ring_issue(h, h_ring, p, step_row(p, bx, r), r, lane)
+                T.ptx_commit_group()
             for step in T.serial(T.ceildiv(rows, parts)):
                 row_in = (step * ctas + bx) * block_rows + r
                 # rows past the last re-read it, so every thread meets the barriers; only
@@ -152,6 +181,17 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                     ahead = T.min(row_in + parts, rows - 1)
                     load_row(dy, dy_next, ahead, lane)
                     load_row(h, h_next, ahead, lane)
+                elif stages:
+                    # step + stages - 1 into the slot this thread read a step ago, then this
+                    # step's copies (all but the newest stages - 1 groups) waited for
+                    ahead = (step + stages - 1) % stages
+                    later = step_row(step + stages - 1, bx, r)
+                    ring_issue(dy, dy_ring, ahead, later, r, lane)
+                    ring_issue(h, h_ring, ahead, later, r, lane)
+                    T.ptx_commit_group()
+                    T.ptx_wait_group(stages - 1)
+                    ring_read(dy_ring, dy_local, step % stages, r, lane)
+                    ring_read(h_ring, h_local, step % stages, r, lane)
                 else:
                     load_row(dy, dy_local, row, lane)
                     load_row(h, h_local, row, lane)
@@ -204,6 +244,8 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                     for i in T.unroll(vecs):
                         for j in T.vectorized(vec):
                             dx[row, col(i, j, lane)] = h_local[i, j]
+            if stages:  # the ring's copies past the last step, landed before the exit
+                T.ptx_wait_group(0)
             if has_weight:
                 write_partial(dw_local, dw_shared, dw_part, bx, r, lane)
             if has_bias:

@@ -47,7 +47,9 @@ class NormBwdConfig:
     threads: int = 256
     ctas: int = 2 * SMS
     prefetch: bool = True  # load the next rows during this row's reductions
-    stages: int = 0  # > 0: rows staged through shared memory by a TMA pipeline this deep
+    # > 0: rows staged through shared memory this deep: by a TMA pipeline (tile map), or
+    # (lane map) a ring each thread fills with its own vectors by cp.async
+    stages: int = 0
     from_shared: bool = False  # staged rows are read where they land, not copied to registers
     # a row's sums taken together by warp shuffles and one barrier (`cta_sums`), not one
     # TileLang all-reduce per sum; only where every thread holds a share of every row
@@ -66,12 +68,13 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
     flags = dict(centered=centered, has_weight=has_weight, has_bias=has_bias,
                  has_residual_grad=has_residual_grad)
     if lanes:
-        if not lanes_ok(n, dtype, block_rows, threads) or stages or from_shared or fused_sums:
+        if not lanes_ok(n, dtype, block_rows, threads) or from_shared or fused_sums:
             raise ValueError(f"the lane map needs an exact split of {n} columns into 16-byte "
-                             f"vectors over {threads // block_rows} threads a row, and none "
-                             f"of stages / from_shared / fused_sums (a register path)")
+                             f"vectors over {threads // block_rows} threads a row, and neither "
+                             f"from_shared nor fused_sums (tile-map options)")
         body = lanes_bwd_body(rows, n, dtype, block_rows=block_rows, threads=threads,
-                              ctas=ctas, prefetch=prefetch, acc_shared=acc_shared, **flags)
+                              ctas=ctas, prefetch=prefetch, acc_shared=acc_shared,
+                              stages=stages, **flags)
     else:
         if acc_shared:
             raise ValueError("acc_shared is an option of the lane map (lanes=True)")
