@@ -164,10 +164,11 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                 first = T.min(bx * block_rows + r, rows - 1)
                 load_row(dy, dy_next, first, lane)
                 load_row(h, h_next, first, lane)
-            for p in T.unroll(stages - 1 if stages else 0):  # the ring's first steps
-                ring_issue(dy, dy_ring, p, step_row(p, bx, r), r, lane)
-                ring_issue(h, h_ring, p, step_row(p, bx, r), r, lane)
-                T.ptx_commit_group()
+            if stages:
+                for p in T.unroll(stages - 1):  # the ring's first steps
+                    ring_issue(dy, dy_ring, p, step_row(p, bx, r), r, lane)
+                    ring_issue(h, h_ring, p, step_row(p, bx, r), r, lane)
+                    T.ptx_commit_group()
             for step in T.serial(T.ceildiv(rows, parts)):
                 row_in = (step * ctas + bx) * block_rows + r
                 # rows past the last re-read it, so every thread meets the barriers; only
