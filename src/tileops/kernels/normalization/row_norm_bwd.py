@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..base import Kernel
+from ..vectors import ELEM_BYTES
 from .lane_norm_bwd import lanes_bwd_body
 from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
 from .rows import (
@@ -624,8 +625,12 @@ class NormBwdKernel(Kernel):
     def lane_space(self) -> list[NormBwdConfig]:
         """The lane map's configs: each split of a row into whole warps of 1-5 vectors a
         thread, with and without the register double buffer and the shared dW / dB, on
-        grids of 1, 2 or 4 CTAs an SM (the launch bound that caps the registers)."""
+        grids of 1, 2 or 4 CTAs an SM (the launch bound that caps the registers); without
+        the double buffer also with a shared ring of 2 or 3 steps where an SM's rings and
+        dW / dB buffers fit in 220 KB."""
         n, dtype = self.key["n"], self.key["dtype"]
+        step_bytes = 2 * n * ELEM_BYTES[dtype]  # a row of dy and one of h
+        acc_bytes = 2 * n * 4  # at most: shared fp32 dW and dB rows
         found = []
         for layout in lane_configs(n, dtype, (4, 40)):
             if n // (layout.threads // layout.block_rows) > 40:
@@ -635,11 +640,14 @@ class NormBwdKernel(Kernel):
                 # rows' vectors
                 if not 256 <= layout.threads * per_sm <= 1024:
                     continue
-                for prefetch in (False, True):
+                for prefetch, stages in ((False, 0), (True, 0), (False, 2), (False, 3)):
+                    if per_sm * layout.block_rows * (stages * step_bytes + acc_bytes) \
+                            > 220 * 1024:
+                        continue
                     for acc_shared in (False, True):
                         found.append(NormBwdConfig(
                             layout.block_rows, layout.threads, SMS * per_sm, prefetch,
-                            lanes=True, acc_shared=acc_shared))
+                            stages, lanes=True, acc_shared=acc_shared))
         return found
 
 
