@@ -25,7 +25,7 @@ import operator
 import tilelang.language as T
 
 from ..vectors import vector_width
-from .rows import SMS, dx_value, lane_row_macros
+from .rows import SMS, dx_value, lane_ring_macros, lane_row_macros
 
 
 def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
@@ -49,21 +49,10 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
 
     col, load_row, _ = lane_row_macros(row_threads, vec, vecs)
 
+    ring_issue, ring_read = lane_ring_macros(row_threads, vec, vecs)
+
     def step_row(step, bx, r):  # group r's row at `step`; past the last rows: the last
         return T.min((step * ctas + bx) * block_rows + r, rows - 1)
-
-    @T.macro
-    def ring_issue(gmem, ring, slot, row, r, lane):
-        """This thread's vectors of `row` into ring[slot, r] by cp.async (not waited)."""
-        for i in T.unroll(vecs):
-            T.ptx_cp_async(T.access_ptr(ring[slot, r, col(i, 0, lane)], "w", vec),
-                           T.access_ptr(gmem[row, col(i, 0, lane)], "r", vec), vec)
-
-    @T.macro
-    def ring_read(ring, local, slot, r, lane):
-        for i in T.unroll(vecs):
-            for j in T.vectorized(vec):
-                local[i, j] = ring[slot, r, col(i, j, lane)]
 
     def column_total(acc_sh, c):  # the row groups' shares of column c, summed
         return functools.reduce(operator.add, [acc_sh[q, c] for q in range(block_rows)])

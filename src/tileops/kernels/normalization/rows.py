@@ -146,6 +146,29 @@ def lane_row_macros(row_threads: int, vec: int, vecs: int):
     return col, load_row, load_vector
 
 
+def lane_ring_macros(row_threads: int, vec: int, vecs: int):
+    """(ring_issue, ring_read) of the lane map's shared ring: ring_issue copies this thread's
+    vectors of row `row` of a [rows, n] tensor into ring[slot, r] by cp.async (not waited:
+    the caller commits and waits by groups), ring_read reads them back into local[vecs,
+    vec]. Each thread reads only what it copied, so only its own cp.async waits order
+    them."""
+    col, _, _ = lane_row_macros(row_threads, vec, vecs)
+
+    @T.macro
+    def ring_issue(gmem, ring, slot, row, r, lane):
+        for i in T.unroll(vecs):
+            T.ptx_cp_async(T.access_ptr(ring[slot, r, col(i, 0, lane)], "w", vec),
+                           T.access_ptr(gmem[row, col(i, 0, lane)], "r", vec), vec)
+
+    @T.macro
+    def ring_read(ring, local, slot, r, lane):
+        for i in T.unroll(vecs):
+            for j in T.vectorized(vec):
+                local[i, j] = ring[slot, r, col(i, j, lane)]
+
+    return ring_issue, ring_read
+
+
 def dx_value(g, xhat, dot, gsum, rstd, dres):
     """A row norm's input gradient (fp32 expressions): rstd (g - xhat dot - gsum) + dres,
     with g = dy w, dot = mean(g xhat), gsum = mean(g) (LayerNorm; None for RMSNorm) and
