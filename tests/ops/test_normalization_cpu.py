@@ -217,6 +217,11 @@ LANE_CASES = {  # name -> (kind, n, dtype, (block_rows, threads[, prefetch[, ...
                                          (2, 128, False, 2, True), 9),
     "layer norm 384, moments of 16 lanes": ("layer", 384, torch.bfloat16,
                                             (8, 128, False, 0, True), 11),
+    # persistent grids with the next groups' rows in a shared ring (config `stages`)
+    "layer norm 1280, 3 CTAs, a ring of 3 groups": ("layer", 1280, torch.bfloat16,
+                                                    (4, 128, False, 3, False, 3), 29),
+    "fused add 2560 in place, 2 CTAs, a ring of 2": ("fused_add", 2560, torch.float16,
+                                                     (2, 128, False, 2, False, 2), 9),
 }
 
 
@@ -231,10 +236,11 @@ def test_lane_map_program_on_the_cpu(name):
     from tileops.kernels.normalization.row_norm_fwd import NormConfig
 
     kind, n, dtype, fields, rows = LANE_CASES[name]
-    # (rows, threads[, prefetch[, ctas[, fused_sums]]])
-    block_rows, threads, prefetch, ctas, fused = (*fields, False, 0, False)[:5]
+    # (rows, threads[, prefetch[, ctas[, fused_sums[, stages]]]])
+    block_rows, threads, prefetch, ctas, fused, stages = (*fields, False, 0, False, 0)[:6]
     run_forward_on_the_cpu(kind, n, dtype, rows, NormConfig(
-        block_rows, threads, lanes=True, prefetch=prefetch, ctas=ctas, fused_sums=fused))
+        block_rows, threads, lanes=True, prefetch=prefetch, ctas=ctas, fused_sums=fused,
+        stages=stages))
 
 
 # -- the forward's fused row sums on the tile map, run thread by thread on the CPU ------

@@ -32,6 +32,7 @@ from .rows import (
     cta_moments,
     cta_sums,
     fused_sums_ok,
+    lane_ring_macros,
     lane_row_macros,
     row_configs,
     vector_map_ok,
@@ -55,6 +56,9 @@ class NormConfig:
     # lane map: a persistent grid of at most `ctas` CTAs (0: a CTA per group of block_rows
     # rows), each loading its next group's rows while it normalizes the current ones
     ctas: int = 0
+    # persistent lane map: the next stages - 1 groups' rows in flight into a shared ring
+    # (each thread's own vectors by cp.async) instead of the next one in registers
+    stages: int = 0
     # tile map: a row's sums by warp shuffles and one barrier (`cta_sums`) instead of
     # TileLang's all-reduce (two barriers per level above a warp); needs every thread to
     # hold a share of every row of the CTA
@@ -121,10 +125,13 @@ def default_lanes(n: int, dtype: str) -> NormConfig | None:
 def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual: bool, block_rows: int, threads: int, lanes: bool = False,
                      ctas_per_sm: int = 0, prefetch: bool = False, fused_sums: bool = False,
-                     ctas: int = 0):
+                     ctas: int = 0, stages: int = 0):
     rows = T.dynamic("rows")
     if ctas and not lanes:
         raise ValueError(f"a persistent grid (ctas={ctas}) needs the lane map")
+    if stages and (not ctas or stages < 2):
+        raise ValueError(f"a shared ring (stages={stages}) needs the persistent lane map "
+                         f"(ctas={ctas}) and 2 or more stages")
     if fused_sums and lanes and not centered:
         raise ValueError("fused_sums on the lane map merges LayerNorm's mean and variance "
                          "into one exchange; an uncentered norm has one sum")
@@ -134,7 +141,8 @@ def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                          f"lanes={lanes})")
     if lanes:
         body = _lanes_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
-                           block_rows, threads, ctas_per_sm, prefetch, ctas, fused_sums)
+                           block_rows, threads, ctas_per_sm, prefetch, ctas, fused_sums,
+                           stages)
     else:
         body = _tile_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
                           block_rows, threads, fused_sums)
@@ -247,7 +255,7 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
 
 def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                 has_residual: bool, block_rows: int, threads: int, ctas_per_sm: int,
-                prefetch: bool, ctas: int, moments: bool = False):
+                prefetch: bool, ctas: int, moments: bool = False, stages: int = 0):
     row_threads = threads // block_rows
     vec = vector_width(n, dtype)
     rm = RowMap(n, dtype, threads, row_threads, n // vec // row_threads, ctas=1)
@@ -257,6 +265,7 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
     groups = T.ceildiv(rows, block_rows)
 
     _, load_row, load_vector = lane_row_macros(row_threads, vec, vecs)
+    ring_issue, ring_read = lane_ring_macros(row_threads, vec, vecs)
 
     def local():  # a thread's share of a row, in the input dtype (half fp32's registers)
         return T.alloc_local((vecs, vec), dtype)
@@ -351,6 +360,64 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
             store(h_local, y, row, 0, lane)
 
     @T.macro
+    def ring_fill(x, residual, x_ring, r_ring, slot, g, r, lane):
+        """Group g's rows (past the last: the last row) into the ring's `slot`, committed
+        as one cp.async group."""
+        row = T.min(g * block_rows + r, rows - 1)
+        ring_issue(x, x_ring, slot, row, r, lane)
+        if has_residual:
+            ring_issue(residual, r_ring, slot, row, r, lane)
+        T.ptx_commit_group()
+
+    @T.macro
+    def ring_walk(x, residual, w, b, y, residual_out, h_local, r_local, w_local, b_local,
+                  total, mean, other, red, grid, bx, r, lane, eps):
+        """The persistent walk with groups g + grid, ..., g + (stages - 1) grid in flight
+        into a shared ring while group g is normalized (past the last group: the last
+        row, unused)."""
+        x_ring = T.alloc_shared((stages, block_rows, n), dtype)
+        r_ring = T.alloc_shared((stages, block_rows, n), dtype) if has_residual else None
+
+        for p in T.unroll(stages - 1):
+            ring_fill(x, residual, x_ring, r_ring, p, bx + p * grid, r, lane)
+        load_params(w, b, w_local, b_local, lane)
+        for step in T.serial(T.ceildiv(groups - bx, grid)):
+            g = bx + step * grid
+            ring_fill(x, residual, x_ring, r_ring, (step + stages - 1) % stages,
+                      g + (stages - 1) * grid, r, lane)
+            T.ptx_wait_group(stages - 1)
+            ring_read(x_ring, h_local, step % stages, r, lane)
+            if has_residual:
+                ring_read(r_ring, r_local, step % stages, r, lane)
+            row_in = g * block_rows + r
+            normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out, total, mean,
+                      other, red, (step % 2) * 2 * block_rows, row_in, T.min(row_in, rows - 1),
+                      r, lane, eps)
+        T.ptx_wait_group(0)
+
+    @T.macro
+    def register_walk(x, residual, w, b, y, residual_out, h_local, r_local, w_local, b_local,
+                      total, mean, other, red, grid, bx, r, lane, eps):
+        """The persistent walk with the next group's rows in flight in registers."""
+        h_next = local()
+        r_next = local() if has_residual else None
+        load_inputs(x, residual, h_local, r_local, T.min(bx * block_rows + r, rows - 1), lane)
+        load_params(w, b, w_local, b_local, lane)
+        for step in T.serial(T.ceildiv(groups - bx, grid)):
+            g = bx + step * grid
+            load_inputs(x, residual, h_next, r_next,
+                        T.min((g + grid) * block_rows + r, rows - 1), lane)
+            row_in = g * block_rows + r
+            normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out,
+                      total, mean, other, red, (step % 2) * 2 * block_rows, row_in,
+                      T.min(row_in, rows - 1), r, lane, eps)
+            for i in T.unroll(vecs):
+                for j in T.unroll(vec):
+                    h_local[i, j] = h_next[i, j]
+                    if has_residual:
+                        r_local[i, j] = r_next[i, j]
+
+    @T.macro
     def body(x, residual, w, b, y, residual_out, eps):
         with T.Kernel(T.min(groups, ctas) if ctas else groups, threads=threads) as bx:
             if ctas_per_sm:
@@ -380,24 +447,13 @@ def _lanes_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_
                 # persistent: groups bx, bx + grid, ...; the next group's inputs load while
                 # this one's are normalized (past the last group: the last row, unused)
                 grid = T.min(groups, ctas)
-                h_next = local()
-                r_next = local() if has_residual else None
-                load_inputs(x, residual, h_local, r_local, T.min(bx * block_rows + r, rows - 1),
-                            lane)
-                load_params(w, b, w_local, b_local, lane)
-                for step in T.serial(T.ceildiv(groups - bx, grid)):
-                    g = bx + step * grid
-                    load_inputs(x, residual, h_next, r_next,
-                                T.min((g + grid) * block_rows + r, rows - 1), lane)
-                    row_in = g * block_rows + r
-                    normalize(h_local, r_local, w, b, w_local, b_local, y, residual_out,
-                              total, mean, other, red, (step % 2) * 2 * block_rows, row_in,
-                              T.min(row_in, rows - 1), r, lane, eps)
-                    for i in T.unroll(vecs):
-                        for j in T.unroll(vec):
-                            h_local[i, j] = h_next[i, j]
-                            if has_residual:
-                                r_local[i, j] = r_next[i, j]
+                if stages:
+                    ring_walk(x, residual, w, b, y, residual_out, h_local, r_local, w_local,
+                              b_local, total, mean, other, red, grid, bx, r, lane, eps)
+                else:
+                    register_walk(x, residual, w, b, y, residual_out, h_local, r_local,
+                                  w_local, b_local, total, mean, other, red, grid, bx, r, lane,
+                                  eps)
 
     return body
 
@@ -455,7 +511,7 @@ class NormFwdKernel(Kernel):
                                 threads=config.threads, lanes=config.lanes,
                                 ctas_per_sm=config.ctas_per_sm, prefetch=config.prefetch,
                                 fused_sums=config.fused_sums, ctas=config.ctas,
-                                **self.flags())
+                                stages=config.stages, **self.flags())
 
     def run(self, config: NormConfig, compiled: tuple, *tensors) -> None:
         compiled[0](*[t for t in tensors if t is not None])
@@ -501,6 +557,12 @@ class NormFwdKernel(Kernel):
                 # the default's persistent forms: 2, 4 or 8 CTAs an SM
                 space += [dataclasses.replace(space[0], ctas=k * SMS) for k in (2, 4, 8)
                           if k * space[0].threads <= 2048]
+                # and with a shared ring of 2 or 3 groups where an SM's rings fit in 192 KB
+                ring_bytes = space[0].block_rows * n * ELEM_BYTES[dtype] * (
+                    2 if self.flags()["has_residual"] else 1)
+                space += [dataclasses.replace(space[0], ctas=k * SMS, stages=st)
+                          for k in (2, 4) for st in (2, 3)
+                          if k * space[0].threads <= 2048 and k * st * ring_bytes <= 192 * 1024]
                 # LayerNorm's mean and variance in one exchange, where a row spans warps
                 if self.flags()["centered"] and space[0].threads // space[0].block_rows > 32:
                     space.append(dataclasses.replace(space[0], fused_sums=True))
