@@ -59,9 +59,10 @@ class NormConfig:
     # persistent lane map: the next stages - 1 groups' rows in flight into a shared ring
     # (each thread's own vectors by cp.async) instead of the next one in registers
     stages: int = 0
-    # tile map: a row's sums by warp shuffles and one barrier (`cta_sums`) instead of
-    # TileLang's all-reduce (two barriers per level above a warp); needs every thread to
-    # hold a share of every row of the CTA
+    # tile map: a row's sums by warp shuffles and one barrier (`cta_sums`; LayerNorm's
+    # mean and variance as merged moments, `cta_moments`) instead of TileLang's all-reduce
+    # (two barriers per level above a warp); needs every thread to hold a share of every
+    # row of the CTA. Lane map (LayerNorm only): the merged moments in one exchange.
     fused_sums: bool = False
 
 
