@@ -34,7 +34,7 @@ from profile_op import config_with
 
 from tileops.kernels.base import agrees
 from tileops.ops import OP_CLASSES
-from tileops.perf.baselines import baselines_for
+from tileops.perf.baselines import select_baselines
 from tileops.perf.bench import OP_KEY, bench_cases, case_candidates, random_inputs
 from tileops.perf.timing import measure_together
 
@@ -57,13 +57,10 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict],
     inputs = random_inputs(op_cls, workload, dtype)
     default_op = op_cls(**params)
     reference = _outputs_on_copies(default_op, inputs)
-    baselines = baselines_for(op_cls.__name__)
-    if only_baselines is not None:  # e.g. leave out a slow per-expert loop
-        unknown = set(only_baselines) - set(baselines)
-        if unknown:
-            raise SystemExit(f"--baseline {sorted(unknown)}: {op_cls.__name__}'s baselines "
-                             f"are {sorted(baselines)}")
-        baselines = {name: fn for name, fn in baselines.items() if name in only_baselines}
+    try:  # e.g. leave out a slow per-expert loop
+        baselines = select_baselines(op_cls.__name__, only_baselines)
+    except ValueError as err:
+        raise SystemExit(f"--baseline: {err}") from None
     # the bench's candidates (the op under OP_KEY, then its baselines), variants added
     candidates = case_candidates(default_op, params, lambda fn: lambda: fn(*inputs),
                                  baselines)

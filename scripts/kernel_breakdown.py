@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from tileops.ops import OP_CLASSES
-from tileops.perf.baselines import baselines_for
+from tileops.perf.baselines import select_baselines
 from tileops.perf.bench import bench_cases, case_candidates, random_inputs
 from tileops.perf.timing import kernel_breakdown
 
@@ -26,13 +26,10 @@ def print_case(op_cls, workload: dict, dtype: str, only_baselines: list[str] | N
     params = op_cls.spec.workload_params(workload)
     op = op_cls(**params)
     inputs = random_inputs(op_cls, workload, dtype)
-    baselines = baselines_for(op_cls.__name__)
-    if only_baselines is not None:  # e.g. leave out torch.compile's device-side compile
-        unknown = set(only_baselines) - set(baselines)
-        if unknown:
-            raise SystemExit(f"--baseline {sorted(unknown)}: {op_cls.__name__}'s baselines "
-                             f"are {sorted(baselines)}")
-        baselines = {name: fn for name, fn in baselines.items() if name in only_baselines}
+    try:  # e.g. leave out torch.compile's device-side compile
+        baselines = select_baselines(op_cls.__name__, only_baselines)
+    except ValueError as err:
+        raise SystemExit(f"--baseline: {err}") from None
     candidates = case_candidates(op, params, lambda fn: lambda: fn(*inputs), baselines)
     print(f"\n{op_cls.__name__} [{workload['label']}] {dtype}")
     for name, fn in candidates.items():

@@ -619,6 +619,19 @@ def _adamw_baselines() -> dict[str, Baseline]:
     return {"torch-fused": make("fused"), "torch-foreach": make("foreach")}
 
 
+def select_baselines(op_name: str, names: list[str] | None) -> dict[str, Baseline]:
+    """`baselines_for(op_name)`, or only those of them in `names` (None: all); ValueError
+    naming the op's baselines where a name is not one of them."""
+    baselines = baselines_for(op_name)
+    if names is None:
+        return baselines
+    unknown = set(names) - set(baselines)
+    if unknown:
+        raise ValueError(f"baselines {sorted(unknown)}: {op_name}'s baselines are "
+                         f"{sorted(baselines)}")
+    return {name: fn for name, fn in baselines.items() if name in names}
+
+
 def baselines_for(op_name: str) -> dict[str, Baseline]:
     """The baselines a benchmark of `op_name` times, best-known first."""
     libs = available_libraries()
