@@ -611,9 +611,13 @@ class NormBwdKernel(Kernel):
                 for prefetch in (True, False):
                     if not prefetch or block_rows * self.key["n"] // threads <= 16:
                         space.append(NormBwdConfig(block_rows, threads, ctas, prefetch))
+        # TMA stages of dy and h (and dres): up to 8 deep where they fit in 200 KB, so a
+        # tune can tell whether the bytes in flight bound the one CTA an SM
+        row_bytes = self.key["n"] * ELEM_BYTES[self.key["dtype"]]
+        staged_rows = 3 if self.flags()["has_residual_grad"] else 2
         for block_rows, threads in row_configs(self.key["n"], (4, 32), (256,)):
-            for stages in (2, 3, 4):
-                if stages * 3 * block_rows * self.key["n"] * 2 <= 200 * 1024:
+            for stages in (2, 3, 4, 6, 8):
+                if stages * staged_rows * block_rows * row_bytes <= 200 * 1024:
                     space.append(NormBwdConfig(block_rows, threads, SMS, False, stages))
         # the staged configs again with a row's sums fused (the staged default's choice)
         space += [dataclasses.replace(c, fused_sums=True) for c in space
