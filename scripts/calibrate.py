@@ -55,7 +55,9 @@ def main() -> None:
                                   ("float8_e4m3fn", torch.float8_e4m3fn))}
     torch.set_float32_matmul_precision("high")  # fp32 inputs through the tf32 tensor cores
     tflops["tf32"] = round(gemm_tflops(torch.float32))
-    measured = {"measured": {"hbm_bytes_per_s": float(f"{bw['copy']:.3g}"),
+    # the profile's ceiling is the faster pattern (the triad on both Hoppers measured)
+    measured = {"measured": {"hbm_bytes_per_s": float(f"{max(bw.values()):.3g}"),
+                             "hbm_copy_bytes_per_s": float(f"{bw['copy']:.3g}"),
                              "hbm_triad_bytes_per_s": float(f"{bw['triad']:.3g}"),
                              "tflops": tflops}}
     text = yaml.safe_dump(measured, sort_keys=False)

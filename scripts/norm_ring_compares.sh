@@ -7,7 +7,7 @@
 # Configs name every field, so every GPU times the same programs; "default" is its own pick.
 C="python3 scripts/compare_configs.py"
 B="--baseline torch-eager"
-r() { echo "{\"block_rows\": $1, \"threads\": $2, \"ctas\": $3, \"stages\": $4, \"lanes\": true, \"prefetch\": false, \"fused_sums\": false, \"from_shared\": false, \"acc_shared\": ${5:-false}}"; }
+r() { echo "{\"block_rows\": $1, \"threads\": $2, \"ctas\": $3, \"stages\": $4, \"lanes\": true, \"prefetch\": false, \"fused_sums\": false, \"from_shared\": false, \"acc_shared\": ${5:-false}, \"dynamic\": false}"; }
 $C LayerNormBwdOp --workload "vit-h-14" $B --config "$(r 4 128 264 2)" --config "$(r 4 128 264 3)" --config "$(r 4 128 264 4)" --config "$(r 4 128 396 3)" --config "$(r 4 128 528 2 true)" "$@"
 $C LayerNormBwdOp --workload "gpt-neox-20b" $B --config "$(r 1 256 132 3)" --config "$(r 1 256 264 2)" --config "$(r 1 256 264 3)" "$@"
 $C RMSNormBwdOp --workload "llama3.1-8b" --dtype bfloat16 $B --config "$(r 1 128 264 3)" --config "$(r 1 128 528 2)" --config "$(r 1 128 528 3)" --config "$(r 1 256 264 3)" "$@"

@@ -373,7 +373,8 @@ def run_backward_on_the_cpu(kind: str, n: int, dtype, rows: int, seed: int, conf
     dx = torch.full_like(h, float("nan"))
     dw_part = torch.full((3, n), float("nan"))
     db_part = torch.full((3, n), float("nan"))
-    tensors = dict(dy=dy, h=h, w=w, dx=dx, dw_part=dw_part)
+    sched = torch.zeros(2, dtype=torch.int32)  # the dynamic deal's counters
+    tensors = dict(dy=dy, h=h, w=w, dx=dx, dw_part=dw_part, sched=sched)
     if kind == "layer":
         tensors["db_part"] = db_part
     if kind == "fused_add":
@@ -381,6 +382,7 @@ def run_backward_on_the_cpu(kind: str, n: int, dtype, rows: int, seed: int, conf
     eps = 1e-5
     programs = kernel.compile(config, "many")
     run(programs[0], 3, config.threads, tensors, dict(rows=rows, eps=eps))
+    assert sched.tolist() == [0, 0], "the last CTA out leaves the counters zero"
 
     hf, wf, bf = (t.float().requires_grad_() for t in (h, w, b))
     y = F.layer_norm(hf, [n], wf, bf, eps) if kind == "layer" else F.rms_norm(hf, [n], wf, eps)
@@ -466,6 +468,14 @@ LANE_BWD_CASES = {  # name -> (kind, n, dtype, config fields, rows)
     "fused add 1536, rows of two warps, a 2-step ring, shared dW": (
         "fused_add", 1536, torch.float16, dict(block_rows=1, threads=64, prefetch=False,
                                                stages=2, acc_shared=True), 8),
+    # rows dealt as the CTAs go: past the static first (stages + 1) x 3 CTAs' rows the
+    # first CTA (the emulator runs them in turn) takes every row from the counter
+    "rms norm 1536, rows of two warps, a 3-step ring, rows dealt as the CTAs go": (
+        "rms", 1536, torch.bfloat16, dict(block_rows=1, threads=64, prefetch=False,
+                                          stages=3, dynamic=True), 29),
+    "layer norm 1280, four rows of a warp, a 2-step ring, rows dealt as the CTAs go": (
+        "layer", 1280, torch.float16, dict(block_rows=4, threads=128, prefetch=False,
+                                           stages=2, dynamic=True), 61),
 }
 
 

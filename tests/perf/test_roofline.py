@@ -16,14 +16,15 @@ def test_h200_profile_uses_measured_ceilings():
     assert profile.l2_bytes == 60 * 2**20
 
 
-def test_h100_profile_is_its_datasheet_until_calibrated():
+def test_h100_profile_uses_its_calibration():
     """`tileops bench` runs on the H100s the device tool lends; SOL there is against the
-    datasheet (no measured block yet), and GEMM picks stay the H200-fitted model's."""
+    ceilings calibrate.py measured on one (the triad, 91% of the datasheet's 3.35 TB/s), and
+    GEMM picks stay the H200-fitted model's."""
     from tileops.kernels.gemm import select
 
     profile = load_profile("NVIDIA H100 80GB HBM3")
-    assert profile.bytes_per_s == pytest.approx(3.35e12)
-    assert profile.flops_per_s["bfloat16"] == pytest.approx(989e12)
+    assert profile.bytes_per_s == pytest.approx(3.05e12)
+    assert profile.flops_per_s["bfloat16"] == pytest.approx(800e12)
     assert select.device("h100", "bfloat16") == select.device("h200", "bfloat16")
 
 

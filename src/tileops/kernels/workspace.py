@@ -55,3 +55,18 @@ def _scratch(device: torch.device, rows: int, columns: int, dtype: torch.dtype,
         buffer = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
         _found[slot] = (*shape, buffer)
         return buffer
+
+
+_counter_views: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def zeroed_counters(device: torch.device, count: int) -> torch.Tensor:
+    """`count` zeroed int32 counters of the current stream (the first of its int32
+    `zeroed_scratch`), for a kernel that hands them back zeroed. The view is built once per
+    buffer (a view costs host time on every call)."""
+    buffer = zeroed_scratch(device, 1, count, torch.int32)
+    key = (buffer.data_ptr(), count)
+    view = _counter_views.get(key)
+    if view is None:
+        view = _counter_views[key] = buffer.view(-1)[:count]
+    return view

@@ -17,6 +17,17 @@ g (h - mean), g] for LayerNorm) are taken together: shuffles, then one barrier t
 shared memory when the row spans several warps. The dW / dB shares of the CTA's rows
 accumulate in fp32, in registers or (`acc_shared`, fewer registers: more CTAs an SM) in
 shared memory, and leave as one partial row per CTA, summed by row_norm_bwd's column sum.
+
+With the ring the rows may also be dealt out as the CTAs go (`dynamic`): past the first
+`stages + 1` steps (dealt statically), thread 0 takes the next `block_rows` rows from a
+counter in global memory (an atomic add) `stages + 1` steps before they are used, and a
+step later (the atomic's round trip hidden) leaves their first index in shared memory,
+published by that step's barrier. A static deal gives every CTA the same count of rows,
+so the CTAs that HBM serves more slowly set the kernel's end: on an H100 (RMSNorm
+backward, 8K x 4096) its SMs were busy only 90% of the kernel's time. The counters are
+the stream's zeroed scratch: the last CTA to leave sets them back to zero. Which rows a
+CTA sums into its dW / dB share then changes from run to run, so the sums may differ in
+their last bits (the static deal is the deterministic one).
 """
 
 import functools
@@ -30,11 +41,16 @@ from .rows import SMS, dx_value, lane_ring_macros, lane_row_macros
 
 def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                    has_bias: bool, has_residual_grad: bool, block_rows: int, threads: int,
-                   ctas: int, prefetch: bool, acc_shared: bool, stages: int = 0):
-    """The `body(dy, h, w, dres, dx, dw_part, db_part, eps)` macro of the lane map."""
+                   ctas: int, prefetch: bool, acc_shared: bool, stages: int = 0,
+                   dynamic: bool = False):
+    """The `body(dy, h, w, dres, dx, dw_part, db_part, sched, eps)` macro of the lane map;
+    sched: int32 [2] (rows dealt, CTAs done), zero before and after a `dynamic` launch."""
     if stages and (prefetch or stages < 2):
         raise ValueError(f"the lane map's shared ring needs 2 or more stages and no register "
                          f"double buffer (stages={stages}, prefetch={prefetch})")
+    if dynamic and not stages:
+        raise ValueError("the lane map deals rows as it goes (dynamic) only with its shared "
+                         "ring (stages >= 2)")
     f32 = "float"
     row_threads = threads // block_rows
     vec = vector_width(n, dtype)
@@ -46,6 +62,7 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
     has_acc = has_weight or has_bias
     # the CTA's row groups meet in shared memory at the end (or accumulate there)
     combine = has_acc and (acc_shared or block_rows > 1)
+    slots = stages + 1  # dynamic: first rows of steps step .. step + stages in shared memory
 
     col, load_row, _ = lane_row_macros(row_threads, vec, vecs)
 
@@ -100,7 +117,32 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                     part_out[bx, col(i, j, lane)] = acc_local[i, j]
 
     @T.macro
-    def body(dy, h, w, dres, dx, dw_part, db_part, eps):
+    def deal(sched, firsts, pending, step, tx):
+        """Thread 0 publishes the first row of step + stages (taken a step ago, so the
+        atomic's round trip overlapped that step) and takes step + stages + 1's from the
+        counter, which counts on from the statically dealt first stages + 1 steps."""
+        if tx == 0:
+            firsts[(step + stages) % slots] = pending[0]
+            pending[0] = T.atomic_add(sched[0], block_rows, return_prev=True) \
+                + (stages + 1) * parts
+
+    @T.macro
+    def leave(sched, tx):
+        """The last CTA out sets the counters back to zero for the next launch."""
+        if tx == 0:
+            done = T.alloc_local((1,), "int32")
+            # release: this CTA's deals are in before it counts itself out; acquire: the last
+            # one out sees every CTA's
+            done[0] = T.atomic_add(sched[1], 1, memory_order="acq_rel", return_prev=True)
+            if done[0] == ctas - 1:
+                sched[0] = 0
+                sched[1] = 0
+
+    def ring_row(first, r):  # group r's row of a step whose first row is `first`
+        return T.min(first + r, rows - 1)
+
+    @T.macro
+    def body(dy, h, w, dres, dx, dw_part, db_part, sched, eps):
         with T.Kernel(ctas, threads=threads) as bx:
             if ctas >= 2 * SMS:
                 # the grid is one wave of ctas / SMS CTAs an SM: registers capped to fit it
@@ -134,6 +176,9 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                 if warps > 1 and centered else None
             dy_ring = T.alloc_shared((stages, block_rows, n), dtype) if stages else None
             h_ring = T.alloc_shared((stages, block_rows, n), dtype) if stages else None
+            firsts = T.alloc_shared((slots,), "int32") if dynamic else None
+            first = T.alloc_local((1,), "int32") if dynamic else None
+            pending = T.alloc_local((1,), "int32") if dynamic else None
 
             if has_weight:
                 for i in T.unroll(vecs):
@@ -153,17 +198,52 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                 first = T.min(bx * block_rows + r, rows - 1)
                 load_row(dy, dy_next, first, lane)
                 load_row(h, h_next, first, lane)
-            if stages:
+            if dynamic:
+                # the first stages steps as the static deal has them: no atomic's round trip
+                # before the first loads
+                if tx == 0:
+                    for p in T.unroll(stages):
+                        firsts[p] = (p * ctas + bx) * block_rows
+                    pending[0] = (stages * ctas + bx) * block_rows
+                T.sync_threads()
+                for p in T.unroll(stages - 1):  # the ring's first steps
+                    if firsts[p] < rows:
+                        ring_issue(dy, dy_ring, p, ring_row(firsts[p], r), r, lane)
+                        ring_issue(h, h_ring, p, ring_row(firsts[p], r), r, lane)
+                    T.ptx_commit_group()
+            elif stages:
                 for p in T.unroll(stages - 1):  # the ring's first steps
                     ring_issue(dy, dy_ring, p, step_row(p, bx, r), r, lane)
                     ring_issue(h, h_ring, p, step_row(p, bx, r), r, lane)
                     T.ptx_commit_group()
-            for step in T.serial(T.ceildiv(rows, parts)):
-                row_in = (step * ctas + bx) * block_rows + r
+            # dynamic: at most every row to one CTA; the rows run out first (a break)
+            for step in T.serial(T.ceildiv(rows, block_rows) if dynamic
+                                 else T.ceildiv(rows, parts)):
+                if dynamic:
+                    first[0] = firsts[step % slots]
+                    if first[0] >= rows:  # the same value in every thread: all leave
+                        T.loop_break()
+                    row_in = first[0] + r
+                else:
+                    row_in = (step * ctas + bx) * block_rows + r
                 # rows past the last re-read it, so every thread meets the barriers; only
                 # their stores and dW / dB shares are skipped
                 row = T.min(row_in, rows - 1)
-                if prefetch:
+                if dynamic:
+                    # step + stages - 1 into the slot this thread read a step ago (dealt two
+                    # barriers ago), this step's copies waited for, the next rows dealt
+                    ahead = firsts[(step + stages - 1) % slots]
+                    if ahead < rows:
+                        ring_issue(dy, dy_ring, (step + stages - 1) % stages,
+                                   ring_row(ahead, r), r, lane)
+                        ring_issue(h, h_ring, (step + stages - 1) % stages,
+                                   ring_row(ahead, r), r, lane)
+                    T.ptx_commit_group()
+                    deal(sched, firsts, pending, step, tx)
+                    T.ptx_wait_group(stages - 1)
+                    ring_read(dy_ring, dy_local, step % stages, r, lane)
+                    ring_read(h_ring, h_local, step % stages, r, lane)
+                elif prefetch:
                     for i in T.unroll(vecs):
                         for j in T.unroll(vec):
                             dy_local[i, j] = dy_next[i, j]
@@ -234,11 +314,15 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                     for i in T.unroll(vecs):
                         for j in T.vectorized(vec):
                             dx[row, col(i, j, lane)] = h_local[i, j]
+                if dynamic and warps == 1:  # (row_sums' barrier publishes the deal otherwise)
+                    T.sync_threads()
             if stages:  # the ring's copies past the last step, landed before the exit
                 T.ptx_wait_group(0)
             if has_weight:
                 write_partial(dw_local, dw_shared, dw_part, bx, r, lane)
             if has_bias:
                 write_partial(db_local, db_shared, db_part, bx, r, lane)
+            if dynamic:
+                leave(sched, tx)
 
     return body

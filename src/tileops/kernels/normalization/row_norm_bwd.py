@@ -22,6 +22,7 @@ import tilelang.language as T
 
 from ..base import Kernel
 from ..vectors import ELEM_BYTES
+from ..workspace import zeroed_counters
 from .lane_norm_bwd import lanes_bwd_body
 from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
 from .rows import (
@@ -59,12 +60,16 @@ class NormBwdConfig:
     # of warps; its dW / dB shares in shared memory instead of registers (`acc_shared`)
     lanes: bool = False
     acc_shared: bool = False
+    # the lane map's ring only: rows dealt to the CTAs as they go (an atomic counter), not
+    # an equal count each; dW / dB may then differ in their last bits from run to run
+    dynamic: bool = False
 
 
 def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
                      has_residual_grad: bool, block_rows: int, threads: int, ctas: int,
                      prefetch: bool, stages: int = 0, from_shared: bool = False,
-                     fused_sums: bool = False, lanes: bool = False, acc_shared: bool = False):
+                     fused_sums: bool = False, lanes: bool = False, acc_shared: bool = False,
+                     dynamic: bool = False):
     rows = T.dynamic("rows")
     flags = dict(centered=centered, has_weight=has_weight, has_bias=has_bias,
                  has_residual_grad=has_residual_grad)
@@ -75,10 +80,10 @@ def norm_bwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                              f"from_shared nor fused_sums (tile-map options)")
         body = lanes_bwd_body(rows, n, dtype, block_rows=block_rows, threads=threads,
                               ctas=ctas, prefetch=prefetch, acc_shared=acc_shared,
-                              stages=stages, **flags)
+                              stages=stages, dynamic=dynamic, **flags)
     else:
-        if acc_shared:
-            raise ValueError("acc_shared is an option of the lane map (lanes=True)")
+        if acc_shared or dynamic:
+            raise ValueError("acc_shared and dynamic are options of the lane map (lanes=True)")
         body = _tile_bwd_body(rows, n, dtype, block_rows=block_rows, threads=threads,
                               ctas=ctas, prefetch=prefetch, stages=stages,
                               from_shared=from_shared, fused_sums=fused_sums, **flags)
@@ -89,7 +94,8 @@ def _tile_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                    has_bias: bool, has_residual_grad: bool, block_rows: int, threads: int,
                    ctas: int, prefetch: bool, stages: int, from_shared: bool,
                    fused_sums: bool):
-    """The tile map's `body(dy, h, w, dres, dx, dw_part, db_part, eps)` macro."""
+    """The tile map's `body(dy, h, w, dres, dx, dw_part, db_part, sched, eps)` macro (its
+    rows dealt statically: `sched` unused)."""
     staged = stages > 0 and stageable(n, block_rows, threads)
     tile = RowTile(n, block_rows, threads, exact=staged)
     load, store = tile.macros(rows)
@@ -256,7 +262,7 @@ def _tile_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                      cta.dot, cta.mean, cta.gsum, cta.w, cta.dw_acc, cta.db_acc, row0, cta.eps)
 
     @T.macro
-    def body(dy, h, w, dres, dx, dw_part, db_part, eps):
+    def body(dy, h, w, dres, dx, dw_part, db_part, sched, eps):
         with T.Kernel(ctas, threads=threads) as bx:
             # staged rows may be read straight from shared memory (wide rows: the registers
             # of a [1, n] copy are what the producer's register cap cannot spare)
@@ -357,41 +363,45 @@ def _tile_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
 
 def _bwd_signature(body, rows, n: int, dtype: str, ctas: int, centered: bool,
                    has_weight: bool, has_bias: bool, has_residual_grad: bool):
-    """One prim_func per combination of optional tensors, all sharing `body`."""
+    """One prim_func per combination of optional tensors, all sharing `body`. Each takes
+    `sched`, the dynamic deal's zeroed counters (`lanes_bwd_body`; unused by the others)."""
     f32 = "float"
-    R, V, P = (rows, n), (n,), (ctas, n)
+    R, V, P, S = (rows, n), (n,), (ctas, n), (2,)
     if has_residual_grad:  # the fused add's backward: RMSNorm with a weight
         @T.prim_func
         def fused_add_norm_bwd(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype),
                                w: T.Tensor(V, dtype), dres: T.Tensor(R, dtype),
                                dx: T.Tensor(R, dtype), dw_part: T.Tensor(P, f32),
-                               eps: T.float32):
-            body(dy, h, w, dres, dx, dw_part, None, eps)
+                               sched: T.Tensor(S, "int32"), eps: T.float32):
+            body(dy, h, w, dres, dx, dw_part, None, sched, eps)
         return fused_add_norm_bwd
     if has_weight and has_bias:
         @T.prim_func
         def norm_bwd_wb(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), w: T.Tensor(V, dtype),
                         dx: T.Tensor(R, dtype), dw_part: T.Tensor(P, f32),
-                        db_part: T.Tensor(P, f32), eps: T.float32):
-            body(dy, h, w, None, dx, dw_part, db_part, eps)
+                        db_part: T.Tensor(P, f32), sched: T.Tensor(S, "int32"),
+                        eps: T.float32):
+            body(dy, h, w, None, dx, dw_part, db_part, sched, eps)
         return norm_bwd_wb
     if has_weight:
         @T.prim_func
         def norm_bwd_w(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), w: T.Tensor(V, dtype),
-                       dx: T.Tensor(R, dtype), dw_part: T.Tensor(P, f32), eps: T.float32):
-            body(dy, h, w, None, dx, dw_part, None, eps)
+                       dx: T.Tensor(R, dtype), dw_part: T.Tensor(P, f32),
+                       sched: T.Tensor(S, "int32"), eps: T.float32):
+            body(dy, h, w, None, dx, dw_part, None, sched, eps)
         return norm_bwd_w
     if has_bias:
         @T.prim_func
         def norm_bwd_b(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), dx: T.Tensor(R, dtype),
-                       db_part: T.Tensor(P, f32), eps: T.float32):
-            body(dy, h, None, None, dx, None, db_part, eps)
+                       db_part: T.Tensor(P, f32), sched: T.Tensor(S, "int32"),
+                       eps: T.float32):
+            body(dy, h, None, None, dx, None, db_part, sched, eps)
         return norm_bwd_b
 
     @T.prim_func
     def norm_bwd(dy: T.Tensor(R, dtype), h: T.Tensor(R, dtype), dx: T.Tensor(R, dtype),
-                 eps: T.float32):
-        body(dy, h, None, None, dx, None, None, eps)
+                 sched: T.Tensor(S, "int32"), eps: T.float32):
+        body(dy, h, None, None, dx, None, None, sched, eps)
     return norm_bwd
 
 
@@ -498,7 +508,8 @@ class NormBwdKernel(Kernel):
                                 ctas=config.ctas, prefetch=config.prefetch,
                                 stages=config.stages, from_shared=config.from_shared,
                                 fused_sums=config.fused_sums, lanes=config.lanes,
-                                acc_shared=config.acc_shared, **flags)
+                                acc_shared=config.acc_shared, dynamic=config.dynamic,
+                                **flags)
         count = int(flags["has_weight"]) + int(flags["has_bias"])
         sums = (column_sum_program(config.ctas, n, dtype, sums=count),) if count else ()
         return (main, *sums)
@@ -514,13 +525,23 @@ class NormBwdKernel(Kernel):
                 (config.ctas, self.key["n"]), dtype=torch.float32, device=dy.device)
 
         dw_part, db_part = partials(dw), partials(db)
+        sched = zeroed_counters(dy.device, 2)  # (the dynamic deal's; others ignore it)
         compiled[0](*(t for t in (dy, h, w, dres, dx, dw_part, db_part) if t is not None),
-                    eps)
+                    sched, eps)
         if dw is not None or db is not None:  # one launch sums both
             compiled[1](*(t for t in (dw_part, db_part, dw, db) if t is not None))
 
     def bucket_of(self, size: int) -> str:
         return "few" if size <= FEW_ROWS else "many"
+
+    def pass_configs(self, config: NormBwdConfig, program_index: int) -> dict:
+        # The dynamic deal's program places every barrier it needs itself (its threads read
+        # back only their own ring copies; the dealt rows and the row sums' buffers are
+        # published by row_sums' barrier or the step's own). TileLang's pass would add three
+        # more a step around the ring's copies and the shared row indices.
+        if program_index == 0 and config.lanes and config.dynamic:
+            return {"tl.disable_thread_storage_sync": True}
+        return {}
 
     def heuristic_config(self, bucket: str, arch: str) -> NormBwdConfig:
         staged = self.staged_config(bucket)
@@ -631,7 +652,7 @@ class NormBwdKernel(Kernel):
         thread, with and without the register double buffer and the shared dW / dB, on
         grids of 1, 2 or 4 CTAs an SM (the launch bound that caps the registers); without
         the double buffer also with a shared ring of 2 or 3 steps where an SM's rings and
-        dW / dB buffers fit in 220 KB."""
+        dW / dB buffers fit in 220 KB, its rows dealt statically or as the CTAs go."""
         n, dtype = self.key["n"], self.key["dtype"]
         step_bytes = 2 * n * ELEM_BYTES[dtype]  # a row of dy and one of h
         acc_bytes = 2 * n * 4  # at most: shared fp32 dW and dB rows
@@ -652,6 +673,10 @@ class NormBwdKernel(Kernel):
                         found.append(NormBwdConfig(
                             layout.block_rows, layout.threads, SMS * per_sm, prefetch,
                             stages, lanes=True, acc_shared=acc_shared))
+                    if stages:  # the ring's rows dealt as the CTAs go
+                        found.append(NormBwdConfig(
+                            layout.block_rows, layout.threads, SMS * per_sm, prefetch,
+                            stages, lanes=True, dynamic=True))
         return found
 
 
