@@ -256,6 +256,36 @@ def test_every_backward_config_of_the_space(hidden, bucket, config):
         assert_close(dw, dw_ref, scale=rows ** 0.5, what=f"dw rows={rows}")
 
 
+def test_dynamic_deal_keeps_torchs_deterministic_mode():
+    """Rows dealt as the CTAs go (`dynamic`) put different rows in each CTA's dW share from
+    run to run; under torch.use_deterministic_algorithms(True) the same ring runs its static
+    deal: dW bitwise equal over runs and to the static config's."""
+    import dataclasses
+
+    from tileops.kernels.normalization.row_norm_bwd import NormBwdConfig
+
+    dynamic = NormBwdConfig(1, 256, 132, False, 3, lanes=True, dynamic=True)
+    x, dy = (randn(12289, 4096, dtype=torch.bfloat16) for _ in range(2))
+    w = randn(4096, dtype=torch.bfloat16)
+
+    def dw_of(config):
+        op = RMSNormBwdOp(normalized_shape=[4096], eps=1e-5)
+        op.pin_config(config, dy, x, w)
+        return op(dy, x, w)[1]
+
+    static_dw = dw_of(dataclasses.replace(dynamic, dynamic=False))
+    assert_close(dw_of(dynamic), reference_grads(x, [4096], w, 1e-5, dy)[1],
+                 scale=12289 ** 0.5, what="dw, dynamic deal")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [dw_of(dynamic) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for dw in runs:
+        assert torch.equal(dw, static_dw)
+
+
 @pytest.mark.parametrize("rows, hidden", [(517, 1000), (333, 128), (5000, 4096)])
 def test_backward_writes_every_element(rows, hidden):
     """dx, dw and every partial row of dw start as NaN: each must be written. The kernel

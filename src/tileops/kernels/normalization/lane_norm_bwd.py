@@ -318,6 +318,10 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
                     T.sync_threads()
             if stages:  # the ring's copies past the last step, landed before the exit
                 T.ptx_wait_group(0)
+            if dynamic:
+                # every thread has read its last dealt row (TileLang may place the CTA's
+                # dW / dB rows over `firsts`, and its own sync pass is off here)
+                T.sync_threads()
             if has_weight:
                 write_partial(dw_local, dw_shared, dw_part, bx, r, lane)
             if has_bias:

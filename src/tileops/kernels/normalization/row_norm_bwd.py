@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from ..base import Kernel
+from ..base import Kernel, launchers
 from ..vectors import ELEM_BYTES
 from ..workspace import zeroed_counters
 from .lane_norm_bwd import lanes_bwd_body
@@ -524,6 +524,11 @@ class NormBwdKernel(Kernel):
             return None if grad is None else torch.empty(
                 (config.ctas, self.key["n"]), dtype=torch.float32, device=dy.device)
 
+        if config.dynamic and torch.are_deterministic_algorithms_enabled():
+            # torch's deterministic mode: the same rows in each CTA's dW / dB share on every
+            # run, so the static deal of the same ring (built once, then cached)
+            config = dataclasses.replace(config, dynamic=False)
+            compiled = launchers(self.compile(config, self.bucket_of(dy.shape[0])))
         dw_part, db_part = partials(dw), partials(db)
         sched = zeroed_counters(dy.device, 2)  # (the dynamic deal's; others ignore it)
         compiled[0](*(t for t in (dy, h, w, dres, dx, dw_part, db_part) if t is not None),
