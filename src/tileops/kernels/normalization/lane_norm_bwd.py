@@ -177,7 +177,7 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
             dy_ring = T.alloc_shared((stages, block_rows, n), dtype) if stages else None
             h_ring = T.alloc_shared((stages, block_rows, n), dtype) if stages else None
             firsts = T.alloc_shared((slots,), "int32") if dynamic else None
-            first = T.alloc_local((1,), "int32") if dynamic else None
+            dealt = T.alloc_local((1,), "int32") if dynamic else None  # this step's first row
             pending = T.alloc_local((1,), "int32") if dynamic else None
 
             if has_weight:
@@ -220,10 +220,10 @@ def lanes_bwd_body(rows, n: int, dtype: str, centered: bool, has_weight: bool,
             for step in T.serial(T.ceildiv(rows, block_rows) if dynamic
                                  else T.ceildiv(rows, parts)):
                 if dynamic:
-                    first[0] = firsts[step % slots]
-                    if first[0] >= rows:  # the same value in every thread: all leave
+                    dealt[0] = firsts[step % slots]
+                    if dealt[0] >= rows:  # the same value in every thread: all leave
                         T.loop_break()
-                    row_in = first[0] + r
+                    row_in = dealt[0] + r
                 else:
                     row_in = (step * ctas + bx) * block_rows + r
                 # rows past the last re-read it, so every thread meets the barriers; only

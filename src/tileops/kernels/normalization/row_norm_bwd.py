@@ -492,6 +492,19 @@ def column_sum_program(parts: int, n: int, out_dtype: str, threads: int = 256,
     return column_sum
 
 
+_IDLE_COUNTERS: dict = {}
+
+
+def _idle_counters(device):
+    """An int32 [2] buffer for the `sched` argument of programs that never read it."""
+    found = _IDLE_COUNTERS.get(device)
+    if found is None:
+        import torch
+
+        found = _IDLE_COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return found
+
+
 class NormBwdKernel(Kernel):
     """Base of the backward norm kernels; subclasses fix the flags from their key (which
     always holds dtype and n). Buckets: up to FEW_ROWS rows, and more."""
@@ -530,7 +543,9 @@ class NormBwdKernel(Kernel):
             config = dataclasses.replace(config, dynamic=False)
             compiled = launchers(self.compile(config, self.bucket_of(dy.shape[0])))
         dw_part, db_part = partials(dw), partials(db)
-        sched = zeroed_counters(dy.device, 2)  # (the dynamic deal's; others ignore it)
+        # the dynamic deal's counters; a static deal's program ignores its argument, so it
+        # gets a fixed buffer (one lookup, not the stream's scratch)
+        sched = zeroed_counters(dy.device, 2) if config.dynamic else _idle_counters(dy.device)
         compiled[0](*(t for t in (dy, h, w, dres, dx, dw_part, db_part) if t is not None),
                     sched, eps)
         if dw is not None or db is not None:  # one launch sums both
@@ -657,7 +672,8 @@ class NormBwdKernel(Kernel):
         thread, with and without the register double buffer and the shared dW / dB, on
         grids of 1, 2 or 4 CTAs an SM (the launch bound that caps the registers); without
         the double buffer also with a shared ring of 2 or 3 steps where an SM's rings and
-        dW / dB buffers fit in 220 KB, its rows dealt statically or as the CTAs go."""
+        dW / dB buffers fit in 220 KB. (Not `dynamic`: 0.78-0.96x its static deal on every
+        row measured, fifty-sixth session; scripts/norm_dynamic_compares.sh runs it.)"""
         n, dtype = self.key["n"], self.key["dtype"]
         step_bytes = 2 * n * ELEM_BYTES[dtype]  # a row of dy and one of h
         acc_bytes = 2 * n * 4  # at most: shared fp32 dW and dB rows
@@ -678,10 +694,6 @@ class NormBwdKernel(Kernel):
                         found.append(NormBwdConfig(
                             layout.block_rows, layout.threads, SMS * per_sm, prefetch,
                             stages, lanes=True, acc_shared=acc_shared))
-                    if stages:  # the ring's rows dealt as the CTAs go
-                        found.append(NormBwdConfig(
-                            layout.block_rows, layout.threads, SMS * per_sm, prefetch,
-                            stages, lanes=True, dynamic=True))
         return found
 
 
