@@ -564,9 +564,11 @@ class NormBwdKernel(Kernel):
         return {}
 
     def heuristic_config(self, bucket: str, arch: str) -> NormBwdConfig:
-        staged = self.staged_config(bucket)
-        if staged is not None:
-            return staged
+        picked = self.ring_config(bucket)
+        if picked is None:
+            picked = self.staged_config(bucket)
+        if picked is not None:
+            return picked
         n = self.key["n"]
         if 512 <= n <= SHORT_UNALIGNED and not any(vector_map_ok(n, max(1, 4096 // n), t)
                                             for t in (64, 128, 256, 512)):
@@ -601,6 +603,31 @@ class NormBwdKernel(Kernel):
         ctas = SMS * max(1, 512 // threads)
         return NormBwdConfig(block_rows, threads, ctas if bucket == "many" else SMS,
                              prefetch=elems <= 16)
+
+    def ring_config(self, bucket: str) -> NormBwdConfig | None:
+        """The lane map's shared ring (each thread's own 16-byte vectors by cp.async, three
+        steps deep, rows dealt statically, a warp's shuffles per row sum) where it beat the
+        TMA pipeline, else None: 16-bit rows of 4096-8192 columns on many rows. RMSNorm and
+        LayerNorm two vectors a thread on one CTA an SM; the fused add four on two (its
+        third row, dres, read straight: two vectors on one CTA measured 0.90x). On an H100,
+        fifty-fifth to fifty-seventh sessions (scripts/norm_bwd_ring_rows.sh), against the
+        TMA default: RMSNorm 8B 1.013x, 70B 1.006x, Qwen3-32B's 5120 1.011x, DeepSeek-V3's
+        7168 0.993x (level: it keeps TMA); LayerNorm falcon's 8192 1.010x (3 steps of 256
+        threads), gpt-neox's 6144 1.030x; the fused add 1.021x at 4096, 1.004x at 5120,
+        0.991x at 8192 (keeps TMA)."""
+        n, dtype, flags = self.key["n"], self.key["dtype"], self.flags()
+        if bucket != "many" or ELEM_BYTES[dtype] != 2 or not 4096 <= n <= 8192 or n == 7168:
+            return None
+        vec = 16 // ELEM_BYTES[dtype]
+        if flags["has_residual_grad"]:
+            if n > 5120:
+                return None
+            threads, per_sm = n // (4 * vec), 2
+        else:
+            threads, per_sm = n // (2 * vec), 1
+        if not lanes_ok(n, dtype, 1, threads):
+            return None
+        return NormBwdConfig(1, threads, per_sm * SMS, prefetch=False, stages=3, lanes=True)
 
     def staged_config(self, bucket: str) -> NormBwdConfig | None:
         """The TMA-pipelined config where it applies, else None. Its producer warp group
@@ -662,7 +689,7 @@ class NormBwdKernel(Kernel):
                     space.append(NormBwdConfig(block_rows, threads, SMS, False, stages))
         # the staged configs again with a row's sums fused (the staged default's choice)
         space += [dataclasses.replace(c, fused_sums=True) for c in space
-                  if c.stages and not c.from_shared
+                  if c.stages and not c.from_shared and not c.lanes
                   and fused_sums_ok(self.key["n"], c.block_rows, c.threads, exact=True)]
         space += self.lane_space()
         return list(dict.fromkeys(space))
