@@ -231,14 +231,31 @@ def test_attention_at_phi_head_dims_keeps_the_fast_path(head_dim, pass_, tmp_pat
                                      ("rms", 8192), ("layer", 6144), ("layer", 8192),
                                      ("fused_add", 5120), ("fused_add", 8192)])
 def test_norm_backward_staged_defaults_load_by_tma_and_spill_nothing(kind, n, tmp_path):
-    """Where the backward stages rows through shared memory, its producer warp group caps
-    registers at 168: the default must still keep the accumulators in registers."""
+    """Where the backward stages rows through shared memory by TMA (the default, or the
+    TMA config the lane ring replaced as default), its producer warp group caps registers
+    at 168: the accumulators must still stay in registers."""
     kernel = norm_backward_kernel(kind, n)
-    config = kernel.heuristic_config("many", "sm_90a")
-    assert config.stages > 0, config
+    config = kernel.staged_config("many")
+    assert config is not None and config.stages > 0 and not config.lanes, config
+    assert config in kernel.config_space("many")
     main = kernel.compile(config, "many")[0]
     assert "tma_load" in main.get_kernel_source()
     assert_no_spills_or_serialized_wgmma(main, tmp_path)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("kind, n", [("rms", 4096), ("rms", 5120), ("rms", 8192),
+                                     ("layer", 6144), ("layer", 8192), ("fused_add", 4096),
+                                     ("fused_add", 5120)])
+def test_norm_backward_ring_defaults_copy_by_cp_async_and_spill_nothing(kind, n, tmp_path):
+    """The lane map's shared ring, the default at 4096-8192 columns (16-bit, many rows):
+    each thread's vectors land by cp.async, no TMA, no spills."""
+    kernel = norm_backward_kernel(kind, n)
+    config = kernel.heuristic_config("many", "sm_90a")
+    assert config.lanes and config.stages == 3 and config == kernel.ring_config("many")
+    source = kernel.compile(config, "many")[0].get_kernel_source()
+    assert "cp_async" in source and "tma_load" not in source
+    assert_no_spills_or_serialized_wgmma(kernel.compile(config, "many")[0], tmp_path)
 
 
 @pytest.mark.full
@@ -252,7 +269,7 @@ def test_norm_backward_fused_sums_take_no_all_reduce_and_spill_nothing(kind, n, 
     import dataclasses
 
     kernel = norm_backward_kernel(kind, n)
-    config = dataclasses.replace(kernel.heuristic_config("many", "sm_90a"), fused_sums=True)
+    config = dataclasses.replace(kernel.staged_config("many"), fused_sums=True)
     assert config in kernel.config_space("many")
     main = kernel.compile(config, "many")[0]
     source = main.get_kernel_source()

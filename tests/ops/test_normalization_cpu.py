@@ -15,7 +15,12 @@ from tileops import (
     TileOpsTypeError,
     TileOpsValueError,
 )
-from tileops.kernels.normalization import LayerNormBwdKernel, RMSNormBwdKernel, RMSNormKernel
+from tileops.kernels.normalization import (
+    FusedAddRMSNormBwdKernel,
+    LayerNormBwdKernel,
+    RMSNormBwdKernel,
+    RMSNormKernel,
+)
 from tileops.kernels.normalization.rows import RowTile, stageable
 
 from ..helpers import meta
@@ -110,17 +115,22 @@ def test_default_configs_keep_registers_in_bounds(n):
         bwd = cls(dtype="bfloat16", n=n, **key)
         for bucket in ("few", "many"):
             config = bwd.heuristic_config(bucket, "sm_90a")
-            if config.lanes:  # exact 16-byte vectors, at most five a thread, a warp a row
+            if config.lanes:  # exact 16-byte vectors, at most five a thread, no prefetch
                 assert n * config.block_rows <= 40 * config.threads, config
-                assert config.threads // config.block_rows <= 32 and not config.prefetch
+                assert not config.prefetch and config.threads % 32 == 0, config
+                if config.stages:  # the shared ring: one row of whole warps, 2-3 steps
+                    assert config.block_rows == 1 and config.stages in (2, 3), config
+                else:  # short rows: a warp a row at most
+                    assert config.threads // config.block_rows <= 32, config
                 per_thread = 0
             else:
                 per_thread = RowTile(n, config.block_rows, config.threads).n_tile \
                     * config.block_rows // config.threads
             assert per_thread <= 32 and (not config.prefetch or per_thread <= 16), config
             assert config.ctas % 132 == 0 and config in bwd.config_space(bucket)
-            if config.stages:  # a producer warp group: one CTA per SM of 256 consumers
-                # (512 reading the staged rows in shared memory: RMSNorm's 16384 columns)
+            if config.stages and not config.lanes:  # TMA: a producer warp group, one CTA
+                # per SM of 256 consumers (512 reading the staged rows in shared memory:
+                # RMSNorm's 16384 columns)
                 assert config.ctas == 132 and not config.prefetch, config
                 assert config.threads == (512 if config.from_shared else 256), config
                 assert stageable(n, config.block_rows, config.threads), config
@@ -137,7 +147,31 @@ def test_backward_lane_map_default_where_vectors_split_over_no_power_of_two():
     assert not LayerNormBwdKernel(dtype="bfloat16", n=1000, has_weight=True,
                                   has_bias=True).heuristic_config("many", "sm_90a").lanes
     assert not RMSNormBwdKernel(dtype="bfloat16", n=4096,
-                                has_weight=True).heuristic_config("many", "sm_90a").lanes
+                                has_weight=True).heuristic_config("few", "sm_90a").lanes
+
+
+@pytest.mark.parametrize("kind, n, dtype, threads, ctas", [
+    ("rms", 4096, "bfloat16", 256, 132), ("rms", 5120, "float16", 320, 132),
+    ("rms", 8192, "bfloat16", 512, 132), ("layer", 6144, "bfloat16", 384, 132),
+    ("layer", 8192, "float16", 512, 132), ("fused_add", 4096, "bfloat16", 128, 264),
+    ("fused_add", 5120, "bfloat16", 160, 264)])
+def test_backward_ring_default_at_4096_to_8192_columns(kind, n, dtype, threads, ctas):
+    """The lane map's shared ring (3 steps, one row a CTA) where it beat the TMA pipeline
+    on an H100; DeepSeek-V3's 7168, the fused add's 8192, fp32, few rows and other widths
+    keep their earlier picks."""
+    kernel = {"rms": lambda: RMSNormBwdKernel(dtype=dtype, n=n, has_weight=True),
+              "layer": lambda: LayerNormBwdKernel(dtype=dtype, n=n, has_weight=True,
+                                                  has_bias=True),
+              "fused_add": lambda: FusedAddRMSNormBwdKernel(dtype=dtype, n=n)}[kind]()
+    config = kernel.heuristic_config("many", "sm_90a")
+    assert (config.lanes, config.block_rows, config.threads, config.ctas, config.stages,
+            config.prefetch) == (True, 1, threads, ctas, 3, False)
+    assert not kernel.heuristic_config("few", "sm_90a").lanes
+    for other in (RMSNormBwdKernel(dtype="bfloat16", n=7168, has_weight=True),
+                  RMSNormBwdKernel(dtype="float32", n=4096, has_weight=True),
+                  FusedAddRMSNormBwdKernel(dtype="bfloat16", n=8192),
+                  RMSNormBwdKernel(dtype="bfloat16", n=16384, has_weight=True)):
+        assert other.ring_config("many") is None
 
 
 @pytest.mark.parametrize("n, dtype, block_rows, threads", [

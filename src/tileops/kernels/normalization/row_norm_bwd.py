@@ -674,6 +674,9 @@ class NormBwdKernel(Kernel):
 
     def config_space(self, bucket: str) -> list[NormBwdConfig]:
         space = [self.heuristic_config(bucket, "sm_90a")]
+        staged = self.staged_config(bucket)  # the TMA pick, where the lane ring replaced it
+        if staged is not None:
+            space.append(staged)
         for block_rows, threads in row_configs(self.key["n"], (8, 32), (128, 256, 512)):
             for ctas in (SMS, 2 * SMS):
                 for prefetch in (True, False):
