@@ -158,12 +158,20 @@ def assert_lane_map_source(compiled, tmp_path, loads: int) -> None:
 @pytest.mark.smoke
 def test_layer_norm_forward_at_hidden_2560_reads_whole_16_byte_vectors(tmp_path):
     """Phi-2's 2560 columns: two rows a CTA, each two warps of five 16-byte vectors a thread
-    (the lane map), where a power-of-two thread count gave 40 elements per thread."""
+    (the lane map), where a power-of-two thread count gave 40 elements per thread. The
+    prefill default is its persistent form with a shared ring: rows by cp.async."""
+    import dataclasses
+
     kernel = norm_forward_kernel("layer", 2560)
     config = kernel.heuristic_config("all", "sm_90a")
-    assert (config.block_rows, config.threads, config.lanes) == (2, 128, True)
-    # x, w and b: two vectors each (the loop is unrolled by nvcc, not in the source)
-    assert_lane_map_source(kernel.compile(config, "all")[0], tmp_path, loads=3)
+    assert (config.block_rows, config.threads, config.lanes, config.stages) == (2, 128, True, 3)
+    ring = kernel.compile(config, "all")[0]
+    assert "cp_async" in ring.get_kernel_source()
+    assert_no_spills_or_serialized_wgmma(ring, tmp_path)
+    # the plain lane map: x, w and b two vectors each (unrolled by nvcc, not in the source)
+    plain = dataclasses.replace(config, ctas=0, stages=0)
+    assert plain == kernel.heuristic_config("few", "sm_90a")
+    assert_lane_map_source(kernel.compile(plain, "all")[0], tmp_path, loads=3)
 
 
 @pytest.mark.full
@@ -175,8 +183,8 @@ def test_layer_norm_forward_at_hidden_2560_reads_whole_16_byte_vectors(tmp_path)
                                             ("rms", 2560, "bfloat16")])
 def test_norm_forward_lane_defaults_read_16_byte_vectors(kind, n, dtype, tmp_path):
     kernel = norm_forward_kernel(kind, n, dtype)
-    config = kernel.heuristic_config("all", "sm_90a")
-    assert config.lanes, config
+    config = kernel.heuristic_config("few", "sm_90a")  # the plain lane map (no ring)
+    assert config.lanes and not config.stages, config
     loads = {"layer": 3, "rms": 2, "fused_add": 3}[kind]
     assert_lane_map_source(kernel.compile(config, "all")[0], tmp_path, loads=loads)
 

@@ -188,7 +188,9 @@ def test_backward_ring_default_at_4096_to_8192_columns(kind, n, dtype, threads, 
 def test_forward_defaults_at_sizes_off_the_powers_of_two_take_the_lane_map(n, dtype,
                                                                             block_rows,
                                                                             threads):
-    """Whole 16-byte vectors split exactly over any whole number of warps per row."""
+    """Whole 16-byte vectors split exactly over any whole number of warps per row; two
+    stacked rows of two warps (2560) on prefill rows take the persistent ring (four CTAs
+    an SM, 3 groups), except the fused add (its second staged row)."""
     from tileops.kernels.normalization import FusedAddRMSNormKernel, LayerNormKernel
     from tileops.kernels.normalization.row_norm_fwd import NormConfig, lanes_ok
 
@@ -197,8 +199,12 @@ def test_forward_defaults_at_sizes_off_the_powers_of_two_take_the_lane_map(n, dt
                    LayerNormKernel(dtype=dtype, n=n, has_weight=True, has_bias=False)):
         for bucket in ("few", "all"):
             config = kernel.heuristic_config(bucket, "sm_90a")
-            assert config == NormConfig(block_rows, threads, lanes=True), (kernel.name, config)
+            want = NormConfig(block_rows, threads, lanes=True)
+            if block_rows == 2 and bucket == "all" and kernel.name != "fused_add_rms_norm":
+                want = NormConfig(block_rows, threads, lanes=True, ctas=4 * 132, stages=3)
+            assert config == want, (kernel.name, config)
             assert config in kernel.config_space(bucket)
+            assert NormConfig(block_rows, threads, lanes=True) in kernel.config_space(bucket)
         for config in kernel.config_space("all"):
             if config.lanes:
                 assert lanes_ok(n, dtype, config.block_rows, config.threads), config
@@ -256,6 +262,12 @@ LANE_CASES = {  # name -> (kind, n, dtype, (block_rows, threads[, prefetch[, ...
                                                     (4, 128, False, 3, False, 3), 29),
     "fused add 2560 in place, 2 CTAs, a ring of 2": ("fused_add", 2560, torch.float16,
                                                      (2, 128, False, 2, False, 2), 9),
+    # the 2560 / 1536 default's form (a ring of 3 groups of two stacked rows), on 3 CTAs
+    # with a partial last group, and more groups than one pass of the ring
+    "layer norm 2560, 3 CTAs, a ring of 3 groups of 2": ("layer", 2560, torch.bfloat16,
+                                                         (2, 128, False, 3, False, 3), 23),
+    "rms norm 1536, 2 CTAs, a ring of 3 groups of 2": ("rms", 1536, torch.float16,
+                                                       (2, 128, False, 2, False, 3), 19),
 }
 
 
