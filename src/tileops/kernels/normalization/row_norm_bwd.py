@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..base import Kernel, launchers
-from ..vectors import ELEM_BYTES
+from ..vectors import ELEM_BYTES, vector_width
 from ..workspace import zeroed_counters
 from .lane_norm_bwd import lanes_bwd_body
 from .row_norm_fwd import default_lanes, lane_configs, lanes_ok
@@ -618,7 +618,7 @@ class NormBwdKernel(Kernel):
         n, dtype, flags = self.key["n"], self.key["dtype"], self.flags()
         if bucket != "many" or ELEM_BYTES[dtype] != 2 or not 4096 <= n <= 8192 or n == 7168:
             return None
-        vec = 16 // ELEM_BYTES[dtype]
+        vec = vector_width(n, dtype)
         if flags["has_residual_grad"]:
             if n > 5120:
                 return None

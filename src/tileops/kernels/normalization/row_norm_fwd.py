@@ -527,15 +527,15 @@ class NormFwdKernel(Kernel):
         n = self.key["n"]
         if n & (n - 1):  # 2560, 5120, 6144, 7168, 13824 ...: threads need not be a power of 2
             lanes = default_lanes(n, self.key["dtype"])
-            if lanes is not None and lanes.block_rows == 2 and bucket != "few" \
-                    and not self.flags()["has_residual"]:
-                # Rows of two warps stacked two a CTA (1536, 2560 in 16 bits): the persistent
-                # form, four CTAs an SM, the next two groups' rows in a shared ring. On an
-                # H100, LayerNorm phi-2 (2560, 8K rows): 30.5 against 31.3-31.5 us, 1.026x
-                # and 1.033x in two sessions (fifty-fifth, fifty-seventh), 90% of the triad.
-                # ViT-H's four stacked rows of one warp gained 0.8% (2 steps): not taken.
-                return dataclasses.replace(lanes, ctas=4 * SMS, stages=3)
             if lanes is not None:
+                if lanes.block_rows == 2 and bucket != "few" and not self.flags()["has_residual"]:
+                    # Rows of two warps stacked two a CTA (1536, 2560 in 16 bits): the
+                    # persistent form, four CTAs an SM, the next two groups' rows in a shared
+                    # ring. On an H100, LayerNorm phi-2 (2560, 8K rows): 30.5 against 31.3-31.5
+                    # us, 1.026x and 1.033x in two sessions (fifty-fifth, fifty-seventh), 90%
+                    # of the triad. ViT-H's four stacked rows of one warp gained 0.8% (2
+                    # steps): not taken.
+                    return dataclasses.replace(lanes, ctas=4 * SMS, stages=3)
                 return lanes
         # ~16K elements per CTA keeps several 16-byte loads in flight per thread (the H200
         # tuning winners for hidden 8192 and 16384 hold 8 vectors per thread); a decode
