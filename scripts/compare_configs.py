@@ -1,7 +1,7 @@
 """Times an op's default config against variants of it and against the op's baselines, on
-manifest workloads, interleaved by the bench's timer (CUPTI, L2 flushed, trials taken
-round by round, so a drifting clock moves every candidate alike; at most 15 trials, where
-the bench allows 45):
+manifest workloads, interleaved by the bench's timer (CUPTI, L2 flushed, the bench's pool of
+input copies rotated call by call, trials taken round by round, so a drifting clock moves
+every candidate alike; at most 15 trials, where the bench allows 45):
 
     python scripts/compare_configs.py GroupedQueryAttentionBwdOp --workload "8 x 2k" \
         --workload "4 x 4k" --dtype bfloat16 --config '{"stages": 3}'
@@ -35,7 +35,14 @@ from profile_op import config_with
 from tileops.kernels.base import agrees
 from tileops.ops import OP_CLASSES
 from tileops.perf.baselines import select_baselines
-from tileops.perf.bench import OP_KEY, bench_cases, case_candidates, random_inputs
+from tileops.perf.bench import (
+    OP_KEY,
+    bench_cases,
+    case_candidates,
+    pool_size_for,
+    random_inputs,
+    rotating,
+)
 from tileops.perf.timing import measure_together
 
 
@@ -62,8 +69,9 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict],
     except ValueError as err:
         raise SystemExit(f"--baseline: {err}") from None
     # the bench's candidates (the op under OP_KEY, then its baselines), variants added
-    candidates = case_candidates(default_op, params, lambda fn: lambda: fn(*inputs),
-                                 baselines)
+    # the bench's pool of input copies, so both time the same thing
+    bind = rotating(inputs, pool_size_for(inputs))
+    candidates = case_candidates(default_op, params, bind, baselines)
     for overrides in variants:
         name = json.dumps(overrides)
         op = op_cls(**params)
@@ -72,7 +80,7 @@ def compare(op_cls, workload: dict, dtype: str, variants: list[dict],
         if not agrees(_outputs_on_copies(op, inputs), reference):
             print(f"  {name}: outputs disagree with the default's (not timed)")
             continue
-        candidates[name] = lambda op=op: op(*inputs)
+        candidates[name] = bind(op)
     timings = measure_together(candidates, trials=5, warm_seconds=2.0, max_trials=15)
     base = timings[OP_KEY].median_ms
     best = min((n for n in baselines if not isinstance(timings[n], Exception)),

@@ -215,6 +215,19 @@ def test_norm_backward_reduces_a_threads_rows_in_one_all_reduce(kind, n):
     assert "run_batch" in kernel.compile(config, "many")[0].get_kernel_source()
 
 
+@pytest.mark.parametrize("kind", ["rms", "layer", "fused_add"])
+def test_norm_backward_default_compiles_at_1536_columns(kind):
+    """Qwen2-1.5B's hidden 1536 (192 vectors, split evenly only by 64 threads at 48
+    elements each) took a padded tile of two rows over 256 threads that TileLang cannot
+    lower ("ReduceOp: batch=2 exceeds per-thread output element count"): every norm
+    backward at that width failed. It now takes one row a CTA."""
+    kernel = norm_backward_kernel(kind, 1536)
+    for bucket in ("few", "many"):
+        config = kernel.heuristic_config(bucket, "sm_90a")
+        assert (config.block_rows, config.threads) == (1, 64), config
+        kernel.compile(config, bucket)
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("head_dim, pass_", [(80, "fwd"), (96, "fwd"), (96, "bwd")])
 def test_attention_at_phi_head_dims_keeps_the_fast_path(head_dim, pass_, tmp_path):

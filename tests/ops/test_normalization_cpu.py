@@ -21,7 +21,7 @@ from tileops.kernels.normalization import (
     RMSNormBwdKernel,
     RMSNormKernel,
 )
-from tileops.kernels.normalization.rows import RowTile, stageable
+from tileops.kernels.normalization.rows import RowTile, stageable, vector_map_ok
 
 from ..helpers import meta
 
@@ -148,6 +148,21 @@ def test_backward_lane_map_default_where_vectors_split_over_no_power_of_two():
                                   has_bias=True).heuristic_config("many", "sm_90a").lanes
     assert not RMSNormBwdKernel(dtype="bfloat16", n=4096,
                                 has_weight=True).heuristic_config("few", "sm_90a").lanes
+
+
+def test_backward_defaults_split_no_row_unevenly_past_512_columns():
+    """A default tile of several rows past 512 columns maps 16-byte vectors exactly onto
+    its threads (or is the lane map / TMA pipeline): a padded tile of two rows of 1536
+    over 256 threads did not lower, so every norm backward at 1536 failed to compile."""
+    for n in range(512, 16385, 8):
+        for kernel in (RMSNormBwdKernel(dtype="bfloat16", n=n, has_weight=True),
+                       LayerNormBwdKernel(dtype="bfloat16", n=n, has_weight=True,
+                                          has_bias=True),
+                       FusedAddRMSNormBwdKernel(dtype="bfloat16", n=n)):
+            for bucket in ("few", "many"):
+                config = kernel.heuristic_config(bucket, "sm_90a")
+                assert config.lanes or config.stages or config.block_rows == 1 or \
+                    vector_map_ok(n, config.block_rows, config.threads), (n, bucket, config)
 
 
 @pytest.mark.parametrize("kind, n, dtype, threads, ctas", [

@@ -33,6 +33,8 @@ def reference(x, normalized_shape, weight=None, eps=None):
     (333, 128),      # per-head qk-norm: several rows per CTA, row tail inside a CTA
     (1000, 199),     # hidden not a multiple of the vector width
     (3, 4097),
+    (4097, 2560),    # the persistent lane ring (prefill rows of 1536 / 2560)
+    (5001, 1536),
 ])
 def test_matches_reference(rows, hidden, dtype):
     x = randn(rows, hidden, dtype=dtype)

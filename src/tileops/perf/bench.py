@@ -70,8 +70,16 @@ def random_inputs(op_cls: Any, workload: dict, dtype: str,
             for name, t in tensors.items()]
 
 
-def _rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Callable[[], Any]]:
-    """Makes zero-argument callables that take the next of `pool_size` input copies."""
+def pool_size_for(inputs: list, pool_size: int = 4) -> int:
+    """`pool_size`, or 1 where that many copies of the inputs would pass POOL_BYTES_LIMIT."""
+    nbytes_in = sum(t.numel() * t.element_size() for t in inputs if t is not None)
+    return pool_size if nbytes_in * pool_size <= POOL_BYTES_LIMIT else 1
+
+
+def rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Callable[[], Any]]:
+    """Makes zero-argument callables that take the next of `pool_size` input copies (fresh
+    addresses each call, as a model's activations have: a kernel whose access pattern leans
+    on warm TLB entries for one buffer is not flattered)."""
     pool = [inputs] + [[None if t is None else t.clone() for t in inputs]
                        for _ in range(pool_size - 1)]
     counter = iter(range(1 << 62))
@@ -85,7 +93,7 @@ def _rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Ca
 def case_candidates(op: Any, params: dict, bind: Callable[[Callable[..., Any]], Callable[[], Any]],
                     baselines: dict[str, Baseline]) -> dict[str, Callable[[], Any]]:
     """Zero-argument calls of the op (under OP_KEY) and of each baseline with the case's
-    params, their inputs supplied by `bind` (see `_rotating`)."""
+    params, their inputs supplied by `bind` (see `rotating`)."""
     candidates = {OP_KEY: bind(op)}
     for name, fn in baselines.items():
         candidates[name] = bind(lambda *x, f=fn: f(*x, **params))
@@ -101,10 +109,9 @@ def bench_workload(op_cls: Any, workload: dict, dtype: str,
     params = op_cls.spec.workload_params(workload)
     op = op_cls(**params)
     inputs = random_inputs(op_cls, workload, dtype)
-    nbytes_in = sum(t.numel() * t.element_size() for t in inputs if t is not None)
-    pool = pool_size if nbytes_in * pool_size <= POOL_BYTES_LIMIT else 1
+    pool = pool_size_for(inputs, pool_size)
     op(*inputs)  # compile / load before timing
-    candidates = case_candidates(op, params, _rotating(inputs, pool),
+    candidates = case_candidates(op, params, rotating(inputs, pool),
                                  baselines_for(op_cls.__name__) if baselines is None
                                  else baselines)
     # One sustained warmup, then the op's and the baselines' trials interleaved: a clock that

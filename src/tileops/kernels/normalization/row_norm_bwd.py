@@ -570,14 +570,22 @@ class NormBwdKernel(Kernel):
         if picked is not None:
             return picked
         n = self.key["n"]
-        if 512 <= n <= SHORT_UNALIGNED and not any(vector_map_ok(n, max(1, 4096 // n), t)
-                                            for t in (64, 128, 256, 512)):
-            # Short rows whose 16-byte vectors split over no power-of-two thread count
-            # (ViT-H's 1280: 160 vectors) take the padded path. One row per CTA of two warps
-            # keeps each row sum to two warps' shuffles and one barrier, and many small CTAs
-            # keep the loads in flight without a double buffer: 53.7 us on the H200 against
-            # 92.5 for 3 rows per 256 threads (torch.compile 72.9), 58.2 for one warp of
-            # exact vectors per row.
+        # dy and h of two rows (the double buffer), the fp32 accumulators and the weight
+        # live in registers: at 16 elements per thread that is ~121 registers (ptxas), so
+        # 512 threads per SM fit; the persistent grid is that many CTAs per SM. Longer rows
+        # (32 per thread) have no registers left for the next row's loads.
+        block_rows = max(1, 4096 // n)
+        exact = [t for t in (256, 512, 128, 64)
+                 if vector_map_ok(n, block_rows, t) and block_rows * n // t <= 16]
+        if 512 <= n <= SHORT_UNALIGNED and not exact:
+            # Short rows whose 16-byte vectors split over no power-of-two thread count with
+            # at most 16 elements a thread (ViT-H's 1280: 160 vectors; 1536: 192, only over
+            # 64 threads at 48 each) take one row a CTA: a padded tile of two rows split
+            # unevenly over threads does not lower (TileLang's batched row reduce). One
+            # row per CTA of two warps keeps each row sum to two warps' shuffles and one
+            # barrier, and many small CTAs keep the loads in flight without a double
+            # buffer: 53.7 us on the H200 against 92.5 for 3 rows per 256 threads
+            # (torch.compile 72.9), 58.2 for one warp of exact vectors per row.
             # Since the thirty-third session the lane map where it splits such rows exactly
             # (1280: four rows of a warp, five vectors a lane, shuffles only, two CTAs an
             # SM, dW / dB in registers): 43.5 us against 46.4 for that padded config
@@ -588,14 +596,8 @@ class NormBwdKernel(Kernel):
                                      prefetch=False, lanes=True)
             return NormBwdConfig(1, 64, 8 * SMS if bucket == "many" else 2 * SMS,
                                  prefetch=False)
-        # dy and h of two rows (the double buffer), the fp32 accumulators and the weight
-        # live in registers: at 16 elements per thread that is ~121 registers (ptxas), so
-        # 512 threads per SM fit; the persistent grid is that many CTAs per SM. Longer rows
-        # (32 per thread) have no registers left for the next row's loads.
-        block_rows = max(1, 4096 // n)
-        for threads in (256, 512, 128, 64):
-            if vector_map_ok(n, block_rows, threads) and block_rows * n // threads <= 16:
-                break
+        if exact:
+            threads = exact[0]
         else:
             wide = [t for t in (512, 256) if vector_map_ok(n, block_rows, t)]
             threads = wide[0] if wide else (512 if n > 4096 else 256)  # else padded

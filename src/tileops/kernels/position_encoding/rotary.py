@@ -11,8 +11,9 @@ Two forms share the per-head body:
 
 Memory-bound: every element is read once and written once, in 16-byte vectors. A thread owns
 one rotation unit (2 * vec elements: vec pairs) of `heads_per_thread` heads of one token. It
-loads the unit's cos/sin once, issues all its heads' loads before any math (so a thread has
-2 * heads_per_thread 16-byte loads in flight), rotates in fp32 and stores in the input dtype.
+loads the unit's cos/sin once, issues all its heads' loads (their pass-through vectors
+included) before any math (so a thread has at least 2 * heads_per_thread 16-byte loads in
+flight), rotates in fp32 and stores in the input dtype.
 NeoX style pairs element j with j + R/2 (a unit is a vector of each half); GPT-J style
 (`interleaved`) pairs 2i with 2i + 1 (a unit is two adjacent vectors). Token counts are
 symbolic; head counts, head_dim, rotary_dim, layout and flags are compiled in.
@@ -130,57 +131,53 @@ def rotary_program(form: str, dtype: str, table_dtype: str, q_heads: int, k_head
                     y_local[vec + e] = T.cast(b * c_local[vec + e] + a * s_local[vec + e], dtype)
 
     @T.macro
+    def load_head(src, x_local, token, hh, i, oa, ob, u, index):
+        """Head hh's unit (two vectors) and its pass-through vectors into slot i: every load
+        of a thread is issued before its first use, so none waits on another's store."""
+        for e in T.vectorized(vec):
+            x_local[i, e] = src[index(token, hh, oa + e)]
+        for e in T.vectorized(vec):
+            x_local[i, vec + e] = src[index(token, hh, ob + e)]
+        for j in T.unroll(pass_iters):
+            p = rotary_dim + (u + j * units) * vec
+            if p < head_dim:
+                for e in T.vectorized(vec):
+                    x_local[i, width + j * vec + e] = src[index(token, hh, p + e)]
+
+    @T.macro
+    def store_head(dst, x_local, y_local, token, hh, i, oa, ob, u, index):
+        for e in T.vectorized(vec):
+            dst[index(token, hh, oa + e)] = y_local[e]
+        for e in T.vectorized(vec):
+            dst[index(token, hh, ob + e)] = y_local[vec + e]
+        for j in T.unroll(pass_iters):
+            p = rotary_dim + (u + j * units) * vec
+            if p < head_dim:
+                for e in T.vectorized(vec):
+                    dst[index(token, hh, p + e)] = x_local[i, width + j * vec + e]
+
+    @T.macro
     def heads_body(q, k, q_out, k_out, token, u, g, c_local, s_local, index, h0):
         """A thread's heads of one token (of the chunk from head h0): `index(token, h, d)` is
         a head element's index."""
         oa, ob = unit_offsets(u)
-        x_local = T.alloc_local((hpt, width), dtype)
+        x_local = T.alloc_local((hpt, width + pass_iters * vec), dtype)
         y_local = T.alloc_local((width,), dtype)
         for i in T.unroll(hpt):
             h = head_of(g, i, h0)
             if h < q_heads:
-                for e in T.vectorized(vec):
-                    x_local[i, e] = q[index(token, h, oa + e)]
-                for e in T.vectorized(vec):
-                    x_local[i, vec + e] = q[index(token, h, ob + e)]
+                load_head(q, x_local, token, h, i, oa, ob, u, index)
             elif h < heads:
-                for e in T.vectorized(vec):
-                    x_local[i, e] = k[index(token, h - q_heads, oa + e)]
-                for e in T.vectorized(vec):
-                    x_local[i, vec + e] = k[index(token, h - q_heads, ob + e)]
+                load_head(k, x_local, token, h - q_heads, i, oa, ob, u, index)
         for i in T.unroll(hpt):
             h = head_of(g, i, h0)
             if h < heads:
                 rotate(x_local, c_local, s_local, y_local, i)
                 if h < q_heads:
-                    for e in T.vectorized(vec):
-                        q_out[index(token, h, oa + e)] = y_local[e]
-                    for e in T.vectorized(vec):
-                        q_out[index(token, h, ob + e)] = y_local[vec + e]
+                    store_head(q_out, x_local, y_local, token, h, i, oa, ob, u, index)
                 else:
-                    for e in T.vectorized(vec):
-                        k_out[index(token, h - q_heads, oa + e)] = y_local[e]
-                    for e in T.vectorized(vec):
-                        k_out[index(token, h - q_heads, ob + e)] = y_local[vec + e]
-        for j in T.unroll(pass_iters):
-            p = rotary_dim + (u + j * units) * vec
-            if p < head_dim:
-                for i in T.unroll(hpt):
-                    h = head_of(g, i, h0)
-                    if h < q_heads:
-                        for e in T.vectorized(vec):
-                            x_local[i, e] = q[index(token, h, p + e)]
-                    elif h < heads:
-                        for e in T.vectorized(vec):
-                            x_local[i, e] = k[index(token, h - q_heads, p + e)]
-                for i in T.unroll(hpt):
-                    h = head_of(g, i, h0)
-                    if h < q_heads:
-                        for e in T.vectorized(vec):
-                            q_out[index(token, h, p + e)] = x_local[i, e]
-                    elif h < heads:
-                        for e in T.vectorized(vec):
-                            k_out[index(token, h - q_heads, p + e)] = x_local[i, e]
+                    store_head(k_out, x_local, y_local, token, h - q_heads, i, oa, ob, u,
+                               index)
 
     shared = dict(units=units, groups=groups, threads=threads, used=used, width=width,
                   unit_offsets=unit_offsets, heads_body=heads_body, accum=accum,
