@@ -405,6 +405,13 @@ class RotaryKernel(Kernel):
                 if 64 <= threads <= 512 and \
                         block_tokens * per_chunk * units >= 0.75 * threads * hpt:
                     space.append(config)
+        # head planes: a CTA streams one or two heads over 8-16 consecutive tokens (in the
+        # [B, H, S, D] layout, contiguous runs of each head's plane, as an elementwise
+        # kernel over the whole tensor reads them; cos / sin are read once per head)
+        for hpt in (1, 2):
+            for block_tokens in (8, 16):
+                if heads % hpt == 0 and heads > hpt:
+                    space.append(RotaryConfig(hpt, block_tokens, heads // hpt))
         # the default under launch bounds of 3-6 resident CTAs that still fill at most the
         # SM's 2048 threads (ptxas then caps registers at 64K / (CTAs x threads); caps under
         # 40 left out: 56 already spilled 40 B at 72 heads, 48 spilled 116 B at 40)
