@@ -335,7 +335,7 @@ def test_every_config_of_the_space(q_heads, k_heads, head_dim, rot, interleaved,
     cos, sin = tables(1, 3, rot, dtype)
     op.pin_config(config, q, k, cos, sin)
     kernel = op.get_kernel("rotary", q.device, **op._kernel_key(dtype, q_heads, k_heads,
-                                                                head_dim, rot))
+                                                                head_dim, rot, False))
     for batch, seq in ((1, 1), (1, 7), (3, 333), (1, 4099)):
         q, k = qk(batch, seq, q_heads, k_heads, head_dim, 2, dtype)
         cos, sin = tables(1, seq, rot, dtype)
@@ -626,6 +626,41 @@ def test_default_layouts(form, q_heads, k_heads, head_dim, rot, interleaved, bhs
                           interleaved=interleaved, backward=False, bhsd=bhsd, inplace=False)
     config = kernel.heuristic_config("all", "sm_90a")
     assert (config.heads_per_thread, config.block_tokens, config.head_chunks) == (*want, 1)
+
+
+@pytest.mark.parametrize("q_heads, k_heads, backward, want", [
+    (32, 8, False, (2, 16, 20)), (64, 8, True, (2, 16, 36)), (32, 8, True, (2, 16, 20)),
+    (28, 1, False, (5, 2, 1))])  # an odd head count keeps the scored pick
+def test_head_plane_defaults(q_heads, k_heads, backward, want):
+    """[B, H, S, D] tensors laid out plane by plane: two heads a thread over 16 tokens a
+    CTA (the H100 compares of the fifty-eighth session)."""
+    kernel = RotaryKernel(form="hf", dtype="bfloat16", table_dtype="bfloat16",
+                          q_heads=q_heads, k_heads=k_heads, head_dim=128, rotary_dim=128,
+                          interleaved=False, backward=backward, bhsd=True, inplace=False,
+                          planes=True)
+    config = kernel.heuristic_config("all", "sm_90a")
+    assert (config.heads_per_thread, config.block_tokens, config.head_chunks) == want
+
+
+def test_head_planes_follow_the_memory_layout():
+    """Only a [B, H, S, D] tensor stored plane by plane takes the head-plane default: HF's
+    q (a transposed view of the [B, S, H, D] projection), [B, S, H, D] and one-token
+    decode steps keep the token-major mapping."""
+    from tileops.ops.position_encoding import _head_planes
+
+    plane = torch.empty(2, 32, 64, 128, device="meta")
+    view = torch.empty(2, 64, 32, 128, device="meta").transpose(1, 2)
+    assert _head_planes(plane, 1) and not _head_planes(view, 1)
+    assert not _head_planes(torch.empty(2, 64, 32, 128, device="meta"), 2)
+    assert not _head_planes(torch.empty(2, 32, 1, 128, device="meta"), 1)
+    op = RotaryFwdOp()
+    cos = torch.empty(1, 64, 128, device="meta", dtype=torch.bfloat16)
+    for q, planes in ((plane, True), (view, False)):
+        q = q.to(torch.bfloat16)
+        k = q[:, :8]
+        ns = op.check((q, k, cos, cos))
+        ((_, key, _),) = op.kernels_for(ns)
+        assert key["planes"] is planes
 
 
 def test_vector_width():

@@ -43,6 +43,12 @@ def _vector_ready(t: torch.Tensor, vec: int) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _head_planes(q: torch.Tensor, unsqueeze_dim: int) -> bool:
+    """Whether [B, H, S, D] q lies in memory head plane by head plane (its head stride past
+    its token stride), not as HF's transposed view of the [B, S, H, D] projection."""
+    return unsqueeze_dim == 1 and q.shape[2] > 1 and q.stride(1) > q.stride(2)
+
+
 class RotaryFwdOp(Op):
     """(q_out, k_out) = (q * cos + rotate(q) * sin, k * cos + rotate(k) * sin) on the first
     cos.shape[-1] elements of each head (transformers' apply_rotary_pos_emb); see the module
@@ -71,7 +77,7 @@ class RotaryFwdOp(Op):
         if cos.dim() == 2:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         key = self._kernel_key(q.dtype, q.shape[self.unsqueeze_dim], k.shape[self.unsqueeze_dim],
-                               q.shape[3], cos.shape[-1])
+                               q.shape[3], cos.shape[-1], _head_planes(q, self.unsqueeze_dim))
         kernel = self.get_kernel("rotary", q.device, **key)
         vec = kernel.vec
         kernel(tokens, _vector_ready(q, vec), _vector_ready(k, vec), _vector_ready(cos, vec),
@@ -79,16 +85,17 @@ class RotaryFwdOp(Op):
         return q_out, k_out
 
     def _kernel_key(self, dtype: torch.dtype, q_heads: int, k_heads: int, head_dim: int,
-                    rotary_dim: int) -> dict[str, Any]:
+                    rotary_dim: int, planes: bool) -> dict[str, Any]:
         name = DTYPE_NAMES[dtype]
         return {"form": "hf", "dtype": name, "table_dtype": name, "q_heads": q_heads,
                 "k_heads": k_heads, "head_dim": head_dim, "rotary_dim": rotary_dim,
                 "interleaved": self.interleaved, "backward": self.backward,
-                "bhsd": self.unsqueeze_dim == 1, "inplace": False}
+                "bhsd": self.unsqueeze_dim == 1, "inplace": False, "planes": planes}
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         first = ns[self.spec.input_names[0]]
-        key = self._kernel_key(first.dtype, ns["Hq"], ns["Hk"], ns["D"], ns["R"])
+        key = self._kernel_key(first.dtype, ns["Hq"], ns["Hk"], ns["D"], ns["R"],
+                               _head_planes(first, self.unsqueeze_dim))
         return [("rotary", key, ns["B"] * ns["S"])]
 
 
