@@ -386,14 +386,18 @@ class RotaryKernel(Kernel):
 
     def heuristic_config(self, bucket: str, arch: str) -> RotaryConfig:
         heads = self.key["q_heads"] + self.key["k_heads"]
-        if self.key["planes"] and heads % 2 == 0:
+        if self.key["planes"] and self.key["backward"] and heads % 2 == 0:
             # Head planes, two heads a thread over 16 tokens a CTA (128 threads at head_dim
             # 128): each CTA streams contiguous runs of two planes, as torch.compile's
             # elementwise kernel over the whole tensor does. On an H100 (bf16, fifty-eighth
             # session, compares on the bench's input pool) against the scored pick: the
-            # Llama-3.1-8B forward 60.2 vs 61.5 us, the Mistral-7B backward 116.7 vs 121.4
-            # (torch.compile 117.0), the 70B backward 105.1 vs 109.2 (torch.compile 105.9);
-            # one head a thread 0.98-1.00x the scored pick, eight tokens level with 16.
+            # Mistral-7B backward 116.7 vs 121.4 us (torch.compile 117.0), the 70B backward
+            # 105.1 vs 109.2 (torch.compile 105.9), the 8B forward 60.2 vs 61.5; one head a
+            # thread 0.98-1.00x the scored pick, eight tokens level with 16. On an H200
+            # bench the 70B backward ran 80.0 us (the scored pick 83.2-83.6 in earlier
+            # sessions) but the 8B forward 46.2 (the scored pick 41.3-44.2 before, against
+            # torch.compile's 42.9-43.8 then and 43.7 now): the forward keeps the scored
+            # pick until one H200 compares both (.gpu/cmp58c.sh in the fifty-eighth notes).
             return RotaryConfig(2, 16, heads // 2)
         return heuristic_layout(self.key["q_heads"] + self.key["k_heads"], self.units,
                                 token_major=not self.key["bhsd"])
