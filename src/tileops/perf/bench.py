@@ -78,8 +78,8 @@ def pool_size_for(inputs: list, pool_size: int = 4) -> int:
 
 def rotating(inputs: list, pool_size: int) -> Callable[[Callable[..., Any]], Callable[[], Any]]:
     """Makes zero-argument callables that take the next of `pool_size` input copies (fresh
-    addresses each call, as a model's activations have: a kernel whose access pattern leans
-    on warm TLB entries for one buffer is not flattered)."""
+    addresses each call, as a model's activations have; one buffer timed over and over
+    read ~5% faster for a rotary kernel on an H100, fifty-seventh session)."""
     pool = [inputs] + [[None if t is None else t.clone() for t in inputs]
                        for _ in range(pool_size - 1)]
     counter = iter(range(1 << 62))

@@ -397,10 +397,10 @@ class RotaryKernel(Kernel):
             # bench the 70B backward ran 80.0 us (the scored pick 83.2-83.6 in earlier
             # sessions) but the 8B forward 46.2 (the scored pick 41.3-44.2 before, against
             # torch.compile's 42.9-43.8 then and 43.7 now): the forward keeps the scored
-            # pick until one H200 compares both (.gpu/cmp58c.sh in the fifty-eighth notes).
+            # pick until one H200 compares both (the command is in the performance
+            # README's fifty-eighth session).
             return RotaryConfig(2, 16, heads // 2)
-        return heuristic_layout(self.key["q_heads"] + self.key["k_heads"], self.units,
-                                token_major=not self.key["bhsd"])
+        return heuristic_layout(heads, self.units, token_major=not self.key["bhsd"])
 
     def config_space(self, bucket: str) -> list[RotaryConfig]:
         heads, units = self.key["q_heads"] + self.key["k_heads"], self.units
