@@ -7,6 +7,7 @@ and the kernel configs, and (`compile` + `full`) run the generated CUDA on the C
 tests/cuda_emulation.py.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -662,6 +663,28 @@ def test_head_planes_follow_the_memory_layout():
         ns = op.check((q, k, cos, cos))
         ((_, key, _),) = op.kernels_for(ns)
         assert key["planes"] is planes
+
+
+@pytest.mark.parametrize("form", ["hf", "cache"])
+def test_decode_batches_take_one_token_a_cta(form):
+    """Up to FEW_TOKENS tokens the hf form runs a program of its own, one token a CTA (the
+    prefill pick with more CTAs); the cache form keeps one program for every count."""
+    from tileops.kernels.position_encoding.rotary import FEW_TOKENS
+
+    kernel = RotaryKernel(form=form, dtype="bfloat16", table_dtype="bfloat16", q_heads=32,
+                          k_heads=8, head_dim=128, rotary_dim=128, interleaved=False,
+                          backward=False, bhsd=False, inplace=form == "cache")
+    prefill = kernel.heuristic_config("all", "sm_90a")
+    assert (prefill.heads_per_thread, prefill.block_tokens) == (4, 2)
+    buckets = {kernel.bucket_of(t) for t in (1, 64, FEW_TOKENS)}
+    assert kernel.bucket_of(FEW_TOKENS + 1) == "all"
+    if form == "cache":
+        assert buckets == {"all"}
+        return
+    assert buckets == {"few"}
+    decode = kernel.heuristic_config("few", "sm_90a")
+    assert decode == dataclasses.replace(prefill, block_tokens=1)
+    assert decode in kernel.config_space("few")
 
 
 def test_vector_width():
