@@ -50,8 +50,9 @@ class NormConfig:
     threads: int = 256
     lanes: bool = False
     ctas_per_sm: int = 0  # lane map: a launch bound for that many resident CTAs (0: none)
-    # lane map: the weight and bias loaded with the row (in flight during the row sums, ~8
-    # more registers: 7 instead of 8 CTAs an SM at 2560 columns) instead of after its sums
+    # the weight and bias loaded with the rows (in flight during the row sums) instead of
+    # read after them; lane map: ~8 more registers (7 instead of 8 CTAs an SM at 2560
+    # columns); tile map: register tiles of the rows' shape (a copy per row of the CTA)
     prefetch: bool = False
     # lane map: a persistent grid of at most `ctas` CTAs (0: a CTA per group of block_rows
     # rows), each loading its next group's rows while it normalizes the current ones
@@ -146,12 +147,13 @@ def norm_fwd_program(n: int, dtype: str, centered: bool, has_weight: bool, has_b
                            stages)
     else:
         body = _tile_body(rows, n, dtype, centered, has_weight, has_bias, has_residual,
-                          block_rows, threads, fused_sums)
+                          block_rows, threads, fused_sums, prefetch)
     return _signature(body, rows, n, dtype, has_weight, has_bias, has_residual)
 
 
 def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_bias: bool,
-               has_residual: bool, block_rows: int, threads: int, fused_sums: bool):
+               has_residual: bool, block_rows: int, threads: int, fused_sums: bool,
+               prefetch: bool = False):
     tile = RowTile(n, block_rows, threads)
     load, store = tile.macros(rows)
     n_tile = tile.n_tile
@@ -165,10 +167,21 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
         col = T.min(j, n - 1)  # padded columns read a valid weight, never stored
         v = value(x_local, mean_local, i, j) * rstd_local[i]
         if has_weight:
-            v = v * T.cast(w[col], f32)
+            v = v * T.cast(w[i, j] if prefetch else w[col], f32)
         if has_bias:
-            v = v + T.cast(b[col], f32)
+            v = v + T.cast(b[i, j] if prefetch else b[col], f32)
         return T.cast(v, dtype)
+
+    @T.macro
+    def load_params(w, b, w_tile, b_tile):
+        """`prefetch`: the weight and bias into register tiles of the rows' shape, issued
+        with the rows' loads, so their latency overlaps the rows' (else each is read from
+        L2 after the row sums, one more round trip on a CTA's path)."""
+        for i, j in T.Parallel(block_rows, n_tile):
+            if has_weight:
+                w_tile[i, j] = w[T.min(j, n - 1)]
+            if has_bias:
+                b_tile[i, j] = b[T.min(j, n - 1)]
 
     @T.macro
     def tile_stats(x_local, sq_local, mean_local, rstd_local, eps):
@@ -232,6 +245,11 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
                 rstd_local = T.alloc_fragment((block_rows,), f32)
             y_local = T.alloc_fragment(tile.shape, dtype)
             load(x, x_local, row0)
+            if prefetch:
+                w_tile = T.alloc_fragment(tile.shape, dtype) if has_weight else None
+                b_tile = T.alloc_fragment(tile.shape, dtype) if has_bias else None
+                load_params(w, b, w_tile, b_tile)
+                w, b = w_tile, b_tile
             if has_residual:
                 r_local = T.alloc_fragment(tile.shape, dtype)
                 load(residual, r_local, row0)
@@ -559,6 +577,9 @@ class NormFwdKernel(Kernel):
         # share of every row
         space += [dataclasses.replace(c, fused_sums=True) for c in space
                   if not c.lanes and fused_sums_ok(n, c.block_rows, c.threads)]
+        # the tile map's default and its fused twin with the weight and bias loaded early
+        space += [dataclasses.replace(c, prefetch=True) for c in space[:1] + space[-1:]
+                  if not c.lanes]
         if n & (n - 1):  # the tile map serves powers of two exactly (and was tuned there)
             space += [c for c in lane_configs(n, dtype, (8, 40)) if c.threads <= 896]
             # the lane default's variants, from its plain (non-persistent) form
