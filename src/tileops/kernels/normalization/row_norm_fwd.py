@@ -52,7 +52,7 @@ class NormConfig:
     ctas_per_sm: int = 0  # lane map: a launch bound for that many resident CTAs (0: none)
     # the weight and bias loaded with the rows (in flight during the row sums) instead of
     # read after them; lane map: ~8 more registers (7 instead of 8 CTAs an SM at 2560
-    # columns); tile map: register tiles of the rows' shape (a copy per row of the CTA)
+    # columns); tile map: a fragment of a thread's columns, shared by its rows
     prefetch: bool = False
     # lane map: a persistent grid of at most `ctas` CTAs (0: a CTA per group of block_rows
     # rows), each loading its next group's rows while it normalizes the current ones
@@ -167,21 +167,22 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
         col = T.min(j, n - 1)  # padded columns read a valid weight, never stored
         v = value(x_local, mean_local, i, j) * rstd_local[i]
         if has_weight:
-            v = v * T.cast(w[i, j] if prefetch else w[col], f32)
+            v = v * T.cast(w[j] if prefetch else w[col], f32)
         if has_bias:
-            v = v + T.cast(b[i, j] if prefetch else b[col], f32)
+            v = v + T.cast(b[j] if prefetch else b[col], f32)
         return T.cast(v, dtype)
 
     @T.macro
     def load_params(w, b, w_tile, b_tile):
-        """`prefetch`: the weight and bias into register tiles of the rows' shape, issued
-        with the rows' loads, so their latency overlaps the rows' (else each is read from
-        L2 after the row sums, one more round trip on a CTA's path)."""
-        for i, j in T.Parallel(block_rows, n_tile):
+        """`prefetch`: the weight and bias into register fragments of a row's columns (each
+        thread's columns of the tile, shared by its rows), issued with the rows' loads so
+        that their latency overlaps the rows' (else each is read from L2 after the row
+        sums: one more round trip on every CTA's path, from HBM on a decode step)."""
+        for j in T.Parallel(n_tile):
             if has_weight:
-                w_tile[i, j] = w[T.min(j, n - 1)]
+                w_tile[j] = w[T.min(j, n - 1)]
             if has_bias:
-                b_tile[i, j] = b[T.min(j, n - 1)]
+                b_tile[j] = b[T.min(j, n - 1)]
 
     @T.macro
     def tile_stats(x_local, sq_local, mean_local, rstd_local, eps):
@@ -246,8 +247,8 @@ def _tile_body(rows, n: int, dtype: str, centered: bool, has_weight: bool, has_b
             y_local = T.alloc_fragment(tile.shape, dtype)
             load(x, x_local, row0)
             if prefetch:
-                w_tile = T.alloc_fragment(tile.shape, dtype) if has_weight else None
-                b_tile = T.alloc_fragment(tile.shape, dtype) if has_bias else None
+                w_tile = T.alloc_fragment((n_tile,), dtype) if has_weight else None
+                b_tile = T.alloc_fragment((n_tile,), dtype) if has_bias else None
                 load_params(w, b, w_tile, b_tile)
                 w, b = w_tile, b_tile
             if has_residual:
