@@ -289,10 +289,13 @@ def test_cuda_graph_capture():
 
 @pytest.mark.gpu
 def test_runtime_token_counts_do_not_recompile():
+    """One program per bucket (decode batches up to FEW_TOKENS, the rest): once both have
+    run, no token count compiles another."""
     dtype = torch.bfloat16
-    q, k = qk(1, 5, 32, 8, 128, 2, dtype)
-    cos, sin = tables(1, 5, 128, dtype)
-    tileops.apply_rotary(q, k, cos, sin, 2)
+    for seq in (5, 1000):
+        q, k = qk(1, seq, 32, 8, 128, 2, dtype)
+        cos, sin = tables(1, seq, 128, dtype)
+        tileops.apply_rotary(q, k, cos, sin, 2)
     before = Kernel.compile_count
     for batch, seq in [(1, 1), (3, 1), (64, 1), (1, 17), (2, 1000), (1, 4097), (5, 333)]:
         q, k = qk(batch, seq, 32, 8, 128, 2, dtype)
