@@ -556,10 +556,12 @@ class NormFwdKernel(Kernel):
                     # steps): not taken.
                     return dataclasses.replace(lanes, ctas=4 * SMS, stages=3)
                 return lanes
-        # ~16K elements per CTA keeps several 16-byte loads in flight per thread (the H200
-        # tuning winners for hidden 8192 and 16384 hold 8 vectors per thread); a decode
-        # batch spreads its few rows over more CTAs instead (~2K elements each). At most
-        # 64 elements per thread: more would spill.
+        # ~16K elements per CTA keeps several 16-byte loads in flight per thread (8 vectors
+        # at 256 threads); a decode batch spreads its few rows over more CTAs instead (~2K
+        # elements each). At most 64 elements per thread: more would spill. (The H200's
+        # tuned winners at 4096 / 8192 / 16384 hold 2-4 vectors a thread; on an H100 one
+        # row of 4096 a CTA ran 1.012x this rule's four, fifty-ninth session: a lead for a
+        # width-general rule, measured at one width only.)
         target = max(1, (2048 if bucket == "few" else 16384) // n)
         for block_rows in sorted({target, *(r for r in (1, 2, 4, 8, 16, 32) if r < target)},
                                  reverse=True):
