@@ -580,9 +580,10 @@ class NormFwdKernel(Kernel):
         # share of every row
         space += [dataclasses.replace(c, fused_sums=True) for c in space
                   if not c.lanes and fused_sums_ok(n, c.block_rows, c.threads)]
-        # the tile map's default and its fused twin with the weight and bias loaded early
-        space += [dataclasses.replace(c, prefetch=True) for c in space[:1] + space[-1:]
-                  if not c.lanes]
+        # the tile map's default with the weight and bias loaded with the rows (level with
+        # it on an H100, fifty-ninth session: for the tuner, not a default)
+        if not space[0].lanes:
+            space.append(dataclasses.replace(space[0], prefetch=True))
         if n & (n - 1):  # the tile map serves powers of two exactly (and was tuned there)
             space += [c for c in lane_configs(n, dtype, (8, 40)) if c.threads <= 896]
             # the lane default's variants, from its plain (non-persistent) form

@@ -368,6 +368,9 @@ class RotaryKernel(Kernel):
 
     def __init__(self, *args, planes: bool = False, **key):
         super().__init__(*args, planes=planes, **key)
+        # the "few" bucket's edge, fixed per kernel (bucket_of runs on every launch); the
+        # cache form's decode rows already beat their baselines: one program for it
+        self._few_tokens = FEW_TOKENS if self.key["form"] == "hf" else -1
 
     @property
     def vec(self) -> int:
@@ -388,8 +391,7 @@ class RotaryKernel(Kernel):
         compiled[0](*tensors)
 
     def bucket_of(self, size: int) -> str:
-        # (the cache form's decode rows already beat their baselines: one program for it)
-        return "few" if size <= FEW_TOKENS and self.key["form"] == "hf" else "all"
+        return "few" if size <= self._few_tokens else "all"
 
     def heuristic_config(self, bucket: str, arch: str) -> RotaryConfig:
         picked = self._layout_config()
