@@ -129,7 +129,8 @@ def main() -> None:
     parser.add_argument("--config", type=json.loads, action="append", default=[],
                         metavar="JSON", help="fields of the default config to replace")
     parser.add_argument("--baseline", action="append", metavar="NAME",
-                        help="time only these baselines (repeatable; default: all of the op's)")
+                        help="time only these baselines (repeatable; default: all of the op's; "
+                             "--baseline none: the op's configs alone)")
     parser.add_argument("--kernel", metavar="DISPATCH_KEY",
                         help="for ops that run several kernels: the one the configs replace "
                              "(a key of the op's kernel_map, e.g. grouped_gemm_weight_grad)")
@@ -141,7 +142,8 @@ def main() -> None:
         if args.compile_only:
             compile_only(op_cls, workload, dtype, args.config, args.kernel)
             continue
-        compare(op_cls, workload, dtype, args.config, args.baseline, args.kernel)
+        only = None if args.baseline is None else [b for b in args.baseline if b != "none"]
+        compare(op_cls, workload, dtype, args.config, only, args.kernel)
         torch.cuda.empty_cache()
 
 

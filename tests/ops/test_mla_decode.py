@@ -8,7 +8,7 @@ import torch
 
 import tileops
 from tileops import MLADecodeFwdOp
-from tileops.kernels.attention.mla_decode import MLADecodeKernel
+from tileops.kernels.attention.mla_decode import MLADecodeConfig, MLADecodeKernel
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, poison, randn
@@ -147,3 +147,28 @@ def test_every_config_of_the_space(config):
     op = MLADecodeFwdOp(sm_scale=0.1352)
     op.pin_config(config, q_nope, q_pe, kv, seqlens, table)
     check(MIXED, op=op)
+
+
+SEESAW_CASES = {  # (lengths, heads, dtype, page_size)
+    "mixed-fp16": (MIXED, 128, torch.float16, 64),
+    "pages-128": ([33, 1000, 4097], 128, BF16, 128),
+    "pages-256": ([33, 1000, 4097], 128, BF16, 256),
+    "heads-64": ([100, 3000], 64, BF16, 64),
+    "heads-256": ([100, 3000], 256, BF16, 64),
+    "one-long-request": ([20000], 128, BF16, 64),
+    "batch-128": ([(37 * i) % 2000 for i in range(128)], 128, BF16, 64),
+    "odd-and-even-runs": ([64 * 7, 64 * 8 + 1, 64, 1], 128, BF16, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(SEESAW_CASES), ids=str)
+def test_seesaw_schedule(case):
+    """The seesaw program (two warp groups taking key tiles in turns) on every shape the
+    plain program's tests cover: odd runs end on a masked tile, splits merge."""
+    lengths, heads, dtype, page_size = SEESAW_CASES[case]
+    kv, seqlens, table = make_latent(lengths, page_size, dtype=dtype)
+    q_nope = randn(len(lengths), heads, DC, dtype=dtype)
+    q_pe = randn(len(lengths), heads, DR, dtype=dtype)
+    op = MLADecodeFwdOp(sm_scale=0.1352)
+    op.pin_config(MLADecodeConfig(seesaw=True), q_nope, q_pe, kv, seqlens, table)
+    check(lengths, heads=heads, dtype=dtype, page_size=page_size, op=op)

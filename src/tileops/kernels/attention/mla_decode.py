@@ -23,6 +23,8 @@ import tilelang.language as T
 from ..base import Kernel
 from .attention_fwd import LOG2E
 from .decode import combine_program, schedule_program
+from .mla_decode_seesaw import mla_decode_seesaw_program
+from .mla_decode_seesaw import smem_bytes as seesaw_smem_bytes
 
 BLOCK_H = 64  # heads per CTA: one wgmma M tile
 
@@ -31,8 +33,13 @@ BLOCK_H = 64  # heads per CTA: one wgmma M tile
 class MLADecodeConfig:
     block_n: int = 64  # keys per tile (within one page)
     stages: int = 2
+    # the two consumer warp groups take 64-key tiles in turns (mla_decode_seesaw.py; its
+    # tiles are 64 keys in two buffers whatever block_n and stages say)
+    seesaw: bool = False
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
+        if self.seesaw:
+            return seesaw_smem_bytes(dim, rope, elem_bytes)
         return (BLOCK_H * (dim + rope + self.block_n)
                 + self.stages * self.block_n * (dim + rope)) * elem_bytes
 
@@ -146,9 +153,11 @@ class MLADecodeKernel(Kernel):
 
     def program(self, config: MLADecodeConfig, bucket: str):
         k = self.key
-        return (schedule_program(1, config.block_n, -1, True),
-                mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"], k["dtype"],
-                                   config),
+        attention = (mla_decode_seesaw_program(k["heads"], k["dim"], k["rope"], k["page_size"],
+                                               k["dtype"]) if config.seesaw else
+                     mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"],
+                                        k["dtype"], config))
+        return (schedule_program(1, config.block_n, -1, True), attention,
                 combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
 
     def bucket_of(self, size: int) -> str:
@@ -160,7 +169,7 @@ class MLADecodeKernel(Kernel):
 
     def config_space(self, bucket: str) -> list[MLADecodeConfig]:
         space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
-                 MLADecodeConfig(32, 3)]
+                 MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True)]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
                 <= 227 * 1024 - 1024]
 
