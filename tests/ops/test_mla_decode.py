@@ -161,8 +161,9 @@ SEESAW_CASES = {  # (lengths, heads, dtype, page_size)
 }
 
 
+@pytest.mark.parametrize("part_waits", [False, True], ids=["whole-tiles", "part-waits"])
 @pytest.mark.parametrize("case", list(SEESAW_CASES), ids=str)
-def test_seesaw_schedule(case):
+def test_seesaw_schedule(case, part_waits):
     """The seesaw program (two warp groups taking key tiles in turns) on every shape the
     plain program's tests cover: odd runs end on a masked tile, splits merge."""
     lengths, heads, dtype, page_size = SEESAW_CASES[case]
@@ -170,5 +171,6 @@ def test_seesaw_schedule(case):
     q_nope = randn(len(lengths), heads, DC, dtype=dtype)
     q_pe = randn(len(lengths), heads, DR, dtype=dtype)
     op = MLADecodeFwdOp(sm_scale=0.1352)
-    op.pin_config(MLADecodeConfig(seesaw=True), q_nope, q_pe, kv, seqlens, table)
+    op.pin_config(MLADecodeConfig(seesaw=True, part_waits=part_waits), q_nope, q_pe, kv,
+                  seqlens, table)
     check(lengths, heads=heads, dtype=dtype, page_size=page_size, op=op)

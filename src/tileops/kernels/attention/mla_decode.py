@@ -36,6 +36,7 @@ class MLADecodeConfig:
     # the two consumer warp groups take 64-key tiles in turns (mla_decode_seesaw.py; its
     # tiles are 64 keys in two buffers whatever block_n and stages say)
     seesaw: bool = False
+    part_waits: bool = False  # seesaw only: S's products issued as each part of a tile lands
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -154,7 +155,7 @@ class MLADecodeKernel(Kernel):
     def program(self, config: MLADecodeConfig, bucket: str):
         k = self.key
         attention = (mla_decode_seesaw_program(k["heads"], k["dim"], k["rope"], k["page_size"],
-                                               k["dtype"]) if config.seesaw else
+                                               k["dtype"], config.part_waits) if config.seesaw else
                      mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"],
                                         k["dtype"], config))
         return (schedule_program(1, config.block_n, -1, True), attention,
@@ -169,7 +170,8 @@ class MLADecodeKernel(Kernel):
 
     def config_space(self, bucket: str) -> list[MLADecodeConfig]:
         space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
-                 MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True)]
+                 MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
+                 MLADecodeConfig(64, 2, seesaw=True, part_waits=True)]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
                 <= 227 * 1024 - 1024]
 

@@ -22,7 +22,11 @@ held in each warp group's registers (an rs wgmma) so that it all fits in 227 KB.
 
 Row sums: each warp group sums its own tiles' probabilities, rescaled alongside its O half
 by every factor, and the two sums are added at the end. A run of an odd number of tiles
-ends on a masked tile b (P_b = 0, rescale 1)."""
+ends on a masked tile b (P_b = 0, rescale 1).
+
+`part_waits`: each key tile lands as three TMA parts (the rope columns, then the two latent
+halves), each on its own full barrier, and S's three wgmmas are issued as their parts land
+(a tile's first product starts after 8 of its 72 KB) instead of after the whole tile."""
 
 import tilelang.language as T
 
@@ -42,7 +46,8 @@ def smem_bytes(dim: int, rope: int, elem_bytes: int = 2) -> int:
             + 5 * BLOCK_H * 4)
 
 
-def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, dtype: str):
+def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, dtype: str,
+                              part_waits: bool = False):
     """The same contract as mla_decode.mla_decode_program (o / lse for a request of one
     split, else fp32 partials for the planned combine), on the seesaw schedule above."""
     batch, n_pages, max_pages, n_slots = T.dynamic("batch, n_pages, max_pages, n_slots")
@@ -53,14 +58,23 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
     score_regs = BLOCK_H * BLOCK_N // WARP_GROUP
     out_regs = BLOCK_H * half // WARP_GROUP
     neg_inf = -T.infinity("float")
+    # a buffer's full barriers, in load order: the rope part, the latent halves (or one)
+    parts = 3 if part_waits else 1
+    PE, LO, HI = (0, 1, 2) if part_waits else (0, 0, 0)
 
     @T.macro
-    def scores(q_lo, q_hi, q_pe_local, kv_lo, kv_hi, pe, buf, s):
+    def scores(q_lo, q_hi, q_pe_local, kv_lo, kv_hi, pe, full, buf, phase, s):
         """S = Q K^T of the tile in buffer `buf` (the latent halves from shared memory, the
-        rope part with q_pe from registers), waited for."""
-        T.wgmma_gemm(q_lo, kv_lo[buf, :, :], s, transpose_B=True, clear_accum=True)
+        rope part with q_pe from registers), each product issued once its part has landed,
+        then waited for."""
+        T.mbarrier_wait_parity(full[buf * parts + PE], phase)
+        T.wgmma_gemm(q_pe_local, pe[buf, :, :], s, transpose_B=True, clear_accum=True)
+        if part_waits:
+            T.mbarrier_wait_parity(full[buf * parts + LO], phase)
+        T.wgmma_gemm(q_lo, kv_lo[buf, :, :], s, transpose_B=True)
+        if part_waits:
+            T.mbarrier_wait_parity(full[buf * parts + HI], phase)
         T.wgmma_gemm(q_hi, kv_hi[buf, :, :], s, transpose_B=True)
-        T.wgmma_gemm(q_pe_local, pe[buf, :, :], s, transpose_B=True)
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(s, num_regs=score_regs)
 
@@ -114,7 +128,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
             p_shared = T.alloc_shared((2, BLOCK_H, BLOCK_N), dtype)
             # rows handed over: m_a, m_b, e^(m_a - m_b), and each warp group's row sums
             rows = T.alloc_shared((5, BLOCK_H), "float")
-            full = T.alloc_barrier([PRODUCER_THREADS] * 2)
+            full = T.alloc_barrier([PRODUCER_THREADS] * (2 * parts))
             empty = T.alloc_barrier([consumers] * 2)
             # warp group g's state: its scores, P, O half, q_pe and per-row values
             s = [T.alloc_fragment((BLOCK_H, BLOCK_N), "float") for _ in range(2)]
@@ -148,13 +162,14 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         tile = T.min(slot_table[bz, 1] + t, last_tile)
                         page = block_table[b, T.min(tile * BLOCK_N // page_size, max_pages - 1)]
                         row = tile * BLOCK_N % page_size
-                        T.tma_copy(kv[page, row:row + BLOCK_N, 0:half], kv_lo[buf, :, :],
-                                   barrier=full[buf])
-                        T.tma_copy(kv[page, row:row + BLOCK_N, half:dim], kv_hi[buf, :, :],
-                                   barrier=full[buf])
                         T.tma_copy(kv[page, row:row + BLOCK_N, dim:dim + rope], pe[buf, :, :],
-                                   barrier=full[buf])
-                        T.mbarrier_arrive(full[buf])
+                                   barrier=full[buf * parts + PE])
+                        T.tma_copy(kv[page, row:row + BLOCK_N, 0:half], kv_lo[buf, :, :],
+                                   barrier=full[buf * parts + LO])
+                        T.tma_copy(kv[page, row:row + BLOCK_N, half:dim], kv_hi[buf, :, :],
+                                   barrier=full[buf * parts + HI])
+                        for part in T.unroll(parts):
+                            T.mbarrier_arrive(full[buf * parts + part])
                 elif tx < WARP_GROUP:
                     T.set_max_nreg(consumer_regs, 1)
                     c = scale * LOG2E
@@ -166,8 +181,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                     T.fill(total[0], 0.0)
                     T.fill(m[0], neg_inf)
                     for i in T.serial(pairs):
-                        T.mbarrier_wait_parity(full[0], i & 1)
-                        scores(q_lo, q_hi, q_pe_local[0], kv_lo, kv_hi, pe, 0, s[0])
+                        scores(q_lo, q_hi, q_pe_local[0], kv_lo, kv_hi, pe, full, 0, i & 1, s[0])
                         mask(s[0], slot_table, bz, 2 * i, mine, seqlen)
                         T.copy(m[0], m_prev[0])
                         T.reduce_max(s[0], m[0], dim=1, clear=False)
@@ -191,7 +205,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                             acc[0][r, d] *= rescale_a[0][r]
                         T.wgmma_gemm(p[0], kv_lo[0, :, :], acc[0])
                         T.sync_threads(B_READY, consumers)  # P_b, m_b, e^(m_a - m_b)
-                        T.mbarrier_wait_parity(full[1], i & 1)  # tile b's bytes, seen here
+                        T.mbarrier_wait_parity(full[parts + LO], i & 1)  # V_b,lo seen here
                         for r in T.Parallel(BLOCK_H):
                             rescale_b[0][r] = rows[2, r]
                             m[0][r] = rows[1, r]
@@ -225,12 +239,11 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                     T.fill(total[1], 0.0)
                     T.fill(m[1], neg_inf)
                     for i in T.serial(pairs):
-                        T.mbarrier_wait_parity(full[1], i & 1)
-                        scores(q_lo, q_hi, q_pe_local[1], kv_lo, kv_hi, pe, 1, s[1])
+                        scores(q_lo, q_hi, q_pe_local[1], kv_lo, kv_hi, pe, full, 1, i & 1, s[1])
                         mask(s[1], slot_table, bz, 2 * i + 1, mine, seqlen)
                         T.reduce_max(s[1], row_sum[1], dim=1)  # tile b's own row max
                         T.sync_threads(A_READY, consumers)  # P_a and m_a
-                        T.mbarrier_wait_parity(full[0], i & 1)  # tile a's bytes, seen here
+                        T.mbarrier_wait_parity(full[HI], i & 1)  # V_a,hi seen here
                         for r in T.Parallel(BLOCK_H):
                             m_prev[1][r] = rows[0, r]  # m_a
                             # e^(m - m_a), as warp group 0 computed it
