@@ -23,7 +23,7 @@ import tilelang.language as T
 from ..base import Kernel
 from .attention_fwd import LOG2E
 from .decode import combine_program, schedule_program
-from .mla_decode_seesaw import mla_decode_seesaw_program
+from .mla_decode_seesaw import PAIR_KEYS, mla_decode_seesaw_program
 from .mla_decode_seesaw import smem_bytes as seesaw_smem_bytes
 
 BLOCK_H = 64  # heads per CTA: one wgmma M tile
@@ -158,7 +158,9 @@ class MLADecodeKernel(Kernel):
                                                k["dtype"], config.part_waits) if config.seesaw else
                      mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"],
                                         k["dtype"], config))
-        return (schedule_program(1, config.block_n, -1, True), attention,
+        # the seesaw's runs are of tile pairs (the unit it deals to its two warp groups)
+        unit = PAIR_KEYS if config.seesaw else config.block_n
+        return (schedule_program(1, unit, -1, True), attention,
                 combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
 
     def bucket_of(self, size: int) -> str:

@@ -20,6 +20,8 @@ producer warp group fills two K/V buffers (tile a's, tile b's) on full/empty mba
 Shared memory: Q 64 KB, two 72 KB key tiles, the two P tiles 16 KB; q_pe (64 x 64) is
 held in each warp group's registers (an rs wgmma) so that it all fits in 227 KB.
 
+The planned schedule deals runs of whole pairs (its tile is PAIR_KEYS keys).
+
 Row sums: each warp group sums its own tiles' probabilities, rescaled alongside its O half
 by every factor, and the two sums are added at the end. A run of an odd number of tiles
 ends on a masked tile b (P_b = 0, rescale 1).
@@ -35,6 +37,7 @@ from ..gemm.async_pipeline import PRODUCER_THREADS, register_budgets
 
 BLOCK_H = 64  # heads per CTA: one wgmma M tile a warp group
 BLOCK_N = 64  # keys per tile
+PAIR_KEYS = 2 * BLOCK_N  # the schedule's unit: a pair of tiles, one for each warp group
 WARP_GROUP = 128
 # named barriers (ids clear of TileLang's own): one-sided hand-offs between the warp groups
 A_READY, B_READY, A_FREE, B_FREE, BOTH = 8, 9, 10, 11, 12
@@ -79,11 +82,11 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
         T.warpgroup_fence_operand(s, num_regs=score_regs)
 
     @T.macro
-    def mask(s, slot_table, bz, t, mine, seqlen):
+    def mask(s, first, t, mine, seqlen):
         """Keys past the run (t >= mine: a pair's missing tile b) or the request: -inf."""
         for i, j in T.Parallel(BLOCK_H, BLOCK_N):
-            s[i, j] = T.if_then_else(
-                (t < mine) & ((slot_table[bz, 1] + t) * BLOCK_N + j < seqlen), s[i, j], neg_inf)
+            s[i, j] = T.if_then_else((t < mine) & ((first + t) * BLOCK_N + j < seqlen), s[i, j],
+                                     neg_inf)
 
     @T.macro
     def finish(acc, total, m, o, lse, o_part, lse_part, slot_table, b, bz, h0, col0,
@@ -148,18 +151,22 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                 seqlen = cache_seqlens[b]
                 h0 = hx * BLOCK_H
                 last_tile = T.max(T.ceildiv(seqlen, BLOCK_N) - 1, 0)
-                # the run cut to the request's tiles (the last run is open-ended: a stale
-                # schedule stays exact, see decode.schedule_program); at least one pair
-                mine = T.max(T.min(slot_table[bz, 2],
-                                   T.ceildiv(seqlen, BLOCK_N) - slot_table[bz, 1]), 0)
-                pairs = T.max(T.ceildiv(mine, 2), 1)
+                # The schedule deals runs of pairs (PAIR_KEYS keys), so only a request's last
+                # pair may miss its tile b. The run cut to the request's pairs (the last run
+                # is open-ended, 2^30: cut before doubling; a stale schedule stays exact, see
+                # decode.schedule_program), then to its tiles; at least one pair.
+                pairs = T.max(T.min(slot_table[bz, 2],
+                                    T.ceildiv(seqlen, PAIR_KEYS) - slot_table[bz, 1]), 0)
+                first = 2 * slot_table[bz, 1]
+                mine = T.max(T.min(2 * pairs, T.ceildiv(seqlen, BLOCK_N) - first), 0)
+                pairs = T.max(pairs, 1)
                 if tx >= consumers:
                     T.set_max_nreg(producer_regs, 0)
                     for t in T.serial(2 * pairs):
                         buf = t % 2
                         T.mbarrier_wait_parity(empty[buf], ((t // 2) & 1) ^ 1)
                         # tiles past the run are loaded (clamped) and masked by the consumers
-                        tile = T.min(slot_table[bz, 1] + t, last_tile)
+                        tile = T.min(first + t, last_tile)
                         page = block_table[b, T.min(tile * BLOCK_N // page_size, max_pages - 1)]
                         row = tile * BLOCK_N % page_size
                         T.tma_copy(kv[page, row:row + BLOCK_N, dim:dim + rope], pe[buf, :, :],
@@ -182,7 +189,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                     T.fill(m[0], neg_inf)
                     for i in T.serial(pairs):
                         scores(q_lo, q_hi, q_pe_local[0], kv_lo, kv_hi, pe, full, 0, i & 1, s[0])
-                        mask(s[0], slot_table, bz, 2 * i, mine, seqlen)
+                        mask(s[0], first, 2 * i, mine, seqlen)
                         T.copy(m[0], m_prev[0])
                         T.reduce_max(s[0], m[0], dim=1, clear=False)
                         for r in T.Parallel(BLOCK_H):
@@ -240,7 +247,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                     T.fill(m[1], neg_inf)
                     for i in T.serial(pairs):
                         scores(q_lo, q_hi, q_pe_local[1], kv_lo, kv_hi, pe, full, 1, i & 1, s[1])
-                        mask(s[1], slot_table, bz, 2 * i + 1, mine, seqlen)
+                        mask(s[1], first, 2 * i + 1, mine, seqlen)
                         T.reduce_max(s[1], row_sum[1], dim=1)  # tile b's own row max
                         T.sync_threads(A_READY, consumers)  # P_a and m_a
                         T.mbarrier_wait_parity(full[HI], i & 1)  # V_a,hi seen here
