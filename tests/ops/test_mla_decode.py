@@ -161,16 +161,22 @@ SEESAW_CASES = {  # (lengths, heads, dtype, page_size)
 }
 
 
-@pytest.mark.parametrize("part_waits", [False, True], ids=["whole-tiles", "part-waits"])
-@pytest.mark.parametrize("case", list(SEESAW_CASES), ids=str)
-def test_seesaw_schedule(case, part_waits):
+SEESAW_VARIANTS = {"whole-tiles": {}, "part-waits": {"part_waits": True},
+                   "cluster": {"part_waits": True, "cluster": True}}
+
+
+@pytest.mark.parametrize("case, variant", [
+    (case, variant) for case in SEESAW_CASES for variant in SEESAW_VARIANTS
+    if variant != "cluster" or SEESAW_CASES[case][1] % 128 == 0])  # a cluster: 2 x 64 heads
+def test_seesaw_schedule(case, variant):
     """The seesaw program (two warp groups taking key tiles in turns) on every shape the
-    plain program's tests cover: odd runs end on a masked tile, splits merge."""
+    plain program's tests cover: odd runs end on a masked tile, splits merge; with
+    `cluster`, the two 64-head CTAs of a slot share each tile by multicast."""
     lengths, heads, dtype, page_size = SEESAW_CASES[case]
     kv, seqlens, table = make_latent(lengths, page_size, dtype=dtype)
     q_nope = randn(len(lengths), heads, DC, dtype=dtype)
     q_pe = randn(len(lengths), heads, DR, dtype=dtype)
     op = MLADecodeFwdOp(sm_scale=0.1352)
-    op.pin_config(MLADecodeConfig(seesaw=True, part_waits=part_waits), q_nope, q_pe, kv,
+    op.pin_config(MLADecodeConfig(seesaw=True, **SEESAW_VARIANTS[variant]), q_nope, q_pe, kv,
                   seqlens, table)
     check(lengths, heads=heads, dtype=dtype, page_size=page_size, op=op)

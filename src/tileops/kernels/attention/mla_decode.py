@@ -37,6 +37,7 @@ class MLADecodeConfig:
     # tiles are 64 keys in two buffers whatever block_n and stages say)
     seesaw: bool = False
     part_waits: bool = False  # seesaw only: S's products issued as each part of a tile lands
+    cluster: bool = False  # seesaw only: a slot's two 64-head CTAs share each tile (multicast)
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -155,7 +156,8 @@ class MLADecodeKernel(Kernel):
     def program(self, config: MLADecodeConfig, bucket: str):
         k = self.key
         attention = (mla_decode_seesaw_program(k["heads"], k["dim"], k["rope"], k["page_size"],
-                                               k["dtype"], config.part_waits) if config.seesaw else
+                                               k["dtype"], config.part_waits,
+                                               config.cluster) if config.seesaw else
                      mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"],
                                         k["dtype"], config))
         # the seesaw's runs are of tile pairs (the unit it deals to its two warp groups)
@@ -174,6 +176,9 @@ class MLADecodeKernel(Kernel):
         space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
                  MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
                  MLADecodeConfig(64, 2, seesaw=True, part_waits=True)]
+        if self.key["heads"] % (2 * BLOCK_H) == 0:
+            space += [MLADecodeConfig(64, 2, seesaw=True, cluster=True),
+                      MLADecodeConfig(64, 2, seesaw=True, part_waits=True, cluster=True)]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
                 <= 227 * 1024 - 1024]
 

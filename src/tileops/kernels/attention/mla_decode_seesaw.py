@@ -28,7 +28,13 @@ ends on a masked tile b (P_b = 0, rescale 1).
 
 `part_waits`: each key tile lands as three TMA parts (the rope columns, then the two latent
 halves), each on its own full barrier, and S's three wgmmas are issued as their parts land
-(a tile's first product starts after 8 of its 72 KB) instead of after the whole tile."""
+(a tile's first product starts after 8 of its 72 KB) instead of after the whole tile.
+
+`cluster`: the CTAs of a slot's two 64-head blocks form a thread-block cluster and each key
+tile is read once for both: the first CTA's producer multicasts it into both CTAs' buffers
+(TMA multicast), and a buffer is refilled once the consumers of both have released it (one
+arrival a consumer warp on each CTA's empty barrier). Without it each CTA reads every tile
+of its slot from L2 or HBM: twice the KV bytes, the MLA decode's bound at 128 heads."""
 
 import tilelang.language as T
 
@@ -50,12 +56,14 @@ def smem_bytes(dim: int, rope: int, elem_bytes: int = 2) -> int:
 
 
 def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, dtype: str,
-                              part_waits: bool = False):
+                              part_waits: bool = False, cluster: bool = False):
     """The same contract as mla_decode.mla_decode_program (o / lse for a request of one
     split, else fp32 partials for the planned combine), on the seesaw schedule above."""
     batch, n_pages, max_pages, n_slots = T.dynamic("batch, n_pages, max_pages, n_slots")
     half = dim // 2
     assert page_size % BLOCK_N == 0 and heads % BLOCK_H == 0 and dim % 128 == 0
+    assert not cluster or heads % (2 * BLOCK_H) == 0
+    ctas = 2 if cluster else 1  # CTAs sharing each key tile
     consumers = 2 * WARP_GROUP
     producer_regs, consumer_regs = register_budgets(consumers)
     score_regs = BLOCK_H * BLOCK_N // WARP_GROUP
@@ -80,6 +88,17 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
         T.wgmma_gemm(q_hi, kv_hi[buf, :, :], s, transpose_B=True)
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(s, num_regs=score_regs)
+
+    @T.macro
+    def release(empty, buf):
+        """A consumer thread done with buffer `buf`: on each CTA of the cluster, one
+        arrival a warp (its lanes have all waited for their wgmmas)."""
+        if cluster:
+            if T.get_thread_binding() % 32 == 0:
+                for rank in T.unroll(ctas):
+                    T.mbarrier_arrive(empty[buf], rank)
+        else:
+            T.mbarrier_arrive(empty[buf])
 
     @T.macro
     def mask(s, first, t, mine, seqlen):
@@ -122,7 +141,8 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                           o_part: T.Tensor((n_slots, 1, heads, dim), "float"),
                           lse_part: T.Tensor((n_slots, 1, heads), "float"),
                           scale: T.float32):
-        with T.Kernel(heads // BLOCK_H, n_slots, threads=consumers + PRODUCER_THREADS) as (hx, bz):
+        with T.Kernel(heads // BLOCK_H, n_slots, threads=consumers + PRODUCER_THREADS,
+                      cluster_dims=(ctas, 1, 1) if cluster else None) as (hx, bz):
             q_lo = T.alloc_shared((BLOCK_H, half), dtype)
             q_hi = T.alloc_shared((BLOCK_H, half), dtype)
             kv_lo = T.alloc_shared((2, BLOCK_N, half), dtype)
@@ -132,7 +152,11 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
             # rows handed over: m_a, m_b, e^(m_a - m_b), and each warp group's row sums
             rows = T.alloc_shared((5, BLOCK_H), "float")
             full = T.alloc_barrier([PRODUCER_THREADS] * (2 * parts))
-            empty = T.alloc_barrier([consumers] * 2)
+            if cluster:
+                empty = T.alloc_cluster_barrier([consumers // 32 * ctas] * 2)
+            else:
+                empty = T.alloc_barrier([consumers] * 2)
+            multicast = (1 << ctas) - 1 if cluster else None
             # warp group g's state: its scores, P, O half, q_pe and per-row values
             s = [T.alloc_fragment((BLOCK_H, BLOCK_N), "float") for _ in range(2)]
             p = [T.alloc_fragment((BLOCK_H, BLOCK_N), dtype) for _ in range(2)]
@@ -170,11 +194,11 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         page = block_table[b, T.min(tile * BLOCK_N // page_size, max_pages - 1)]
                         row = tile * BLOCK_N % page_size
                         T.tma_copy(kv[page, row:row + BLOCK_N, dim:dim + rope], pe[buf, :, :],
-                                   barrier=full[buf * parts + PE])
+                                   barrier=full[buf * parts + PE], cluster_mask=multicast)
                         T.tma_copy(kv[page, row:row + BLOCK_N, 0:half], kv_lo[buf, :, :],
-                                   barrier=full[buf * parts + LO])
+                                   barrier=full[buf * parts + LO], cluster_mask=multicast)
                         T.tma_copy(kv[page, row:row + BLOCK_N, half:dim], kv_hi[buf, :, :],
-                                   barrier=full[buf * parts + HI])
+                                   barrier=full[buf * parts + HI], cluster_mask=multicast)
                         for part in T.unroll(parts):
                             T.mbarrier_arrive(full[buf * parts + part])
                 elif tx < WARP_GROUP:
@@ -219,7 +243,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                             total[0][r] *= rescale_b[0][r]
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc[0], num_regs=out_regs)
-                        T.mbarrier_arrive(empty[0])
+                        release(empty, 0)
                         for r, d in T.Parallel(BLOCK_H, half):
                             acc[0][r, d] *= rescale_b[0][r]
                         T.wgmma_gemm(p_shared[1, :, :], kv_lo[1, :, :], acc[0])
@@ -227,7 +251,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         T.warpgroup_fence_operand(acc[0], num_regs=out_regs)
                         if i + 1 < pairs:
                             T.named_barrier_arrive(B_FREE, consumers)
-                        T.mbarrier_arrive(empty[1])
+                        release(empty, 1)
                     for r in T.Parallel(BLOCK_H):
                         rows[3, r] = total[0][r]
                     T.sync_threads(BOTH, consumers)
@@ -282,13 +306,13 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         T.warpgroup_fence_operand(acc[1], num_regs=out_regs)
                         if i + 1 < pairs:
                             T.named_barrier_arrive(A_FREE, consumers)
-                        T.mbarrier_arrive(empty[0])
+                        release(empty, 0)
                         for r, d in T.Parallel(BLOCK_H, half):
                             acc[1][r, d] *= rescale_b[1][r]
                         T.wgmma_gemm(p[1], kv_hi[1, :, :], acc[1])
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc[1], num_regs=out_regs)
-                        T.mbarrier_arrive(empty[1])
+                        release(empty, 1)
                     for r in T.Parallel(BLOCK_H):
                         rows[4, r] = total[1][r]
                     T.sync_threads(BOTH, consumers)
@@ -296,5 +320,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         total[1][r] += rows[3, r]
                     finish(acc[1], total[1], m[1], o, lse, o_part, lse_part, slot_table, b,
                            bz, h0, half, scale, False)
+                if cluster:  # no CTA leaves while its peer may still multicast into it
+                    T.cluster_sync()
 
     return mla_decode_seesaw
