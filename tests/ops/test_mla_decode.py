@@ -162,16 +162,18 @@ SEESAW_CASES = {  # (lengths, heads, dtype, page_size)
 
 
 SEESAW_VARIANTS = {"whole-tiles": {}, "part-waits": {"part_waits": True},
-                   "cluster": {"part_waits": True, "cluster": True}}
+                   "cluster": {"part_waits": True, "cluster": True},
+                   "pair-runs": {"part_waits": True, "cluster": True, "pair_runs": True}}
 
 
 @pytest.mark.parametrize("case, variant", [
     (case, variant) for case in SEESAW_CASES for variant in SEESAW_VARIANTS
-    if variant != "cluster" or SEESAW_CASES[case][1] % 128 == 0])  # a cluster: 2 x 64 heads
+    if variant in ("whole-tiles", "part-waits") or SEESAW_CASES[case][1] % 128 == 0])
 def test_seesaw_schedule(case, variant):
     """The seesaw program (two warp groups taking key tiles in turns) on every shape the
     plain program's tests cover: odd runs end on a masked tile, splits merge; with
-    `cluster`, the two 64-head CTAs of a slot share each tile by multicast."""
+    `cluster` (128 or 256 heads) the two 64-head CTAs of a slot share each tile by
+    multicast; `pair_runs`: the schedule deals pairs."""
     lengths, heads, dtype, page_size = SEESAW_CASES[case]
     kv, seqlens, table = make_latent(lengths, page_size, dtype=dtype)
     q_nope = randn(len(lengths), heads, DC, dtype=dtype)

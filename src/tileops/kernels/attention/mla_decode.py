@@ -23,6 +23,7 @@ import tilelang.language as T
 from ..base import Kernel
 from .attention_fwd import LOG2E
 from .decode import combine_program, schedule_program
+from .mla_decode_seesaw import BLOCK_N as SEESAW_TILE
 from .mla_decode_seesaw import PAIR_KEYS, mla_decode_seesaw_program
 from .mla_decode_seesaw import smem_bytes as seesaw_smem_bytes
 
@@ -38,6 +39,7 @@ class MLADecodeConfig:
     seesaw: bool = False
     part_waits: bool = False  # seesaw only: S's products issued as each part of a tile lands
     cluster: bool = False  # seesaw only: a slot's two 64-head CTAs share each tile (multicast)
+    pair_runs: bool = False  # seesaw only: the schedule deals runs of tile pairs
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -157,11 +159,13 @@ class MLADecodeKernel(Kernel):
         k = self.key
         attention = (mla_decode_seesaw_program(k["heads"], k["dim"], k["rope"], k["page_size"],
                                                k["dtype"], config.part_waits,
-                                               config.cluster) if config.seesaw else
+                                               config.cluster, config.pair_runs)
+                     if config.seesaw else
                      mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"],
                                         k["dtype"], config))
-        # the seesaw's runs are of tile pairs (the unit it deals to its two warp groups)
-        unit = PAIR_KEYS if config.seesaw else config.block_n
+        # the seesaw's tiles are 64 keys whatever block_n says; its runs pairs or tiles
+        unit = ((PAIR_KEYS if config.pair_runs else SEESAW_TILE) if config.seesaw
+                else config.block_n)
         return (schedule_program(1, unit, -1, True), attention,
                 combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
 
@@ -178,7 +182,9 @@ class MLADecodeKernel(Kernel):
                  MLADecodeConfig(64, 2, seesaw=True, part_waits=True)]
         if self.key["heads"] % (2 * BLOCK_H) == 0:
             space += [MLADecodeConfig(64, 2, seesaw=True, cluster=True),
-                      MLADecodeConfig(64, 2, seesaw=True, part_waits=True, cluster=True)]
+                      MLADecodeConfig(64, 2, seesaw=True, part_waits=True, cluster=True),
+                      MLADecodeConfig(64, 2, seesaw=True, part_waits=True, cluster=True,
+                                      pair_runs=True)]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
                 <= 227 * 1024 - 1024]
 

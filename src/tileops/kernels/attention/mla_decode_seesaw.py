@@ -20,7 +20,9 @@ producer warp group fills two K/V buffers (tile a's, tile b's) on full/empty mba
 Shared memory: Q 64 KB, two 72 KB key tiles, the two P tiles 16 KB; q_pe (64 x 64) is
 held in each warp group's registers (an rs wgmma) so that it all fits in 227 KB.
 
-The planned schedule deals runs of whole pairs (its tile is PAIR_KEYS keys).
+The planned schedule deals runs of key tiles; with `pair_runs` runs of whole pairs (its
+tile is PAIR_KEYS keys: no run but a request's last ends on a masked tile b, at half the
+splits for a short batch).
 
 Row sums: each warp group sums its own tiles' probabilities, rescaled alongside its O half
 by every factor, and the two sums are added at the end. A run of an odd number of tiles
@@ -56,7 +58,8 @@ def smem_bytes(dim: int, rope: int, elem_bytes: int = 2) -> int:
 
 
 def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, dtype: str,
-                              part_waits: bool = False, cluster: bool = False):
+                              part_waits: bool = False, cluster: bool = False,
+                              pair_runs: bool = False):
     """The same contract as mla_decode.mla_decode_program (o / lse for a request of one
     split, else fp32 partials for the planned combine), on the seesaw schedule above."""
     batch, n_pages, max_pages, n_slots = T.dynamic("batch, n_pages, max_pages, n_slots")
@@ -64,6 +67,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
     assert page_size % BLOCK_N == 0 and heads % BLOCK_H == 0 and dim % 128 == 0
     assert not cluster or heads % (2 * BLOCK_H) == 0
     ctas = 2 if cluster else 1  # CTAs sharing each key tile
+    unit = 2 if pair_runs else 1  # key tiles a unit of the schedule
     consumers = 2 * WARP_GROUP
     producer_regs, consumer_regs = register_budgets(consumers)
     score_regs = BLOCK_H * BLOCK_N // WARP_GROUP
@@ -175,15 +179,15 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                 seqlen = cache_seqlens[b]
                 h0 = hx * BLOCK_H
                 last_tile = T.max(T.ceildiv(seqlen, BLOCK_N) - 1, 0)
-                # The schedule deals runs of pairs (PAIR_KEYS keys), so only a request's last
-                # pair may miss its tile b. The run cut to the request's pairs (the last run
-                # is open-ended, 2^30: cut before doubling; a stale schedule stays exact, see
-                # decode.schedule_program), then to its tiles; at least one pair.
-                pairs = T.max(T.min(slot_table[bz, 2],
-                                    T.ceildiv(seqlen, PAIR_KEYS) - slot_table[bz, 1]), 0)
-                first = 2 * slot_table[bz, 1]
-                mine = T.max(T.min(2 * pairs, T.ceildiv(seqlen, BLOCK_N) - first), 0)
-                pairs = T.max(pairs, 1)
+                # The run, in the schedule's units (tiles, or pairs: PAIR_KEYS keys), cut to
+                # the request's units (the last run is open-ended, 2^30: cut before scaling;
+                # a stale schedule stays exact, see decode.schedule_program), then to its
+                # tiles; walked as pairs, at least one, an odd run's last one masked in b.
+                units = T.max(T.min(slot_table[bz, 2],
+                                    T.ceildiv(seqlen, unit * BLOCK_N) - slot_table[bz, 1]), 0)
+                first = unit * slot_table[bz, 1]
+                mine = T.max(T.min(unit * units, T.ceildiv(seqlen, BLOCK_N) - first), 0)
+                pairs = T.max(T.ceildiv(mine, 2), 1)
                 if tx >= consumers:
                     T.set_max_nreg(producer_regs, 0)
                     for t in T.serial(2 * pairs):
