@@ -175,19 +175,25 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
             total = [T.alloc_fragment((BLOCK_H,), "float") for _ in range(2)]
             tx = T.get_thread_binding()
             if slot_table[bz, 0] >= 0:
-                b = slot_table[bz, 0]
-                seqlen = cache_seqlens[b]
-                h0 = hx * BLOCK_H
-                last_tile = T.max(T.ceildiv(seqlen, BLOCK_N) - 1, 0)
+                # The slot, read once into registers: as expressions of global loads they
+                # were reloaded after every barrier wait (a memory clobber), a chain of two
+                # dependent loads in each mask (ncu: 37% of stalls on L1TEX).
+                slot = T.alloc_local((6,), "int32")
+                slot[0] = slot_table[bz, 0]  # the request
+                slot[1] = cache_seqlens[slot[0]]  # its length
                 # The run, in the schedule's units (tiles, or pairs: PAIR_KEYS keys), cut to
                 # the request's units (the last run is open-ended, 2^30: cut before scaling;
                 # a stale schedule stays exact, see decode.schedule_program), then to its
                 # tiles; walked as pairs, at least one, an odd run's last one masked in b.
-                units = T.max(T.min(slot_table[bz, 2],
-                                    T.ceildiv(seqlen, unit * BLOCK_N) - slot_table[bz, 1]), 0)
-                first = unit * slot_table[bz, 1]
-                mine = T.max(T.min(unit * units, T.ceildiv(seqlen, BLOCK_N) - first), 0)
-                pairs = T.max(T.ceildiv(mine, 2), 1)
+                slot[2] = unit * slot_table[bz, 1]  # the run's first tile
+                slot[3] = T.max(T.min(unit * T.max(T.min(
+                    slot_table[bz, 2], T.ceildiv(slot[1], unit * BLOCK_N) - slot_table[bz, 1]),
+                    0), T.ceildiv(slot[1], BLOCK_N) - slot[2]), 0)  # its tiles
+                slot[4] = T.max(T.ceildiv(slot[3], 2), 1)  # its pairs
+                slot[5] = T.max(T.ceildiv(slot[1], BLOCK_N) - 1, 0)  # the request's last tile
+                b, seqlen, first, mine, pairs, last_tile = (slot[0], slot[1], slot[2], slot[3],
+                                                            slot[4], slot[5])
+                h0 = hx * BLOCK_H
                 if tx >= consumers:
                     T.set_max_nreg(producer_regs, 0)
                     for t in T.serial(2 * pairs):
