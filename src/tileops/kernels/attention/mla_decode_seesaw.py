@@ -112,6 +112,15 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                                      neg_inf)
 
     @T.macro
+    def add_other_sums(rows, total, own, other):
+        """Row sums of both warp groups: ours into rows[own], then the other's added."""
+        for r in T.Parallel(BLOCK_H):
+            rows[own, r] = total[r]
+        T.sync_threads(BOTH, consumers)
+        for r in T.Parallel(BLOCK_H):
+            total[r] += rows[other, r]
+
+    @T.macro
     def finish(acc, total, m, o, lse, o_part, lse_part, slot_table, b, bz, h0, col0,
                scale, writes_lse):
         """O / l into o (one split) or the fp32 partials; lse from warp group 0."""
@@ -262,11 +271,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         if i + 1 < pairs:
                             T.named_barrier_arrive(B_FREE, consumers)
                         release(empty, 1)
-                    for r in T.Parallel(BLOCK_H):
-                        rows[3, r] = total[0][r]
-                    T.sync_threads(BOTH, consumers)
-                    for r in T.Parallel(BLOCK_H):
-                        total[0][r] += rows[4, r]
+                    add_other_sums(rows, total[0], 3, 4)
                     finish(acc[0], total[0], m[0], o, lse, o_part, lse_part, slot_table, b,
                            bz, h0, 0, scale, True)
                 else:
@@ -323,11 +328,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc[1], num_regs=out_regs)
                         release(empty, 1)
-                    for r in T.Parallel(BLOCK_H):
-                        rows[4, r] = total[1][r]
-                    T.sync_threads(BOTH, consumers)
-                    for r in T.Parallel(BLOCK_H):
-                        total[1][r] += rows[3, r]
+                    add_other_sums(rows, total[1], 4, 3)
                     finish(acc[1], total[1], m[1], o, lse, o_part, lse_part, slot_table, b,
                            bz, h0, half, scale, False)
                 if cluster:  # no CTA leaves while its peer may still multicast into it
