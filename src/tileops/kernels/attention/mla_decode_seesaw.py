@@ -165,6 +165,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
             # rows handed over: m_a, m_b, e^(m_a - m_b), and each warp group's row sums
             rows = T.alloc_shared((5, BLOCK_H), "float")
             full = T.alloc_barrier([PRODUCER_THREADS] * (2 * parts))
+            q_full = T.alloc_barrier([PRODUCER_THREADS])  # Q's latent part landed
             if cluster:
                 empty = T.alloc_cluster_barrier([consumers // 32 * ctas] * 2)
             else:
@@ -205,6 +206,11 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                 h0 = hx * BLOCK_H
                 if tx >= consumers:
                     T.set_max_nreg(producer_regs, 0)
+                    # Q by TMA first: its load overlaps the first key tiles' (the CTA's own
+                    # heads, never multicast)
+                    T.tma_copy(q_nope[b, h0:h0 + BLOCK_H, 0:half], q_lo, barrier=q_full)
+                    T.tma_copy(q_nope[b, h0:h0 + BLOCK_H, half:dim], q_hi, barrier=q_full)
+                    T.mbarrier_arrive(q_full)
                     for t in T.serial(2 * pairs):
                         buf = t % 2
                         T.mbarrier_wait_parity(empty[buf], ((t // 2) & 1) ^ 1)
@@ -223,10 +229,8 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                 elif tx < WARP_GROUP:
                     T.set_max_nreg(consumer_regs, 1)
                     c = scale * LOG2E
-                    T.copy(q_nope[b, h0:h0 + BLOCK_H, 0:half], q_lo)
                     T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_local[0])
-                    T.fence_proxy_async()
-                    T.sync_threads(BOTH, consumers)  # both halves of Q stored
+                    T.mbarrier_wait_parity(q_full, 0)
                     T.fill(acc[0], 0.0)
                     T.fill(total[0], 0.0)
                     T.fill(m[0], neg_inf)
@@ -277,10 +281,8 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                 else:
                     T.set_max_nreg(consumer_regs, 1)
                     c = scale * LOG2E
-                    T.copy(q_nope[b, h0:h0 + BLOCK_H, half:dim], q_hi)
                     T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_local[1])
-                    T.fence_proxy_async()
-                    T.sync_threads(BOTH, consumers)
+                    T.mbarrier_wait_parity(q_full, 0)
                     T.fill(acc[1], 0.0)
                     T.fill(total[1], 0.0)
                     T.fill(m[1], neg_inf)
