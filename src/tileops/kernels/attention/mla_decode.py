@@ -37,9 +37,8 @@ class MLADecodeConfig:
     # the two consumer warp groups take 64-key tiles in turns (mla_decode_seesaw.py; its
     # tiles are 64 keys in two buffers whatever block_n and stages say)
     seesaw: bool = False
-    part_waits: bool = False  # seesaw only: S's products issued as each part of a tile lands
-    cluster: bool = False  # seesaw only: a slot's two 64-head CTAs share each tile (multicast)
     pair_runs: bool = False  # seesaw only: the schedule deals runs of tile pairs
+    evict_first: bool = True  # seesaw only: key tiles load with L2's evict-first hint
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -158,8 +157,8 @@ class MLADecodeKernel(Kernel):
     def program(self, config: MLADecodeConfig, bucket: str):
         k = self.key
         attention = (mla_decode_seesaw_program(k["heads"], k["dim"], k["rope"], k["page_size"],
-                                               k["dtype"], config.part_waits,
-                                               config.cluster, config.pair_runs)
+                                               k["dtype"], config.pair_runs,
+                                               config.evict_first)
                      if config.seesaw else
                      mla_decode_program(k["heads"], k["dim"], k["rope"], k["page_size"],
                                         k["dtype"], config))
@@ -179,12 +178,10 @@ class MLADecodeKernel(Kernel):
     def config_space(self, bucket: str) -> list[MLADecodeConfig]:
         space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
                  MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
-                 MLADecodeConfig(64, 2, seesaw=True, part_waits=True)]
-        if self.key["heads"] % (2 * BLOCK_H) == 0:
-            space += [MLADecodeConfig(64, 2, seesaw=True, cluster=True),
-                      MLADecodeConfig(64, 2, seesaw=True, part_waits=True, cluster=True),
-                      MLADecodeConfig(64, 2, seesaw=True, part_waits=True, cluster=True,
-                                      pair_runs=True)]
+                 MLADecodeConfig(64, 2, seesaw=True, pair_runs=True),
+                 MLADecodeConfig(64, 2, seesaw=True, evict_first=False)]
+        if self.key["rope"] != 64:  # the seesaw's rope part is one 64-column box
+            space = [c for c in space if not c.seesaw]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
                 <= 227 * 1024 - 1024]
 
