@@ -109,6 +109,28 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
         T.wgmma_gemm(q_pe_local, pe[buf, :, :], s, transpose_B=True, clear_accum=True)
 
     @T.macro
+    def start(kv, block_table, q_pe, q_full, full, slot, pe, q_pe_local, acc, total, m, s, b,
+              h0, buf, q_1, k_1, col_1, box_1, q_2, k_2, col_2, box_2):
+        """A warp group's start: all of its first tile loaded (the rope part, then the two
+        latent halves in the order its S takes them), q_pe into registers, its state
+        cleared; that S once Q has landed, then the next pair's rope part loaded."""
+        load(kv, block_table, full, slot, pe, dim, buf, buf, ROPE_BOX)
+        load(kv, block_table, full, slot, k_1, col_1, buf, buf, box_1)
+        load(kv, block_table, full, slot, k_2, col_2, buf, buf, box_2)
+        T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_local)
+        T.fill(acc, 0.0)
+        T.fill(total, 0.0)
+        T.fill(m, neg_inf)
+        T.mbarrier_wait_parity(q_full, 0)
+        score_rope(q_pe_local, pe, s, full, buf, 0)
+        score_latent(q_1, k_1, s, full, buf, 0, box_1)
+        score_latent(q_2, k_2, s, full, buf, 0, box_2)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(s, num_regs=score_regs)
+        if slot[4] > 1:
+            load(kv, block_table, full, slot, pe, dim, buf, buf + 2, ROPE_BOX)
+
+    @T.macro
     def mask(s, slot, t):
         """Keys past the run (t >= its tiles: a pair's missing tile b) or the request: -inf."""
         for i, j in T.Parallel(BLOCK_H, BLOCK_N):
@@ -211,21 +233,9 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                     T.tma_copy(q_nope[b, h0:h0 + BLOCK_H, 0:half], q_lo, barrier=q_full)
                     T.tma_copy(q_nope[b, h0:h0 + BLOCK_H, half:dim], q_hi, barrier=q_full)
                     T.mbarrier_arrive(q_full)
-                    load(kv, block_table, full, slot, pe, dim, 0, 0, ROPE_BOX)
-                    load(kv, block_table, full, slot, kv_lo, 0, 0, 0, LO)
-                    load(kv, block_table, full, slot, kv_hi, half, 0, 0, HI)
-                    T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_local[0])
-                    T.fill(acc[0], 0.0)
-                    T.fill(total[0], 0.0)
-                    T.fill(m[0], neg_inf)
-                    T.mbarrier_wait_parity(q_full, 0)
-                    score_rope(q_pe_local[0], pe, s[0], full, 0, 0)
-                    score_latent(q_lo, kv_lo, s[0], full, 0, 0, LO)
-                    score_latent(q_hi, kv_hi, s[0], full, 0, 0, HI)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(s[0], num_regs=score_regs)
-                    if pairs > 1:
-                        load(kv, block_table, full, slot, pe, dim, 0, 2, ROPE_BOX)
+                    start(kv, block_table, q_pe, q_full, full, slot, pe, q_pe_local[0], acc[0],
+                          total[0], m[0], s[0], b, h0, 0, q_lo, kv_lo, 0, LO, q_hi, kv_hi,
+                          half, HI)
                     for i in T.serial(pairs):
                         mask(s[0], slot, 2 * i)
                         T.copy(m[0], m_prev[0])
@@ -274,21 +284,9 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                     finish(rows, acc[0], total[0], m[0], o, lse, o_part, lse_part, slot_table,
                            b, bz, h0, 0, scale, 0, 1, True)
                 else:
-                    load(kv, block_table, full, slot, pe, dim, 1, 1, ROPE_BOX)
-                    load(kv, block_table, full, slot, kv_hi, half, 1, 1, HI)
-                    load(kv, block_table, full, slot, kv_lo, 0, 1, 1, LO)
-                    T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_local[1])
-                    T.fill(acc[1], 0.0)
-                    T.fill(total[1], 0.0)
-                    T.fill(m[1], neg_inf)
-                    T.mbarrier_wait_parity(q_full, 0)
-                    score_rope(q_pe_local[1], pe, s[1], full, 1, 0)
-                    score_latent(q_hi, kv_hi, s[1], full, 1, 0, HI)
-                    score_latent(q_lo, kv_lo, s[1], full, 1, 0, LO)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(s[1], num_regs=score_regs)
-                    if pairs > 1:
-                        load(kv, block_table, full, slot, pe, dim, 1, 3, ROPE_BOX)
+                    start(kv, block_table, q_pe, q_full, full, slot, pe, q_pe_local[1], acc[1],
+                          total[1], m[1], s[1], b, h0, 1, q_hi, kv_hi, half, HI, q_lo, kv_lo,
+                          0, LO)
                     for i in T.serial(pairs):
                         mask(s[1], slot, 2 * i + 1)
                         T.reduce_max(s[1], row_sum[1], dim=1)  # tile b's own row max
