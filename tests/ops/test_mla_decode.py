@@ -149,6 +149,41 @@ def test_every_config_of_the_space(config):
     check(MIXED, op=op)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["serial", "wide"])
+def test_planned_combine_on_many_splits(wide):
+    """The planned combine (serial, and `wide_combine`'s chunks of 128 splits and loads of 8
+    at a time) against torch on synthetic partials: requests of 1 split (left alone), 2,
+    9, 129 and 300 splits (past one chunk), an empty split inside one and a request whose
+    splits are all empty (o = 0, lse = -inf)."""
+    kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64)
+    combine = kernel.compile(MLADecodeConfig(wide_combine=wide), "planned")[2]
+    counts = [1, 2, 9, 129, 300, 3]
+    ends = torch.tensor(counts).cumsum(0)
+    n_slots, batch = int(ends[-1]), len(counts)
+    lse_part = torch.randn(n_slots, 1, 128, device="cuda") * 4
+    lse_part[int(ends[2]) - 4] = -math.inf  # an empty split among 9
+    lse_part[int(ends[4]):] = -math.inf  # a request that saw no key
+    o_part = torch.randn(n_slots, 1, 128, DC, device="cuda")
+    o_part[torch.isinf(lse_part)] = 0.0  # as the attention writes an empty split
+    slot_table = torch.zeros(n_slots, 4, dtype=torch.int32, device="cuda")
+    for b, (count, end) in enumerate(zip(counts, ends.tolist(), strict=True)):
+        slot_table[end - count:end, 0] = b
+        slot_table[end - 1, 3] = count
+    o = poison(torch.empty(batch, 1, 128, DC, dtype=BF16, device="cuda"))
+    lse = poison(torch.empty(batch, 128, 1, device="cuda"))
+    combine(o_part, lse_part, slot_table, ends.to(torch.int32).cuda(), o, lse)
+    for b, (count, end) in enumerate(zip(counts, ends.tolist(), strict=True)):
+        if count == 1:  # written by the attention itself: untouched
+            assert torch.isnan(o[b].float()).all() and torch.isnan(lse[b]).all()
+            continue
+        parts = lse_part[end - count:end, 0]  # [splits, H]
+        lse_ref = torch.logsumexp(parts, dim=0)
+        weights = torch.nan_to_num(torch.exp(parts - lse_ref), nan=0.0)
+        o_ref = (weights[:, :, None] * o_part[end - count:end, 0]).sum(0)
+        assert_close(o[b, 0], o_ref, scale=1.0, what=f"o of a request of {count} splits")
+        torch.testing.assert_close(lse[b, :, 0], lse_ref, atol=1e-5, rtol=1e-5)
+
+
 SEESAW_CASES = {  # (lengths, heads, dtype, page_size)
     "mixed-fp16": (MIXED, 128, torch.float16, 64),
     "pages-128": ([33, 1000, 4097], 128, BF16, 128),

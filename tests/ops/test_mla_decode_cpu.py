@@ -95,3 +95,21 @@ def test_mla_program_uses_tma_and_wgmma_without_spills(tmp_path, seesaw):
     else:
         assert "warpgroup_reg_alloc" in source
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.full
+def test_wide_combine_loads_rows_together(tmp_path):
+    """The wide combine: 16-byte loads of the partial rows, 8 splits unrolled, the lse max
+    across lanes by shuffles; ptxas: no spills."""
+    import tilelang
+
+    from tileops.kernels.attention.mla_decode import MLADecodeConfig, MLADecodeKernel
+
+    kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
+    program = kernel.program(MLADecodeConfig(wide_combine=True), "planned")[2]
+    compiled = tilelang.compile(program, target=kernel.target)
+    source = compiled.get_kernel_source()
+    assert "__shfl_xor_sync" in source and "*(float4*)(o_part" in source
+    assert source.count("for (int u1 = 0; u1 < 8; ++u1)") == 1
+    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)

@@ -39,6 +39,9 @@ class MLADecodeConfig:
     seesaw: bool = False
     pair_runs: bool = False  # seesaw only: the schedule deals runs of tile pairs
     evict_first: bool = True  # seesaw only: key tiles load with L2's evict-first hint
+    # the splits merged by decode.combine_program's wide form (a request's many splits at
+    # batch 1: its lse and rows loaded several splits at a time, not one round trip each)
+    wide_combine: bool = False
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -166,7 +169,8 @@ class MLADecodeKernel(Kernel):
         unit = ((PAIR_KEYS if config.pair_runs else SEESAW_TILE) if config.seesaw
                 else config.block_n)
         return (schedule_program(1, unit, -1, True), attention,
-                combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
+                combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True,
+                                wide=config.wide_combine))
 
     def bucket_of(self, size: int) -> str:
         return "planned"
@@ -179,7 +183,9 @@ class MLADecodeKernel(Kernel):
         space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
                  MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
                  MLADecodeConfig(64, 2, seesaw=True, pair_runs=True),
-                 MLADecodeConfig(64, 2, seesaw=True, evict_first=False)]
+                 MLADecodeConfig(64, 2, seesaw=True, evict_first=False),
+                 MLADecodeConfig(64, 2, wide_combine=True),
+                 MLADecodeConfig(64, 2, seesaw=True, wide_combine=True)]
         if self.key["rope"] != 64:  # the seesaw's rope part is one 64-column box
             space = [c for c in space if not c.seesaw]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
