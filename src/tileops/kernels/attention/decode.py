@@ -92,6 +92,8 @@ class DecodeConfig:
     # S^T = K Q^T and O^T += V^T P^T (decode_key_major): keys on the wgmma's M side, the
     # CTA's group x q_len query rows padded to 16 on N instead of to 64 on M (q_len >= 1)
     key_major: bool = False
+    # the planned decode only: its splits merged by combine_program's wide form
+    wide_combine: bool = False
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False,
                    rows: int | None = None) -> int:
@@ -1401,11 +1403,14 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
                                kv_dtype=k.get("kv_dtype"),
                                heads_first=k.get("kv_layout") == "HND"),
                 combine_program(k["heads"], k["head_dim"], k["q_len"], k["dtype"],
-                                planned=True))
+                                planned=True, wide=config.wide_combine))
 
     def bucket_of(self, size: int) -> str:
         return "planned"
 
+    def config_space(self, bucket: str) -> list[DecodeConfig]:
+        space = super().config_space(bucket)
+        return space + [dataclasses.replace(space[0], wide_combine=True)]
 
     def pass_configs(self, config: DecodeConfig, program_index: int) -> dict:
         # (the attention is program 1 here, after the schedule)
