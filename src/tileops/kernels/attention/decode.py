@@ -935,6 +935,13 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
         return lse_part[first + s, i, h] if planned else lse_part[b, i, h, s]
 
     @T.macro
+    def store(o, lse, acc, top, total, b, i, h):
+        """O / l and the merged lse, top + log(l) (no split saw a key: 0, -inf)."""
+        for d in T.Parallel(head_dim):
+            o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
+        lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
+
+    @T.macro
     def merge(o_part, lse_part, o, lse, b, i, h, first, n_splits):
         acc = T.alloc_fragment((head_dim,), "float")
         top = T.alloc_var("float")
@@ -953,9 +960,7 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
             total += weight
             for d in T.Parallel(head_dim):
                 acc[d] += weight * part_o(o_part, b, i, h, first, s, d)
-        for d in T.Parallel(head_dim):
-            o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
-        lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
+        store(o, lse, acc, top, total, b, i, h)
 
     @T.macro
     def merge_wide(o_part, lse_part, o, lse, b, i, h, first, n_splits):
@@ -984,8 +989,7 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
             # -inf, all weigh 0)
             weights[tx] = T.if_then_else(
                 (k * threads + tx < n_splits) & (top[0] != -T.infinity("float")),
-                T.exp2((lse_part[first + T.min(k * threads + tx, n_splits - 1), i, h]
-                        - top[0]) * LOG2E), 0.0)
+                T.exp2((lse_part[first + k * threads + tx, i, h] - top[0]) * LOG2E), 0.0)
             T.sync_threads()
             for u0 in T.serial(T.ceildiv(T.min(threads, n_splits - k * threads),
                                          COMBINE_UNROLL)):
@@ -996,10 +1000,7 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
                         for d in T.Parallel(head_dim):
                             acc[d] += weights[u] * o_part[first + k * threads + u, i, h, d]
             T.sync_threads()  # the weights read before the next chunk's
-        for d in T.Parallel(head_dim):
-            o[b, i, h, d] = T.if_then_else(total[0] > 0, acc[d] / total[0], 0.0)
-        lse[b, h, i] = T.if_then_else(total[0] > 0, top[0] + T.log(total[0]),
-                                      -T.infinity("float"))
+        store(o, lse, acc, top[0], total[0], b, i, h)
 
     if planned:
         n_slots = T.dynamic("n_slots")
