@@ -1,7 +1,6 @@
 """DecodeAttentionFwdOp and KVCacheAppendFwdOp on the GPU, against an fp32 reference that
 gathers each request's pages and attends over its own length."""
 
-import dataclasses
 import itertools
 import math
 
@@ -20,7 +19,6 @@ from tileops.kernels.attention.decode import (
     ChunkedPrefillKernel,
     DecodeAttentionKernel,
     DecodeConfig,
-    PlannedDecodeKernel,
 )
 from tileops.kernels.base import Kernel
 
@@ -559,20 +557,6 @@ def test_long_request_among_many_short_is_split():
     assert runs.count(len(lengths) - 1) >= 8
     assert all(runs.count(b) == 1 for b in range(len(lengths) - 1))
     assert runs[0] == len(lengths) - 1  # the longest splits run first
-
-
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_planned_decode_wide_combine(page_size):
-    """The planned decode with its splits merged by the combine's wide form
-    (`wide_combine`): a long request's many splits among short and empty requests."""
-    lengths = [40000, 1, 0, 3000, 700]
-    k, v, seqlens, table = make_cache(lengths, 2, 128, torch.bfloat16, page_size)
-    q = randn(len(lengths), 1, 8, 128, dtype=torch.bfloat16)
-    op = DecodeAttentionFwdOp()
-    key = op._kernel_key(torch.bfloat16, 8, 2, 128, 1, page_size)
-    config = PlannedDecodeKernel(**key).heuristic_config("planned", "sm_90a")
-    op.pin_config(dataclasses.replace(config, wide_combine=True), q, k, v, seqlens, table)
-    check(lengths, page_size=page_size, op=op)
 
 
 @pytest.mark.parametrize("page_size, seq_q, params", [

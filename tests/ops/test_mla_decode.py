@@ -138,7 +138,7 @@ def test_torch_compile_fullgraph():
 
 
 @pytest.mark.parametrize("config", MLADecodeKernel(
-    dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64).config_space("planned"),
+    dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64).config_space("many"),
     ids=str)
 def test_every_config_of_the_space(config):
     kv, seqlens, table = make_latent(MIXED)
@@ -149,14 +149,12 @@ def test_every_config_of_the_space(config):
     check(MIXED, op=op)
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["serial", "wide"])
-def test_planned_combine_on_many_splits(wide):
-    """The planned combine (serial, and `wide_combine`'s chunks of 128 splits and loads of 8
-    at a time) against torch on synthetic partials: requests of 1 split (left alone), 2,
-    9, 129 and 300 splits (past one chunk), an empty split inside one and a request whose
-    splits are all empty (o = 0, lse = -inf)."""
+def test_planned_combine_on_many_splits():
+    """The planned combine against torch on synthetic partials: requests of 1 split (left
+    alone), 2, 9, 129 and 300 splits, an empty split inside one and a request whose splits
+    are all empty (o = 0, lse = -inf)."""
     kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64)
-    combine = kernel.compile(MLADecodeConfig(wide_combine=wide), "planned")[2]
+    combine = kernel.compile(MLADecodeConfig(), "few")[2]
     counts = [1, 2, 9, 129, 300, 3]
     ends = torch.tensor(counts).cumsum(0)
     n_slots, batch = int(ends[-1]), len(counts)

@@ -83,10 +83,10 @@ def test_mla_program_uses_tma_and_wgmma_without_spills(tmp_path, seesaw):
     from tileops.kernels.attention.mla_decode import MLADecodeConfig, MLADecodeKernel
 
     kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
-    config = (MLADecodeConfig(seesaw=True) if seesaw
-              else kernel.heuristic_config("planned", "sm_90a"))
+    config = kernel.heuristic_config("many" if seesaw else "few", "sm_90a")
+    assert config.seesaw == seesaw
     assert config.smem_bytes(512, 64) <= 227 * 1024 - 1024
-    compiled = tilelang.compile(kernel.program(config, "planned")[1], target=kernel.target)
+    compiled = tilelang.compile(kernel.program(config, "few")[1], target=kernel.target)
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma_ss" in source
     if seesaw:
@@ -97,19 +97,19 @@ def test_mla_program_uses_tma_and_wgmma_without_spills(tmp_path, seesaw):
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
-@pytest.mark.compile
-@pytest.mark.full
-def test_wide_combine_loads_rows_together(tmp_path):
-    """The wide combine: 16-byte loads of the partial rows, 8 splits unrolled, the lse max
-    across lanes by shuffles; ptxas: no spills."""
-    import tilelang
-
-    from tileops.kernels.attention.mla_decode import MLADecodeConfig, MLADecodeKernel
+def test_seesaw_is_the_default_from_64_slots():
+    """Calls of >= 64 (request, 64 heads) slots (DeepSeek-V3's 128 heads from batch 32)
+    take the seesaw, fewer the plain program; a rope other than 64 keeps the plain one."""
+    from tileops.kernels.attention.mla_decode import MLADecodeKernel
+    from tileops.ops.mla_decode import MLADecodeFwdOp
 
     kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
-    program = kernel.program(MLADecodeConfig(wide_combine=True), "planned")[2]
-    compiled = tilelang.compile(program, target=kernel.target)
-    source = compiled.get_kernel_source()
-    assert "__shfl_xor_sync" in source and "*(float4*)(o_part" in source
-    assert source.count("for (int u1 = 0; u1 < 8; ++u1)") == 1
-    assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
+    ns = {"q_nope": torch.empty(0, dtype=torch.bfloat16), "H": 128, "Dc": 512, "Dr": 64,
+          "S": 64}
+    sizes = [MLADecodeFwdOp().kernels_for({**ns, "B": b})[0][2] for b in (1, 31, 32, 200)]
+    assert sizes == [2, 62, 64, 400]
+    assert [kernel.heuristic_config(kernel.bucket_of(n), "sm_90a").seesaw
+            for n in sizes] == [False, False, True, True]
+    odd = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=32, page_size=64)
+    assert not odd.heuristic_config("many", "sm_90a").seesaw
+    assert not any(c.seesaw for c in odd.config_space("many"))

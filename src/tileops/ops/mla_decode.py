@@ -66,7 +66,7 @@ class MLADecodeFwdOp(Op):
         buffers = _PlanBuffers.make(batch, 1, heads, 1, dim, _sms(q_nope.device),
                                     q_nope.device)
         scale = self.sm_scale if self.sm_scale is not None else (dim + q_pe.shape[2]) ** -0.5
-        kernel(0, True, q_nope.contiguous(), q_pe.contiguous(), kv_cache,
+        kernel(_slots(batch, heads), True, q_nope.contiguous(), q_pe.contiguous(), kv_cache,
                block_table.contiguous(), cache_seqlens.contiguous(), buffers.slot_table,
                buffers.split_ends, o.view(batch, 1, heads, dim), lse.view(batch, heads, 1),
                buffers.o_part, buffers.lse_part, buffers.target, float(scale))
@@ -80,7 +80,12 @@ class MLADecodeFwdOp(Op):
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["q_nope"].dtype, ns["H"], ns["Dc"], ns["Dr"], ns["S"])
-        return [("mla_decode", key, 0)]
+        return [("mla_decode", key, _slots(ns["B"], ns["H"]))]
+
+
+def _slots(batch: int, heads: int) -> int:
+    """(request, 64 heads) pairs: the CTAs of a call before splitting; the kernel's bucket."""
+    return batch * -(-heads // 64)
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -47,7 +47,6 @@ SWIZZLE_COLS = 64  # bf16/fp16 columns per 128-byte swizzle atom
 T_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 MAX_PIECES = 16  # TMA copies per paged tile: (pages per tile) x (head_dim / 64)
 MIN_TILES_PER_SPLIT = 2  # fewer and the combine and per-CTA setup outweigh the split
-COMBINE_UNROLL = 8  # splits whose partial rows a wide combine loads together
 SCHEDULE_THREADS = 512
 # An fp8 cache's kernel runs fp16 (see decode_program): q enters it divided by this power of
 # two, exact down to fp16's subnormals (|q| < 2^-10, negligible terms of a score)
@@ -92,8 +91,6 @@ class DecodeConfig:
     # S^T = K Q^T and O^T += V^T P^T (decode_key_major): keys on the wgmma's M side, the
     # CTA's group x q_len query rows padded to 16 on N instead of to 64 on M (q_len >= 1)
     key_major: bool = False
-    # the planned decode only: its splits merged by combine_program's wide form
-    wide_combine: bool = False
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2, fp8: bool = False,
                    rows: int | None = None) -> int:
@@ -909,24 +906,15 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     return decode_direct
 
 
-def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: bool = False,
-                    wide: bool = False):
+def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: bool = False):
     """o [B, Sq, H, D] and lse [B, H, Sq] from the splits' partials: weights
     exp(lse_s - lse), lse the log-sum-exp of the splits'; no split saw a key -> 0, -inf.
 
     `planned`: the partials are per slot, o_part [slots, Sq, H, D], request b owning the n
     slots before split_ends[b], n = slot_table[split_ends[b] - 1, 3] (see schedule_program);
-    a request of one split was written by the attention program itself and is left alone.
-
-    `wide` (planned only): the splits' lse loaded by all threads at once (a split a thread)
-    and reduced across them, their weights put in shared memory a chunk of splits at a time,
-    and the partial rows loaded COMBINE_UNROLL splits at a time, 16 bytes a thread: the
-    serial merge makes one dependent round trip to memory per split (the max, then a weight
-    and a row per split), which dominates a long request's many splits at batch 1."""
-    assert planned or not wide
+    a request of one split was written by the attention program itself and is left alone."""
     batch, n_splits = T.dynamic("batch, n_splits")
-    threads = max(32, head_dim // (4 if wide else 2))
-    warps = threads // 32
+    threads = max(32, head_dim // 2)
 
     def part_o(o_part, b, i, h, first, s, d):
         return o_part[first + s, i, h, d] if planned else o_part[b, i, h, s, d]
@@ -962,46 +950,6 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
                 acc[d] += weight * part_o(o_part, b, i, h, first, s, d)
         store(o, lse, acc, top, total, b, i, h)
 
-    @T.macro
-    def merge_wide(o_part, lse_part, o, lse, b, i, h, first, n_splits):
-        tx = T.get_thread_binding()
-        acc = T.alloc_fragment((head_dim,), "float")
-        top = T.alloc_local((1,), "float")
-        total = T.alloc_local((1,), "float")
-        maxima = T.alloc_shared((warps,), "float")
-        weights = T.alloc_shared((threads,), "float")
-        # the largest lse: the splits dealt over the threads, then across lanes and warps
-        top[0] = -T.infinity("float")
-        for k in T.serial(T.ceildiv(n_splits, threads)):
-            if k * threads + tx < n_splits:
-                top[0] = T.max(top[0], lse_part[first + k * threads + tx, i, h])
-        for k in T.unroll(5):
-            top[0] = T.max(top[0], T.shfl_xor(top[0], 1 << k))
-        if tx % 32 == 0:
-            maxima[tx // 32] = top[0]
-        T.sync_threads()
-        for w in T.unroll(warps):
-            top[0] = T.max(top[0], maxima[w])
-        total[0] = 0.0
-        T.clear(acc)
-        for k in T.serial(T.ceildiv(n_splits, threads)):
-            # this chunk's weights (-inf partials, empty splits, weigh 0; all -inf: top is
-            # -inf, all weigh 0)
-            weights[tx] = T.if_then_else(
-                (k * threads + tx < n_splits) & (top[0] != -T.infinity("float")),
-                T.exp2((lse_part[first + k * threads + tx, i, h] - top[0]) * LOG2E), 0.0)
-            T.sync_threads()
-            for u0 in T.serial(T.ceildiv(T.min(threads, n_splits - k * threads),
-                                         COMBINE_UNROLL)):
-                for u1 in T.unroll(COMBINE_UNROLL):
-                    u = u0 * COMBINE_UNROLL + u1
-                    if k * threads + u < n_splits:
-                        total[0] += weights[u]
-                        for d in T.Parallel(head_dim):
-                            acc[d] += weights[u] * o_part[first + k * threads + u, i, h, d]
-            T.sync_threads()  # the weights read before the next chunk's
-        store(o, lse, acc, top[0], total[0], b, i, h)
-
     if planned:
         n_slots = T.dynamic("n_slots")
 
@@ -1019,12 +967,7 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
                 b = bx // (heads * q_len)
                 splits = slot_table[split_ends[b] - 1, 3]
                 if splits > 1:
-                    if wide:
-                        merge_wide(o_part, lse_part, o, lse, b, i, h, split_ends[b] - splits,
-                                   splits)
-                    else:
-                        merge(o_part, lse_part, o, lse, b, i, h, split_ends[b] - splits,
-                              splits)
+                    merge(o_part, lse_part, o, lse, b, i, h, split_ends[b] - splits, splits)
 
         return decode_combine_planned
 
@@ -1404,14 +1347,10 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
                                kv_dtype=k.get("kv_dtype"),
                                heads_first=k.get("kv_layout") == "HND"),
                 combine_program(k["heads"], k["head_dim"], k["q_len"], k["dtype"],
-                                planned=True, wide=config.wide_combine))
+                                planned=True))
 
     def bucket_of(self, size: int) -> str:
         return "planned"
-
-    def config_space(self, bucket: str) -> list[DecodeConfig]:
-        space = super().config_space(bucket)
-        return space + [dataclasses.replace(space[0], wide_combine=True)]
 
     def pass_configs(self, config: DecodeConfig, program_index: int) -> dict:
         # (the attention is program 1 here, after the schedule)

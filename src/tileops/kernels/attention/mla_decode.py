@@ -28,6 +28,11 @@ from .mla_decode_seesaw import PAIR_KEYS, mla_decode_seesaw_program
 from .mla_decode_seesaw import smem_bytes as seesaw_smem_bytes
 
 BLOCK_H = 64  # heads per CTA: one wgmma M tile
+# Calls of at least this many (request, 64 heads) slots take the seesaw by default: there
+# each SM's run of key tiles is long enough for its pipelined pairs to pay (H100: 1.01-1.18x
+# the plain program from batch 32 x 128 heads up); a few requests' short split runs end
+# before its first pair is under way.
+SEESAW_MIN_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,6 @@ class MLADecodeConfig:
     seesaw: bool = False
     pair_runs: bool = False  # seesaw only: the schedule deals runs of tile pairs
     evict_first: bool = True  # seesaw only: key tiles load with L2's evict-first hint
-    # the splits merged by decode.combine_program's wide form (a request's many splits at
-    # batch 1: its lse and rows loaded several splits at a time, not one round trip each)
-    wide_combine: bool = False
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -152,7 +154,8 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
 
 class MLADecodeKernel(Kernel):
     """key: dtype, heads, dim (Dc), rope (Dr), page_size. Programs: the schedule (one
-    64-key tile = one unit of work), the attention, the planned combine; one bucket."""
+    64-key tile = one unit of work), the attention, the planned combine. Buckets by the
+    call's slots: "few" (the plain program), "many" (the seesaw)."""
 
     name = "mla_decode"
     Config = MLADecodeConfig
@@ -169,24 +172,29 @@ class MLADecodeKernel(Kernel):
         unit = ((PAIR_KEYS if config.pair_runs else SEESAW_TILE) if config.seesaw
                 else config.block_n)
         return (schedule_program(1, unit, -1, True), attention,
-                combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True,
-                                wide=config.wide_combine))
+                combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
 
     def bucket_of(self, size: int) -> str:
-        return "planned"
+        """`size`: the call's (request, 64 heads) slots."""
+        return "many" if size >= SEESAW_MIN_SLOTS else "few"
 
     def heuristic_config(self, bucket: str, arch: str) -> MLADecodeConfig:
+        if bucket == "many" and self.seesaw_fits():
+            return MLADecodeConfig(seesaw=True)
         # 64 KB of latent keys per stage, two stages: 224 KB of shared memory with Q
         return MLADecodeConfig(block_n=64, stages=2)
+
+    def seesaw_fits(self) -> bool:
+        # its rope part is one 64-column box, its latent halves 64-column boxes
+        return self.key["rope"] == 64 and self.key["dim"] % 128 == 0 and \
+            MLADecodeConfig(seesaw=True).smem_bytes(self.key["dim"], 64) <= 227 * 1024 - 1024
 
     def config_space(self, bucket: str) -> list[MLADecodeConfig]:
         space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
                  MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
                  MLADecodeConfig(64, 2, seesaw=True, pair_runs=True),
-                 MLADecodeConfig(64, 2, seesaw=True, evict_first=False),
-                 MLADecodeConfig(64, 2, wide_combine=True),
-                 MLADecodeConfig(64, 2, seesaw=True, wide_combine=True)]
-        if self.key["rope"] != 64:  # the seesaw's rope part is one 64-column box
+                 MLADecodeConfig(64, 2, seesaw=True, evict_first=False)]
+        if not self.seesaw_fits():
             space = [c for c in space if not c.seesaw]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
                 <= 227 * 1024 - 1024]
