@@ -77,20 +77,32 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
     neg_inf = -T.infinity("float")
     policy = "evict_first" if evict_first else None
 
+    def page_of(block_table, slot, t):
+        """The page holding its run's tile t (clamped into the request: tiles past the run
+        are masked)."""
+        return block_table[slot[0], T.min(T.min(slot[2] + t, slot[5]) * BLOCK_N // page_size,
+                                          max_pages - 1)]
+
     @T.macro
-    def load(kv, block_table, full, slot, dst, col0, buf, t, bar0):
-        """The calling warp group loads columns col0.. of its run's tile t (clamped into the
-        request: tiles past the run are masked) into dst[buf], a 64-column box a barrier
-        (bar0.. of the buffer's)."""
-        tile = T.min(slot[2] + t, slot[5])
-        page = block_table[slot[0], T.min(tile * BLOCK_N // page_size, max_pages - 1)]
-        row = tile * BLOCK_N % page_size
+    def load(kv, page, full, slot, dst, col0, buf, t, bar0):
+        """The calling warp group loads columns col0.. of its run's tile t, which lies in
+        `page`, into dst[buf], a 64-column box a barrier (bar0.. of the buffer's)."""
+        row = T.min(slot[2] + t, slot[5]) * BLOCK_N % page_size
         for j in T.unroll(dst.shape[2] // BOX):
             T.tma_copy(kv[page, row:row + BLOCK_N, col0 + j * BOX:col0 + (j + 1) * BOX],
                        dst[buf, :, j * BOX:(j + 1) * BOX],
                        barrier=full[buf * per_buffer + bar0 + j], eviction_policy=policy)
         for j in T.unroll(dst.shape[2] // BOX):
             T.mbarrier_arrive(full[buf * per_buffer + bar0 + j])
+
+    @T.macro
+    def prefetch_pages(block_table, slot, pages, i, pe_tile):
+        """The pages of the tiles this warp group loads in pair i (the next pair's a and b,
+        the rope part of tile pe_tile), read into registers at the top of the pair: read
+        at the load, each TMA would wait out a global load's latency first."""
+        pages[0] = page_of(block_table, slot, 2 * i + 2)
+        pages[1] = page_of(block_table, slot, 2 * i + 3)
+        pages[2] = page_of(block_table, slot, pe_tile)
 
     @T.macro
     def score_latent(q, k, s, full, buf, phase, bar0):
@@ -114,9 +126,10 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
         """A warp group's start: all of its first tile loaded (the rope part, then the two
         latent halves in the order its S takes them), q_pe into registers, its state
         cleared; that S once Q has landed, then the next pair's rope part loaded."""
-        load(kv, block_table, full, slot, pe, dim, buf, buf, ROPE_BOX)
-        load(kv, block_table, full, slot, k_1, col_1, buf, buf, box_1)
-        load(kv, block_table, full, slot, k_2, col_2, buf, buf, box_2)
+        first = page_of(block_table, slot, buf)
+        load(kv, first, full, slot, pe, dim, buf, buf, ROPE_BOX)
+        load(kv, first, full, slot, k_1, col_1, buf, buf, box_1)
+        load(kv, first, full, slot, k_2, col_2, buf, buf, box_2)
         T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_local)
         T.fill(acc, 0.0)
         T.fill(total, 0.0)
@@ -128,7 +141,8 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
         T.wait_wgmma(0)
         T.warpgroup_fence_operand(s, num_regs=score_regs)
         if slot[4] > 1:
-            load(kv, block_table, full, slot, pe, dim, buf, buf + 2, ROPE_BOX)
+            load(kv, page_of(block_table, slot, buf + 2), full, slot, pe, dim, buf, buf + 2,
+                 ROPE_BOX)
 
     @T.macro
     def mask(s, slot, t):
@@ -225,6 +239,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                 slot[4] = T.max(T.ceildiv(slot[3], 2), 1)  # its pairs
                 slot[5] = T.max(T.ceildiv(slot[1], BLOCK_N) - 1, 0)  # the request's last tile
                 b, pairs = slot[0], slot[4]
+                pages = T.alloc_local((3,), "int32")  # see prefetch_pages
                 h0 = hx * BLOCK_H
                 c = scale * LOG2E
                 # a part of a tile: load(..., dst, its first column, buffer, tile, first box)
@@ -237,6 +252,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                           total[0], m[0], s[0], b, h0, 0, q_lo, kv_lo, 0, LO, q_hi, kv_hi,
                           half, HI)
                     for i in T.serial(pairs):
+                        prefetch_pages(block_table, slot, pages, i, 2 * i + 4)
                         mask(s[0], slot, 2 * i)
                         T.copy(m[0], m_prev[0])
                         T.reduce_max(s[0], m[0], dim=1, clear=False)  # m_a
@@ -255,7 +271,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc[0], num_regs=out_regs)
                         if i + 1 < pairs:
-                            load(kv, block_table, full, slot, kv_lo, 0, 0, 2 * i + 2, LO)
+                            load(kv, pages[0], full, slot, kv_lo, 0, 0, 2 * i + 2, LO)
                         T.sync_threads(M_B_READY, consumers)  # m_b, e^(m_a - m_b)
                         for r in T.Parallel(BLOCK_H):
                             rescale[0][r] = rows[2, r]
@@ -274,13 +290,13 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                             score_rope(q_pe_local[0], pe, s[0], full, 0, (i + 1) & 1)
                             score_latent(q_lo, kv_lo, s[0], full, 0, (i + 1) & 1, LO)
                             T.wait_wgmma(boxes + 1)  # P_b V_b,lo done
-                            load(kv, block_table, full, slot, kv_lo, 0, 1, 2 * i + 3, LO)
+                            load(kv, pages[1], full, slot, kv_lo, 0, 1, 2 * i + 3, LO)
                             score_latent(q_hi, kv_hi, s[0], full, 0, (i + 1) & 1, HI)
                         T.wait_wgmma(0)
                         T.warpgroup_fence_operand(acc[0], num_regs=out_regs)
                         T.warpgroup_fence_operand(s[0], num_regs=score_regs)
                         if i + 2 < pairs:
-                            load(kv, block_table, full, slot, pe, dim, 0, 2 * i + 4, ROPE_BOX)
+                            load(kv, pages[2], full, slot, pe, dim, 0, 2 * i + 4, ROPE_BOX)
                     finish(rows, acc[0], total[0], m[0], o, lse, o_part, lse_part, slot_table,
                            b, bz, h0, 0, scale, 0, 1, True)
                 else:
@@ -288,6 +304,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                           total[1], m[1], s[1], b, h0, 1, q_hi, kv_hi, half, HI, q_lo, kv_lo,
                           0, LO)
                     for i in T.serial(pairs):
+                        prefetch_pages(block_table, slot, pages, i, 2 * i + 5)
                         mask(s[1], slot, 2 * i + 1)
                         T.reduce_max(s[1], row_sum[1], dim=1)  # tile b's own row max
                         T.sync_threads(M_A_READY, consumers)
@@ -314,9 +331,9 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         T.wgmma_gemm(p_shared[0, :, :], kv_hi[0, :, :], acc[1])  # P_a V_a,hi
                         if i + 1 < pairs:  # refills, then S_b of the next pair
                             T.wait_wgmma(1)
-                            load(kv, block_table, full, slot, kv_hi, half, 1, 2 * i + 3, HI)
+                            load(kv, pages[1], full, slot, kv_hi, half, 1, 2 * i + 3, HI)
                             T.wait_wgmma(0)
-                            load(kv, block_table, full, slot, kv_hi, half, 0, 2 * i + 2, HI)
+                            load(kv, pages[0], full, slot, kv_hi, half, 0, 2 * i + 2, HI)
                             score_rope(q_pe_local[1], pe, s[1], full, 1, (i + 1) & 1)
                             score_latent(q_hi, kv_hi, s[1], full, 1, (i + 1) & 1, HI)
                             score_latent(q_lo, kv_lo, s[1], full, 1, (i + 1) & 1, LO)
@@ -324,7 +341,7 @@ def mla_decode_seesaw_program(heads: int, dim: int, rope: int, page_size: int, d
                         T.warpgroup_fence_operand(acc[1], num_regs=out_regs)
                         T.warpgroup_fence_operand(s[1], num_regs=score_regs)
                         if i + 2 < pairs:
-                            load(kv, block_table, full, slot, pe, dim, 1, 2 * i + 5, ROPE_BOX)
+                            load(kv, pages[2], full, slot, pe, dim, 1, 2 * i + 5, ROPE_BOX)
                     finish(rows, acc[1], total[1], m[1], o, lse, o_part, lse_part, slot_table,
                            b, bz, h0, half, scale, 1, 0, False)
 
