@@ -138,7 +138,7 @@ def test_torch_compile_fullgraph():
 
 
 @pytest.mark.parametrize("config", MLADecodeKernel(
-    dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64).config_space("many"),
+    dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64).config_space("long"),
     ids=str)
 def test_every_config_of_the_space(config):
     kv, seqlens, table = make_latent(MIXED)
@@ -154,7 +154,7 @@ def test_planned_combine_on_many_splits():
     alone), 2, 9, 129 and 300 splits, an empty split inside one and a request whose splits
     are all empty (o = 0, lse = -inf)."""
     kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64)
-    combine = kernel.compile(MLADecodeConfig(), "few")[2]
+    combine = kernel.compile(MLADecodeConfig(), "short")[2]
     counts = [1, 2, 9, 129, 300, 3]
     ends = torch.tensor(counts).cumsum(0)
     n_slots, batch = int(ends[-1]), len(counts)

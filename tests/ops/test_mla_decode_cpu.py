@@ -80,13 +80,13 @@ def test_mla_program_uses_tma_and_wgmma_without_spills(tmp_path, seesaw):
     ptxas: no spills, no serialized wgmma."""
     import tilelang
 
-    from tileops.kernels.attention.mla_decode import MLADecodeConfig, MLADecodeKernel
+    from tileops.kernels.attention.mla_decode import MLADecodeKernel
 
     kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
-    config = kernel.heuristic_config("many" if seesaw else "few", "sm_90a")
+    config = kernel.heuristic_config("long" if seesaw else "short", "sm_90a")
     assert config.seesaw == seesaw
     assert config.smem_bytes(512, 64) <= 227 * 1024 - 1024
-    compiled = tilelang.compile(kernel.program(config, "few")[1], target=kernel.target)
+    compiled = tilelang.compile(kernel.program(config, "short")[1], target=kernel.target)
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma_ss" in source
     if seesaw:
@@ -97,19 +97,28 @@ def test_mla_program_uses_tma_and_wgmma_without_spills(tmp_path, seesaw):
     assert_no_spills_or_serialized_wgmma(compiled, tmp_path)
 
 
-def test_seesaw_is_the_default_from_64_slots():
-    """Calls of >= 64 (request, 64 heads) slots (DeepSeek-V3's 128 heads from batch 32)
-    take the seesaw, fewer the plain program; a rope other than 64 keeps the plain one."""
+def test_seesaw_is_the_default_for_long_tables():
+    """Calls whose block table can hold >= 4096 (request, 64 heads, 64-key tile) units
+    (DeepSeek-V3's 128 heads from batch 32 x 4K, 16 x 8K) take the seesaw on pair runs,
+    smaller ones the plain program; 64 heads, or a rope other than 64, keep the plain one."""
     from tileops.kernels.attention.mla_decode import MLADecodeKernel
     from tileops.ops.mla_decode import MLADecodeFwdOp
 
-    kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
-    ns = {"q_nope": torch.empty(0, dtype=torch.bfloat16), "H": 128, "Dc": 512, "Dr": 64,
-          "S": 64}
-    sizes = [MLADecodeFwdOp().kernels_for({**ns, "B": b})[0][2] for b in (1, 31, 32, 200)]
-    assert sizes == [2, 62, 64, 400]
-    assert [kernel.heuristic_config(kernel.bucket_of(n), "sm_90a").seesaw
-            for n in sizes] == [False, False, True, True]
+    def picks(heads, batch, table_keys, rope=64):
+        kernel = MLADecodeKernel(dtype="bfloat16", heads=heads, dim=512, rope=rope,
+                                 page_size=64)
+        ns = {"q_nope": torch.empty(0, dtype=torch.bfloat16), "H": heads, "Dc": 512,
+              "Dr": rope, "S": 64, "B": batch, "P": table_keys // 64}
+        units = MLADecodeFwdOp().kernels_for(ns)[0][2]
+        return units, kernel.heuristic_config(kernel.bucket_of(units), "sm_90a")
+
+    assert picks(128, 32, 4096)[0] == 4096 and picks(128, 8, 8192)[0] == 2048
+    for heads, batch, keys, seesaw in [(128, 32, 4096, True), (128, 16, 8192, True),
+                                       (128, 128, 8192, True), (128, 32, 4032, False),
+                                       (128, 8, 8192, False), (128, 1, 32768, False),
+                                       (64, 64, 4096, False), (64, 512, 32768, False)]:
+        config = picks(heads, batch, keys)[1]
+        assert (config.seesaw, config.pair_runs) == (seesaw, seesaw), (heads, batch, keys)
+    assert not picks(128, 32, 32768, rope=32)[1].seesaw
     odd = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=32, page_size=64)
-    assert not odd.heuristic_config("many", "sm_90a").seesaw
-    assert not any(c.seesaw for c in odd.config_space("many"))
+    assert not any(c.seesaw for c in odd.config_space("long"))

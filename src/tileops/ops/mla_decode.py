@@ -66,7 +66,8 @@ class MLADecodeFwdOp(Op):
         buffers = _PlanBuffers.make(batch, 1, heads, 1, dim, _sms(q_nope.device),
                                     q_nope.device)
         scale = self.sm_scale if self.sm_scale is not None else (dim + q_pe.shape[2]) ** -0.5
-        kernel(_slots(batch, heads), True, q_nope.contiguous(), q_pe.contiguous(), kv_cache,
+        units = _work_units(batch, heads, block_table.shape[1] * kv_cache.shape[1])
+        kernel(units, True, q_nope.contiguous(), q_pe.contiguous(), kv_cache,
                block_table.contiguous(), cache_seqlens.contiguous(), buffers.slot_table,
                buffers.split_ends, o.view(batch, 1, heads, dim), lse.view(batch, heads, 1),
                buffers.o_part, buffers.lse_part, buffers.target, float(scale))
@@ -80,12 +81,13 @@ class MLADecodeFwdOp(Op):
 
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["q_nope"].dtype, ns["H"], ns["Dc"], ns["Dr"], ns["S"])
-        return [("mla_decode", key, _slots(ns["B"], ns["H"]))]
+        return [("mla_decode", key, _work_units(ns["B"], ns["H"], ns["P"] * ns["S"]))]
 
 
-def _slots(batch: int, heads: int) -> int:
-    """(request, 64 heads) pairs: the CTAs of a call before splitting; the kernel's bucket."""
-    return batch * -(-heads // 64)
+def _work_units(batch: int, heads: int, table_keys: int) -> int:
+    """(request, 64 heads, 64-key tile) units the block table can hold: the kernel's bucket
+    (the lengths themselves stay on the GPU)."""
+    return batch * -(-heads // 64) * -(-table_keys // 64)
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

@@ -28,11 +28,15 @@ from .mla_decode_seesaw import PAIR_KEYS, mla_decode_seesaw_program
 from .mla_decode_seesaw import smem_bytes as seesaw_smem_bytes
 
 BLOCK_H = 64  # heads per CTA: one wgmma M tile
-# Calls of at least this many (request, 64 heads) slots take the seesaw by default: there
-# each SM's run of key tiles is long enough for its pipelined pairs to pay (H100: 1.01-1.18x
-# the plain program from batch 32 x 128 heads up); a few requests' short split runs end
-# before its first pair is under way.
-SEESAW_MIN_SLOTS = 64
+# The seesaw (pair runs) is the default for calls whose block table can hold at least this
+# many (request, 64 heads, 64-key tile) units of work, with 128 or more heads. H100, against
+# the plain program: 1.01-1.18x on DeepSeek-V3's rows from batch 16 x 8K and 32 x 4K (4096
+# units) up, but 0.83-0.85x at batch 16-32 x 1K and 0.66-0.89x at batch 1 (runs of a few
+# pairs end before the pipeline is under way), and 0.97x with 64 heads (no second CTA
+# reading each tile through L2). The table's width bounds the lengths from above: a table
+# far wider than the lengths it holds picks the seesaw for short requests.
+SEESAW_MIN_UNITS = 4096
+SEESAW_MIN_HEADS = 128
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,8 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
 class MLADecodeKernel(Kernel):
     """key: dtype, heads, dim (Dc), rope (Dr), page_size. Programs: the schedule (one
     64-key tile = one unit of work), the attention, the planned combine. Buckets by the
-    call's slots: "few" (the plain program), "many" (the seesaw)."""
+    work the call's block table can hold: "short" (the plain program), "long" (the seesaw
+    where it pays, see SEESAW_MIN_UNITS)."""
 
     name = "mla_decode"
     Config = MLADecodeConfig
@@ -175,12 +180,12 @@ class MLADecodeKernel(Kernel):
                 combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
 
     def bucket_of(self, size: int) -> str:
-        """`size`: the call's (request, 64 heads) slots."""
-        return "many" if size >= SEESAW_MIN_SLOTS else "few"
+        """`size`: (request, 64 heads) slots x the block table's 64-key tiles."""
+        return "long" if size >= SEESAW_MIN_UNITS else "short"
 
     def heuristic_config(self, bucket: str, arch: str) -> MLADecodeConfig:
-        if bucket == "many" and self.seesaw_fits():
-            return MLADecodeConfig(seesaw=True)
+        if bucket == "long" and self.key["heads"] >= SEESAW_MIN_HEADS and self.seesaw_fits():
+            return MLADecodeConfig(seesaw=True, pair_runs=True)
         # 64 KB of latent keys per stage, two stages: 224 KB of shared memory with Q
         return MLADecodeConfig(block_n=64, stages=2)
 
