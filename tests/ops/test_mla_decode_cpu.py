@@ -83,10 +83,11 @@ def test_mla_program_uses_tma_and_wgmma_without_spills(tmp_path, seesaw):
     from tileops.kernels.attention.mla_decode import MLADecodeKernel
 
     kernel = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
-    config = kernel.heuristic_config("long" if seesaw else "short", "sm_90a")
+    bucket = "long" if seesaw else "short"
+    config = kernel.heuristic_config(bucket, "sm_90a")
     assert config.seesaw == seesaw
     assert config.smem_bytes(512, 64) <= 227 * 1024 - 1024
-    compiled = tilelang.compile(kernel.program(config, "short")[1], target=kernel.target)
+    compiled = tilelang.compile(kernel.program(config, bucket)[1], target=kernel.target)
     source = compiled.get_kernel_source()
     assert "tma_load" in source and "wgmma_ss" in source
     if seesaw:

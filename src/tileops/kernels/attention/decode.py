@@ -923,13 +923,6 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
         return lse_part[first + s, i, h] if planned else lse_part[b, i, h, s]
 
     @T.macro
-    def store(o, lse, acc, top, total, b, i, h):
-        """O / l and the merged lse, top + log(l) (no split saw a key: 0, -inf)."""
-        for d in T.Parallel(head_dim):
-            o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
-        lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
-
-    @T.macro
     def merge(o_part, lse_part, o, lse, b, i, h, first, n_splits):
         acc = T.alloc_fragment((head_dim,), "float")
         top = T.alloc_var("float")
@@ -948,7 +941,9 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
             total += weight
             for d in T.Parallel(head_dim):
                 acc[d] += weight * part_o(o_part, b, i, h, first, s, d)
-        store(o, lse, acc, top, total, b, i, h)
+        for d in T.Parallel(head_dim):
+            o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
+        lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
 
     if planned:
         n_slots = T.dynamic("n_slots")
