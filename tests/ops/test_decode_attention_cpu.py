@@ -32,6 +32,7 @@ from tileops.kernels.attention.decode import (
     gather_registers,
     key_major_rows,
     key_visible,
+    schedule_program,
     slot_count,
     slot_tiles,
     split_class,
@@ -490,15 +491,26 @@ def test_planned_launch_arguments(seq_q, heads, monkeypatch):
     assert o_part.data_ptr() % 16 == 0 and lse_part.data_ptr() % 16 == 0
 
 
-def schedule_model(lengths, q_len, block_n, window_left, causal, target, n_slots):
+def schedule_model(lengths, q_len, block_n, window_left, causal, target, n_slots,
+                   wave_fit=False):
     """(slot_table, split_ends) as the schedule program must write them."""
     tiles = [block_tiles(n - q_len, n - 1, n, block_n, window_left, causal, INT_OPS)
              for n in lengths]
     total = sum(t for _, t in tiles)
     table = [[-1, 0, 0, 0] for _ in range(n_slots)]
+    up = [max(1, min(-(-t * target // max(total, 1)), t // MIN_TILES_PER_SPLIT))
+          for _, t in tiles]
+    down = [max(1, min(t * target // max(total, 1), t // MIN_TILES_PER_SPLIT))
+            for _, t in tiles]
+    # one wave rounded down, where rounding up needs two and no split then outlasts the
+    # rounded-up schedule's waves of its average split
+    if wave_fit and sum(up) > target and sum(down) <= target and all(
+            -(-t // d) * sum(up) <= -(-sum(up) // target) * total
+            for (_, t), d in zip(tiles, down, strict=True)):
+        up = down
     requests = []  # (size class, request, first tile, tiles, splits, tiles per split)
     for b, (first, t) in enumerate(tiles):
-        count = max(1, min(-(-t * target // max(total, 1)), t // MIN_TILES_PER_SPLIT))
+        count = up[b]
         per = -(-t // count)
         requests.append((split_class(per, target, total, INT_OPS), b, first, count, per))
     ends, slot = [0] * len(lengths), 0
@@ -634,6 +646,67 @@ def test_schedule_program_on_the_cpu(name):
     block_n = _planned_kernel(q_len, 8, kv_heads, window_left).heuristic_config(
         "planned", "sm_90a").block_n  # the tile the schedule counts in (64 at page 16)
     table, ends = schedule_model(lengths, q_len, block_n, window_left, True, target, n_slots)
+    assert split_ends.tolist() == ends
+    assert slot_table.tolist() == table
+
+
+# (lengths, keys a tile) for the wave fit: DeepSeek-V3 MLA rows in the seesaw's 128-key pairs,
+# one wave of 66 slots (132 SMs, two 64-head CTAs a slot)
+WAVE_FIT = {
+    "32 x 4k": ([4096] * 32, 128),
+    "32 x 32k": ([32768] * 32, 128),
+    "128 x 8k": ([8192] * 128, 128),
+    "mixed 512-32k": ([512, 1024, 2048, 4096, 8192, 16384, 32768, 3000] * 8, 128),
+    "1 x 32k": ([32768], 128),
+    "24 x 8k and 2 x 1k": ([8192] * 24 + [1024] * 2, 128),
+}
+WAVE = SMS // 2
+
+
+def used_slots(table):
+    return sum(row[0] >= 0 for row in table)
+
+
+@pytest.mark.smoke
+def test_wave_fit_rounds_down_only_where_it_saves_a_wave():
+    """32 equal requests at a share of 2.06 slots each: rounded up, 96 slots (a second wave
+    45% full); the wave fit gives each 2 (one wave). Mixed lengths, whose longest requests
+    would lose a split, and calls that fit one wave or need several anyway keep the
+    rounded-up schedule."""
+    def schedule(name, wave_fit):
+        lengths, block_n = WAVE_FIT[name]
+        return schedule_model(lengths, 1, block_n, -1, True, WAVE, len(lengths) + WAVE,
+                              wave_fit)
+
+    for name in ("32 x 4k", "32 x 32k"):
+        up, fit = schedule(name, False)[0], schedule(name, True)[0]
+        assert used_slots(up) == 96 and used_slots(fit) == 64
+        assert all(row[3] == 2 for row in fit if row[0] >= 0)
+    assert used_slots(schedule("24 x 8k and 2 x 1k", True)[0]) <= WAVE
+    for name in ("128 x 8k", "mixed 512-32k", "1 x 32k"):
+        assert schedule(name, True) == schedule(name, False)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", WAVE_FIT)
+def test_wave_fit_schedule_program_on_the_cpu(name):
+    """The wave-fit schedule program (three more batch sums, then the chosen rounding)
+    writes exactly the model's slot table and ends."""
+    import tilelang
+
+    from ..cuda_emulation_threads import run
+
+    lengths, block_n = WAVE_FIT[name]
+    compiled = tilelang.compile(schedule_program(1, block_n, -1, True, wave_fit=True),
+                                target=_planned_kernel().target)
+    n_slots = len(lengths) + WAVE
+    slot_table = torch.full((n_slots, 4), -77, dtype=torch.int32)
+    split_ends = torch.full((len(lengths),), -77, dtype=torch.int32)
+    run(compiled, 1, SCHEDULE_THREADS,
+        dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32), slot_table=slot_table,
+             split_ends=split_ends),
+        dict(batch=len(lengths), n_slots=n_slots, target_slots=WAVE))
+    table, ends = schedule_model(lengths, 1, block_n, -1, True, WAVE, n_slots, wave_fit=True)
     assert split_ends.tolist() == ends
     assert slot_table.tolist() == table
 

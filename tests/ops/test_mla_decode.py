@@ -93,6 +93,12 @@ def test_single_long_request_splits_and_batch_128():
     check([(37 * i) % 2000 for i in range(128)])  # a full batch, a 0 among them
 
 
+def test_equal_requests_on_one_wave_of_splits():
+    """32 equal requests of 4K keys, the seesaw's bucket: the wave-fit schedule gives each
+    2 splits (one wave), not 3."""
+    check([4096] * 32)
+
+
 def test_default_scale_and_functional_lse():
     kv, seqlens, table = make_latent([5, 300])
     q_nope, q_pe = randn(2, 128, DC, dtype=BF16), randn(2, 128, DR, dtype=BF16)

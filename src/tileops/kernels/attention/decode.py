@@ -988,7 +988,41 @@ def split_class(split_tiles, target, total_tiles, ops=TIR_OPS):
                for k in range(SIZE_CLASSES - 1))
 
 
-def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
+def split_counts(tiles, total_tiles, target, ops=TIR_OPS):
+    """(rounded up, rounded down) split counts of a request of `tiles` key tiles: its share
+    tiles * target / total_tiles of `target` slots, at least 1 and at most tiles //
+    MIN_TILES_PER_SPLIT."""
+    cap = ops.floordiv(tiles, MIN_TILES_PER_SPLIT)
+    share, total = tiles * target, ops.max(total_tiles, 1)
+    return (ops.max(1, ops.min(ops.ceildiv(share, total), cap)),
+            ops.max(1, ops.min(ops.floordiv(share, total), cap)))
+
+
+def rounded_down_keeps_up(tiles, down_count, up_slots, total_tiles, target, ops=TIR_OPS):
+    """Whether a request's rounded-down splits (ceil(tiles / down_count) tiles each) are no
+    longer than the rounded-up schedule takes: ceil(up_slots / target) waves of its
+    average split, total_tiles / up_slots (exact for a batch of equal requests)."""
+    return (ops.ceildiv(tiles, down_count) * up_slots
+            <= ops.ceildiv(up_slots, target) * total_tiles)
+
+
+@T.macro
+def batch_sum(scan, value, sums, into: int):
+    """sums[into] = the sum of value(b) over the requests b < batch, in chunks of the CTA's
+    threads; scan = (batch, threads, tx and exclusive_offsets' buffers)."""
+    batch, threads, tx, count, warp_sums, first, total = scan
+    sums[into] = 0
+    for c in T.serial(T.ceildiv(batch, threads)):
+        count[0] = 0
+        if c * threads + tx < batch:
+            count[0] = value(c * threads + tx)
+        exclusive_offsets(count, tx, threads, warp_sums, first, total)
+        sums[into] = sums[into] + total[0]
+        T.sync_threads()  # warp_sums is rewritten by the next chunk
+
+
+def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool,
+                     wave_fit: bool = False):
     """The per-request split counts of the planned decode, on the GPU from cache_seqlens (nothing
     read on the host): request b's t_b visible key tiles get max(1, min(ceil(t_b * target /
     sum(t)), t_b // MIN_TILES_PER_SPLIT)) splits, so no split holds more than a target's
@@ -1006,13 +1040,23 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
     tiles): the attention cuts the runs to the tiles a request sees when it runs, so a stale
     schedule (lengths grown or shrunk since, not rescheduled) still covers every key once;
     closed runs missed the tiles a request had gained (the H200's stale-schedule test). One
-    CTA; the batch is walked in chunks of its threads, once per size class."""
+    CTA; the batch is walked in chunks of its threads, once per size class.
+
+    `wave_fit` (programs of one CTA an SM whose `target_slots` is one wave): where the
+    rounded-up counts need more than one wave of slots, the rounded-down counts are taken
+    instead when they fit one wave and no request's splits get longer than the rounded-up
+    schedule's estimate (`rounded_down_keeps_up`): 32 equal requests at a share of 2.06
+    slots each get 2 (64 slots, one wave) rather than 3 (96: a second wave 45% full),
+    while mixed lengths, whose longest requests would lose a split, keep rounding up."""
     batch, n_slots = T.dynamic("batch, n_slots")
     threads = SCHEDULE_THREADS
 
     def tiles(cache_seqlens, b):
         seqlen = cache_seqlens[b]
         return block_tiles(seqlen - q_len, seqlen - 1, seqlen, block_n, window_left, causal)
+
+    def counts(cache_seqlens, b, all_tiles, target):  # (rounded up, rounded down)
+        return split_counts(tiles(cache_seqlens, b)[1], all_tiles[0], target)
 
     @T.prim_func
     def decode_schedule(cache_seqlens: T.Tensor((batch,), "int32"),
@@ -1028,24 +1072,34 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool):
             all_tiles = T.alloc_local((1,), "int32")
             carry = T.alloc_local((1,), "int32")
             per = T.alloc_local((1,), "int32")
-            all_tiles[0] = 0
-            for c in T.serial(T.ceildiv(batch, threads)):
-                count[0] = 0
-                if c * threads + tx < batch:
-                    count[0] = tiles(cache_seqlens, c * threads + tx)[1]
-                exclusive_offsets(count, tx, threads, warp_sums, first, total)
-                all_tiles[0] = all_tiles[0] + total[0]
-                T.sync_threads()  # warp_sums is rewritten by the next chunk
+            round_down = T.alloc_local((1,), "int32")
+            sums = T.alloc_local((3,), "int32")  # slots rounded up, down; misfits
+            scan = (batch, threads, tx, count, warp_sums, first, total)
+
+            batch_sum(scan, lambda b: tiles(cache_seqlens, b)[1], sums, 0)
+            all_tiles[0] = sums[0]
+            round_down[0] = 0
+            if wave_fit:
+                batch_sum(scan, lambda b: counts(cache_seqlens, b, all_tiles, target_slots)[0],
+                          sums, 0)
+                batch_sum(scan, lambda b: counts(cache_seqlens, b, all_tiles, target_slots)[1],
+                          sums, 1)
+                batch_sum(scan, lambda b: T.if_then_else(rounded_down_keeps_up(
+                    tiles(cache_seqlens, b)[1],
+                    counts(cache_seqlens, b, all_tiles, target_slots)[1], sums[0],
+                    all_tiles[0], target_slots), 0, 1), sums, 2)
+                round_down[0] = T.if_then_else(
+                    sums[0] > target_slots and sums[1] <= target_slots and sums[2] == 0, 1, 0)
             carry[0] = 0
             for size_class in T.serial(SIZE_CLASSES):
                 for c in T.serial(T.ceildiv(batch, threads)):
                     count[0] = 0
                     per[0] = 0
                     if c * threads + tx < batch:
-                        count[0] = T.max(1, T.min(
-                            T.ceildiv(tiles(cache_seqlens, c * threads + tx)[1] * target_slots,
-                                      T.max(all_tiles[0], 1)),
-                            tiles(cache_seqlens, c * threads + tx)[1] // MIN_TILES_PER_SPLIT))
+                        count[0] = T.if_then_else(
+                            round_down[0] == 1,
+                            counts(cache_seqlens, c * threads + tx, all_tiles, target_slots)[1],
+                            counts(cache_seqlens, c * threads + tx, all_tiles, target_slots)[0])
                         per[0] = T.ceildiv(tiles(cache_seqlens, c * threads + tx)[1], count[0])
                         if split_class(per[0], target_slots, all_tiles[0]) != size_class:
                             count[0] = 0

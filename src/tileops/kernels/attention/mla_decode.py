@@ -48,6 +48,9 @@ class MLADecodeConfig:
     seesaw: bool = False
     pair_runs: bool = False  # seesaw only: the schedule deals runs of tile pairs
     evict_first: bool = True  # seesaw only: key tiles load with L2's evict-first hint
+    # the schedule rounds split counts down where rounding up would start a second wave of
+    # one-CTA-an-SM slots (decode.schedule_program's `wave_fit`)
+    wave_fit: bool = True
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -176,7 +179,7 @@ class MLADecodeKernel(Kernel):
         # the seesaw's tiles are 64 keys whatever block_n says; its runs pairs or tiles
         unit = ((PAIR_KEYS if config.pair_runs else SEESAW_TILE) if config.seesaw
                 else config.block_n)
-        return (schedule_program(1, unit, -1, True), attention,
+        return (schedule_program(1, unit, -1, True, config.wave_fit), attention,
                 combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
 
     def bucket_of(self, size: int) -> str:
@@ -198,7 +201,8 @@ class MLADecodeKernel(Kernel):
         space = [MLADecodeConfig(64, 2), MLADecodeConfig(64, 1), MLADecodeConfig(32, 2),
                  MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
                  MLADecodeConfig(64, 2, seesaw=True, pair_runs=True),
-                 MLADecodeConfig(64, 2, seesaw=True, evict_first=False)]
+                 MLADecodeConfig(64, 2, seesaw=True, evict_first=False),
+                 MLADecodeConfig(64, 2, seesaw=True, pair_runs=True, wave_fit=False)]
         if not self.seesaw_fits():
             space = [c for c in space if not c.seesaw]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
