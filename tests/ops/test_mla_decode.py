@@ -94,9 +94,14 @@ def test_single_long_request_splits_and_batch_128():
 
 
 def test_equal_requests_on_one_wave_of_splits():
-    """32 equal requests of 4K keys, the seesaw's bucket: the wave-fit schedule gives each
-    2 splits (one wave), not 3."""
-    check([4096] * 32)
+    """32 equal requests of 4K keys on the seesaw's pair runs: the wave-fit schedule gives
+    each 2 splits (one wave), not 3."""
+    kv, seqlens, table = make_latent([4096] * 32)
+    q_nope, q_pe = randn(32, 128, DC, dtype=BF16), randn(32, 128, DR, dtype=BF16)
+    op = MLADecodeFwdOp(sm_scale=0.1352)
+    op.pin_config(MLADecodeConfig(seesaw=True, pair_runs=True, wave_fit=True), q_nope, q_pe,
+                  kv, seqlens, table)
+    check([4096] * 32, op=op)
 
 
 def test_default_scale_and_functional_lse():
