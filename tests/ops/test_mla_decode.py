@@ -8,7 +8,7 @@ import torch
 
 import tileops
 from tileops import MLADecodeFwdOp
-from tileops.kernels.attention.mla_decode import MLADecodeConfig, MLADecodeKernel
+from tileops.kernels.attention.mla_decode import FIT_WAVES, MLADecodeConfig, MLADecodeKernel
 from tileops.kernels.base import Kernel
 
 from ..helpers import assert_close, poison, randn
@@ -93,15 +93,18 @@ def test_single_long_request_splits_and_batch_128():
     check([(37 * i) % 2000 for i in range(128)])  # a full batch, a 0 among them
 
 
-def test_equal_requests_on_one_wave_of_splits():
-    """32 equal requests of 4K keys on the seesaw's pair runs: the wave-fit schedule gives
-    each 2 splits (one wave), not 3."""
-    kv, seqlens, table = make_latent([4096] * 32)
-    q_nope, q_pe = randn(32, 128, DC, dtype=BF16), randn(32, 128, DR, dtype=BF16)
+@pytest.mark.parametrize("lengths", [[4096] * 32, [8192] * 80], ids=["32x4k", "80x8k"])
+def test_fitted_schedule_on_equal_requests(lengths):
+    """The seesaw on pair runs under the fitted schedule (`fit_waves`): 32 requests of 4K
+    take one wave rounded down (2 splits each, not 3), 80 of 8K four waves of quarter
+    splits (320 slots; the partials sized for them)."""
+    kv, seqlens, table = make_latent(lengths)
+    batch = len(lengths)
+    q_nope, q_pe = randn(batch, 128, DC, dtype=BF16), randn(batch, 128, DR, dtype=BF16)
     op = MLADecodeFwdOp(sm_scale=0.1352)
-    op.pin_config(MLADecodeConfig(seesaw=True, pair_runs=True, wave_fit=True), q_nope, q_pe,
-                  kv, seqlens, table)
-    check([4096] * 32, op=op)
+    op.pin_config(MLADecodeConfig(seesaw=True, pair_runs=True, fit_waves=FIT_WAVES), q_nope,
+                  q_pe, kv, seqlens, table)
+    check(lengths, op=op)
 
 
 def test_default_scale_and_functional_lse():

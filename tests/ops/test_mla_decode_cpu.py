@@ -45,13 +45,19 @@ def test_meta_outputs_and_roofline():
 
 
 @pytest.mark.smoke
-def test_launch_arguments(monkeypatch):
+@pytest.mark.parametrize("waves", [1, 4])
+def test_launch_arguments(monkeypatch, waves):
+    """The launch's tensors; the partials hold the batch plus the kernel's `split_waves`
+    waves of slots (a fitted schedule's config may take up to 4)."""
     op = MLADecodeFwdOp(sm_scale=0.125)
     log = []
 
     class Recorder:
         def __call__(self, size, *tensors):
             log.append(tensors)
+
+        def split_waves(self, size):
+            return waves
 
     monkeypatch.setattr(op, "get_kernel", lambda dispatch, device, **key: Recorder())
     q_nope = torch.randn(3, 128, 512).to(torch.bfloat16)
@@ -64,10 +70,11 @@ def test_launch_arguments(monkeypatch):
     (schedule, _, _, kv_arg, _, _, slot_table, split_ends, o_arg, lse_arg, o_part, lse_part,
      target, scale) = args
     assert schedule is True and kv_arg is kv and scale == 0.125
-    assert target == target_slots(1, 2) == 66 and slot_table.shape == (3 + 66, 4)
+    slots = 3 + waves * 66
+    assert target == target_slots(1, 2) == 66 and slot_table.shape == (slots, 4)
     assert o_arg.shape == (3, 1, 128, 512) and o_arg.data_ptr() == o.data_ptr()
-    assert lse_arg.shape == (3, 128, 1) and o_part.shape == (69, 1, 128, 512)
-    assert lse_part.shape == (69, 1, 128) and split_ends.shape == (3,)
+    assert lse_arg.shape == (3, 128, 1) and o_part.shape == (slots, 1, 128, 512)
+    assert lse_part.shape == (slots, 1, 128) and split_ends.shape == (3,)
 
 
 @pytest.mark.compile
@@ -123,3 +130,18 @@ def test_seesaw_is_the_default_for_long_tables():
     assert not picks(128, 32, 32768, rope=32)[1].seesaw
     odd = MLADecodeKernel(dtype="bfloat16", heads=128, dim=512, rope=32, page_size=64)
     assert not any(c.seesaw for c in odd.config_space("long"))
+
+
+def test_partials_hold_the_configs_waves():
+    """The op sizes the partials by the config a call will run: one wave for the defaults,
+    `fit_waves` for a fitted config (pinned or tuned), the most any candidate takes while
+    tuning."""
+    from tileops.kernels.attention.mla_decode import FIT_WAVES, MLADecodeConfig, MLADecodeKernel
+
+    key = dict(dtype="bfloat16", heads=128, dim=512, rope=64, page_size=64)
+    kernel = MLADecodeKernel(**key)
+    assert kernel.split_waves(100) == kernel.split_waves(8192) == 1
+    kernel._by_bucket["long"] = (MLADecodeConfig(seesaw=True, pair_runs=True,
+                                                 fit_waves=FIT_WAVES), ())
+    assert kernel.split_waves(8192) == FIT_WAVES and kernel.split_waves(100) == 1
+    assert MLADecodeKernel(tune=True, **key).split_waves(100) == FIT_WAVES

@@ -62,11 +62,11 @@ class MLADecodeFwdOp(Op):
             DecodeAttentionFwdOp._check_indices(self, kv_cache, cache_seqlens, block_table)
         key = self._kernel_key(q_nope.dtype, heads, dim, q_pe.shape[2], kv_cache.shape[1])
         kernel = self.get_kernel("mla_decode", q_nope.device, **key)
+        units = _work_units(batch, heads, block_table.shape[1] * kv_cache.shape[1])
         # slots of (request, 64 heads): one wave is SMs / (H / 64) runs of key tiles
         buffers = _PlanBuffers.make(batch, 1, heads, 1, dim, _sms(q_nope.device),
-                                    q_nope.device)
+                                    q_nope.device, kernel.split_waves(units))
         scale = self.sm_scale if self.sm_scale is not None else (dim + q_pe.shape[2]) ** -0.5
-        units = _work_units(batch, heads, block_table.shape[1] * kv_cache.shape[1])
         kernel(units, True, q_nope.contiguous(), q_pe.contiguous(), kv_cache,
                block_table.contiguous(), cache_seqlens.contiguous(), buffers.slot_table,
                buffers.split_ends, o.view(batch, 1, heads, dim), lse.view(batch, heads, 1),

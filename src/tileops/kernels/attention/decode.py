@@ -988,41 +988,90 @@ def split_class(split_tiles, target, total_tiles, ops=TIR_OPS):
                for k in range(SIZE_CLASSES - 1))
 
 
-def split_counts(tiles, total_tiles, target, ops=TIR_OPS):
-    """(rounded up, rounded down) split counts of a request of `tiles` key tiles: its share
-    tiles * target / total_tiles of `target` slots, at least 1 and at most tiles //
+# Per-split cost in the makespan estimate of a `fit_waves` schedule, in key tiles: the
+# split's setup and first loads, its partials written and read back by the combine.
+SPLIT_COST_TILES = 1
+
+
+def candidate_count(tiles, total_tiles, wave, k, ops=TIR_OPS):
+    """Splits of a request of `tiles` key tiles under the schedule's candidate rule k: its
+    share tiles * target / total_tiles of target = wave * max(k, 1) slots, rounded down
+    for k = 1 and up otherwise (k = 0: one wave rounded up, the rule without fitting; 1: one
+    wave rounded down; k >= 2: k waves rounded up), at least 1 and at most tiles //
     MIN_TILES_PER_SPLIT."""
-    cap = ops.floordiv(tiles, MIN_TILES_PER_SPLIT)
-    share, total = tiles * target, ops.max(total_tiles, 1)
-    return (ops.max(1, ops.min(ops.ceildiv(share, total), cap)),
-            ops.max(1, ops.min(ops.floordiv(share, total), cap)))
+    share, total = tiles * wave * ops.max(k, 1), ops.max(total_tiles, 1)
+    rounded = ops.select(k == 1, ops.floordiv(share, total), ops.ceildiv(share, total))
+    return ops.max(1, ops.min(rounded, ops.floordiv(tiles, MIN_TILES_PER_SPLIT)))
 
 
-def rounded_down_keeps_up(tiles, down_count, up_slots, total_tiles, target, ops=TIR_OPS):
-    """Whether a request's rounded-down splits (ceil(tiles / down_count) tiles each) are no
-    longer than the rounded-up schedule takes: ceil(up_slots / target) waves of its
-    average split, total_tiles / up_slots (exact for a batch of equal requests)."""
-    return (ops.ceildiv(tiles, down_count) * up_slots
-            <= ops.ceildiv(up_slots, target) * total_tiles)
+def candidate_splits(tiles, total_tiles, wave, k, ops=TIR_OPS):
+    """(splits, tiles of each but the last, tiles of the last) of a request under rule k."""
+    count = candidate_count(tiles, total_tiles, wave, k, ops)
+    per = ops.ceildiv(tiles, count)
+    return count, per, ops.max(tiles - (count - 1) * per, 0)
+
+
+def makespan_score(slots, longest, shortest, total_tiles, wave, ops=TIR_OPS):
+    """A candidate's estimated makespan in 1/wave key tiles (`wave` slots run at once; lower
+    is better): no shorter than its longest split; its ceil(slots / wave) waves of the
+    average split (exact for equal splits), or where shorter splits fill the last wave, the
+    keys spread evenly plus the shortest split, whichever is less; plus SPLIT_COST_TILES a
+    wave. 64-bit: waves x wave x tiles outgrows int32 at a few thousand 128K requests."""
+    waves = ops.ceildiv(slots, wave)
+    total = ops.wide(total_tiles)
+    spread = ops.min(ops.floordiv(waves * wave * total, ops.max(slots, 1)),
+                     total + ops.wide(shortest) * wave)
+    return ops.max(ops.wide(longest) * wave, spread) + SPLIT_COST_TILES * waves * wave
 
 
 @T.macro
-def batch_sum(scan, value, sums, into: int):
-    """sums[into] = the sum of value(b) over the requests b < batch, in chunks of the CTA's
-    threads; scan = (batch, threads, tx and exclusive_offsets' buffers)."""
-    batch, threads, tx, count, warp_sums, first, total = scan
-    sums[into] = 0
+def pick_candidate(scan, request_tiles, all_tiles, target_slots, n_slots, n_candidates: int, best,
+                   stats, warp_stats, score):
+    """best[0] = the candidate rule (see `candidate_count`) of the lowest `makespan_score`
+    among 0 .. n_candidates - 1 whose slots fit the n_slots the buffers hold (rule 0
+    always does; target_slots: one wave), ties to the lower: each thread totals its
+    requests' slots and longest and shortest split per rule, then shuffles and one barrier
+    reduce them over the CTA."""
+    batch, threads, tx = scan[0], scan[1], scan[2]
+    for k in T.unroll(n_candidates):
+        stats[0, k] = 0
+        stats[1, k] = 0
+        stats[2, k] = OPEN_RUN
     for c in T.serial(T.ceildiv(batch, threads)):
-        count[0] = 0
         if c * threads + tx < batch:
-            count[0] = value(c * threads + tx)
-        exclusive_offsets(count, tx, threads, warp_sums, first, total)
-        sums[into] = sums[into] + total[0]
-        T.sync_threads()  # warp_sums is rewritten by the next chunk
+            for k in T.unroll(n_candidates):
+                count, per, last = candidate_splits(request_tiles(c * threads + tx),
+                                                    all_tiles[0], target_slots, k)
+                stats[0, k] = stats[0, k] + count
+                stats[1, k] = T.max(stats[1, k], per)
+                stats[2, k] = T.min(stats[2, k], last)
+    for k, o in T.grid(n_candidates, 5):
+        stats[0, k] = stats[0, k] + T.shfl_xor(stats[0, k], 1 << o)
+        stats[1, k] = T.max(stats[1, k], T.shfl_xor(stats[1, k], 1 << o))
+        stats[2, k] = T.min(stats[2, k], T.shfl_xor(stats[2, k], 1 << o))
+    if tx % 32 == 0:
+        for j, k in T.grid(3, n_candidates):
+            warp_stats[tx // 32, j, k] = stats[j, k]
+    T.sync_threads()
+    for k in T.unroll(n_candidates):
+        stats[0, k] = 0
+        stats[1, k] = 0
+        stats[2, k] = OPEN_RUN
+        for w in T.unroll(threads // 32):
+            stats[0, k] = stats[0, k] + warp_stats[w, 0, k]
+            stats[1, k] = T.max(stats[1, k], warp_stats[w, 1, k])
+            stats[2, k] = T.min(stats[2, k], warp_stats[w, 2, k])
+    best[0] = 0
+    score[0] = makespan_score(stats[0, 0], stats[1, 0], stats[2, 0], all_tiles[0], target_slots)
+    for k in T.unroll(1, n_candidates):
+        score[1] = makespan_score(stats[0, k], stats[1, k], stats[2, k], all_tiles[0], target_slots)
+        if stats[0, k] <= n_slots and score[1] < score[0]:
+            best[0] = k
+            score[0] = score[1]
 
 
 def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool,
-                     wave_fit: bool = False):
+                     fit_waves: int = 0):
     """The per-request split counts of the planned decode, on the GPU from cache_seqlens (nothing
     read on the host): request b's t_b visible key tiles get max(1, min(ceil(t_b * target /
     sum(t)), t_b // MIN_TILES_PER_SPLIT)) splits, so no split holds more than a target's
@@ -1042,21 +1091,20 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool,
     closed runs missed the tiles a request had gained (the H200's stale-schedule test). One
     CTA; the batch is walked in chunks of its threads, once per size class.
 
-    `wave_fit` (programs of one CTA an SM whose `target_slots` is one wave): where the
-    rounded-up counts need more than one wave of slots, the rounded-down counts are taken
-    instead when they fit one wave and no request's splits get longer than the rounded-up
-    schedule's estimate (`rounded_down_keeps_up`): 32 equal requests at a share of 2.06
-    slots each get 2 (64 slots, one wave) rather than 3 (96: a second wave 45% full),
-    while mixed lengths, whose longest requests would lose a split, keep rounding up."""
+    `fit_waves` = J > 0 (programs of one CTA an SM whose `target_slots` is one wave, the
+    MLA decode): the counts come from the best of J + 1 candidate rules by an estimate of
+    the makespan (`pick_candidate`): the rule above, one wave rounded down, and 2 .. J
+    waves rounded up. Rounding up alone lets 32 equal requests at a share of 2.06 slots
+    each take 3 (96 slots: a second wave 45% full) where 2 fit one wave, and gives 80
+    requests of 8K one split each (80 slots: 66 in one wave, 14 in a second of the same
+    length) where 4 waves of quarter splits take 0.65x the time."""
     batch, n_slots = T.dynamic("batch, n_slots")
     threads = SCHEDULE_THREADS
+    n_candidates = fit_waves + 1
 
     def tiles(cache_seqlens, b):
         seqlen = cache_seqlens[b]
         return block_tiles(seqlen - q_len, seqlen - 1, seqlen, block_n, window_left, causal)
-
-    def counts(cache_seqlens, b, all_tiles, target):  # (rounded up, rounded down)
-        return split_counts(tiles(cache_seqlens, b)[1], all_tiles[0], target)
 
     @T.prim_func
     def decode_schedule(cache_seqlens: T.Tensor((batch,), "int32"),
@@ -1072,36 +1120,35 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool,
             all_tiles = T.alloc_local((1,), "int32")
             carry = T.alloc_local((1,), "int32")
             per = T.alloc_local((1,), "int32")
-            round_down = T.alloc_local((1,), "int32")
-            sums = T.alloc_local((3,), "int32")  # slots rounded up, down; misfits
-            scan = (batch, threads, tx, count, warp_sums, first, total)
-
-            batch_sum(scan, lambda b: tiles(cache_seqlens, b)[1], sums, 0)
-            all_tiles[0] = sums[0]
-            round_down[0] = 0
-            if wave_fit:
-                batch_sum(scan, lambda b: counts(cache_seqlens, b, all_tiles, target_slots)[0],
-                          sums, 0)
-                batch_sum(scan, lambda b: counts(cache_seqlens, b, all_tiles, target_slots)[1],
-                          sums, 1)
-                batch_sum(scan, lambda b: T.if_then_else(rounded_down_keeps_up(
-                    tiles(cache_seqlens, b)[1],
-                    counts(cache_seqlens, b, all_tiles, target_slots)[1], sums[0],
-                    all_tiles[0], target_slots), 0, 1), sums, 2)
-                round_down[0] = T.if_then_else(
-                    sums[0] > target_slots and sums[1] <= target_slots and sums[2] == 0, 1, 0)
+            rule = T.alloc_local((1,), "int32")
+            all_tiles[0] = 0
+            for c in T.serial(T.ceildiv(batch, threads)):
+                count[0] = 0
+                if c * threads + tx < batch:
+                    count[0] = tiles(cache_seqlens, c * threads + tx)[1]
+                exclusive_offsets(count, tx, threads, warp_sums, first, total)
+                all_tiles[0] = all_tiles[0] + total[0]
+                T.sync_threads()  # warp_sums is rewritten by the next chunk
+            rule[0] = 0
+            if fit_waves > 0:
+                stats = T.alloc_local((3, n_candidates), "int32")
+                warp_stats = T.alloc_shared((threads // 32, 3, n_candidates), "int32")
+                score = T.alloc_local((2,), "int64")
+                pick_candidate((batch, threads, tx),
+                               lambda b: tiles(cache_seqlens, b)[1], all_tiles,
+                               target_slots, n_slots, n_candidates, rule, stats, warp_stats,
+                               score)
             carry[0] = 0
             for size_class in T.serial(SIZE_CLASSES):
                 for c in T.serial(T.ceildiv(batch, threads)):
                     count[0] = 0
                     per[0] = 0
                     if c * threads + tx < batch:
-                        count[0] = T.if_then_else(
-                            round_down[0] == 1,
-                            counts(cache_seqlens, c * threads + tx, all_tiles, target_slots)[1],
-                            counts(cache_seqlens, c * threads + tx, all_tiles, target_slots)[0])
+                        count[0] = candidate_count(tiles(cache_seqlens, c * threads + tx)[1],
+                                                   all_tiles[0], target_slots, rule[0])
                         per[0] = T.ceildiv(tiles(cache_seqlens, c * threads + tx)[1], count[0])
-                        if split_class(per[0], target_slots, all_tiles[0]) != size_class:
+                        if split_class(per[0], target_slots * T.max(rule[0], 1),
+                                       all_tiles[0]) != size_class:
                             count[0] = 0
                     exclusive_offsets(count, tx, threads, warp_sums, first, total)
                     if count[0] > 0:

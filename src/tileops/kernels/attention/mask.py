@@ -11,9 +11,10 @@ import tilelang.language as T
 
 INT_OPS = SimpleNamespace(max=max, min=min, ceildiv=lambda a, b: -(-a // b),
                           floordiv=lambda a, b: a // b, floormod=lambda a, b: a % b,
-                          select=lambda cond, a, b: a if cond else b)
+                          select=lambda cond, a, b: a if cond else b, wide=lambda a: a)
 TIR_OPS = SimpleNamespace(max=T.max, min=T.min, ceildiv=T.ceildiv, floordiv=T.floordiv,
-                          floormod=T.floormod, select=T.if_then_else)
+                          floormod=T.floormod, select=T.if_then_else,
+                          wide=lambda a: T.Cast("int64", a))
 
 
 def key_tile_range(q_start, seq_q, seq_kv, block_m: int, block_n: int, window_left: int,

@@ -37,6 +37,9 @@ BLOCK_H = 64  # heads per CTA: one wgmma M tile
 # far wider than the lengths it holds picks the seesaw for short requests.
 SEESAW_MIN_UNITS = 4096
 SEESAW_MIN_HEADS = 128
+# Waves of splits a `fit_waves` schedule may choose from (its partials: batch + that many
+# waves of slots; 4 at batch 128 x 128 heads: 103 MB of fp32, against 51 MB for one wave).
+FIT_WAVES = 4
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,11 @@ class MLADecodeConfig:
     seesaw: bool = False
     pair_runs: bool = False  # seesaw only: the schedule deals runs of tile pairs
     evict_first: bool = True  # seesaw only: key tiles load with L2's evict-first hint
-    # the schedule rounds split counts down where rounding up would start a second wave of
-    # one-CTA-an-SM slots (decode.schedule_program's `wave_fit`); off by default until
-    # measured (built and CPU-checked in the sixty-third session, which had no device)
-    wave_fit: bool = False
+    # > 0: the schedule picks its split rule by an estimate of the makespan among one wave
+    # rounded up or down and 2 .. fit_waves waves (decode.schedule_program's `fit_waves`;
+    # the op's partials then hold that many waves). 0 until measured: built and CPU-checked
+    # in the sixty-third session, which had no device.
+    fit_waves: int = 0
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -180,7 +184,7 @@ class MLADecodeKernel(Kernel):
         # the seesaw's tiles are 64 keys whatever block_n says; its runs pairs or tiles
         unit = ((PAIR_KEYS if config.pair_runs else SEESAW_TILE) if config.seesaw
                 else config.block_n)
-        return (schedule_program(1, unit, -1, True, config.wave_fit), attention,
+        return (schedule_program(1, unit, -1, True, config.fit_waves), attention,
                 combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
 
     def bucket_of(self, size: int) -> str:
@@ -203,11 +207,21 @@ class MLADecodeKernel(Kernel):
                  MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
                  MLADecodeConfig(64, 2, seesaw=True, pair_runs=True),
                  MLADecodeConfig(64, 2, seesaw=True, evict_first=False),
-                 MLADecodeConfig(64, 2, seesaw=True, pair_runs=True, wave_fit=True)]
+                 MLADecodeConfig(64, 2, seesaw=True, pair_runs=True, fit_waves=FIT_WAVES)]
         if not self.seesaw_fits():
             space = [c for c in space if not c.seesaw]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
                 <= 227 * 1024 - 1024]
+
+    def split_waves(self, size: int) -> int:
+        """Waves of slots the partials must hold for a call of `size` (its config's
+        `fit_waves`; a tuning kernel's candidates may take up to FIT_WAVES, and the schedule
+        never takes more slots than the buffers hold)."""
+        if self.tune:
+            return FIT_WAVES
+        found = self._by_bucket.get(self.bucket_of(size))
+        config = found[0] if found is not None else self.config_for(self.bucket_of(size))
+        return max(1, config.fit_waves)
 
     def run(self, config: MLADecodeConfig, compiled: tuple, schedule: bool, q_nope, q_pe, kv,
             block_table, cache_seqlens, slot_table, split_ends, o, lse, o_part, lse_part,
