@@ -139,6 +139,42 @@ def test_cuda_graph_replay_and_no_recompile():
     assert Kernel.compile_count == before
 
 
+def test_plan_across_layers_stale_schedules_and_graph_replay():
+    """`plan_mla_decode`: one schedule reused by two layers' caches; a schedule made for
+    other lengths (stale) still exact; the schedule and a run captured in a CUDA graph
+    replayed with new lengths, pages and queries into the same buffers."""
+    lengths = [100, 2000, 5, 900]
+    kv, seqlens, table = make_latent(lengths, spare_pages=100)
+    kv2 = randn(*kv.shape, dtype=BF16)
+    q_nope, q_pe = randn(4, 128, DC, dtype=BF16), randn(4, 128, DR, dtype=BF16)
+    plan = tileops.plan_mla_decode(4, 128, table.shape[1], sm_scale=0.1)
+    plan.schedule(seqlens)
+    for cache in (kv, kv2):
+        o, lse = plan.run(q_nope, q_pe, cache, seqlens, table, schedule=False)
+        o_ref, lse_ref = reference(q_nope, q_pe, cache, seqlens, table, 0.1)
+        assert_close(o, o_ref, scale=2.0, what="o, a layer on the step's schedule")
+        torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
+    plan.schedule(torch.tensor([3000, 1, 64, 2], dtype=torch.int32, device="cuda"))
+    o, _ = plan.run(q_nope, q_pe, kv, seqlens, table, schedule=False)
+    assert_close(o, reference(q_nope, q_pe, kv, seqlens, table, 0.1)[0], scale=2.0,
+                 what="o on a stale schedule")
+    out, lse = torch.empty_like(q_nope), torch.empty(4, 128, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.schedule(seqlens)
+        plan.run(q_nope, q_pe, kv, seqlens, table, out=out, lse=lse, schedule=False)
+    capacity = table.shape[1] * 64
+    for new in ([101, 2001, 6, 901], [0, capacity, 1, 64]):
+        seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        table.copy_(torch.randint(0, kv.shape[0], table.shape, dtype=torch.int32))
+        q_nope.copy_(randn(*q_nope.shape, dtype=BF16))
+        poison(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference(q_nope, q_pe, kv, seqlens, table, 0.1)[0], scale=2.0,
+                     what=f"replay with {new}")
+
+
 def test_torch_compile_fullgraph():
     kv, seqlens, table = make_latent([40, 900])
     q_nope, q_pe = randn(2, 128, DC, dtype=BF16), randn(2, 128, DR, dtype=BF16)

@@ -145,3 +145,76 @@ def test_partials_hold_the_configs_waves():
                                                  fit_waves=FIT_WAVES), ())
     assert kernel.split_waves(8192) == FIT_WAVES and kernel.split_waves(100) == 1
     assert MLADecodeKernel(tune=True, **key).split_waves(100) == FIT_WAVES
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(batch_size=0), "argument 'batch_size': expected an int >= 1"),
+    (dict(num_heads=96), "argument 'num_heads': expected a multiple of 64, got 96"),
+    (dict(num_heads=32), "argument 'num_heads': expected an int >= 64"),
+    (dict(max_pages=0), "argument 'max_pages'"),
+    (dict(page_size=16), "argument 'page_size': expected 64 or 128 or 256"),
+    (dict(head_dim=256), "argument 'head_dim': expected 512"),
+    (dict(rope_dim=32), "argument 'rope_dim'"),
+    (dict(dtype=torch.float32), "argument 'dtype'"),
+    (dict(sm_scale=-1.0), "argument 'sm_scale'"),
+])
+def test_mla_plan_argument_errors(kwargs, pattern):
+    args = dict(batch_size=4, num_heads=128, max_pages=8, device="cpu")
+    with pytest.raises(TileOpsValueError, match=f"MLADecodePlan: {pattern}"):
+        tileops.plan_mla_decode(**{**args, **kwargs})
+
+
+@pytest.mark.smoke
+def test_mla_plan_launches(monkeypatch):
+    """The plan fixes the kernel's size (batch x 64-head blocks x the table's 64-key
+    tiles), schedules alone (no tensors but the lengths and its buffers), runs with or
+    without a new schedule into the caller's out / lse, and names what does not match the
+    plan."""
+    from tileops.ops.mla_decode import MLADecodeFwdOp as Op
+
+    log = []
+
+    class Recorder:
+        def __call__(self, size, *tensors):
+            log.append((size, tensors))
+
+        def split_waves(self, size):
+            return 2
+
+    monkeypatch.setattr(Op, "get_kernel", lambda self, dispatch, device, **key: Recorder())
+    check = Op.check  # CPU tensors pass the device check: the launch is recorded
+    monkeypatch.setattr(Op, "check", lambda self, inputs, require_cuda=False:
+                        check(self, inputs))
+    plan = tileops.plan_mla_decode(3, 128, 10, device="cpu", num_sms=132, sm_scale=0.125)
+    assert plan.num_slots == 3 + 2 * 66 and plan.units == 3 * 2 * 10
+    lens = torch.tensor([5, 64, 600], dtype=torch.int32)
+    plan.schedule(lens)
+    size, (schedule, q_nope, *_rest) = log[-1]
+    assert size == 60 and schedule is True and q_nope is None
+    q_nope = torch.randn(3, 128, 512).to(torch.bfloat16)
+    q_pe = torch.randn(3, 128, 64).to(torch.bfloat16)
+    kv = torch.randn(12, 64, 576).to(torch.bfloat16)
+    table = torch.zeros(3, 10, dtype=torch.int32)
+    out = torch.empty_like(q_nope)
+    lse = torch.empty(3, 128)
+    o, lse_out = plan.run(q_nope, q_pe, kv, lens, table, out=out, lse=lse, schedule=False)
+    assert o is out and lse_out is lse
+    (schedule, _, _, kv_arg, table_arg, lens_arg, slot_table, _, o_arg, lse_arg, o_part, _,
+     target, scale) = log[-1][1]
+    assert schedule is False and kv_arg is kv and scale == 0.125 and target == 66
+    assert o_arg.shape == (3, 1, 128, 512) and o_arg.data_ptr() == out.data_ptr()
+    assert lse_arg.shape == (3, 128, 1) and o_part.shape == (plan.num_slots, 1, 128, 512)
+    assert slot_table is plan.buffers.slot_table
+    with pytest.raises(TileOpsValueError, match=r"MLADecodePlan.run: argument 'block_table'"
+                                                r": expected shape \[3, 10\]"):
+        plan.run(q_nope, q_pe, kv, lens, torch.zeros(3, 9, dtype=torch.int32))
+    with pytest.raises(TileOpsValueError, match="MLADecodePlan.run: argument 'q_nope'"):
+        plan.run(q_nope.half(), q_pe, kv, lens, table)
+    with pytest.raises(TileOpsValueError, match="MLADecodePlan.run: argument 'kv_cache'"):
+        plan.run(q_nope, q_pe, kv.view(24, 32, 576), lens, table)
+    with pytest.raises(TileOpsValueError, match="MLADecodePlan.run: argument 'lse'"):
+        plan.run(q_nope, q_pe, kv, lens, table, lse=torch.empty(3, 128, 1))
+    with pytest.raises(TileOpsValueError, match="MLADecodePlan.schedule: argument "
+                                                "'cache_seqlens'"):
+        plan.schedule(lens.long())

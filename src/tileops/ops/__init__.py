@@ -58,7 +58,7 @@ from .grouped_gemm import (
 from .grouped_gemm_fp8 import GroupedGemmFp8FwdOp, grouped_gemm_fp8
 from .linear import LinearBwdOp, LinearFwdOp, linear
 from .linear_group import LinearGroupFwdOp, linear_group
-from .mla_decode import MLADecodeFwdOp, mla_decode
+from .mla_decode import MLADecodeFwdOp, MLADecodePlan, mla_decode, plan_mla_decode
 from .moe import (
     MoePermuteFwdOp,
     MoeRouteFwdOp,
@@ -148,7 +148,7 @@ __all__ = ["Op", "OP_CLASSES", "GemmFwdOp", "RMSNormFwdOp", "GroupedQueryAttenti
            "DecodeAttentionFwdOp", "KVCacheAppendFwdOp", "decode_attention", "kv_cache_append",
            "ChunkedPrefillAttentionFwdOp", "chunked_prefill_attention", "DecodePlan", "plan_decode",
            "DecodeAttentionFp8FwdOp", "ChunkedPrefillAttentionFp8FwdOp", "KVCacheAppendFp8FwdOp",
-           "MLADecodeFwdOp", "mla_decode",
+           "MLADecodeFwdOp", "mla_decode", "MLADecodePlan", "plan_mla_decode",
            "QuantizeFp8FwdOp", "GemmFp8FwdOp", "quantize_fp8", "gemm_fp8",
            "MoeRouteFwdOp", "MoePermuteFwdOp", "MoeUnpermuteFwdOp", "moe_route", "moe_permute",
            "moe_unpermute", "GroupedGemmFwdOp", "grouped_gemm", "GroupedGemmBwdOp",

@@ -596,7 +596,60 @@ def _planned_launch(kernel: Kernel, schedule: bool, q, k_cache, v_cache, table, 
            buffers.blocks, buffers.target, scale)
 
 
-class DecodePlan:
+class BatchPlan:
+    """What the reusable decode plans share (`DecodePlan`, `MLADecodePlan`): the device and
+    SM count, fixed work buffers (`_PlanBuffers`), whether a schedule has run, and the checks
+    of their arguments, lengths and output buffers, each error naming the plan."""
+
+    batch_size: int
+    buffers: _PlanBuffers
+
+    def _setup(self, ints: Mapping[str, tuple[Any, int]], dtype: torch.dtype, device: Any,
+               num_sms: int | None) -> None:
+        """Checks `ints` (argument -> (value, least value)) and dtype; fixes the device."""
+        name = type(self).__name__
+        for arg, (value, low) in ints.items():
+            if not isinstance(value, int) or value < low:
+                raise op_error(TileOpsValueError, name, arg, f"an int >= {low}", value)
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise op_error(TileOpsValueError, name, "dtype", "torch.float16 or torch.bfloat16",
+                           dtype)
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_sms = num_sms if num_sms is not None else _sms(self.device)
+        self._scheduled = False
+
+    @property
+    def num_slots(self) -> int:
+        """CTAs per (KV head, row block): the batch plus the schedule's waves of splits."""
+        return self.buffers.slot_table.shape[0]
+
+    def _check_lengths(self, cache_seqlens: torch.Tensor) -> None:
+        if (cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) !=
+                (self.batch_size,) or cache_seqlens.device != self.device):
+            raise op_error(TileOpsValueError, f"{type(self).__name__}.schedule",
+                           "cache_seqlens", f"int32 [{self.batch_size}] on {self.device}",
+                           f"{cache_seqlens.dtype} {list(cache_seqlens.shape)} on "
+                           f"{cache_seqlens.device}")
+
+    def _outputs(self, out: torch.Tensor | None, lse: torch.Tensor | None,
+                 like: torch.Tensor, lse_shape: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, lse): the caller's buffers, checked, or new ones (o like `like`)."""
+        o = out if out is not None else torch.empty_like(like)
+        lse = lse if lse is not None else torch.empty(lse_shape, dtype=torch.float32,
+                                                      device=like.device)
+        for arg, t, shape, dtype in (("out", o, like.shape, like.dtype),
+                                     ("lse", lse, lse_shape, torch.float32)):
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+                raise op_error(TileOpsValueError, f"{type(self).__name__}.run", arg,
+                               f"a contiguous {dtype} tensor of shape {list(shape)}",
+                               f"{list(t.shape)} ({t.dtype})")
+        return o, lse
+
+
+class DecodePlan(BatchPlan):
     """A decode batch schedule, made once and reused by every layer's call.
 
     `tileops.plan_decode(batch_size, num_heads, num_kv_heads, head_dim, page_size=16, ...)`
@@ -633,11 +686,9 @@ class DecodePlan:
                  is_causal: bool = True, num_sms: int | None = None,
                  kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD"):
         name = "DecodePlan"
-        ints = {"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
-                "num_kv_heads": (num_kv_heads, 1), "q_len": (q_len, 1)}
-        for arg, (value, low) in ints.items():
-            if not isinstance(value, int) or value < low:
-                raise op_error(TileOpsValueError, name, arg, f"an int >= {low}", value)
+        self._setup({"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
+                     "num_kv_heads": (num_kv_heads, 1), "q_len": (q_len, 1)}, dtype, device,
+                    num_sms)
         if num_heads % num_kv_heads:
             raise op_error(TileOpsValueError, name, "num_kv_heads", "a divisor of num_heads "
                            f"({num_heads})", num_kv_heads)
@@ -648,16 +699,10 @@ class DecodePlan:
         if page_size is not None and page_size not in (16, 32, 64, 128, 256):
             raise op_error(TileOpsValueError, name, "page_size",
                            "16, 32, 64, 128, 256 or None (a contiguous cache)", page_size)
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise op_error(TileOpsValueError, name, "dtype", "torch.float16 or torch.bfloat16",
-                           dtype)
         kv_dtype = kv_dtype or dtype
         if kv_dtype not in (dtype, FP8):
             raise op_error(TileOpsValueError, name, "kv_dtype",
                            f"None, {dtype} or torch.float8_e4m3fn", kv_dtype)
-        self.device = torch.device(device if device is not None else "cuda")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         op_class = DecodeAttentionFp8FwdOp if kv_dtype == FP8 else DecodeAttentionFwdOp
         if kv_layout not in ("NHD", "HND"):
             raise op_error(TileOpsValueError, name, "kv_layout", "'NHD' or 'HND'", kv_layout)
@@ -668,14 +713,12 @@ class DecodePlan:
         self.batch_size, self.q_len, self.num_heads = batch_size, q_len, num_heads
         self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
         self.dtype = dtype
-        self.num_sms = num_sms if num_sms is not None else _sms(self.device)
         self.scale = float(sm_scale if sm_scale is not None else head_dim ** -0.5)
         self.key = self.op._kernel_key(dtype, num_heads, num_kv_heads, head_dim, q_len,
                                        page_size or 0, kv_dtype)
         self.buffers = _PlanBuffers.make(batch_size, q_len, num_heads, num_kv_heads, head_dim,
                                          self.num_sms, self.device, GATHERED_SPLIT_WAVES)
         self._kernel: Kernel | None = None
-        self._scheduled = False
 
     @property
     def kernel(self) -> Kernel:
@@ -683,11 +726,6 @@ class DecodePlan:
             self._kernel = self.op.get_kernel("decode_attention_planned", self.device,
                                               **self.key)
         return self._kernel
-
-    @property
-    def num_slots(self) -> int:
-        """CTAs per (KV head, row block): the batch plus the schedule's waves of splits."""
-        return self.buffers.slot_table.shape[0]
 
     def schedule(self, cache_seqlens: torch.Tensor) -> None:
         """Recomputes the per-request split counts from cache_seqlens, on the GPU."""
@@ -722,16 +760,8 @@ class DecodePlan:
         self.op.validate(inputs + (k_scale, v_scale) if self.kv_dtype == FP8 else inputs)
         if self.op.checked and not torch.cuda.is_current_stream_capturing():
             self.op._check_indices(k_cache, cache_seqlens, block_table)
-        o = out if out is not None else torch.empty_like(q)
         lse_shape = (self.batch_size, self.num_heads) + (() if single else (self.q_len,))
-        lse = lse if lse is not None else torch.empty(lse_shape, dtype=torch.float32,
-                                                      device=q.device)
-        for arg, t, shape, dtype in (("out", o, q.shape, q.dtype),
-                                     ("lse", lse, lse_shape, torch.float32)):
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
-                raise op_error(TileOpsValueError, name, arg,
-                               f"a contiguous {dtype} tensor of shape {list(shape)}",
-                               f"{list(t.shape)} ({t.dtype})")
+        o, lse = self._outputs(out, lse, q, lse_shape)
         k_scale, v_scale = _scales(name, k_cache, k_scale, v_scale, lse)
         table = block_table.contiguous() if paged else _unread_table(cache_seqlens)
         _planned_launch(self.kernel, schedule or not self._scheduled, q4.contiguous(),
@@ -745,14 +775,6 @@ class DecodePlan:
         return o, lse
 
     __call__ = run
-
-    def _check_lengths(self, cache_seqlens: torch.Tensor) -> None:
-        if (cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) !=
-                (self.batch_size,) or cache_seqlens.device != self.device):
-            raise op_error(TileOpsValueError, "DecodePlan.schedule", "cache_seqlens",
-                           f"int32 [{self.batch_size}] on {self.device}",
-                           f"{cache_seqlens.dtype} {list(cache_seqlens.shape)} on "
-                           f"{cache_seqlens.device}")
 
 
 def plan_decode(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,

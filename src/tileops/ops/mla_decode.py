@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
+from ..errors import TileOpsValueError, op_error
 from ..kernels.attention.mla_decode import MLADecodeKernel
 from ..kernels.base import Kernel
 from ..manifest.spec import DTYPE_NAMES
 from .base import Op
-from .decode_attention import DecodeAttentionFwdOp, _contiguous, _PlanBuffers, _sms
+from .decode_attention import BatchPlan, DecodeAttentionFwdOp, _contiguous, _PlanBuffers, _sms
 
 
 class MLADecodeFwdOp(Op):
@@ -88,6 +89,129 @@ def _work_units(batch: int, heads: int, table_keys: int) -> int:
     """(request, 64 heads, 64-key tile) units the block table can hold: the kernel's bucket
     (the lengths themselves stay on the GPU)."""
     return batch * -(-heads // 64) * -(-table_keys // 64)
+
+
+class MLADecodePlan(BatchPlan):
+    """An MLA decode schedule, made once per step and reused by every layer's call (what
+    FlashMLA's get_mla_metadata gives its flash_mla_with_kvcache calls).
+
+    `tileops.plan_mla_decode(batch_size, num_heads, max_pages, page_size=64, ...)` fixes
+    what the programs depend on (batch, heads, the block table's width, page size, dtype,
+    the SM count: so the bucket and config) and owns the schedule and the fp32 partials.
+    Per step:
+
+        plan.schedule(cache_seqlens)              # once: the split counts, on the GPU
+        for layer in layers:
+            o = plan.run(q_nope, q_pe, kv_cache[layer], cache_seqlens, block_table)
+
+    Nothing on the host reads cache_seqlens or block_table, and `run` allocates only the
+    outputs (pass `out` / `lse` to reuse yours), so a CUDA graph captured once replays
+    correctly when only their values change. `run(..., schedule=True)` (the default)
+    reschedules first; pass schedule=False to reuse the last one (a stale schedule is still
+    exact, as `DecodePlan`'s). Results are `MLADecodeFwdOp`'s; `run` returns (o [B, H, Dc],
+    lse [B, H])."""
+
+    def __init__(self, batch_size: int, num_heads: int, max_pages: int, *,
+                 page_size: int = 64, head_dim: int = 512, rope_dim: int = 64,
+                 dtype: torch.dtype = torch.bfloat16, device: Any = None,
+                 sm_scale: float | None = None, num_sms: int | None = None):
+        name = "MLADecodePlan"
+        self._setup({"batch_size": (batch_size, 1), "num_heads": (num_heads, 64),
+                     "max_pages": (max_pages, 1)}, dtype, device, num_sms)
+        for arg, value, allowed in (("num_heads", num_heads % 64, (0,)),
+                                    ("head_dim", head_dim, (512,)), ("rope_dim", rope_dim, (64,)),
+                                    ("page_size", page_size, (64, 128, 256))):
+            if value not in allowed:
+                raise op_error(TileOpsValueError, name, arg,
+                               "a multiple of 64" if arg == "num_heads" else
+                               " or ".join(map(str, allowed)),
+                               num_heads if arg == "num_heads" else value)
+        if sm_scale is not None and not sm_scale > 0:
+            raise op_error(TileOpsValueError, name, "sm_scale", "None or > 0", sm_scale)
+        self.op = MLADecodeFwdOp.cached(sm_scale=sm_scale)
+        self.batch_size, self.num_heads, self.max_pages = batch_size, num_heads, max_pages
+        self.head_dim, self.rope_dim, self.page_size, self.dtype = (head_dim, rope_dim,
+                                                                    page_size, dtype)
+        self.scale = float(sm_scale if sm_scale is not None else (head_dim + rope_dim) ** -0.5)
+        self.units = _work_units(batch_size, num_heads, max_pages * page_size)
+        self._kernel: Kernel | None = None
+        self._buffers: _PlanBuffers | None = None
+        if self.device.type == "cuda":
+            self.buffers  # noqa: B018 (allocated now, not inside a graph capture later)
+
+    @property
+    def kernel(self) -> Kernel:
+        if self._kernel is None:
+            self._kernel = self.op.get_kernel("mla_decode", self.device, **self.op._kernel_key(
+                self.dtype, self.num_heads, self.head_dim, self.rope_dim, self.page_size))
+        return self._kernel
+
+    @property
+    def buffers(self) -> _PlanBuffers:
+        """The schedule and partials, as many waves of slots as the kernel's config takes."""
+        if self._buffers is None:
+            self._buffers = _PlanBuffers.make(self.batch_size, 1, self.num_heads, 1,
+                                              self.head_dim, self.num_sms, self.device,
+                                              self.kernel.split_waves(self.units))
+        return self._buffers
+
+    def schedule(self, cache_seqlens: torch.Tensor) -> None:
+        """Recomputes the per-request split counts from cache_seqlens, on the GPU."""
+        self._check_lengths(cache_seqlens)
+        self._launch(True, None, None, None, cache_seqlens.contiguous(), None, None, None)
+        self._scheduled = True
+
+    def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor, block_table: torch.Tensor, *,
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            schedule: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o [B, H, Dc], lse [B, H]) of the absorbed queries over the latent cache."""
+        name = "MLADecodePlan.run"
+        planned = {"q_nope": (q_nope, (self.batch_size, self.num_heads, self.head_dim)),
+                   "q_pe": (q_pe, (self.batch_size, self.num_heads, self.rope_dim)),
+                   "block_table": (block_table, (self.batch_size, self.max_pages))}
+        for arg, (t, shape) in planned.items():
+            dtype = torch.int32 if arg == "block_table" else self.dtype
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise op_error(TileOpsValueError, name, arg,
+                               f"shape {list(shape)} ({dtype}) as planned",
+                               f"{list(t.shape)} ({t.dtype})")
+        if kv_cache.dim() != 3 or kv_cache.shape[1] != self.page_size:
+            raise op_error(TileOpsValueError, name, "kv_cache",
+                           f"pages of {self.page_size} latent rows, as planned",
+                           f"shape {list(kv_cache.shape)}")
+        inputs = (q_nope, q_pe, kv_cache, cache_seqlens, block_table)
+        self.op.validate(inputs)
+        kv_cache = _contiguous(name, "kv_cache", kv_cache)
+        if self.op.checked and not torch.cuda.is_current_stream_capturing():
+            DecodeAttentionFwdOp._check_indices(self.op, kv_cache, cache_seqlens, block_table)
+        o, lse = self._outputs(out, lse, q_nope, (self.batch_size, self.num_heads))
+        self._launch(schedule or not self._scheduled, q_nope.contiguous(), q_pe.contiguous(),
+                     kv_cache, cache_seqlens.contiguous(), block_table.contiguous(), o, lse)
+        self._scheduled = True
+        return o, lse
+
+    __call__ = run
+
+    def _launch(self, schedule, q_nope, q_pe, kv, cache_seqlens, table, o, lse) -> None:
+        batch, heads, dim = self.batch_size, self.num_heads, self.head_dim
+        self.kernel(self.units, schedule, q_nope, q_pe, kv, table, cache_seqlens,
+                    self.buffers.slot_table, self.buffers.split_ends,
+                    None if o is None else o.view(batch, 1, heads, dim),
+                    None if lse is None else lse.view(batch, heads, 1), self.buffers.o_part,
+                    self.buffers.lse_part, self.buffers.target, self.scale)
+
+
+def plan_mla_decode(batch_size: int, num_heads: int, max_pages: int, *, page_size: int = 64,
+                    head_dim: int = 512, rope_dim: int = 64,
+                    dtype: torch.dtype = torch.bfloat16, device: Any = None,
+                    sm_scale: float | None = None,
+                    num_sms: int | None = None) -> MLADecodePlan:
+    """A reusable `MLADecodePlan` for a batch of `batch_size` requests whose block tables
+    are `max_pages` wide (see its docstring)."""
+    return MLADecodePlan(batch_size, num_heads, max_pages, page_size=page_size,
+                         head_dim=head_dim, rope_dim=rope_dim, dtype=dtype, device=device,
+                         sm_scale=sm_scale, num_sms=num_sms)
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

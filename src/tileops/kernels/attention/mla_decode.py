@@ -226,8 +226,12 @@ class MLADecodeKernel(Kernel):
     def run(self, config: MLADecodeConfig, compiled: tuple, schedule: bool, q_nope, q_pe, kv,
             block_table, cache_seqlens, slot_table, split_ends, o, lse, o_part, lse_part,
             target: int, scale: float) -> None:
+        """With `schedule`, recomputes the split counts from cache_seqlens first; q_nope
+        None: the schedule only (`MLADecodePlan.schedule`)."""
         if schedule:
             compiled[0](cache_seqlens, slot_table, split_ends, target)
+        if q_nope is None:
+            return
         compiled[1](q_nope, q_pe, kv, block_table, cache_seqlens, slot_table, o, lse, o_part,
                     lse_part, scale)
         compiled[2](o_part, lse_part, slot_table, split_ends, o, lse)
