@@ -116,15 +116,9 @@ def test_default_scale_and_functional_lse():
     torch.testing.assert_close(lse, lse_ref, atol=2e-3, rtol=1e-4)
 
 
-def test_cuda_graph_replay_and_no_recompile():
-    kv, seqlens, table = make_latent([100, 2000, 5, 900], spare_pages=100)
-    q_nope, q_pe = randn(4, 128, DC, dtype=BF16), randn(4, 128, DR, dtype=BF16)
-    op = MLADecodeFwdOp(sm_scale=0.1)
-    op(q_nope, q_pe, kv, seqlens, table)
-    before = Kernel.compile_count
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, _ = op(q_nope, q_pe, kv, seqlens, table)
+def replay_with_new_lengths(graph, o, q_nope, q_pe, kv, seqlens, table):
+    """Replays `graph` (a call of scale 0.1 into `o`) on new lengths (0 and the table's
+    capacity among them), random pages and queries, each against the reference."""
     capacity = table.shape[1] * 64
     for lengths in ([101, 2001, 6, 901], [0, capacity, 1, 64]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
@@ -135,6 +129,18 @@ def test_cuda_graph_replay_and_no_recompile():
         torch.cuda.synchronize()
         assert_close(o, reference(q_nope, q_pe, kv, seqlens, table, 0.1)[0], scale=2.0,
                      what=f"replay with {lengths}")
+
+
+def test_cuda_graph_replay_and_no_recompile():
+    kv, seqlens, table = make_latent([100, 2000, 5, 900], spare_pages=100)
+    q_nope, q_pe = randn(4, 128, DC, dtype=BF16), randn(4, 128, DR, dtype=BF16)
+    op = MLADecodeFwdOp(sm_scale=0.1)
+    op(q_nope, q_pe, kv, seqlens, table)
+    before = Kernel.compile_count
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = op(q_nope, q_pe, kv, seqlens, table)
+    replay_with_new_lengths(graph, o, q_nope, q_pe, kv, seqlens, table)
     check([7] * 3, op=op, sm_scale=0.1)
     assert Kernel.compile_count == before
 
@@ -163,16 +169,7 @@ def test_plan_across_layers_stale_schedules_and_graph_replay():
     with torch.cuda.graph(graph):
         plan.schedule(seqlens)
         plan.run(q_nope, q_pe, kv, seqlens, table, out=out, lse=lse, schedule=False)
-    capacity = table.shape[1] * 64
-    for new in ([101, 2001, 6, 901], [0, capacity, 1, 64]):
-        seqlens.copy_(torch.tensor(new, dtype=torch.int32))
-        table.copy_(torch.randint(0, kv.shape[0], table.shape, dtype=torch.int32))
-        q_nope.copy_(randn(*q_nope.shape, dtype=BF16))
-        poison(out)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out, reference(q_nope, q_pe, kv, seqlens, table, 0.1)[0], scale=2.0,
-                     what=f"replay with {new}")
+    replay_with_new_lengths(graph, out, q_nope, q_pe, kv, seqlens, table)
 
 
 def test_torch_compile_fullgraph():
