@@ -83,7 +83,7 @@ def test_page_sizes(page_size):
     check([33, 1000, 4097], page_size=page_size)
 
 
-@pytest.mark.parametrize("heads", [64, 256])
+@pytest.mark.parametrize("heads", [16, 32, 64, 96, 256])
 def test_head_counts(heads):
     check([100, 3000], heads=heads)
 

@@ -7,8 +7,8 @@ kv_cache [num_pages, page_size, Dc + Dr] (c, then k_pe; FlashMLA's layout with i
 each request, the new token's included). Returns o [B, H, Dc] = softmax(s) @ c with
 s = (q_nope . c + q_pe . k_pe) * sm_scale (default (Dc + Dr) ** -0.5; DeepSeek-V3 passes
 its own, mscale included), and with return_lse lse [B, H] (fp32, natural log).
-DeepSeek-V3: H 128 (no tensor parallelism; 16 / 32 / 64 under TP 8 / 4 / 2 are multiples of
-64 only from TP 2), Dc 512, Dr 64, pages of 64.
+DeepSeek-V3: H 128 without tensor parallelism, 16 / 32 / 64 a GPU under TP 8 / 4 / 2 (any
+H: a block of 64 heads past H masks its rows), Dc 512, Dr 64, pages of 64.
 
 Split-KV per request as `DecodeAttentionFwdOp`'s planned path (a schedule computed on the
 GPU from cache_seqlens, no host sync, no recompilation for new batch sizes or lengths). A
@@ -116,16 +116,13 @@ class MLADecodePlan(BatchPlan):
                  dtype: torch.dtype = torch.bfloat16, device: Any = None,
                  sm_scale: float | None = None, num_sms: int | None = None):
         name = "MLADecodePlan"
-        self._setup({"batch_size": (batch_size, 1), "num_heads": (num_heads, 64),
+        self._setup({"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
                      "max_pages": (max_pages, 1)}, dtype, device, num_sms)
-        for arg, value, allowed in (("num_heads", num_heads % 64, (0,)),
-                                    ("head_dim", head_dim, (512,)), ("rope_dim", rope_dim, (64,)),
+        for arg, value, allowed in (("head_dim", head_dim, (512,)), ("rope_dim", rope_dim, (64,)),
                                     ("page_size", page_size, (64, 128, 256))):
             if value not in allowed:
-                raise op_error(TileOpsValueError, name, arg,
-                               "a multiple of 64" if arg == "num_heads" else
-                               " or ".join(map(str, allowed)),
-                               num_heads if arg == "num_heads" else value)
+                raise op_error(TileOpsValueError, name, arg, " or ".join(map(str, allowed)),
+                               value)
         if sm_scale is not None and not sm_scale > 0:
             raise op_error(TileOpsValueError, name, "sm_scale", "None or > 0", sm_scale)
         self.op = MLADecodeFwdOp.cached(sm_scale=sm_scale)

@@ -68,10 +68,19 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
                        config: MLADecodeConfig):
     """The attention over one slot's run of key tiles (see the module docstring): writes
     o [B, 1, H, Dc] and lse [B, H, 1] for a request of one split, else fp32 partials
-    o_part [slots, 1, H, Dc] and lse_part [slots, 1, H] for the planned combine."""
+    o_part [slots, 1, H, Dc] and lse_part [slots, 1, H] for the planned combine.
+
+    H need not be a multiple of 64 (DeepSeek-V3 under tensor parallelism: 16 heads a GPU
+    at TP 8, 32 at TP 4): the last block's rows past H load zeros and store nothing (the
+    rows are wgmma's M, so those blocks run at the cost of 64 heads: memory-bound at
+    16-32 heads all the same)."""
     batch, n_pages, max_pages, n_slots = T.dynamic("batch, n_pages, max_pages, n_slots")
     block_n, stages = config.block_n, config.stages
-    assert page_size % block_n == 0 and heads % BLOCK_H == 0
+    assert page_size % block_n == 0
+    ragged = heads % BLOCK_H != 0  # the last block's rows past H are masked
+
+    def real_head(h0, i):  # whether row i of the block at head h0 is one of the H heads
+        return h0 + i < heads if ragged else True
 
     @T.prim_func
     def mla_decode(q_nope: T.Tensor((batch, heads, dim), dtype),
@@ -85,7 +94,7 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
                    o_part: T.Tensor((n_slots, 1, heads, dim), "float"),
                    lse_part: T.Tensor((n_slots, 1, heads), "float"),
                    scale: T.float32):
-        with T.Kernel(heads // BLOCK_H, n_slots, threads=256) as (hx, bz):
+        with T.Kernel(T.ceildiv(heads, BLOCK_H), n_slots, threads=256) as (hx, bz):
             q_shared = T.alloc_shared((BLOCK_H, dim), dtype)
             q_pe_shared = T.alloc_shared((BLOCK_H, rope), dtype)
             kv_shared = T.alloc_shared((block_n, dim), dtype)
@@ -105,8 +114,16 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
                 b = slot_table[bz, 0]
                 seqlen = cache_seqlens[b]
                 h0 = hx * BLOCK_H
-                T.copy(q_nope[b, h0:h0 + BLOCK_H, :], q_shared)
-                T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_shared)
+                if ragged:
+                    for i, d in T.Parallel(BLOCK_H, dim):
+                        q_shared[i, d] = T.if_then_else(real_head(h0, i), q_nope[
+                            b, T.min(h0 + i, heads - 1), d], T.cast(0, dtype))
+                    for i, d in T.Parallel(BLOCK_H, rope):
+                        q_pe_shared[i, d] = T.if_then_else(real_head(h0, i), q_pe[
+                            b, T.min(h0 + i, heads - 1), d], T.cast(0, dtype))
+                else:
+                    T.copy(q_nope[b, h0:h0 + BLOCK_H, :], q_shared)
+                    T.copy(q_pe[b, h0:h0 + BLOCK_H, :], q_pe_shared)
                 T.fill(acc, 0.0)
                 T.fill(total, 0.0)
                 T.fill(m, -T.infinity("float"))
@@ -146,20 +163,24 @@ def mla_decode_program(heads: int, dim: int, rope: int, page_size: int, dtype: s
                     T.gemm(p_shared, kv_shared, acc, policy=T.GemmWarpPolicy.FullCol)
                 if slot_table[bz, 3] == 1:
                     for i, d in T.Parallel(BLOCK_H, dim):
-                        o[b, 0, h0 + i, d] = T.if_then_else(total[i] > 0, acc[i, d] / total[i],
-                                                            0.0)
+                        if real_head(h0, i):
+                            o[b, 0, h0 + i, d] = T.if_then_else(
+                                total[i] > 0, acc[i, d] / total[i], 0.0)
                     for i in T.Parallel(BLOCK_H):
-                        lse[b, h0 + i, 0] = T.if_then_else(
-                            total[i] > 0, m_safe[i] * scale + T.log(total[i]),
-                            -T.infinity("float"))
+                        if real_head(h0, i):
+                            lse[b, h0 + i, 0] = T.if_then_else(
+                                total[i] > 0, m_safe[i] * scale + T.log(total[i]),
+                                -T.infinity("float"))
                 else:
                     for i, d in T.Parallel(BLOCK_H, dim):
-                        o_part[bz, 0, h0 + i, d] = T.if_then_else(
-                            total[i] > 0, acc[i, d] / total[i], 0.0)
+                        if real_head(h0, i):
+                            o_part[bz, 0, h0 + i, d] = T.if_then_else(
+                                total[i] > 0, acc[i, d] / total[i], 0.0)
                     for i in T.Parallel(BLOCK_H):
-                        lse_part[bz, 0, h0 + i] = T.if_then_else(
-                            total[i] > 0, m_safe[i] * scale + T.log(total[i]),
-                            -T.infinity("float"))
+                        if real_head(h0, i):
+                            lse_part[bz, 0, h0 + i] = T.if_then_else(
+                                total[i] > 0, m_safe[i] * scale + T.log(total[i]),
+                                -T.infinity("float"))
 
     return mla_decode
 
@@ -200,6 +221,7 @@ class MLADecodeKernel(Kernel):
     def seesaw_fits(self) -> bool:
         # its rope part is one 64-column box, its latent halves 64-column boxes
         return self.key["rope"] == 64 and self.key["dim"] % 128 == 0 and \
+            self.key["heads"] % BLOCK_H == 0 and \
             MLADecodeConfig(seesaw=True).smem_bytes(self.key["dim"], 64) <= 227 * 1024 - 1024
 
     def config_space(self, bucket: str) -> list[MLADecodeConfig]:
