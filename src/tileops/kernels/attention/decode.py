@@ -1025,6 +1025,20 @@ def makespan_score(slots, longest, shortest, total_tiles, wave, ops=TIR_OPS):
 
 
 @T.macro
+def fill_slot(slot_table, n_slots, slot, request, i, count, per, first_tile):
+    """slot_table[slot] = split i of the request's `count`: runs [start_i, start_i+1) of
+    `per` tiles from its first visible tile, start_0 = 0 and the last open-ended (see
+    schedule_program)."""
+    if slot < n_slots:
+        slot_table[slot, 0] = request
+        slot_table[slot, 1] = T.if_then_else(i == 0, 0, first_tile + i * per)
+        slot_table[slot, 2] = T.if_then_else(
+            i == count - 1, OPEN_RUN,
+            first_tile + (i + 1) * per - T.if_then_else(i == 0, 0, first_tile + i * per))
+        slot_table[slot, 3] = count
+
+
+@T.macro
 def pick_candidate(scan, request_tiles, all_tiles, target_slots, n_slots, n_candidates: int, best,
                    stats, warp_stats, score):
     """best[0] = the candidate rule (see `candidate_count`) of the lowest `makespan_score`
@@ -1121,6 +1135,10 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool,
             carry = T.alloc_local((1,), "int32")
             per = T.alloc_local((1,), "int32")
             rule = T.alloc_local((1,), "int32")
+            owner = T.alloc_local((1,), "int32")
+            # each thread's request in a chunk: its first slot (in the chunk), slots, tiles a
+            # split, first visible tile
+            runs = T.alloc_shared((4, threads), "int32")
             all_tiles[0] = 0
             for c in T.serial(T.ceildiv(batch, threads)):
                 count[0] = 0
@@ -1153,21 +1171,24 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool,
                     exclusive_offsets(count, tx, threads, warp_sums, first, total)
                     if count[0] > 0:
                         split_ends[c * threads + tx] = carry[0] + first[0] + count[0]
-                        for i in T.serial(count[0]):
-                            if carry[0] + first[0] + i < n_slots:
-                                slot = carry[0] + first[0] + i
-                                slot_table[slot, 0] = c * threads + tx
-                                # runs [start_i, start_i+1): start_0 = 0, the last open
-                                slot_table[slot, 1] = T.if_then_else(
-                                    i == 0, 0, tiles(cache_seqlens, c * threads + tx)[0]
-                                    + i * per[0])
-                                slot_table[slot, 2] = T.if_then_else(
-                                    i == count[0] - 1, OPEN_RUN,
-                                    tiles(cache_seqlens, c * threads + tx)[0] + (i + 1) * per[0]
-                                    - T.if_then_else(i == 0, 0, tiles(cache_seqlens,
-                                                                      c * threads + tx)[0]
-                                                     + i * per[0]))
-                                slot_table[slot, 3] = count[0]
+                    # the chunk's slots written by all threads, each finding its slot's
+                    # request by a binary search of the runs' starts (a request of 66
+                    # splits written by its one thread took ~2 us at batch 1)
+                    runs[0, tx] = first[0]
+                    runs[1, tx] = count[0]
+                    runs[2, tx] = per[0]
+                    runs[3, tx] = tiles(cache_seqlens, T.min(c * threads + tx, batch - 1))[0]
+                    T.sync_threads()
+                    for r in T.serial(T.ceildiv(total[0], threads)):
+                        if r * threads + tx < total[0]:
+                            owner[0] = 0  # the last thread whose runs start at or before
+                            for step in T.unroll(threads.bit_length() - 1):
+                                if runs[0, owner[0] + (threads >> (step + 1))] <= r * threads + tx:
+                                    owner[0] = owner[0] + (threads >> (step + 1))
+                            fill_slot(slot_table, n_slots, carry[0] + r * threads + tx,
+                                      c * threads + owner[0],
+                                      r * threads + tx - runs[0, owner[0]], runs[1, owner[0]],
+                                      runs[2, owner[0]], runs[3, owner[0]])
                     carry[0] = carry[0] + total[0]
                     T.sync_threads()
             for r, j in T.grid(T.ceildiv(n_slots, threads), 4):
