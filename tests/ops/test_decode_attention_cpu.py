@@ -32,6 +32,7 @@ from tileops.kernels.attention.decode import (
     candidate_count,
     candidate_splits,
     choose_splits,
+    combine_program,
     gather_registers,
     key_major_rows,
     key_visible,
@@ -765,14 +766,21 @@ def test_fitted_schedule_program_on_the_cpu(name):
 
 
 @pytest.mark.compile
-def test_planned_combine_on_the_cpu():
+@pytest.mark.parametrize("chunk", [None, 32], ids=["whole-rows", "chunks-of-32"])
+def test_planned_combine_on_the_cpu(chunk):
     """The planned combine (tests/cuda_emulation.py): a request of several slots gets the
     lse-weighted merge of its own slots wherever the schedule laid them (not in request
     order: longest splits first), one of a single split is left as the attention program
-    wrote it, an all-empty request gets 0 and -inf."""
+    wrote it, an all-empty request gets 0 and -inf; with `chunk`, four CTAs a row, each
+    merging its 32 columns, the first storing the lse."""
+    import tilelang
+
     from ..cuda_emulation import run
 
-    compiled = _planned_program(2, q_len=2, heads=4)
+    compiled = (_planned_program(2, q_len=2, heads=4) if chunk is None else tilelang.compile(
+        combine_program(4, 128, 2, "bfloat16", planned=True, chunk=chunk),
+        target=_planned_kernel().target))
+    ctas, threads = (3 * 2 * 4, 64) if chunk is None else (3 * 2 * 4 * 128 // chunk, 32)
     # request 0: slots 2-4; request 1: slot 5 (direct); request 2: slots 0-1 (empty runs)
     ends = torch.tensor([5, 6, 2], dtype=torch.int32)
     slot_table = torch.tensor([[2, 0, 0, 2], [2, 0, 0, 2], [0, 0, 0, 3], [0, 0, 0, 3],
@@ -785,7 +793,7 @@ def test_planned_combine_on_the_cpu():
     o_part[0:2] = 0.0
     o = torch.full((3, 2, 4, 128), math.nan).to(BF16)
     lse = torch.full((3, 4, 2), math.nan)
-    run(_HostMath(compiled), 3 * 2 * 4, 64,
+    run(_HostMath(compiled), ctas, threads,
         dict(o_part=o_part, lse_part=lse_part, slot_table=slot_table, split_ends=ends, o=o,
              lse=lse),
         dict(batch=3, n_slots=7))

@@ -906,15 +906,24 @@ def decode_program(heads: int, kv_heads: int, head_dim: int, q_len: int, page_si
     return decode_direct
 
 
-def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: bool = False):
+def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: bool = False,
+                    chunk: int | None = None):
     """o [B, Sq, H, D] and lse [B, H, Sq] from the splits' partials: weights
     exp(lse_s - lse), lse the log-sum-exp of the splits'; no split saw a key -> 0, -inf.
 
     `planned`: the partials are per slot, o_part [slots, Sq, H, D], request b owning the n
     slots before split_ends[b], n = slot_table[split_ends[b] - 1, 3] (see schedule_program);
-    a request of one split was written by the attention program itself and is left alone."""
+    a request of one split was written by the attention program itself and is left alone.
+
+    A CTA per (request, token, head) and `chunk` columns of D (default all of D; each CTA
+    of a row finds the same lse, the first also stores it): MLA's 512 columns in chunks of
+    128 put four times the loads in flight at batch 1 (128 CTAs of one row each on 132
+    SMs, a load of 2 KB a split per CTA, latency-bound)."""
     batch, n_splits = T.dynamic("batch, n_splits")
-    threads = max(32, head_dim // 2)
+    chunk = chunk or head_dim
+    assert head_dim % chunk == 0
+    chunks = head_dim // chunk
+    threads = max(32, chunk // 2)
 
     def part_o(o_part, b, i, h, first, s, d):
         return o_part[first + s, i, h, d] if planned else o_part[b, i, h, s, d]
@@ -923,8 +932,8 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
         return lse_part[first + s, i, h] if planned else lse_part[b, i, h, s]
 
     @T.macro
-    def merge(o_part, lse_part, o, lse, b, i, h, first, n_splits):
-        acc = T.alloc_fragment((head_dim,), "float")
+    def merge(o_part, lse_part, o, lse, b, i, h, d0, first, n_splits):
+        acc = T.alloc_fragment((chunk,), "float")
         top = T.alloc_var("float")
         total = T.alloc_var("float")
         weight = T.alloc_var("float")
@@ -939,11 +948,13 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
                                     T.exp2((part_lse(lse_part, b, i, h, first, s) - top)
                                            * LOG2E))
             total += weight
-            for d in T.Parallel(head_dim):
-                acc[d] += weight * part_o(o_part, b, i, h, first, s, d)
-        for d in T.Parallel(head_dim):
-            o[b, i, h, d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
-        lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total), -T.infinity("float"))
+            for d in T.Parallel(chunk):
+                acc[d] += weight * part_o(o_part, b, i, h, first, s, d0 + d)
+        for d in T.Parallel(chunk):
+            o[b, i, h, d0 + d] = T.if_then_else(total > 0, acc[d] / total, 0.0)
+        if d0 == 0:
+            lse[b, h, i] = T.if_then_else(total > 0, top + T.log(total),
+                                          -T.infinity("float"))
 
     if planned:
         n_slots = T.dynamic("n_slots")
@@ -956,13 +967,14 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
                 split_ends: T.Tensor((batch,), "int32"),
                 o: T.Tensor((batch, q_len, heads, head_dim), dtype),
                 lse: T.Tensor((batch, heads, q_len), "float")):
-            with T.Kernel(batch * q_len * heads, threads=threads) as bx:
-                h = bx % heads
-                i = bx // heads % q_len
-                b = bx // (heads * q_len)
+            with T.Kernel(batch * q_len * heads * chunks, threads=threads) as bx:
+                h = bx // chunks % heads
+                i = bx // (chunks * heads) % q_len
+                b = bx // (chunks * heads * q_len)
                 splits = slot_table[split_ends[b] - 1, 3]
                 if splits > 1:
-                    merge(o_part, lse_part, o, lse, b, i, h, split_ends[b] - splits, splits)
+                    merge(o_part, lse_part, o, lse, b, i, h, bx % chunks * chunk,
+                          split_ends[b] - splits, splits)
 
         return decode_combine_planned
 
@@ -971,12 +983,12 @@ def combine_program(heads: int, head_dim: int, q_len: int, dtype: str, planned: 
                        lse_part: T.Tensor((batch, q_len, heads, n_splits), "float"),
                        o: T.Tensor((batch, q_len, heads, head_dim), dtype),
                        lse: T.Tensor((batch, heads, q_len), "float")):
-        # one flat grid: a CTA per (request, token, head), heads fastest
-        with T.Kernel(batch * q_len * heads, threads=threads) as bx:
-            h = bx % heads
-            i = bx // heads % q_len
-            b = bx // (heads * q_len)
-            merge(o_part, lse_part, o, lse, b, i, h, 0, n_splits)
+        # one flat grid: a CTA per (request, token, head, chunk), chunks then heads fastest
+        with T.Kernel(batch * q_len * heads * chunks, threads=threads) as bx:
+            h = bx // chunks % heads
+            i = bx // (chunks * heads) % q_len
+            b = bx // (chunks * heads * q_len)
+            merge(o_part, lse_part, o, lse, b, i, h, bx % chunks * chunk, 0, n_splits)
 
     return decode_combine
 

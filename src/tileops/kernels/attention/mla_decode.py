@@ -56,6 +56,10 @@ class MLADecodeConfig:
     # the op's partials then hold that many waves). 0 until measured: built and CPU-checked
     # in the sixty-third session, which had no device.
     fit_waves: int = 0
+    # > 0: the combine merges each row in CTAs of this many of Dc's columns (four times the
+    # loads in flight at 128; decode.combine_program's `chunk`); 0: whole rows. 0 until
+    # measured (sixty-third session, no device).
+    combine_cols: int = 0
 
     def smem_bytes(self, dim: int, rope: int, elem_bytes: int = 2) -> int:
         if self.seesaw:
@@ -206,7 +210,8 @@ class MLADecodeKernel(Kernel):
         unit = ((PAIR_KEYS if config.pair_runs else SEESAW_TILE) if config.seesaw
                 else config.block_n)
         return (schedule_program(1, unit, -1, True, config.fit_waves), attention,
-                combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True))
+                combine_program(k["heads"], k["dim"], 1, k["dtype"], planned=True,
+                                chunk=config.combine_cols or None))
 
     def bucket_of(self, size: int) -> str:
         """`size`: (request, 64 heads) slots x the block table's 64-key tiles."""
@@ -229,7 +234,8 @@ class MLADecodeKernel(Kernel):
                  MLADecodeConfig(32, 3), MLADecodeConfig(64, 2, seesaw=True),
                  MLADecodeConfig(64, 2, seesaw=True, pair_runs=True),
                  MLADecodeConfig(64, 2, seesaw=True, evict_first=False),
-                 MLADecodeConfig(64, 2, seesaw=True, pair_runs=True, fit_waves=FIT_WAVES)]
+                 MLADecodeConfig(64, 2, seesaw=True, pair_runs=True, fit_waves=FIT_WAVES),
+                 MLADecodeConfig(64, 2, combine_cols=128)]
         if not self.seesaw_fits():
             space = [c for c in space if not c.seesaw]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
