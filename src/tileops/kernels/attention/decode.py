@@ -1193,7 +1193,9 @@ def schedule_program(q_len: int, block_n: int, window_left: int, causal: bool,
                     T.sync_threads()
                     for r in T.serial(T.ceildiv(total[0], threads)):
                         if r * threads + tx < total[0]:
-                            owner[0] = 0  # the last thread whose runs start at or before
+                            # the request: the last thread whose runs start at or
+                            # before this slot (its count > 0: those after start later)
+                            owner[0] = 0
                             for step in T.unroll(threads.bit_length() - 1):
                                 if runs[0, owner[0] + (threads >> (step + 1))] <= r * threads + tx:
                                     owner[0] = owner[0] + (threads >> (step + 1))
