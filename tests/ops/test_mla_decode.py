@@ -184,16 +184,21 @@ def test_torch_compile_fullgraph():
                  scale=4.0)
 
 
-@pytest.mark.parametrize("config", MLADecodeKernel(
-    dtype="bfloat16", heads=128, dim=DC, rope=DR, page_size=64).config_space("long"),
-    ids=str)
-def test_every_config_of_the_space(config):
+def space(heads):
+    return [(heads, config) for config in MLADecodeKernel(
+        dtype="bfloat16", heads=heads, dim=DC, rope=DR, page_size=64).config_space("long")]
+
+
+@pytest.mark.parametrize("heads, config", space(128) + space(16), ids=str)
+def test_every_config_of_the_space(heads, config):
+    """Every config of the tuner's space at 128 heads and at 16 (TP 8: the plain program's
+    masked rows), on mixed lengths."""
     kv, seqlens, table = make_latent(MIXED)
-    q_nope, q_pe = randn(len(MIXED), 128, DC, dtype=BF16), randn(len(MIXED), 128, DR,
-                                                                     dtype=BF16)
+    q_nope = randn(len(MIXED), heads, DC, dtype=BF16)
+    q_pe = randn(len(MIXED), heads, DR, dtype=BF16)
     op = MLADecodeFwdOp(sm_scale=0.1352)
     op.pin_config(config, q_nope, q_pe, kv, seqlens, table)
-    check(MIXED, op=op)
+    check(MIXED, heads=heads, op=op)
 
 
 def test_planned_combine_on_many_splits():

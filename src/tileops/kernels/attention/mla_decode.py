@@ -235,7 +235,8 @@ class MLADecodeKernel(Kernel):
                  MLADecodeConfig(64, 2, seesaw=True, pair_runs=True),
                  MLADecodeConfig(64, 2, seesaw=True, evict_first=False),
                  MLADecodeConfig(64, 2, seesaw=True, pair_runs=True, fit_waves=FIT_WAVES),
-                 MLADecodeConfig(64, 2, combine_cols=128)]
+                 MLADecodeConfig(64, 2, combine_cols=128),
+                 MLADecodeConfig(64, 2, fit_waves=FIT_WAVES)]
         if not self.seesaw_fits():
             space = [c for c in space if not c.seesaw]
         return [c for c in space if c.smem_bytes(self.key["dim"], self.key["rope"])
