@@ -8,6 +8,7 @@ import torch
 import tileops
 from tileops import MLADecodeFwdOp, TileOpsValueError
 from tileops.kernels.attention.decode import target_slots
+from tileops.kernels.attention.mla_decode import MLADecodeKernel
 
 from ..helpers import assert_no_spills_or_serialized_wgmma, meta
 
@@ -73,6 +74,9 @@ def test_launch_arguments(monkeypatch, waves):
      target, scale) = args
     assert schedule is True and kv_arg is kv and scale == 0.125
     slots = 3 + waves * 66
+    # the tuner compares all but the work buffers (a fitted schedule's slots differ)
+    assert MLADecodeKernel.workspace_args == {i for i, t in enumerate(args) if any(
+        t is w for w in (slot_table, split_ends, o_part, lse_part))}
     assert target == target_slots(1, 2) == 66 and slot_table.shape == (slots, 4)
     assert o_arg.shape == (3, 1, 128, 512) and o_arg.data_ptr() == o.data_ptr()
     assert lse_arg.shape == (3, 128, 1) and o_part.shape == (slots, 1, 128, 512)
@@ -166,7 +170,7 @@ def test_partials_hold_the_configs_waves():
     (dict(sm_scale=-1.0), "argument 'sm_scale'"),
 ])
 def test_mla_plan_argument_errors(kwargs, pattern):
-    args = dict(batch_size=4, num_heads=128, max_pages=8, device="cpu")
+    args = dict(batch_size=4, num_heads=128, max_pages=8)  # checked before the device
     with pytest.raises(TileOpsValueError, match=f"MLADecodePlan: {pattern}"):
         tileops.plan_mla_decode(**{**args, **kwargs})
 

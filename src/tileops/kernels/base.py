@@ -172,6 +172,10 @@ class Kernel:
 
     name: ClassVar[str]
     Config: ClassVar[type]
+    # positions among `run`'s tensors (after config and compiled) of work buffers whose
+    # contents differ between configs (a schedule, split partials): the tuner compares
+    # the rest
+    workspace_args: ClassVar[frozenset[int]] = frozenset()
     compile_count: ClassVar[int] = 0  # programs compiled in this process, all kernels
     _compiled: ClassVar[dict[tuple, Any]] = {}
 
@@ -260,10 +264,12 @@ class Kernel:
             list(pool.map(build, configs))
 
     def results_of(self, config: Any, bucket: Any, tensors: tuple) -> list:
-        """Every tensor argument after one run of `config` on copies of `tensors`."""
+        """Every tensor argument but the work buffers after one run of `config` on copies of
+        `tensors`."""
         copies = [t.clone() if hasattr(t, "clone") else t for t in tensors]
         self.run(config, launchers(self.compile(config, bucket)), *copies)
-        return [t for t in copies if hasattr(t, "clone")]
+        return [t for i, t in enumerate(copies)
+                if hasattr(t, "clone") and i not in self.workspace_args]
 
     def use(self, config: Any, bucket: Any) -> tuple[Any, tuple]:
         """Pins `config` for `bucket` (the default on first use, the tuner's winner, a test's

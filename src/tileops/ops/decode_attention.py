@@ -604,9 +604,8 @@ class BatchPlan:
     batch_size: int
     buffers: _PlanBuffers
 
-    def _setup(self, ints: Mapping[str, tuple[Any, int]], dtype: torch.dtype, device: Any,
-               num_sms: int | None) -> None:
-        """Checks `ints` (argument -> (value, least value)) and dtype; fixes the device."""
+    def _check(self, ints: Mapping[str, tuple[Any, int]], dtype: torch.dtype) -> None:
+        """Checks `ints` (argument -> (value, least value)) and dtype."""
         name = type(self).__name__
         for arg, (value, low) in ints.items():
             if not isinstance(value, int) or value < low:
@@ -614,6 +613,10 @@ class BatchPlan:
         if dtype not in (torch.float16, torch.bfloat16):
             raise op_error(TileOpsValueError, name, "dtype", "torch.float16 or torch.bfloat16",
                            dtype)
+
+    def _place(self, device: Any, num_sms: int | None) -> None:
+        """Fixes the device and its SM count (after every argument is checked: resolving
+        a CUDA device needs one)."""
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -686,9 +689,8 @@ class DecodePlan(BatchPlan):
                  is_causal: bool = True, num_sms: int | None = None,
                  kv_dtype: torch.dtype | None = None, kv_layout: str = "NHD"):
         name = "DecodePlan"
-        self._setup({"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
-                     "num_kv_heads": (num_kv_heads, 1), "q_len": (q_len, 1)}, dtype, device,
-                    num_sms)
+        self._check({"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
+                     "num_kv_heads": (num_kv_heads, 1), "q_len": (q_len, 1)}, dtype)
         if num_heads % num_kv_heads:
             raise op_error(TileOpsValueError, name, "num_kv_heads", "a divisor of num_heads "
                            f"({num_heads})", num_kv_heads)
@@ -706,6 +708,7 @@ class DecodePlan(BatchPlan):
         op_class = DecodeAttentionFp8FwdOp if kv_dtype == FP8 else DecodeAttentionFwdOp
         if kv_layout not in ("NHD", "HND"):
             raise op_error(TileOpsValueError, name, "kv_layout", "'NHD' or 'HND'", kv_layout)
+        self._place(device, num_sms)
         self.op = op_class.cached(sm_scale=sm_scale, softcap=float(softcap),
                                   window_left=window_left, is_causal=is_causal,
                                   kv_layout=kv_layout)

@@ -116,8 +116,8 @@ class MLADecodePlan(BatchPlan):
                  dtype: torch.dtype = torch.bfloat16, device: Any = None,
                  sm_scale: float | None = None, num_sms: int | None = None):
         name = "MLADecodePlan"
-        self._setup({"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
-                     "max_pages": (max_pages, 1)}, dtype, device, num_sms)
+        self._check({"batch_size": (batch_size, 1), "num_heads": (num_heads, 1),
+                     "max_pages": (max_pages, 1)}, dtype)
         for arg, value, allowed in (("head_dim", head_dim, (512,)), ("rope_dim", rope_dim, (64,)),
                                     ("page_size", page_size, (64, 128, 256))):
             if value not in allowed:
@@ -125,6 +125,7 @@ class MLADecodePlan(BatchPlan):
                                value)
         if sm_scale is not None and not sm_scale > 0:
             raise op_error(TileOpsValueError, name, "sm_scale", "None or > 0", sm_scale)
+        self._place(device, num_sms)
         self.op = MLADecodeFwdOp.cached(sm_scale=sm_scale)
         self.batch_size, self.num_heads, self.max_pages = batch_size, num_heads, max_pages
         self.head_dim, self.rope_dim, self.page_size, self.dtype = (head_dim, rope_dim,

@@ -1017,23 +1017,27 @@ def candidate_count(tiles, total_tiles, wave, k, ops=TIR_OPS):
 
 
 def candidate_splits(tiles, total_tiles, wave, k, ops=TIR_OPS):
-    """(splits, tiles of each but the last, tiles of the last) of a request under rule k."""
+    """(splits, tiles of each but the last, long splits) of a request under rule k: a long
+    split holds at least half the rule's share, total_tiles / (wave * max(k, 1)) tiles."""
     count = candidate_count(tiles, total_tiles, wave, k, ops)
     per = ops.ceildiv(tiles, count)
-    return count, per, ops.max(tiles - (count - 1) * per, 0)
+    last = tiles - (count - 1) * per
+    share = ops.ceildiv(total_tiles, wave * ops.max(k, 1))
+    return count, per, ((count - 1) * ops.select(2 * per >= share, 1, 0)
+                        + ops.select(2 * last >= share, 1, 0))
 
 
-def makespan_score(slots, longest, shortest, total_tiles, wave, ops=TIR_OPS):
+def makespan_score(long_slots, longest, total_tiles, wave, ops=TIR_OPS):
     """A candidate's estimated makespan in 1/wave key tiles (`wave` slots run at once; lower
-    is better): no shorter than its longest split; its ceil(slots / wave) waves of the
-    average split (exact for equal splits), or where shorter splits fill the last wave, the
-    keys spread evenly plus the shortest split, whichever is less; plus SPLIT_COST_TILES a
-    wave. 64-bit: waves x wave x tiles outgrows int32 at a few thousand 128K requests."""
-    waves = ops.ceildiv(slots, wave)
-    total = ops.wide(total_tiles)
-    spread = ops.min(ops.floordiv(waves * wave * total, ops.max(slots, 1)),
-                     total + ops.wide(shortest) * wave)
-    return ops.max(ops.wide(longest) * wave, spread) + SPLIT_COST_TILES * waves * wave
+    is better): its long splits (>= half its share) take ceil(long_slots / wave) waves of
+    its longest split (exact for equal splits), the short ones fill the lanes the last wave
+    leaves, so never less than the keys spread evenly; plus SPLIT_COST_TILES a wave. A few
+    short or empty requests change nothing (the shortest split, or the average over all
+    slots, misjudged those). 64-bit: waves x wave x tiles outgrows int32 at a few thousand
+    128K requests."""
+    waves = ops.ceildiv(long_slots, wave)
+    return (ops.max(ops.wide(waves) * wave * longest, ops.wide(total_tiles))
+            + SPLIT_COST_TILES * wave * ops.max(waves, 1))
 
 
 @T.macro
@@ -1056,41 +1060,37 @@ def pick_candidate(scan, request_tiles, all_tiles, target_slots, n_slots, n_cand
     """best[0] = the candidate rule (see `candidate_count`) of the lowest `makespan_score`
     among 0 .. n_candidates - 1 whose slots fit the n_slots the buffers hold (rule 0
     always does; target_slots: one wave), ties to the lower: each thread totals its
-    requests' slots and longest and shortest split per rule, then shuffles and one barrier
+    requests' slots, longest split and long splits per rule, then shuffles and one barrier
     reduce them over the CTA."""
     batch, threads, tx = scan[0], scan[1], scan[2]
-    for k in T.unroll(n_candidates):
-        stats[0, k] = 0
-        stats[1, k] = 0
-        stats[2, k] = OPEN_RUN
+    for j, k in T.grid(3, n_candidates):
+        stats[j, k] = 0
     for c in T.serial(T.ceildiv(batch, threads)):
         if c * threads + tx < batch:
             for k in T.unroll(n_candidates):
-                count, per, last = candidate_splits(request_tiles(c * threads + tx),
-                                                    all_tiles[0], target_slots, k)
+                count, per, long_splits = candidate_splits(request_tiles(c * threads + tx),
+                                                           all_tiles[0], target_slots, k)
                 stats[0, k] = stats[0, k] + count
                 stats[1, k] = T.max(stats[1, k], per)
-                stats[2, k] = T.min(stats[2, k], last)
+                stats[2, k] = stats[2, k] + long_splits
     for k, o in T.grid(n_candidates, 5):
         stats[0, k] = stats[0, k] + T.shfl_xor(stats[0, k], 1 << o)
         stats[1, k] = T.max(stats[1, k], T.shfl_xor(stats[1, k], 1 << o))
-        stats[2, k] = T.min(stats[2, k], T.shfl_xor(stats[2, k], 1 << o))
+        stats[2, k] = stats[2, k] + T.shfl_xor(stats[2, k], 1 << o)
     if tx % 32 == 0:
         for j, k in T.grid(3, n_candidates):
             warp_stats[tx // 32, j, k] = stats[j, k]
     T.sync_threads()
-    for k in T.unroll(n_candidates):
-        stats[0, k] = 0
-        stats[1, k] = 0
-        stats[2, k] = OPEN_RUN
-        for w in T.unroll(threads // 32):
-            stats[0, k] = stats[0, k] + warp_stats[w, 0, k]
-            stats[1, k] = T.max(stats[1, k], warp_stats[w, 1, k])
-            stats[2, k] = T.min(stats[2, k], warp_stats[w, 2, k])
+    for j, k in T.grid(3, n_candidates):
+        stats[j, k] = 0
+    for k, w in T.grid(n_candidates, threads // 32):
+        stats[0, k] = stats[0, k] + warp_stats[w, 0, k]
+        stats[1, k] = T.max(stats[1, k], warp_stats[w, 1, k])
+        stats[2, k] = stats[2, k] + warp_stats[w, 2, k]
     best[0] = 0
-    score[0] = makespan_score(stats[0, 0], stats[1, 0], stats[2, 0], all_tiles[0], target_slots)
+    score[0] = makespan_score(stats[2, 0], stats[1, 0], all_tiles[0], target_slots)
     for k in T.unroll(1, n_candidates):
-        score[1] = makespan_score(stats[0, k], stats[1, k], stats[2, k], all_tiles[0], target_slots)
+        score[1] = makespan_score(stats[2, k], stats[1, k], all_tiles[0], target_slots)
         if stats[0, k] <= n_slots and score[1] < score[0]:
             best[0] = k
             score[0] = score[1]
@@ -1468,6 +1468,7 @@ class PlannedDecodeKernel(DecodeAttentionKernel):
     one bucket."""
 
     name = "decode_attention_planned"
+    workspace_args = frozenset({6, 7, 12, 13})  # slot_table, split_ends, o_part, lse_part
 
     def program(self, config: DecodeConfig, bucket: str):
         k = self.key

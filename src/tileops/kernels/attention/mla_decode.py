@@ -197,6 +197,7 @@ class MLADecodeKernel(Kernel):
 
     name = "mla_decode"
     Config = MLADecodeConfig
+    workspace_args = frozenset({6, 7, 10, 11})  # slot_table, split_ends, o_part, lse_part
 
     def program(self, config: MLADecodeConfig, bucket: str):
         k = self.key
