@@ -4,12 +4,12 @@
 # device), against each DeepSeek-V3 row's default, the op's configs alone. Batch 1 takes no
 # fitted rule (one request keeps the unfitted one) but the most from the combine. Extra
 # arguments go to every call:
-#   TILEOPS_CACHE_DIR=.tilecache bash scripts/mla_fit_compares.sh --compile-only  # here
-#   bash .gpu/remote.sh bash scripts/gpu_session.sh tests ... && \
-#     bash .gpu/remote.sh bash scripts/mla_fit_compares.sh        # on the GPU machine
+#   bash scripts/mla_fit_compares.sh --compile-only          # here: into .tilecache
+#   bash .gpu/remote.sh bash scripts/mla_fit_compares.sh     # on the GPU machine
+# Each compare goes through gpu_session.sh (its wheels, .tilecache, $OUT/compare.log).
 # The seesaw rows (batch >= 32 at 4K, 16 at 8K) compare it on pair runs, where the default
 # runs; the fitted schedule changes only which slots the same programs run.
-C="python3 scripts/compare_configs.py MLADecodeFwdOp --dtype bfloat16 --baseline none"
+C="bash scripts/gpu_session.sh compare MLADecodeFwdOp --dtype bfloat16 --baseline none"
 s() { echo "{\"seesaw\": true, \"pair_runs\": true, \"fit_waves\": $1$2}"; }
 p() { echo "{\"seesaw\": false, \"block_n\": 64, \"stages\": 2, $1}"; }
 for row in "batch 1 x 4k" "batch 1 x 32k"; do
