@@ -753,9 +753,9 @@ def used_slots(table):
 @pytest.mark.compile
 @pytest.mark.parametrize("name", FIT)
 def test_fitted_schedule_program_on_the_cpu(name):
-    """The fitted schedule program (each rule's slots, longest and shortest split totalled
-    per thread, reduced by shuffles and one barrier, the lowest estimate taken) writes
-    exactly the model's slot table and ends."""
+    """The fitted schedule program (each rule's slots, longest split and long splits
+    totalled per thread, reduced by shuffles and one barrier, the lowest estimate taken)
+    writes exactly the model's slot table and ends."""
     import tilelang
 
     from ..cuda_emulation_threads import run
