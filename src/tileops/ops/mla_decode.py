@@ -14,7 +14,8 @@ Split-KV per request as `DecodeAttentionFwdOp`'s planned path (a schedule comput
 GPU from cache_seqlens, no host sync, no recompilation for new batch sizes or lengths). A
 request of length 0 gets o = 0 and lse = -inf; block-table entries past a request's pages
 are never used for data. Checked mode (`MLADecodeFwdOp.checked`, TILEOPS_CHECK_INDICES=1)
-checks lengths and used pages with one host sync.
+checks lengths and used pages with one host sync. `tileops.plan_mla_decode(batch_size,
+num_heads, max_pages, ...)` schedules once a step for every layer (`MLADecodePlan`).
 """
 
 from __future__ import annotations
