@@ -69,10 +69,9 @@ class MLADecodeFwdOp(Op):
         buffers = _PlanBuffers.make(batch, 1, heads, 1, dim, _sms(q_nope.device),
                                     q_nope.device, kernel.split_waves(units))
         scale = self.sm_scale if self.sm_scale is not None else (dim + q_pe.shape[2]) ** -0.5
-        kernel(units, True, q_nope.contiguous(), q_pe.contiguous(), kv_cache,
-               block_table.contiguous(), cache_seqlens.contiguous(), buffers.slot_table,
-               buffers.split_ends, o.view(batch, 1, heads, dim), lse.view(batch, heads, 1),
-               buffers.o_part, buffers.lse_part, buffers.target, float(scale))
+        _launch(kernel, units, True, q_nope.contiguous(), q_pe.contiguous(), kv_cache,
+                cache_seqlens.contiguous(), block_table.contiguous(), o, lse, buffers,
+                float(scale))
         return o, lse
 
     @staticmethod
@@ -84,6 +83,18 @@ class MLADecodeFwdOp(Op):
     def kernels_for(self, ns: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], int]]:
         key = self._kernel_key(ns["q_nope"].dtype, ns["H"], ns["Dc"], ns["Dr"], ns["S"])
         return [("mla_decode", key, _work_units(ns["B"], ns["H"], ns["P"] * ns["S"]))]
+
+
+def _launch(kernel: Kernel, units: int, schedule: bool, q_nope, q_pe, kv, cache_seqlens, table,
+            o, lse, buffers: _PlanBuffers, scale: float) -> None:
+    """The schedule (with `schedule`), attention and combine of one call, the op's or a
+    plan's; q_nope None: the schedule only. o [B, H, Dc] and lse [B, H] as the programs'
+    one-query-token views."""
+    if o is not None:
+        batch, heads, dim = o.shape
+        o, lse = o.view(batch, 1, heads, dim), lse.view(batch, heads, 1)
+    kernel(units, schedule, q_nope, q_pe, kv, table, cache_seqlens, buffers.slot_table,
+           buffers.split_ends, o, lse, buffers.o_part, buffers.lse_part, buffers.target, scale)
 
 
 def _work_units(batch: int, heads: int, table_keys: int) -> int:
@@ -157,7 +168,8 @@ class MLADecodePlan(BatchPlan):
     def schedule(self, cache_seqlens: torch.Tensor) -> None:
         """Recomputes the per-request split counts from cache_seqlens, on the GPU."""
         self._check_lengths(cache_seqlens)
-        self._launch(True, None, None, None, cache_seqlens.contiguous(), None, None, None)
+        _launch(self.kernel, self.units, True, None, None, None, cache_seqlens.contiguous(),
+                None, None, None, self.buffers, self.scale)
         self._scheduled = True
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -185,20 +197,14 @@ class MLADecodePlan(BatchPlan):
         if self.op.checked and not torch.cuda.is_current_stream_capturing():
             DecodeAttentionFwdOp._check_indices(self.op, kv_cache, cache_seqlens, block_table)
         o, lse = self._outputs(out, lse, q_nope, (self.batch_size, self.num_heads))
-        self._launch(schedule or not self._scheduled, q_nope.contiguous(), q_pe.contiguous(),
-                     kv_cache, cache_seqlens.contiguous(), block_table.contiguous(), o, lse)
+        _launch(self.kernel, self.units, schedule or not self._scheduled, q_nope.contiguous(),
+                q_pe.contiguous(), kv_cache, cache_seqlens.contiguous(),
+                block_table.contiguous(), o, lse, self.buffers, self.scale)
         self._scheduled = True
         return o, lse
 
     __call__ = run
 
-    def _launch(self, schedule, q_nope, q_pe, kv, cache_seqlens, table, o, lse) -> None:
-        batch, heads, dim = self.batch_size, self.num_heads, self.head_dim
-        self.kernel(self.units, schedule, q_nope, q_pe, kv, table, cache_seqlens,
-                    self.buffers.slot_table, self.buffers.split_ends,
-                    None if o is None else o.view(batch, 1, heads, dim),
-                    None if lse is None else lse.view(batch, heads, 1), self.buffers.o_part,
-                    self.buffers.lse_part, self.buffers.target, self.scale)
 
 
 def plan_mla_decode(batch_size: int, num_heads: int, max_pages: int, *, page_size: int = 64,
